@@ -1,0 +1,192 @@
+//! The agent: keeps a tunnel connection to the edge open and serves the
+//! streams the edge opens on it by dialing backends.
+//!
+//! [`run_tunnel`] is the reconnect loop shared by the standalone agent
+//! (`culvert http|tcp`) and, later, the operator; [`serve`] answers streams.
+
+pub mod serve;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use hyper_util::rt::TokioIo;
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, info, warn};
+
+use crate::cli::AgentArgs;
+use crate::constants::{BACKOFF_RESET_AFTER, DRAIN_GRACE, DRAIN_TIMEOUT, GOODBYE_ACK_TIMEOUT, MSG_GOODBYE};
+use crate::tls;
+use crate::tunnel::backoff::Backoff;
+use crate::tunnel::connect::{ConnectError, Connected, Dialer, EdgeUrl, TunnelInfo};
+pub use serve::{Resolver, Target};
+
+/// Why the agent stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error("bad target `{target}`: {why}")]
+    BadTarget { target: String, why: String },
+    #[error(transparent)]
+    Tls(#[from] tls::TlsError),
+    #[error(transparent)]
+    Connect(#[from] ConnectError),
+}
+
+impl AgentError {
+    pub fn category(&self) -> &'static str {
+        match self {
+            AgentError::BadTarget { .. } => "bad_target",
+            AgentError::Tls(e) => e.category(),
+            AgentError::Connect(e) => e.category(),
+        }
+    }
+}
+
+/// Called when a connection is ready (the edge routes to it) with what the edge said.
+pub type OnReady = Arc<dyn Fn(&TunnelInfo) + Send + Sync>;
+
+/// Options of one tunnel's reconnect loop.
+pub struct TunnelOptions {
+    /// Give up on refusals retrying cannot fix (standalone agent), or keep
+    /// retrying (operator: the key may be re-created).
+    pub stop_on_permanent_error: bool,
+    pub on_ready: Option<OnReady>,
+}
+
+/// Keeps one tunnel connection up until `shutdown`; then drains it (goodbye,
+/// no new streams, open streams finish within [`DRAIN_TIMEOUT`]).
+pub async fn run_tunnel(
+    dialer: Dialer,
+    resolver: Resolver,
+    options: TunnelOptions,
+    shutdown: CancellationToken,
+) -> Result<(), ConnectError> {
+    let mut backoff = Backoff::default();
+    loop {
+        let connected = tokio::select! {
+            r = dialer.connect() => r,
+            _ = shutdown.cancelled() => return Ok(()),
+        };
+        match connected {
+            Ok(c) => {
+                let started = Instant::now();
+                let reason = serve_connection(c, resolver.clone(), options.on_ready.clone(), &shutdown)
+                    .instrument(tracing::info_span!("tunnel", edge = %dialer.edge.authority()))
+                    .await;
+                if shutdown.is_cancelled() {
+                    return Ok(());
+                }
+                if started.elapsed() >= BACKOFF_RESET_AFTER {
+                    backoff.reset();
+                }
+                let delay = backoff.next_delay();
+                warn!(reason = %reason, retry_in = ?delay, "tunnel connection lost; reconnecting");
+                tokio::select! {
+                    _ = tokio::time::sleep(delay) => {}
+                    _ = shutdown.cancelled() => return Ok(()),
+                }
+            }
+            Err(e) if e.is_permanent() && options.stop_on_permanent_error => return Err(e),
+            Err(e) => {
+                let delay = backoff.next_delay();
+                warn!(error = %e, category = e.category(), retry_in = ?delay, "cannot open tunnel; retrying");
+                tokio::select! {
+                    _ = tokio::time::sleep(delay) => {}
+                    _ = shutdown.cancelled() => return Ok(()),
+                }
+            }
+        }
+    }
+}
+
+/// Serves one connection until it ends or `shutdown`; returns why it ended.
+async fn serve_connection(
+    c: Connected,
+    resolver: Resolver,
+    on_ready: Option<OnReady>,
+    shutdown: &CancellationToken,
+) -> String {
+    let Connected { stream, control, info } = c;
+    let service = serve::service(resolver);
+    let conn = crate::tunnel::h2_server().serve_connection(TokioIo::new(stream), service);
+    tokio::pin!(conn);
+
+    let ready = async {
+        control.ready().await;
+        if let Some(f) = &on_ready {
+            f(&info);
+        }
+        std::future::pending::<()>().await
+    };
+    tokio::select! {
+        r = &mut conn => return describe_end(r),
+        _ = ready => unreachable!(),
+        _ = shutdown.cancelled() => {}
+    }
+
+    // Drain: say goodbye, wait for the edge to stop routing here (its ack),
+    // give streams it opened just before a moment to arrive, then GOAWAY and
+    // let open streams finish.
+    info!("draining tunnel connection");
+    let drain = async {
+        control.send(MSG_GOODBYE);
+        let _ = tokio::time::timeout(GOODBYE_ACK_TIMEOUT, control.acked()).await;
+        tokio::time::sleep(DRAIN_GRACE).await;
+    };
+    tokio::select! {
+        r = &mut conn => return describe_end(r),
+        _ = drain => {}
+    }
+    conn.as_mut().graceful_shutdown();
+    match tokio::time::timeout(DRAIN_TIMEOUT, conn).await {
+        Ok(r) => describe_end(r),
+        Err(_) => format!("drain timed out after {DRAIN_TIMEOUT:?}; open streams were cut"),
+    }
+}
+
+fn describe_end(r: Result<(), hyper::Error>) -> String {
+    match r {
+        Ok(()) => "closed by the edge".into(),
+        Err(e) => {
+            let mut msg = e.to_string();
+            let mut src = std::error::Error::source(&e);
+            while let Some(s) = src {
+                msg.push_str(": ");
+                msg.push_str(&s.to_string());
+                src = s.source();
+            }
+            msg
+        }
+    }
+}
+
+/// A random id for this agent process (logs and metrics at the edge).
+pub fn agent_id() -> String {
+    use ring::rand::{SecureRandom, SystemRandom};
+    let mut b = [0u8; 6];
+    let _ = SystemRandom::new().fill(&mut b);
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// `culvert http|tcp`: publish one local port until SIGINT/SIGTERM.
+pub async fn run_standalone(args: AgentArgs, tcp: bool) -> Result<(), AgentError> {
+    let target = if tcp { Target::parse_tcp(&args.target) } else { Target::parse_http(&args.target) }
+        .map_err(|why| AgentError::BadTarget { target: args.target.clone(), why })?;
+    let dialer = Dialer {
+        edge: EdgeUrl::parse(&args.edge)?,
+        key: args.key.clone(),
+        agent_id: agent_id(),
+        tls: tls::tunnel_client_config(args.ca_file.as_deref())?,
+    };
+    let shutdown = CancellationToken::new();
+    tokio::spawn(crate::shutdown_on_signal(shutdown.clone()));
+    let shown = target.to_string();
+    let on_ready: OnReady = Arc::new(move |info: &TunnelInfo| {
+        let url = info.public_url.as_deref().unwrap_or("(the edge did not say)");
+        info!(public = url, backend = %shown, "tunnel ready");
+        // One line on stdout for people and scripts.
+        println!("Forwarding {url} -> {shown}");
+    });
+    let options = TunnelOptions { stop_on_permanent_error: true, on_ready: Some(on_ready) };
+    run_tunnel(dialer, serve::fixed(target), options, shutdown).await?;
+    Ok(())
+}

@@ -1,0 +1,348 @@
+//! Answering the streams the edge opens: HTTP requests are forwarded to the
+//! backend (pooled keep-alive connections), upgrades and TCP streams become
+//! raw byte pipes.
+
+use std::convert::Infallible;
+use std::sync::{Arc, OnceLock};
+
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Request, Response, StatusCode, Uri};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::net::TcpStream;
+use tracing::{Instrument, debug, warn};
+
+use crate::constants::{
+    BACKEND_CONNECT_TIMEOUT, ERROR_HEADER, STATUS_HEADER, UPGRADE_HEADER,
+};
+use crate::tunnel::StreamKind;
+use crate::tunnel::body::{self, BoxBody, ReadBody};
+
+/// Where a stream goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Target {
+    /// An HTTP backend: `host:port`.
+    Http { authority: String },
+    /// A TCP backend: `host:port`.
+    Tcp { addr: String },
+}
+
+impl Target {
+    /// `8080`, `host:8080` or `http://host:8080`.
+    pub fn parse_http(s: &str) -> Result<Target, String> {
+        let rest = match s.split_once("://") {
+            Some(("http", rest)) => rest,
+            Some((scheme, _)) => return Err(format!("scheme `{scheme}` is not supported; use http://")),
+            None => s,
+        };
+        let authority = rest.trim_end_matches('/');
+        Ok(Target::Http { authority: host_port(authority)? })
+    }
+
+    /// `5432` or `host:5432`.
+    pub fn parse_tcp(s: &str) -> Result<Target, String> {
+        Ok(Target::Tcp { addr: host_port(s)? })
+    }
+}
+
+impl std::fmt::Display for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Target::Http { authority } => write!(f, "http://{authority}"),
+            Target::Tcp { addr } => write!(f, "tcp://{addr}"),
+        }
+    }
+}
+
+fn host_port(s: &str) -> Result<String, String> {
+    let check = |p: &str| match p.parse::<u16>() {
+        Ok(0) | Err(_) => Err(format!("`{p}` is not a port (1-65535)")),
+        Ok(_) => Ok(()),
+    };
+    if s.chars().all(|c| c.is_ascii_digit()) {
+        check(s)?;
+        return Ok(format!("127.0.0.1:{s}"));
+    }
+    match crate::tunnel::proxy::split_host_port(s, 0) {
+        Some((host, port)) if port != 0 && !host.is_empty() && !host.contains('/') => {
+            Ok(if host.contains(':') { format!("[{host}]:{port}") } else { format!("{host}:{port}") })
+        }
+        _ => Err("expected PORT, HOST:PORT or http://HOST:PORT".into()),
+    }
+}
+
+/// Chooses the backend of a stream from its request head (the Host and the
+/// path for HTTP). `None` answers 404.
+pub type Resolver = Arc<dyn Fn(&http::request::Parts) -> Option<Target> + Send + Sync>;
+
+/// A resolver that sends everything to one target.
+pub fn fixed(target: Target) -> Resolver {
+    Arc::new(move |_| Some(target.clone()))
+}
+
+type HttpClient = Client<HttpConnector, BoxBody>;
+
+fn http_client() -> &'static HttpClient {
+    static CLIENT: OnceLock<HttpClient> = OnceLock::new();
+    CLIENT.get_or_init(|| {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(BACKEND_CONNECT_TIMEOUT));
+        Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(std::time::Duration::from_secs(60))
+            .build(connector)
+    })
+}
+
+/// The HTTP/2 service of a tunnel connection.
+pub fn service(
+    resolver: Resolver,
+) -> impl hyper::service::Service<
+    Request<Incoming>,
+    Response = Response<BoxBody>,
+    Error = Infallible,
+    Future = impl Future<Output = Result<Response<BoxBody>, Infallible>> + Send,
+> + Clone {
+    hyper::service::service_fn(move |req: Request<Incoming>| {
+        let resolver = resolver.clone();
+        let kind = StreamKind::of(&req);
+        let span = tracing::debug_span!("stream", kind = kind.header_value(), uri = %req.uri());
+        async move { Ok(handle(req, kind, &resolver).await) }.instrument(span)
+    })
+}
+
+async fn handle(req: Request<Incoming>, kind: StreamKind, resolver: &Resolver) -> Response<BoxBody> {
+    let (parts, body) = req.into_parts();
+    let Some(target) = resolver(&parts) else {
+        return agent_error(StatusCode::NOT_FOUND, "no backend for this host and path");
+    };
+    match (kind, target) {
+        (StreamKind::Tcp, Target::Tcp { addr }) => tcp(addr, body).await,
+        (StreamKind::Http, Target::Http { authority }) => http(parts, body, &authority).await,
+        (StreamKind::Upgrade, Target::Http { authority }) => upgrade(parts, body, &authority).await,
+        (kind, target) => agent_error(
+            StatusCode::BAD_GATEWAY,
+            &format!("a {} stream cannot go to {target}", kind.header_value()),
+        ),
+    }
+}
+
+/// A response the agent makes itself, marked so the edge can tell.
+fn agent_error(status: StatusCode, message: &str) -> Response<BoxBody> {
+    let mut resp = Response::new(body::full(format!("culvert agent: {message}\n")));
+    *resp.status_mut() = status;
+    let h = resp.headers_mut();
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
+    if let Ok(v) = HeaderValue::from_str(message) {
+        h.insert(ERROR_HEADER, v);
+    }
+    resp
+}
+
+async fn dial(addr: &str) -> Result<TcpStream, String> {
+    match tokio::time::timeout(BACKEND_CONNECT_TIMEOUT, TcpStream::connect(addr)).await {
+        Ok(Ok(s)) => {
+            let _ = s.set_nodelay(true);
+            Ok(s)
+        }
+        Ok(Err(e)) => Err(format!("backend {addr} unreachable: {e}")),
+        Err(_) => Err(format!("backend {addr} did not accept within {BACKEND_CONNECT_TIMEOUT:?}")),
+    }
+}
+
+async fn tcp(addr: String, body: Incoming) -> Response<BoxBody> {
+    let stream = match dial(&addr).await {
+        Ok(s) => s,
+        Err(e) => {
+            warn!(error = %e, "tcp stream refused");
+            return agent_error(StatusCode::BAD_GATEWAY, &e);
+        }
+    };
+    let (read, write) = stream.into_split();
+    tokio::spawn(
+        async move {
+            if let Err(e) = body::copy_body(body, write).await {
+                debug!(error = %e, "tcp stream: client to backend ended");
+            }
+        }
+        .in_current_span(),
+    );
+    Response::new(body::boxed(ReadBody::new(read)))
+}
+
+/// Headers that belong to one hop and are never forwarded.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let listed: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect();
+    for name in listed {
+        headers.remove(name);
+    }
+    for name in [
+        header::CONNECTION,
+        header::TRANSFER_ENCODING,
+        header::UPGRADE,
+        header::TE,
+        header::TRAILER,
+        header::PROXY_AUTHORIZATION,
+        header::PROXY_AUTHENTICATE,
+    ] {
+        headers.remove(name);
+    }
+    headers.remove("keep-alive");
+    headers.remove("proxy-connection");
+}
+
+/// Removes culvert's own wire headers.
+pub fn strip_culvert_headers(headers: &mut HeaderMap) {
+    let ours: Vec<HeaderName> =
+        headers.keys().filter(|k| k.as_str().starts_with("culvert-")).cloned().collect();
+    for name in ours {
+        headers.remove(name);
+    }
+}
+
+/// The request head as the backend sees it: origin-form URI, the public Host.
+fn backend_request(
+    mut parts: http::request::Parts,
+    authority: &str,
+) -> Result<http::request::Parts, String> {
+    let host = parts.uri.authority().map(|a| a.as_str().to_string());
+    let pq = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
+    parts.uri = Uri::try_from(format!("http://{authority}{pq}")).map_err(|e| e.to_string())?;
+    parts.version = http::Version::HTTP_11;
+    strip_hop_by_hop(&mut parts.headers);
+    strip_culvert_headers(&mut parts.headers);
+    if let Some(host) = host.and_then(|h| HeaderValue::from_str(&h).ok()) {
+        parts.headers.insert(header::HOST, host);
+    }
+    Ok(parts)
+}
+
+async fn http(parts: http::request::Parts, body: Incoming, authority: &str) -> Response<BoxBody> {
+    let parts = match backend_request(parts, authority) {
+        Ok(p) => p,
+        Err(e) => return agent_error(StatusCode::BAD_REQUEST, &e),
+    };
+    let req = Request::from_parts(parts, body::boxed(body));
+    match http_client().request(req).await {
+        Ok(resp) => {
+            let (mut parts, body) = resp.into_parts();
+            strip_hop_by_hop(&mut parts.headers);
+            Response::from_parts(parts, body::boxed(body))
+        }
+        Err(e) => {
+            let msg = format!("backend {authority} failed: {}", error_chain(&e));
+            warn!(error = %msg, "http request failed");
+            agent_error(StatusCode::BAD_GATEWAY, &msg)
+        }
+    }
+}
+
+async fn upgrade(parts: http::request::Parts, body: Incoming, authority: &str) -> Response<BoxBody> {
+    let upgrade_to = parts.headers.get(UPGRADE_HEADER).cloned();
+    let mut parts = match backend_request(parts, authority) {
+        Ok(p) => p,
+        Err(e) => return agent_error(StatusCode::BAD_REQUEST, &e),
+    };
+    let Some(upgrade_to) = upgrade_to else {
+        return agent_error(StatusCode::BAD_REQUEST, "upgrade stream without culvert-upgrade");
+    };
+    parts.headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+    parts.headers.insert(header::UPGRADE, upgrade_to);
+    // Origin-form on a dedicated connection.
+    parts.uri = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/").parse().unwrap_or_default();
+    let stream = match dial(authority).await {
+        Ok(s) => s,
+        Err(e) => return agent_error(StatusCode::BAD_GATEWAY, &e),
+    };
+    let (mut sender, conn) = match hyper::client::conn::http1::handshake(TokioIo::new(stream)).await {
+        Ok(x) => x,
+        Err(e) => return agent_error(StatusCode::BAD_GATEWAY, &format!("backend {authority}: {e}")),
+    };
+    tokio::spawn(async move {
+        let _ = conn.with_upgrades().await;
+    });
+    let resp = match sender.send_request(Request::from_parts(parts, body::empty())).await {
+        Ok(r) => r,
+        Err(e) => return agent_error(StatusCode::BAD_GATEWAY, &format!("backend {authority}: {e}")),
+    };
+    if resp.status() != StatusCode::SWITCHING_PROTOCOLS {
+        let (mut parts, b) = resp.into_parts();
+        strip_hop_by_hop(&mut parts.headers);
+        return Response::from_parts(parts, body::boxed(b));
+    }
+    let mut headers = resp.headers().clone();
+    let upgraded = match hyper::upgrade::on(resp).await {
+        Ok(u) => u,
+        Err(e) => return agent_error(StatusCode::BAD_GATEWAY, &format!("upgrade failed: {e}")),
+    };
+    let upgraded_to = headers.get(header::UPGRADE).cloned();
+    strip_hop_by_hop(&mut headers);
+    let (read, write) = tokio::io::split(TokioIo::new(upgraded));
+    tokio::spawn(
+        async move {
+            if let Err(e) = body::copy_body(body, write).await {
+                debug!(error = %e, "upgraded stream: client to backend ended");
+            }
+        }
+        .in_current_span(),
+    );
+    let mut out = Response::new(body::boxed(ReadBody::new(read)));
+    *out.headers_mut() = headers;
+    out.headers_mut().insert(STATUS_HEADER, HeaderValue::from_static("101"));
+    if let Some(v) = upgraded_to {
+        out.headers_mut().insert(UPGRADE_HEADER, v);
+    }
+    out
+}
+
+/// An error and its sources on one line.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut msg = e.to_string();
+    let mut src = e.source();
+    while let Some(s) = src {
+        msg.push_str(": ");
+        msg.push_str(&s.to_string());
+        src = s.source();
+    }
+    msg
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn targets() {
+        assert_eq!(Target::parse_http("8080").unwrap(), Target::Http { authority: "127.0.0.1:8080".into() });
+        assert_eq!(
+            Target::parse_http("http://app.local:3000/").unwrap(),
+            Target::Http { authority: "app.local:3000".into() }
+        );
+        assert_eq!(Target::parse_tcp("db:5432").unwrap(), Target::Tcp { addr: "db:5432".into() });
+        assert!(Target::parse_http("https://x:1").is_err());
+        assert!(Target::parse_tcp("0").is_err());
+        assert!(Target::parse_tcp("host").is_err());
+    }
+
+    #[test]
+    fn hop_by_hop_headers_are_stripped() {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONNECTION, HeaderValue::from_static("close, x-secret"));
+        h.insert("x-secret", HeaderValue::from_static("1"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert("culvert-stream", HeaderValue::from_static("tcp"));
+        h.insert("x-kept", HeaderValue::from_static("1"));
+        strip_hop_by_hop(&mut h);
+        strip_culvert_headers(&mut h);
+        assert_eq!(h.len(), 1);
+        assert!(h.contains_key("x-kept"));
+    }
+}

@@ -1,0 +1,99 @@
+//! Every timeout, limit, header name and path of the wire protocol, in one place.
+
+use std::time::Duration;
+
+/// Version of the tunnel wire protocol. The agent sends it in [`VERSION_HEADER`];
+/// the edge refuses versions it does not speak with 426.
+pub const PROTOCOL_VERSION: u32 = 1;
+/// Oldest agent protocol version the edge still accepts.
+pub const MIN_PROTOCOL_VERSION: u32 = 1;
+
+/// Path of the tunnel endpoint (a WebSocket upgrade).
+pub const CONNECT_PATH: &str = "/_culvert/v1/connect";
+/// Prefix of the control API.
+pub const API_PREFIX: &str = "/_culvert/v1/api/";
+/// Prefix reserved for culvert itself on the edge's own host names.
+pub const RESERVED_PREFIX: &str = "/_culvert/";
+
+/// Request header: the agent's protocol version.
+pub const VERSION_HEADER: &str = "culvert-protocol-version";
+/// Request header: a random id of the agent process (for logs and metrics).
+pub const AGENT_ID_HEADER: &str = "culvert-agent-id";
+/// Response header on the 101: what the key publishes (`http`, `tcp`, `tls`).
+pub const TUNNEL_PROTOCOL_HEADER: &str = "culvert-tunnel-protocol";
+/// Response header on the 101: the public URL of the reservation.
+pub const PUBLIC_URL_HEADER: &str = "culvert-public-url";
+
+/// Header on a tunnelled request: the stream is raw bytes (`tcp`), or an
+/// HTTP upgrade whose `Upgrade` value follows (`upgrade`).
+pub const STREAM_HEADER: &str = "culvert-stream";
+/// Header on a tunnelled upgrade request: the public client's `Upgrade` value.
+pub const UPGRADE_HEADER: &str = "culvert-upgrade";
+/// Header on a tunnelled response: the backend's real status (101 for upgrades).
+pub const STATUS_HEADER: &str = "culvert-status";
+/// Header on a tunnelled stream: the public client's address (`ip:port`).
+pub const CLIENT_ADDR_HEADER: &str = "culvert-client-addr";
+/// Header on a tunnelled stream: the edge address the client connected to.
+pub const SERVER_ADDR_HEADER: &str = "culvert-server-addr";
+/// Header on a response the agent made itself (backend unreachable...).
+pub const ERROR_HEADER: &str = "culvert-error";
+
+/// WebSocket text message: the agent will take no new streams (draining).
+pub const MSG_GOODBYE: &str = "goodbye";
+/// WebSocket text message: the edge has stopped routing new streams here.
+pub const MSG_GOODBYE_ACK: &str = "goodbye-ack";
+/// WebSocket text message: the edge routes streams to this connection now.
+pub const MSG_READY: &str = "ready";
+
+/// TLS handshake plus WebSocket upgrade must finish within this.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Public clients must send a complete request head within this (slowloris).
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// Largest request head a public client may send.
+pub const MAX_HEADER_BYTES: usize = 64 * 1024;
+/// Public connections served at once; more are closed on accept.
+pub const MAX_PUBLIC_CONNECTIONS: usize = 10_000;
+/// Agents connected at once with one tunnel key (default of `--max-agents-per-key`).
+pub const DEFAULT_MAX_AGENTS_PER_KEY: usize = 4;
+
+/// WebSocket ping interval on the tunnel, both sides.
+pub const PING_INTERVAL: Duration = Duration::from_secs(10);
+/// A tunnel that received nothing (not even a pong) for this long is dead.
+pub const DEAD_PEER_TIMEOUT: Duration = Duration::from_secs(30);
+/// Largest WebSocket message the byte-stream adapter writes: pending bytes are
+/// coalesced up to this, so a small response is never stuck behind a bulk one.
+pub const WS_MAX_BATCH: usize = 64 * 1024;
+/// Largest WebSocket message accepted from the peer.
+pub const WS_MAX_MESSAGE: usize = 1024 * 1024;
+
+/// HTTP/2 initial stream window on the tunnel (adaptive windows grow it).
+pub const H2_STREAM_WINDOW: u32 = 1024 * 1024;
+/// HTTP/2 initial connection window on the tunnel.
+pub const H2_CONN_WINDOW: u32 = 8 * 1024 * 1024;
+/// HTTP/2 max frame size on the tunnel.
+pub const H2_MAX_FRAME: u32 = 64 * 1024;
+/// Concurrent streams one tunnel connection accepts.
+pub const H2_MAX_STREAMS: u32 = 10_000;
+
+/// Reconnect backoff: first delay, cap, and the jitter fraction.
+pub const BACKOFF_INITIAL: Duration = Duration::from_millis(100);
+pub const BACKOFF_MAX: Duration = Duration::from_secs(30);
+/// A connection that stayed up this long resets the backoff.
+pub const BACKOFF_RESET_AFTER: Duration = Duration::from_secs(30);
+
+/// An agent that says goodbye waits this long for the edge's ack.
+pub const GOODBYE_ACK_TIMEOUT: Duration = Duration::from_secs(2);
+/// After the ack, streams the edge opened just before it may still arrive.
+pub const DRAIN_GRACE: Duration = Duration::from_millis(200);
+/// Longest time a draining agent waits for open streams to finish.
+pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Dialing a backend must succeed within this.
+pub const BACKEND_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Revoking a key closes its live connections within this.
+pub const REVOKE_CLOSE_WITHIN: Duration = Duration::from_secs(1);
+/// Timeout of one control API call made by `culvert admin` and the operator.
+pub const API_CLIENT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Default TCP port range for TCP reservations.
+pub const DEFAULT_TCP_PORTS: &str = "20000-20999";

@@ -1,0 +1,138 @@
+//! The tunnel endpoint: authenticates an agent's WebSocket upgrade, then
+//! runs HTTP/2 (edge = client) over it and registers the connection.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use http::header::{self, HeaderValue};
+use http::{Request, Response, StatusCode};
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use tokio_tungstenite::WebSocketStream;
+use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
+use tokio_tungstenite::tungstenite::protocol::Role;
+use tracing::{Instrument, info, warn};
+
+use super::Edge;
+use super::store::TunnelKeyAuth;
+use crate::constants::{AGENT_ID_HEADER, MSG_READY, PUBLIC_URL_HEADER, TUNNEL_PROTOCOL_HEADER, VERSION_HEADER};
+use crate::tunnel::body::{self, BoxBody};
+use crate::tunnel::handshake::Refusal;
+use crate::tunnel::ws::{self, Control, WsStream};
+
+fn refuse(edge: &Edge, refusal: Refusal, peer: SocketAddr) -> Response<BoxBody> {
+    edge.metrics.handshake_failed(refusal.code());
+    warn!(%peer, code = refusal.code(), "tunnel refused: {}", refusal.message());
+    let json = serde_json::to_vec(&refusal.body()).expect("serializable");
+    let mut r = Response::new(body::full(json));
+    *r.status_mut() = refusal.status();
+    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r
+}
+
+fn header<'a, B>(req: &'a Request<B>, name: impl header::AsHeaderName) -> Option<&'a str> {
+    req.headers().get(name).and_then(|v| v.to_str().ok())
+}
+
+/// Answers `GET /_culvert/v1/connect`.
+pub async fn accept(edge: Arc<Edge>, mut req: Request<Incoming>, peer: SocketAddr) -> Response<BoxBody> {
+    let ws_key = match (
+        header(&req, header::UPGRADE).map(|u| u.eq_ignore_ascii_case("websocket")),
+        header(&req, header::SEC_WEBSOCKET_KEY),
+        header(&req, header::SEC_WEBSOCKET_VERSION),
+    ) {
+        (Some(true), Some(key), Some("13")) => key.to_string(),
+        _ => return refuse(&edge, Refusal::NotWebSocket, peer),
+    };
+    if let Err(r) = Refusal::check_version(header(&req, VERSION_HEADER)) {
+        return refuse(&edge, r, peer);
+    }
+    let Some(secret) = header(&req, header::AUTHORIZATION)
+        .and_then(|a| a.strip_prefix("Bearer ").or_else(|| a.strip_prefix("bearer ")))
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+    else {
+        return refuse(&edge, Refusal::MissingKey, peer);
+    };
+    let grant = match edge.store.authenticate_tunnel_key(secret) {
+        Ok(TunnelKeyAuth::Valid(grant)) => grant,
+        Ok(TunnelKeyAuth::Unknown) => return refuse(&edge, Refusal::UnknownKey, peer),
+        Ok(TunnelKeyAuth::Revoked) => return refuse(&edge, Refusal::RevokedKey, peer),
+        Ok(TunnelKeyAuth::NotATunnelKey) => return refuse(&edge, Refusal::NotATunnelKey, peer),
+        Err(e) => {
+            warn!(error = %e, "store failed during a tunnel handshake");
+            return refuse(&edge, Refusal::Internal, peer);
+        }
+    };
+    if edge.registry.count_for_key(&grant.key_id) >= edge.max_agents_per_key {
+        return refuse(&edge, Refusal::TooManyAgents { max: edge.max_agents_per_key }, peer);
+    }
+    let agent_id = header(&req, AGENT_ID_HEADER).unwrap_or("-").chars().take(64).collect::<String>();
+    let public_url = edge.public_url(&grant.reservation);
+    let protocol = grant.protocol;
+
+    let on_upgrade = hyper::upgrade::on(&mut req);
+    let span = tracing::info_span!(
+        "agent", %peer, agent = %agent_id, key = %grant.key_id,
+        reservation = %public_url, protocol = %grant.protocol
+    );
+    let task_edge = edge.clone();
+    let url = public_url.clone();
+    tokio::spawn(
+        async move {
+            let edge = task_edge;
+            let upgraded = match on_upgrade.await {
+                Ok(u) => u,
+                Err(e) => return warn!(error = %e, "agent upgrade failed"),
+            };
+            let ws = WebSocketStream::from_raw_socket(TokioIo::new(upgraded), Role::Server, Some(ws::ws_config())).await;
+            let control = Arc::new(Control::default());
+            let stream = WsStream::new(ws, control.clone());
+            let (sender, conn) = match crate::tunnel::h2_client().handshake(TokioIo::new(stream)).await {
+                Ok(x) => x,
+                Err(e) => return warn!(error = %e, "HTTP/2 handshake with the agent failed"),
+            };
+            let registered = edge.registry.add(
+                grant.key_id.clone(),
+                grant.reservation.id.clone(),
+                agent_id,
+                sender,
+                control.clone(),
+            );
+            edge.metrics.tunnels_connected.inc();
+            // Revoked while we were setting up? Then close right away.
+            if !edge.store.live_tunnel_key_ids().map(|l| l.contains(&grant.key_id)).unwrap_or(true) {
+                registered.cancel.cancel();
+            }
+            control.send(MSG_READY);
+            info!(url = %url, "agent connected");
+            let reason = tokio::select! {
+                r = conn => match r {
+                    Ok(()) => "closed".to_string(),
+                    Err(e) => crate::agent::serve::error_chain(&e),
+                },
+                _ = registered.cancel.cancelled() => "key revoked or reservation released".into(),
+                _ = edge.shutdown.cancelled() => "edge shutting down".into(),
+            };
+            edge.registry.remove(&registered);
+            edge.metrics.tunnels_connected.dec();
+            info!(reason = %reason, "agent disconnected");
+        }
+        .instrument(span),
+    );
+
+    let mut r = Response::new(body::empty());
+    *r.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+    let h = r.headers_mut();
+    h.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+    h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+    h.insert(
+        header::SEC_WEBSOCKET_ACCEPT,
+        HeaderValue::from_str(&derive_accept_key(ws_key.as_bytes())).expect("base64 is ascii"),
+    );
+    h.insert(TUNNEL_PROTOCOL_HEADER, HeaderValue::from_static(protocol.as_str()));
+    if let Ok(v) = HeaderValue::from_str(&public_url) {
+        h.insert(PUBLIC_URL_HEADER, v);
+    }
+    r
+}

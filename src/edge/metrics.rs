@@ -1,0 +1,78 @@
+//! The edge's Prometheus metrics, one registry.
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+type Labels = Vec<(&'static str, String)>;
+
+pub struct Metrics {
+    registry: Registry,
+    pub tunnels_connected: Gauge,
+    pub streams_open: Gauge,
+    bytes: Family<Labels, Counter>,
+    handshake_failures: Family<Labels, Counter>,
+    pub public_connections_rejected: Counter,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut registry = Registry::with_prefix("culvert_edge");
+        let tunnels_connected = Gauge::default();
+        registry.register(
+            "tunnels_connected",
+            "Agent connections currently open",
+            tunnels_connected.clone(),
+        );
+        let streams_open = Gauge::default();
+        registry.register("streams_open", "Streams currently open on tunnels", streams_open.clone());
+        let bytes = Family::<Labels, Counter>::default();
+        registry.register(
+            "bytes",
+            "Bytes carried per reservation; direction in = public to agent, out = agent to public",
+            bytes.clone(),
+        );
+        let handshake_failures = Family::<Labels, Counter>::default();
+        registry.register(
+            "handshake_failures",
+            "Refused or failed tunnel handshakes by reason",
+            handshake_failures.clone(),
+        );
+        let public_connections_rejected = Counter::default();
+        registry.register(
+            "public_connections_rejected",
+            "Public connections closed on accept because the limit was reached",
+            public_connections_rejected.clone(),
+        );
+        Metrics {
+            registry,
+            tunnels_connected,
+            streams_open,
+            bytes,
+            handshake_failures,
+            public_connections_rejected,
+        }
+    }
+}
+
+impl Metrics {
+    /// The byte counter of one reservation (by its public name) and direction.
+    pub fn bytes(&self, reservation: &str, direction: &'static str) -> Counter {
+        self.bytes
+            .get_or_create(&vec![("reservation", reservation.to_string()), ("direction", direction.into())])
+            .clone()
+    }
+
+    pub fn handshake_failed(&self, reason: &'static str) {
+        self.handshake_failures.get_or_create(&vec![("reason", reason.to_string())]).inc();
+    }
+
+    /// Prometheus text exposition.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+}

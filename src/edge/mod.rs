@@ -1,0 +1,258 @@
+//! The public edge: public HTTPS (and the tunnel endpoint) on one port, the
+//! HTTP redirect port, TCP reservation listeners, the control API and the
+//! admin port, all state in an SQLite store.
+
+pub mod agents;
+pub mod api;
+pub mod metrics;
+pub mod public;
+pub mod registry;
+pub mod routes;
+pub mod store;
+pub mod tcp;
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::{Arc, RwLock, Weak};
+
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+
+use crate::api::{Reservation, ReservationKind};
+use crate::cli::{EdgeArgs, PortRange};
+use crate::tls::{self, CertResolver, TlsError};
+use api::{ApiContext, EdgeHooks};
+use metrics::Metrics;
+use registry::Registry;
+use routes::RouteIndex;
+use store::{Store, StoreError};
+
+/// Why the edge could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum EdgeError {
+    #[error("no certificate: give --tls-cert and --tls-key, or --self-signed for a trial")]
+    NoCertificate,
+    #[error("failed to create data dir {path}: {source}")]
+    DataDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("failed to listen on {addr} ({what}): {source}")]
+    Bind {
+        what: &'static str,
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl EdgeError {
+    pub fn category(&self) -> &'static str {
+        match self {
+            EdgeError::NoCertificate => "no_certificate",
+            EdgeError::DataDir { .. } => "data_dir",
+            EdgeError::Bind { .. } => "bind",
+            EdgeError::Tls(e) => e.category(),
+            EdgeError::Store(_) => "store",
+        }
+    }
+}
+
+/// The running edge's shared state.
+pub struct Edge {
+    pub domain: String,
+    /// Host name public TCP addresses are reported with.
+    pub public_host: String,
+    /// Port of the public HTTPS listener (as bound).
+    pub https_port: u16,
+    pub tcp_bind: IpAddr,
+    pub max_agents_per_key: usize,
+    pub store: Store,
+    pub registry: Registry,
+    pub metrics: Metrics,
+    pub api: ApiContext,
+    pub certs: Arc<CertResolver>,
+    routes: RwLock<Arc<RouteIndex>>,
+    tcp: tcp::TcpListeners,
+    pub shutdown: CancellationToken,
+}
+
+impl Edge {
+    pub fn routes(&self) -> Arc<RouteIndex> {
+        self.routes.read().expect("poisoned").clone()
+    }
+
+    /// The public URL of a reservation.
+    pub fn public_url(&self, r: &Reservation) -> String {
+        match (r.kind, &r.hostname, r.port) {
+            (ReservationKind::Tcp, _, Some(port)) => format!("tcp://{}:{port}", self.public_host),
+            (_, Some(host), _) if self.https_port == 443 => format!("https://{host}"),
+            (_, Some(host), _) => format!("https://{host}:{}", self.https_port),
+            _ => String::new(),
+        }
+    }
+
+    /// Reloads routes and TCP listeners from the store and closes
+    /// connections of revoked keys and released reservations.
+    pub fn reload(self: &Arc<Self>) {
+        let reservations = match self.store.reservations() {
+            Ok(r) => r,
+            Err(e) => {
+                error!(error = %e, "failed to load reservations; keeping the current routes");
+                return;
+            }
+        };
+        let index = Arc::new(RouteIndex::build(reservations));
+        *self.routes.write().expect("poisoned") = index.clone();
+        self.tcp.reconcile(self, index.ports().collect());
+        match self.store.live_tunnel_key_ids() {
+            Ok(live) => self.registry.close_invalid(&live, |id| index.contains_id(id)),
+            Err(e) => error!(error = %e, "failed to list tunnel keys"),
+        }
+    }
+}
+
+/// The API's view of the edge (a weak reference: the edge owns the API context).
+struct Hooks(Weak<Edge>);
+
+impl EdgeHooks for Hooks {
+    fn state_changed(&self) {
+        if let Some(edge) = self.0.upgrade() {
+            edge.reload();
+        }
+    }
+
+    fn connections_for_key(&self, key_id: &str) -> usize {
+        self.0.upgrade().map_or(0, |e| e.registry.count_for_key(key_id))
+    }
+}
+
+/// A started edge: where it listens and how to stop it.
+pub struct EdgeHandle {
+    pub edge: Arc<Edge>,
+    pub https_addr: SocketAddr,
+    pub http_addr: SocketAddr,
+    pub admin_addr: SocketAddr,
+    /// The admin key, when this start created it (also in `admin.key`).
+    pub new_admin_key: Option<String>,
+    pub admin_key_file: PathBuf,
+    /// The CA to trust, with --self-signed.
+    pub ca_file: Option<PathBuf>,
+    pub tasks: tokio::task::JoinSet<()>,
+}
+
+impl EdgeHandle {
+    /// Stops accepting, closes tunnels and waits for the listeners to end.
+    pub async fn stop(mut self) {
+        self.edge.shutdown.cancel();
+        self.edge.registry.close_all();
+        while self.tasks.join_next().await.is_some() {}
+    }
+}
+
+async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, EdgeError> {
+    TcpListener::bind(addr).await.map_err(|source| EdgeError::Bind { what, addr, source })
+}
+
+/// Starts every listener and returns once they are bound.
+pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
+    let domain = args.domain.trim().trim_end_matches('.').to_ascii_lowercase();
+    create_private_dir(&args.data_dir)?;
+    let store = Store::open(&args.data_dir)?;
+    let admin_key_file = args.data_dir.join("admin.key");
+    let new_admin_key = store.ensure_admin_key()?;
+    if let Some(key) = &new_admin_key {
+        tls::write_file(&admin_key_file, format!("{key}\n").as_bytes(), 0o600)?;
+        info!(file = %admin_key_file.display(), "created the admin key (shown once; keep the file safe)");
+    }
+
+    let (cert_file, key_file, ca_file) = match (&args.tls_cert, &args.tls_key, args.self_signed) {
+        (Some(c), Some(k), _) => (c.clone(), k.clone(), None),
+        (_, _, true) => {
+            let files = tls::self_signed(&args.data_dir, &domain)?;
+            info!(ca = %files.ca_cert.display(), "serving a self-signed certificate; agents need --ca-file with this CA");
+            (files.cert, files.key, Some(files.ca_cert))
+        }
+        _ => return Err(EdgeError::NoCertificate),
+    };
+    let certified = tls::certified_key(tls::load_pem_certs(&cert_file)?, tls::load_pem_key(&key_file)?)?;
+    let certs = Arc::new(CertResolver::new(certified));
+    let tls_config = tls::server_config(certs.clone())?;
+
+    let https = bind("https", args.https_addr).await?;
+    let http = bind("http", args.http_addr).await?;
+    let admin = bind("admin", args.admin_addr).await?;
+    let local = |l: &TcpListener| l.local_addr().expect("bound socket has an address");
+    let (https_addr, http_addr, admin_addr) = (local(&https), local(&http), local(&admin));
+
+    let public_host = args.public_host.clone().unwrap_or_else(|| domain.clone());
+    let metrics = Metrics::default();
+    let edge = Arc::new_cyclic(|weak: &Weak<Edge>| Edge {
+        api: ApiContext {
+            store: store.clone(),
+            domain: domain.clone(),
+            public_host: public_host.clone(),
+            public_https_port: https_addr.port(),
+            tcp_ports: args.tcp_ports,
+            hooks: Arc::new(Hooks(weak.clone())),
+        },
+        domain,
+        public_host,
+        https_port: https_addr.port(),
+        tcp_bind: args.tcp_bind,
+        max_agents_per_key: args.max_agents_per_key.max(1),
+        store,
+        registry: Registry::new(metrics.streams_open.clone()),
+        metrics,
+        certs,
+        routes: RwLock::default(),
+        tcp: tcp::TcpListeners::default(),
+        shutdown: CancellationToken::new(),
+    });
+    edge.reload();
+
+    let mut tasks = tokio::task::JoinSet::new();
+    tasks.spawn(public::serve_https(edge.clone(), https, tls_config));
+    tasks.spawn(public::serve_redirect(edge.clone(), http));
+    tasks.spawn(public::serve_admin(edge.clone(), admin));
+    Ok(EdgeHandle { edge, https_addr, http_addr, admin_addr, new_admin_key, admin_key_file, ca_file, tasks })
+}
+
+fn create_private_dir(path: &std::path::Path) -> Result<(), EdgeError> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(path)
+        .map_err(|source| EdgeError::DataDir { path: path.into(), source })
+}
+
+/// `culvert edge`: runs until SIGINT/SIGTERM.
+pub async fn run(args: EdgeArgs) -> Result<(), EdgeError> {
+    let tcp_ports: PortRange = args.tcp_ports;
+    let handle = start(args).await?;
+    info!(
+        https = %handle.https_addr, http = %handle.http_addr, admin = %handle.admin_addr,
+        domain = %handle.edge.domain, tcp_ports = %tcp_ports, "edge ready"
+    );
+    // One machine-readable line on stdout: the readiness signal for scripts.
+    println!(
+        "culvert edge ready https={} http={} admin={} admin_key_file={}{}",
+        handle.https_addr,
+        handle.http_addr,
+        handle.admin_addr,
+        handle.admin_key_file.display(),
+        handle.ca_file.as_ref().map(|c| format!(" ca_file={}", c.display())).unwrap_or_default()
+    );
+    let shutdown = CancellationToken::new();
+    crate::shutdown_on_signal(shutdown.clone()).await;
+    warn!("shutting down");
+    handle.stop().await;
+    Ok(())
+}

@@ -1,0 +1,360 @@
+//! The public listeners: HTTPS (public traffic, the tunnel endpoint and the
+//! control API on one port), the HTTP redirect, and the admin port.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::header::{self, HeaderValue};
+use http::{Request, Response, StatusCode, Uri};
+use http_body_util::BodyExt;
+use hyper::body::Body as _;
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use tokio::net::TcpListener;
+use tokio::sync::{Semaphore, mpsc};
+use tokio_rustls::TlsAcceptor;
+use tracing::{Instrument, debug, warn};
+
+use super::Edge;
+use crate::agent::serve::{error_chain, strip_culvert_headers, strip_hop_by_hop};
+use crate::api::{Reservation, ReservationKind};
+use crate::constants::{
+    API_PREFIX, CONNECT_PATH, ERROR_HEADER, HANDSHAKE_TIMEOUT, HEADER_READ_TIMEOUT, MAX_HEADER_BYTES,
+    MAX_PUBLIC_CONNECTIONS, RESERVED_PREFIX, STATUS_HEADER, STREAM_HEADER, UPGRADE_HEADER,
+};
+use crate::tunnel::StreamKind;
+use crate::tunnel::body::{self, BoxBody, ChannelBody, Counted};
+
+/// Attempts to place one request on a connection before answering 502.
+const MAX_ATTEMPTS: usize = 3;
+
+fn http_builder() -> auto::Builder<TokioExecutor> {
+    let mut b = auto::Builder::new(TokioExecutor::new());
+    b.http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT)
+        .max_buf_size(MAX_HEADER_BYTES);
+    b.http2().timer(TokioTimer::new()).max_header_list_size(MAX_HEADER_BYTES as u32);
+    b
+}
+
+/// Accepts public TLS connections. Each handshake runs in its own task under
+/// a timeout; the loop never waits on a client.
+pub async fn serve_https(edge: Arc<Edge>, listener: TcpListener, tls: Arc<rustls::ServerConfig>) {
+    let acceptor = TlsAcceptor::from(tls);
+    let limit = Arc::new(Semaphore::new(MAX_PUBLIC_CONNECTIONS));
+    loop {
+        let (tcp, peer) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(x) => x,
+                Err(e) => {
+                    // Out of file descriptors and the like: back off briefly.
+                    warn!(error = %e, "accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = edge.shutdown.cancelled() => return,
+        };
+        let Ok(permit) = limit.clone().try_acquire_owned() else {
+            edge.metrics.public_connections_rejected.inc();
+            continue;
+        };
+        let _ = tcp.set_nodelay(true);
+        let (edge, acceptor) = (edge.clone(), acceptor.clone());
+        let span = tracing::debug_span!("public", %peer);
+        tokio::spawn(
+            async move {
+                let _permit = permit;
+                let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                    Ok(Ok(tls)) => tls,
+                    Ok(Err(e)) => return debug!(error = %e, "TLS handshake failed"),
+                    Err(_) => return debug!("TLS handshake timed out"),
+                };
+                let h2 = tls.get_ref().1.alpn_protocol() == Some(crate::tls::ALPN_H2);
+                let builder = if h2 { http_builder().http2_only() } else { http_builder().http1_only() };
+                let service = service_fn(move |req| {
+                    let edge = edge.clone();
+                    async move { Ok::<_, Infallible>(handle(edge, req, peer).await) }
+                });
+                let conn = builder.serve_connection_with_upgrades(TokioIo::new(tls), service);
+                if let Err(e) = conn.await {
+                    debug!(error = %e, "public connection ended");
+                }
+            }
+            .instrument(span),
+        );
+    }
+}
+
+/// The plain HTTP port: redirects to HTTPS.
+pub async fn serve_redirect(edge: Arc<Edge>, listener: TcpListener) {
+    serve_plain(edge, listener, |edge, req| async move { Ok(redirect(&edge, &req)) }).await
+}
+
+/// The admin port: `/metrics`, `/healthz`, `/readyz`.
+pub async fn serve_admin(edge: Arc<Edge>, listener: TcpListener) {
+    serve_plain(edge, listener, |edge, req| async move {
+        Ok(match req.uri().path() {
+            "/metrics" => {
+                let mut r = Response::new(body::full(edge.metrics.encode()));
+                r.headers_mut().insert(
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
+                );
+                r
+            }
+            "/healthz" => text(StatusCode::OK, "ok\n"),
+            "/readyz" => match edge.store.reservations() {
+                Ok(_) => text(StatusCode::OK, "ok\n"),
+                Err(e) => text(StatusCode::SERVICE_UNAVAILABLE, &format!("store: {e}\n")),
+            },
+            _ => text(StatusCode::NOT_FOUND, "not found: try /metrics, /healthz or /readyz\n"),
+        })
+    })
+    .await
+}
+
+async fn serve_plain<F, Fut>(edge: Arc<Edge>, listener: TcpListener, f: F)
+where
+    F: Fn(Arc<Edge>, Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Result<Response<BoxBody>, Infallible>> + Send + 'static,
+{
+    loop {
+        let (tcp, _) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(x) => x,
+                Err(e) => {
+                    warn!(error = %e, "accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = edge.shutdown.cancelled() => return,
+        };
+        let (edge, f) = (edge.clone(), f.clone());
+        tokio::spawn(async move {
+            let service = service_fn(move |req| f(edge.clone(), req));
+            let _ = http_builder().http1_only().serve_connection(TokioIo::new(tcp), service).await;
+        });
+    }
+}
+
+fn redirect(edge: &Edge, req: &Request<Incoming>) -> Response<BoxBody> {
+    let Some(host) = request_host(req) else {
+        return text(StatusCode::BAD_REQUEST, "missing Host header\n");
+    };
+    let host = super::routes::normalize_host(&host);
+    let port = if edge.https_port == 443 { String::new() } else { format!(":{}", edge.https_port) };
+    let pq = req.uri().path_and_query().map(|p| p.as_str()).unwrap_or("/");
+    let location = format!("https://{host}{port}{pq}");
+    let mut r = text(StatusCode::PERMANENT_REDIRECT, &format!("see {location}\n"));
+    if let Ok(v) = HeaderValue::from_str(&location) {
+        r.headers_mut().insert(header::LOCATION, v);
+    }
+    r
+}
+
+fn text(status: StatusCode, msg: &str) -> Response<BoxBody> {
+    let mut r = Response::new(body::full(msg.to_string()));
+    *r.status_mut() = status;
+    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
+    r
+}
+
+/// A short error page naming the host and the reason.
+pub fn error_page(status: StatusCode, host: &str, reason: &str) -> Response<BoxBody> {
+    let esc = |s: &str| {
+        s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
+    };
+    let title = format!("{} {}", status.as_u16(), status.canonical_reason().unwrap_or(""));
+    let page = format!(
+        "<!doctype html><html><head><meta charset=\"utf-8\"><title>{title}</title></head>\
+         <body><h1>{title}</h1><p><b>{}</b>: {}</p><hr><p>culvert edge</p></body></html>\n",
+        esc(host),
+        esc(reason)
+    );
+    let mut r = Response::new(body::full(page));
+    *r.status_mut() = status;
+    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/html; charset=utf-8"));
+    r.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    r
+}
+
+/// The request's host: `:authority` (h2) or `Host` (HTTP/1.1).
+fn request_host<B>(req: &Request<B>) -> Option<String> {
+    req.uri()
+        .authority()
+        .map(|a| a.as_str().to_string())
+        .or_else(|| req.headers().get(header::HOST).and_then(|h| h.to_str().ok()).map(str::to_string))
+}
+
+async fn handle(edge: Arc<Edge>, req: Request<Incoming>, peer: SocketAddr) -> Response<BoxBody> {
+    let host = request_host(&req).unwrap_or_default();
+    let routes = edge.routes();
+    if let Some(reservation) = routes.host(&host) {
+        if reservation.kind != ReservationKind::Tcp {
+            let reservation = reservation.clone();
+            return proxy(edge, req, peer, reservation).await;
+        }
+    }
+    let path = req.uri().path();
+    if path == CONNECT_PATH {
+        return super::agents::accept(edge, req, peer).await;
+    }
+    if path.starts_with(API_PREFIX) {
+        let resp = super::api::handle(&edge.api, req).await;
+        return resp.map(|b| body::boxed(b.map_err(|never| match never {})));
+    }
+    let name = super::routes::normalize_host(&host);
+    if name == edge.domain && !path.starts_with(RESERVED_PREFIX) {
+        return text(StatusCode::OK, "culvert edge\n");
+    }
+    error_page(StatusCode::BAD_GATEWAY, &name, "no tunnel is registered for this host")
+}
+
+/// The public request is an HTTP/1.1 upgrade (WebSocket...).
+fn upgrade_of<B>(req: &Request<B>) -> Option<HeaderValue> {
+    let connection_upgrade = req
+        .headers()
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| t.trim().eq_ignore_ascii_case("upgrade"));
+    if connection_upgrade { req.headers().get(header::UPGRADE).cloned() } else { None }
+}
+
+#[tracing::instrument(skip_all, fields(host = reservation.hostname.as_deref().unwrap_or(""), method = %req.method()))]
+async fn proxy(
+    edge: Arc<Edge>,
+    mut req: Request<Incoming>,
+    peer: SocketAddr,
+    reservation: Reservation,
+) -> Response<BoxBody> {
+    let host = reservation.hostname.clone().unwrap_or_default();
+    if reservation.kind == ReservationKind::Tcp {
+        return error_page(StatusCode::BAD_GATEWAY, &host, "this reservation is a TCP port");
+    }
+    let upgrade = upgrade_of(&req);
+    let on_upgrade = upgrade.is_some().then(|| hyper::upgrade::on(&mut req));
+    let (mut parts, incoming) = req.into_parts();
+
+    let pq = parts.uri.path_and_query().map(|p| p.as_str().to_string()).unwrap_or_else(|| "/".into());
+    let Ok(uri) = Uri::try_from(format!("https://{host}{pq}")) else {
+        return error_page(StatusCode::BAD_REQUEST, &host, "invalid request target");
+    };
+    strip_hop_by_hop(&mut parts.headers);
+    strip_culvert_headers(&mut parts.headers);
+    let h = &mut parts.headers;
+    // Client-supplied forwarding headers are replaced, never trusted.
+    for name in ["x-forwarded-for", "x-forwarded-proto", "x-forwarded-host", "x-real-ip", "forwarded"] {
+        h.remove(name);
+    }
+    h.remove(header::HOST);
+    h.insert("x-forwarded-for", HeaderValue::from_str(&peer.ip().to_string()).expect("ip is ascii"));
+    h.insert("x-forwarded-proto", HeaderValue::from_static("https"));
+    if let Ok(v) = HeaderValue::from_str(&host) {
+        h.insert("x-forwarded-host", v);
+    }
+    let kind = if upgrade.is_some() { StreamKind::Upgrade } else { StreamKind::Http };
+    h.insert(STREAM_HEADER, HeaderValue::from_static(kind.header_value()));
+    if let Some(u) = &upgrade {
+        h.insert(UPGRADE_HEADER, u.clone());
+    }
+    parts.uri = uri;
+    parts.version = http::Version::HTTP_2;
+
+    let bytes_in = edge.metrics.bytes(&host, "in");
+    let bytes_out = edge.metrics.bytes(&host, "out");
+    // A request without a body can be placed again on another connection if
+    // the first one refused it (an agent draining at that very moment).
+    let replayable = upgrade.is_some() || incoming.is_end_stream();
+    let head = (parts.method.clone(), parts.uri.clone(), parts.headers.clone());
+    let (tunnel_body, upgrade_tx) = if upgrade.is_some() {
+        // The request body is fed later, from the upgraded public connection.
+        let (tx, rx) = mpsc::channel::<Bytes>(8);
+        (body::boxed(Counted::new(ChannelBody(rx), bytes_in)), Some(tx))
+    } else {
+        (body::boxed(Counted::new(incoming, bytes_in)), None)
+    };
+    let mut request = Request::from_parts(parts, tunnel_body);
+
+    let mut tried = Vec::new();
+    let (resp, guard) = loop {
+        let Some(guard) = edge.registry.pick(&reservation.id, &tried) else {
+            let reason = if tried.is_empty() {
+                "the tunnel is offline: no agent is connected for this host"
+            } else {
+                "every agent connection of this tunnel failed"
+            };
+            return error_page(StatusCode::BAD_GATEWAY, &host, reason);
+        };
+        tried.push(guard.conn().id);
+        let mut sender = guard.conn().sender.clone();
+        match sender.try_send_request(request).await {
+            Ok(resp) => break (resp, guard),
+            Err(mut e) => {
+                debug!(error = %error_chain(e.error()), conn = guard.conn().id, "stream failed");
+                let again = match e.take_message() {
+                    Some(r) => Some(r),
+                    None if replayable && upgrade.is_none() => {
+                        let mut r = Request::new(body::empty());
+                        (*r.method_mut(), *r.uri_mut(), *r.headers_mut()) = head.clone();
+                        *r.version_mut() = http::Version::HTTP_2;
+                        Some(r)
+                    }
+                    None => None,
+                };
+                match again {
+                    Some(r) if tried.len() < MAX_ATTEMPTS => request = r,
+                    _ => {
+                        let reason = format!("the tunnel failed: {}", error_chain(e.error()));
+                        return error_page(StatusCode::BAD_GATEWAY, &host, &reason);
+                    }
+                }
+            }
+        }
+    };
+
+    let switched = resp.headers().get(STATUS_HEADER).is_some_and(|v| v == "101");
+    let (mut rparts, rbody) = resp.into_parts();
+    if let Some(err) = rparts.headers.get(ERROR_HEADER) {
+        debug!(error = ?err, "agent answered with an error");
+    }
+    if let (true, Some(on_upgrade), Some(tx)) = (switched, on_upgrade, upgrade_tx) {
+        let upgrade_to = rparts.headers.get(UPGRADE_HEADER).cloned().or(upgrade);
+        strip_hop_by_hop(&mut rparts.headers);
+        strip_culvert_headers(&mut rparts.headers);
+        let mut out = Response::new(body::empty());
+        *out.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+        *out.headers_mut() = rparts.headers;
+        out.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        if let Some(u) = upgrade_to {
+            out.headers_mut().insert(header::UPGRADE, u);
+        }
+        tokio::spawn(
+            async move {
+                let _guard = guard;
+                let upgraded = match on_upgrade.await {
+                    Ok(u) => u,
+                    Err(e) => return debug!(error = %e, "public upgrade failed"),
+                };
+                let (read, write) = tokio::io::split(TokioIo::new(upgraded));
+                let up = body::copy_to_channel(read, tx);
+                let down = body::copy_body(Counted::new(rbody, bytes_out), write);
+                let (up, down) = tokio::join!(up, down);
+                debug!(?up, ?down, "upgraded stream ended");
+            }
+            .in_current_span(),
+        );
+        return out;
+    }
+    strip_hop_by_hop(&mut rparts.headers);
+    strip_culvert_headers(&mut rparts.headers);
+    Response::from_parts(rparts, body::boxed(Counted::new(rbody, bytes_out).hold(guard)))
+}

@@ -1,0 +1,135 @@
+//! Live agent connections, grouped by the reservation they serve. Streams go
+//! to the connection with the fewest open streams that is not draining.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use hyper::client::conn::http2::SendRequest;
+use prometheus_client::metrics::gauge::Gauge;
+use tokio_util::sync::CancellationToken;
+
+use crate::tunnel::body::BoxBody;
+use crate::tunnel::ws::Control;
+
+/// One agent connection.
+pub struct AgentConn {
+    pub id: u64,
+    pub key_id: String,
+    pub reservation_id: String,
+    pub agent_id: String,
+    pub sender: SendRequest<BoxBody>,
+    pub control: Arc<Control>,
+    /// Cancelled to close the connection (key revoked, reservation released).
+    pub cancel: CancellationToken,
+    open_streams: AtomicUsize,
+}
+
+impl AgentConn {
+    pub fn usable(&self) -> bool {
+        !self.control.peer_is_draining() && !self.sender.is_closed() && !self.cancel.is_cancelled()
+    }
+}
+
+/// Held while a stream is open on a connection.
+pub struct StreamGuard {
+    conn: Arc<AgentConn>,
+    gauge: Gauge,
+}
+
+impl StreamGuard {
+    pub fn conn(&self) -> &Arc<AgentConn> {
+        &self.conn
+    }
+}
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        self.conn.open_streams.fetch_sub(1, Ordering::Relaxed);
+        self.gauge.dec();
+    }
+}
+
+pub struct Registry {
+    by_reservation: Mutex<HashMap<String, Vec<Arc<AgentConn>>>>,
+    next_id: AtomicU64,
+    /// Streams open across all connections.
+    streams_open: Gauge,
+}
+
+impl Registry {
+    pub fn new(streams_open: Gauge) -> Self {
+        Registry { by_reservation: Mutex::default(), next_id: AtomicU64::new(0), streams_open }
+    }
+
+    /// Registers a connection and returns it.
+    pub fn add(
+        &self,
+        key_id: String,
+        reservation_id: String,
+        agent_id: String,
+        sender: SendRequest<BoxBody>,
+        control: Arc<Control>,
+    ) -> Arc<AgentConn> {
+        let conn = Arc::new(AgentConn {
+            id: self.next_id.fetch_add(1, Ordering::Relaxed),
+            key_id,
+            reservation_id: reservation_id.clone(),
+            agent_id,
+            sender,
+            control,
+            cancel: CancellationToken::new(),
+            open_streams: AtomicUsize::new(0),
+        });
+        self.by_reservation.lock().expect("poisoned").entry(reservation_id).or_default().push(conn.clone());
+        conn
+    }
+
+    pub fn remove(&self, conn: &AgentConn) {
+        let mut map = self.by_reservation.lock().expect("poisoned");
+        if let Some(list) = map.get_mut(&conn.reservation_id) {
+            list.retain(|c| c.id != conn.id);
+            if list.is_empty() {
+                map.remove(&conn.reservation_id);
+            }
+        }
+    }
+
+    /// Picks a connection for a new stream of `reservation_id`, skipping `tried`.
+    pub fn pick(&self, reservation_id: &str, tried: &[u64]) -> Option<StreamGuard> {
+        let map = self.by_reservation.lock().expect("poisoned");
+        let conn = map
+            .get(reservation_id)?
+            .iter()
+            .filter(|c| c.usable() && !tried.contains(&c.id))
+            .min_by_key(|c| c.open_streams.load(Ordering::Relaxed))?
+            .clone();
+        conn.open_streams.fetch_add(1, Ordering::Relaxed);
+        self.streams_open.inc();
+        Some(StreamGuard { conn, gauge: self.streams_open.clone() })
+    }
+
+    /// Connections open with this tunnel key.
+    pub fn count_for_key(&self, key_id: &str) -> usize {
+        let map = self.by_reservation.lock().expect("poisoned");
+        map.values().flatten().filter(|c| c.key_id == key_id && !c.cancel.is_cancelled()).count()
+    }
+
+    /// Closes every connection whose key is not live or whose reservation is gone.
+    pub fn close_invalid(&self, live_keys: &HashSet<String>, reservation_exists: impl Fn(&str) -> bool) {
+        let map = self.by_reservation.lock().expect("poisoned");
+        for conn in map.values().flatten() {
+            if !live_keys.contains(&conn.key_id) || !reservation_exists(&conn.reservation_id) {
+                tracing::info!(key = %conn.key_id, conn = conn.id, "closing tunnel connection: key revoked or reservation released");
+                conn.cancel.cancel();
+            }
+        }
+    }
+
+    /// Closes everything (shutdown).
+    pub fn close_all(&self) {
+        for conn in self.by_reservation.lock().expect("poisoned").values().flatten() {
+            conn.cancel.cancel();
+        }
+    }
+}

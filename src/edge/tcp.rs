@@ -1,0 +1,118 @@
+//! Listeners of TCP reservations: each public connection becomes one
+//! full-duplex stream to an agent.
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use http::header::HeaderValue;
+use http::{Request, StatusCode};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, debug, error, info, warn};
+
+use super::Edge;
+use crate::constants::{CLIENT_ADDR_HEADER, SERVER_ADDR_HEADER, STREAM_HEADER};
+use crate::tunnel::StreamKind;
+use crate::tunnel::body::{self, Counted, ReadBody};
+
+#[derive(Default)]
+pub struct TcpListeners {
+    running: Mutex<HashMap<u16, CancellationToken>>,
+}
+
+impl TcpListeners {
+    /// Listens on exactly `ports`: starts the missing, stops the released.
+    pub fn reconcile(&self, edge: &Arc<Edge>, ports: HashSet<u16>) {
+        let mut running = self.running.lock().expect("poisoned");
+        running.retain(|port, token| {
+            let keep = ports.contains(port) && !token.is_cancelled();
+            if !keep {
+                token.cancel();
+                info!(port, "stopped TCP listener");
+            }
+            keep
+        });
+        for port in ports {
+            if running.contains_key(&port) {
+                continue;
+            }
+            let addr = SocketAddr::new(edge.tcp_bind, port);
+            let listener = match std::net::TcpListener::bind(addr)
+                .and_then(|l| l.set_nonblocking(true).map(|_| l))
+                .and_then(TcpListener::from_std)
+            {
+                Ok(l) => l,
+                Err(e) => {
+                    error!(%addr, error = %e, "cannot listen for a TCP reservation; is the port in use?");
+                    continue;
+                }
+            };
+            let token = edge.shutdown.child_token();
+            running.insert(port, token.clone());
+            info!(%addr, "listening for a TCP reservation");
+            tokio::spawn(accept_loop(edge.clone(), listener, port, token));
+        }
+    }
+}
+
+async fn accept_loop(edge: Arc<Edge>, listener: TcpListener, port: u16, token: CancellationToken) {
+    loop {
+        let (tcp, peer) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(x) => x,
+                Err(e) => {
+                    warn!(port, error = %e, "accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = token.cancelled() => return,
+        };
+        let span = tracing::debug_span!("tcp", port, %peer);
+        tokio::spawn(serve(edge.clone(), tcp, port, peer).instrument(span));
+    }
+}
+
+async fn serve(edge: Arc<Edge>, tcp: TcpStream, port: u16, peer: SocketAddr) {
+    let _ = tcp.set_nodelay(true);
+    let local = tcp.local_addr().ok();
+    let Some(reservation) = edge.routes().port(port).cloned() else {
+        return debug!("no reservation for this port any more");
+    };
+    let name = format!(":{port}");
+    let (read, write) = tcp.into_split();
+    let mut tried = Vec::new();
+    let mut body = Some(body::boxed(Counted::new(ReadBody::new(read), edge.metrics.bytes(&name, "in"))));
+    while let Some(guard) = edge.registry.pick(&reservation.id, &tried) {
+        tried.push(guard.conn().id);
+        let mut req = Request::new(body.take().expect("body is put back on retry"));
+        *req.method_mut() = http::Method::POST;
+        *req.uri_mut() = http::Uri::from_static("https://tcp.culvert.invalid/");
+        *req.version_mut() = http::Version::HTTP_2;
+        let h = req.headers_mut();
+        h.insert(STREAM_HEADER, HeaderValue::from_static(StreamKind::Tcp.header_value()));
+        h.insert(CLIENT_ADDR_HEADER, HeaderValue::from_str(&peer.to_string()).expect("ascii"));
+        if let Some(local) = local {
+            h.insert(SERVER_ADDR_HEADER, HeaderValue::from_str(&local.to_string()).expect("ascii"));
+        }
+        let mut sender = guard.conn().sender.clone();
+        match sender.try_send_request(req).await {
+            Ok(resp) if resp.status() == StatusCode::OK => {
+                let down = Counted::new(resp.into_body(), edge.metrics.bytes(&name, "out"));
+                let r = body::copy_body(down, write).await;
+                drop(guard);
+                return debug!(result = ?r, "tcp stream ended");
+            }
+            Ok(resp) => {
+                let why = resp.headers().get(crate::constants::ERROR_HEADER).cloned();
+                return warn!(status = %resp.status(), reason = ?why, "agent refused the TCP stream");
+            }
+            Err(mut e) => match e.take_message() {
+                Some(r) if tried.len() < 3 => body = Some(r.into_body()),
+                _ => return warn!(error = %e.error(), "tunnel failed for a TCP stream"),
+            },
+        }
+    }
+    debug!("no agent connected for this TCP reservation; closing");
+}

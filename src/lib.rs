@@ -1,0 +1,30 @@
+//! culvert: publish services of a cluster with no public address through an
+//! outbound tunnel to an edge you run yourself.
+//!
+//! One binary, several roles (see `DESIGN.md` of the project): [`edge`] is the
+//! public side, [`agent`] the side next to the services, [`tunnel`] the wire
+//! between them, [`admin`] the control API client.
+
+pub mod admin;
+pub mod agent;
+pub mod api;
+pub mod cli;
+pub mod constants;
+pub mod edge;
+pub mod telemetry;
+pub mod tls;
+pub mod tunnel;
+
+/// The error type carried by streamed bodies.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Cancels `token` on SIGINT or SIGTERM.
+pub async fn shutdown_on_signal(token: tokio_util::sync::CancellationToken) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    token.cancel();
+}

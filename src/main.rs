@@ -1,0 +1,25 @@
+//! `culvert`: parse the command line, set up TLS and logging, start a role.
+
+use clap::Parser;
+use culvert::cli::{Cli, Command};
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    culvert::telemetry::init(cli.log_format);
+    match cli.command {
+        Command::Admin(args) => culvert::admin::run(args)?,
+        command => {
+            let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            runtime.block_on(async move {
+                match command {
+                    Command::Edge(args) => culvert::edge::run(args).await.map_err(anyhow::Error::from),
+                    Command::Http(args) => culvert::agent::run_standalone(args, false).await.map_err(Into::into),
+                    Command::Tcp(args) => culvert::agent::run_standalone(args, true).await.map_err(Into::into),
+                    Command::Admin(_) => unreachable!("handled above"),
+                }
+            })?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,249 @@
+//! TLS material: PEM loading, the edge's certificate resolver, the private CA
+//! of `--self-signed`, and the client configuration of agents and the admin client.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
+
+use rustls::crypto::ring as provider;
+use rustls::server::{ClientHello, ResolvesServerCert};
+use rustls::sign::CertifiedKey;
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+
+/// ALPN protocols the edge offers to public clients.
+pub const ALPN_H2: &[u8] = b"h2";
+pub const ALPN_HTTP11: &[u8] = b"http/1.1";
+
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("failed to read {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("failed to write {path}: {source}")]
+    Write {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path} holds no PEM certificate (expected -----BEGIN CERTIFICATE-----)")]
+    NoCertificate { path: PathBuf },
+    #[error("{path} holds no PEM private key (PKCS#8, PKCS#1 or SEC1)")]
+    NoKey { path: PathBuf },
+    #[error("{path}: {message}")]
+    BadPem { path: PathBuf, message: String },
+    #[error("the private key does not fit the certificate or is unsupported: {0}")]
+    Key(#[source] rustls::Error),
+    #[error("failed to build TLS configuration: {0}")]
+    Config(#[source] rustls::Error),
+    #[error("failed to generate a certificate: {0}")]
+    Generate(#[from] rcgen::Error),
+}
+
+impl TlsError {
+    /// Static category for metrics and events.
+    pub fn category(&self) -> &'static str {
+        match self {
+            TlsError::Read { .. } | TlsError::Write { .. } => "io",
+            TlsError::NoCertificate { .. } | TlsError::NoKey { .. } | TlsError::BadPem { .. } => {
+                "bad_pem"
+            }
+            TlsError::Key(_) | TlsError::Config(_) => "config",
+            TlsError::Generate(_) => "generate",
+        }
+    }
+}
+
+fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
+    std::fs::read(path).map_err(|source| TlsError::Read { path: path.into(), source })
+}
+
+/// Every certificate of a PEM file, in order.
+pub fn load_pem_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let pem = read(path)?;
+    let certs = CertificateDer::pem_slice_iter(&pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| TlsError::BadPem { path: path.into(), message: e.to_string() })?;
+    if certs.is_empty() {
+        return Err(TlsError::NoCertificate { path: path.into() });
+    }
+    Ok(certs)
+}
+
+/// The first private key of a PEM file.
+pub fn load_pem_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
+    let pem = read(path)?;
+    PrivateKeyDer::from_pem_slice(&pem).map_err(|e| match e {
+        rustls_pki_types::pem::Error::NoItemsFound => TlsError::NoKey { path: path.into() },
+        e => TlsError::BadPem { path: path.into(), message: e.to_string() },
+    })
+}
+
+/// A certificate chain and its key, ready to serve.
+pub fn certified_key(
+    certs: Vec<CertificateDer<'static>>,
+    key: PrivateKeyDer<'static>,
+) -> Result<Arc<CertifiedKey>, TlsError> {
+    CertifiedKey::from_der(certs, key, &provider::default_provider())
+        .map(Arc::new)
+        .map_err(TlsError::Key)
+}
+
+/// Picks the certificate by SNI: exact names first (custom domains), then
+/// the default (the edge's own `<domain>` and `*.<domain>` certificate).
+/// Certificates can be swapped without a restart.
+#[derive(Debug)]
+pub struct CertResolver {
+    default: RwLock<Arc<CertifiedKey>>,
+    by_name: RwLock<HashMap<String, Arc<CertifiedKey>>>,
+}
+
+impl CertResolver {
+    pub fn new(default: Arc<CertifiedKey>) -> Self {
+        CertResolver { default: RwLock::new(default), by_name: RwLock::default() }
+    }
+
+    /// Serves `key` for the exact host name `name` (lower case).
+    pub fn set(&self, name: &str, key: Arc<CertifiedKey>) {
+        self.by_name.write().expect("poisoned").insert(name.to_ascii_lowercase(), key);
+    }
+
+    pub fn remove(&self, name: &str) {
+        self.by_name.write().expect("poisoned").remove(&name.to_ascii_lowercase());
+    }
+
+    pub fn set_default(&self, key: Arc<CertifiedKey>) {
+        *self.default.write().expect("poisoned") = key;
+    }
+}
+
+impl ResolvesServerCert for CertResolver {
+    fn resolve(&self, hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        if let Some(name) = hello.server_name() {
+            let by_name = self.by_name.read().expect("poisoned");
+            if let Some(key) = by_name.get(&name.to_ascii_lowercase()) {
+                return Some(key.clone());
+            }
+        }
+        Some(self.default.read().expect("poisoned").clone())
+    }
+}
+
+/// The edge's TLS server configuration: TLS 1.2 and 1.3, ALPN h2 and http/1.1.
+pub fn server_config(resolver: Arc<CertResolver>) -> Result<Arc<rustls::ServerConfig>, TlsError> {
+    let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(provider::default_provider()))
+        .with_safe_default_protocol_versions()
+        .map_err(TlsError::Config)?
+        .with_no_client_auth()
+        .with_cert_resolver(resolver);
+    config.alpn_protocols = vec![ALPN_H2.to_vec(), ALPN_HTTP11.to_vec()];
+    Ok(Arc::new(config))
+}
+
+/// Root certificates: the PEM CA file if given (and only it), else the
+/// Mozilla roots compiled into the binary (a scratch image has no system store).
+pub fn root_store(ca_file: Option<&Path>) -> Result<rustls::RootCertStore, TlsError> {
+    let mut roots = rustls::RootCertStore::empty();
+    match ca_file {
+        Some(path) => {
+            for cert in load_pem_certs(path)? {
+                roots.add(cert).map_err(|e| TlsError::BadPem {
+                    path: path.into(),
+                    message: format!("not a usable CA certificate: {e}"),
+                })?;
+            }
+        }
+        None => roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned()),
+    }
+    Ok(roots)
+}
+
+/// The tunnel client's configuration: TLS 1.3 only, ALPN http/1.1 (the
+/// WebSocket upgrade is an HTTP/1.1 request).
+pub fn tunnel_client_config(ca_file: Option<&Path>) -> Result<Arc<rustls::ClientConfig>, TlsError> {
+    let mut config = rustls::ClientConfig::builder_with_provider(Arc::new(provider::default_provider()))
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(TlsError::Config)?
+        .with_root_certificates(root_store(ca_file)?)
+        .with_no_client_auth();
+    config.alpn_protocols = vec![ALPN_HTTP11.to_vec()];
+    Ok(Arc::new(config))
+}
+
+/// Files of the private CA made by `culvert edge --self-signed`.
+pub struct SelfSignedFiles {
+    /// The CA certificate agents and clients trust (`--ca-file`).
+    pub ca_cert: PathBuf,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+/// Makes (on first use) and loads a private CA and a serving certificate for
+/// `domain`, `*.domain`, `localhost`, 127.0.0.1 and ::1, kept in `dir` so a
+/// restart serves the same chain. The CA's key is not kept.
+pub fn self_signed(dir: &Path, domain: &str) -> Result<SelfSignedFiles, TlsError> {
+    let files = SelfSignedFiles {
+        ca_cert: dir.join("ca.pem"),
+        cert: dir.join("self-signed-cert.pem"),
+        key: dir.join("self-signed-key.pem"),
+    };
+    if files.ca_cert.exists() && files.cert.exists() && files.key.exists() {
+        return Ok(files);
+    }
+    let pki = generate_pki(&[
+        domain.to_string(),
+        format!("*.{domain}"),
+        "localhost".into(),
+        "127.0.0.1".into(),
+        "::1".into(),
+    ])?;
+    write_file(&files.ca_cert, pki.ca_pem.as_bytes(), 0o644)?;
+    write_file(&files.cert, format!("{}{}", pki.cert_pem, pki.ca_pem).as_bytes(), 0o644)?;
+    write_file(&files.key, pki.key_pem.as_bytes(), 0o600)?;
+    Ok(files)
+}
+
+/// A CA and one serving certificate signed by it (PEM).
+pub struct GeneratedPki {
+    pub ca_pem: String,
+    pub cert_pem: String,
+    pub key_pem: String,
+}
+
+/// Generates a CA and a serving certificate for `names` (IP literals become IP SANs).
+pub fn generate_pki(names: &[String]) -> Result<GeneratedPki, TlsError> {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};
+    let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
+    ca_params.distinguished_name.push(DnType::CommonName, "culvert self-signed CA");
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    let ca_key = KeyPair::generate()?;
+    let ca_cert = ca_params.self_signed(&ca_key)?;
+    let issuer = Issuer::new(ca_params, ca_key);
+
+    let mut params = CertificateParams::new(names.to_vec())?;
+    params.distinguished_name.push(DnType::CommonName, names.first().cloned().unwrap_or_default());
+    let key = KeyPair::generate()?;
+    let cert = params.signed_by(&key, &issuer)?;
+    Ok(GeneratedPki { ca_pem: ca_cert.pem(), cert_pem: cert.pem(), key_pem: key.serialize_pem() })
+}
+
+/// Writes a file with the given Unix mode, creating it only readable as asked.
+pub fn write_file(path: &Path, contents: &[u8], mode: u32) -> Result<(), TlsError> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let write = || -> std::io::Result<()> {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(mode)
+            .open(path)?;
+        f.write_all(contents)?;
+        f.sync_all()
+    };
+    write().map_err(|source| TlsError::Write { path: path.into(), source })
+}

@@ -1,0 +1,191 @@
+//! Streaming bodies between sockets and HTTP/2 streams, without buffering
+//! more than one chunk.
+
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::{Bytes, BytesMut};
+use http_body_util::{BodyExt, Empty, Full};
+use hyper::body::{Body, Frame, SizeHint};
+use prometheus_client::metrics::counter::Counter;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
+use tokio::sync::mpsc;
+use tokio_util::io::poll_read_buf;
+
+use crate::BoxError;
+
+/// The body type every tunnelled request and response uses.
+pub type BoxBody = http_body_util::combinators::UnsyncBoxBody<Bytes, BoxError>;
+
+/// Size of one read from a socket into a body chunk.
+const READ_CHUNK: usize = 64 * 1024;
+
+pub fn empty() -> BoxBody {
+    Empty::new().map_err(|never| match never {}).boxed_unsync()
+}
+
+pub fn full(data: impl Into<Bytes>) -> BoxBody {
+    Full::new(data.into()).map_err(|never| match never {}).boxed_unsync()
+}
+
+/// Any body, boxed, with its error boxed.
+pub fn boxed<B>(body: B) -> BoxBody
+where
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    body.map_err(Into::into).boxed_unsync()
+}
+
+/// A body that reads a socket (or any `AsyncRead`) until EOF.
+pub struct ReadBody<R> {
+    reader: R,
+    buf: BytesMut,
+    done: bool,
+}
+
+impl<R> ReadBody<R> {
+    pub fn new(reader: R) -> Self {
+        ReadBody { reader, buf: BytesMut::new(), done: false }
+    }
+}
+
+impl<R: AsyncRead + Unpin> Body for ReadBody<R> {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        if this.done {
+            return Poll::Ready(None);
+        }
+        if this.buf.capacity() < READ_CHUNK {
+            this.buf.reserve(READ_CHUNK);
+        }
+        match poll_read_buf(Pin::new(&mut this.reader), cx, &mut this.buf) {
+            Poll::Ready(Ok(0)) => {
+                this.done = true;
+                Poll::Ready(None)
+            }
+            Poll::Ready(Ok(_)) => Poll::Ready(Some(Ok(Frame::data(this.buf.split().freeze())))),
+            Poll::Ready(Err(e)) => {
+                this.done = true;
+                Poll::Ready(Some(Err(e.into())))
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done
+    }
+}
+
+/// A body fed through a bounded channel (backpressure: the sender waits).
+pub struct ChannelBody(pub mpsc::Receiver<Bytes>);
+
+impl Body for ChannelBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.get_mut().0.poll_recv(cx).map(|b| b.map(|b| Ok(Frame::data(b))))
+    }
+}
+
+/// Counts the data bytes of a body into a Prometheus counter, and keeps
+/// something alive (a stream slot) for as long as the body is.
+pub struct Counted<B> {
+    inner: B,
+    counter: Counter,
+    _hold: Option<Box<dyn std::any::Any + Send>>,
+}
+
+impl<B> Counted<B> {
+    pub fn new(inner: B, counter: Counter) -> Self {
+        Counted { inner, counter, _hold: None }
+    }
+
+    /// Drops `value` together with the body.
+    pub fn hold(mut self, value: impl std::any::Any + Send) -> Self {
+        self._hold = Some(Box::new(value));
+        self
+    }
+}
+
+impl<B> Body for Counted<B>
+where
+    B: Body<Data = Bytes> + Unpin,
+{
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.inner).poll_frame(cx);
+        if let Poll::Ready(Some(Ok(frame))) = &polled {
+            if let Some(data) = frame.data_ref() {
+                this.counter.inc_by(data.len() as u64);
+            }
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// Writes every data frame of `body` to `writer`, then shuts the writer down
+/// (half-close). Returns the bytes written.
+pub async fn copy_body<B, W>(mut body: B, mut writer: W) -> io::Result<u64>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+    W: AsyncWrite + Unpin,
+{
+    let mut total = 0u64;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| io::Error::other(e.into()))?;
+        if let Ok(data) = frame.into_data() {
+            total += data.len() as u64;
+            writer.write_all(&data).await?;
+            writer.flush().await?;
+        }
+    }
+    writer.shutdown().await?;
+    Ok(total)
+}
+
+/// Feeds everything `reader` yields into `tx` until EOF or the receiver goes away.
+pub async fn copy_to_channel<R>(mut reader: R, tx: mpsc::Sender<Bytes>) -> io::Result<u64>
+where
+    R: AsyncRead + Unpin,
+{
+    use tokio::io::AsyncReadExt;
+    let mut total = 0u64;
+    loop {
+        let mut buf = BytesMut::with_capacity(READ_CHUNK);
+        if reader.read_buf(&mut buf).await? == 0 {
+            return Ok(total);
+        }
+        total += buf.len() as u64;
+        if tx.send(buf.freeze()).await.is_err() {
+            return Ok(total);
+        }
+    }
+}

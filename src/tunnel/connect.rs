@@ -1,0 +1,225 @@
+//! The agent's end of the handshake: dial (maybe through a proxy), TLS 1.3,
+//! WebSocket upgrade with the tunnel key.
+
+use std::sync::Arc;
+
+use http::{HeaderValue, Request};
+use tokio::net::TcpStream;
+use tokio_rustls::TlsConnector;
+use tokio_rustls::client::TlsStream;
+use tokio_tungstenite::tungstenite::Error as WsError;
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+
+use super::proxy::{self, Proxy};
+use super::ws::{self, Control, WsStream};
+use crate::api::{ErrorBody, Protocol};
+use crate::constants::{
+    AGENT_ID_HEADER, CONNECT_PATH, HANDSHAKE_TIMEOUT, PROTOCOL_VERSION, PUBLIC_URL_HEADER,
+    TUNNEL_PROTOCOL_HEADER, VERSION_HEADER,
+};
+
+/// Where the edge is: parsed from `--edge https://host[:port]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EdgeUrl {
+    pub host: String,
+    pub port: u16,
+}
+
+impl EdgeUrl {
+    pub fn parse(url: &str) -> Result<EdgeUrl, ConnectError> {
+        let bad = |why: &str| ConnectError::BadUrl { url: url.into(), why: why.into() };
+        let rest = match url.split_once("://") {
+            Some(("https", rest)) => rest,
+            Some((_, _)) => return Err(bad("the edge is reached over https://")),
+            None => url,
+        };
+        let authority = rest.split('/').next().unwrap_or_default();
+        let (host, port) =
+            proxy::split_host_port(authority, 443).ok_or_else(|| bad("expected https://HOST[:PORT]"))?;
+        if host.is_empty() {
+            return Err(bad("no host"));
+        }
+        Ok(EdgeUrl { host, port })
+    }
+
+    /// `host:port` as written in a URL authority.
+    pub fn authority(&self) -> String {
+        match (self.host.contains(':'), self.port) {
+            (true, 443) => format!("[{}]", self.host),
+            (true, p) => format!("[{}]:{p}", self.host),
+            (false, 443) => self.host.clone(),
+            (false, p) => format!("{}:{p}", self.host),
+        }
+    }
+}
+
+/// Why a tunnel connection could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    #[error("bad edge URL `{url}`: {why}")]
+    BadUrl { url: String, why: String },
+    #[error("bad proxy setting: {0}")]
+    Proxy(String),
+    #[error("failed to reach the edge at {addr}: {source}")]
+    Dial {
+        addr: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("TLS handshake with {addr} failed: {source} (for an edge started with --self-signed, pass its ca.pem with --ca-file)")]
+    Tls {
+        addr: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the edge refused the tunnel ({status}, {code}): {message}")]
+    Refused { status: u16, code: String, message: String },
+    #[error("WebSocket upgrade failed: {0}")]
+    WebSocket(#[source] Box<WsError>),
+    #[error("handshake timed out after {0:?}")]
+    Timeout(std::time::Duration),
+}
+
+impl ConnectError {
+    /// Static category for logs and metrics.
+    pub fn category(&self) -> &'static str {
+        match self {
+            ConnectError::BadUrl { .. } => "bad_url",
+            ConnectError::Proxy(_) => "proxy",
+            ConnectError::Dial { .. } => "dial",
+            ConnectError::Tls { .. } => "tls",
+            ConnectError::Refused { .. } => "refused",
+            ConnectError::WebSocket(_) => "websocket",
+            ConnectError::Timeout(_) => "timeout",
+        }
+    }
+
+    /// A refusal that retrying will not fix (bad or revoked key, old agent,
+    /// wrong URL). Too-many-agents and server errors are worth retrying.
+    pub fn is_permanent(&self) -> bool {
+        match self {
+            ConnectError::Refused { status, .. } => matches!(status, 400 | 401 | 403 | 404 | 426),
+            ConnectError::BadUrl { .. } | ConnectError::Proxy(_) => true,
+            _ => false,
+        }
+    }
+}
+
+/// What the edge said about the tunnel in its 101 response.
+#[derive(Debug, Clone)]
+pub struct TunnelInfo {
+    pub protocol: Option<Protocol>,
+    pub public_url: Option<String>,
+}
+
+/// An open tunnel connection, before HTTP/2 starts.
+pub struct Connected {
+    pub stream: WsStream<TlsStream<TcpStream>>,
+    pub control: Arc<Control>,
+    pub info: TunnelInfo,
+}
+
+/// Settings of an agent's connections.
+#[derive(Clone)]
+pub struct Dialer {
+    pub edge: EdgeUrl,
+    pub key: String,
+    pub agent_id: String,
+    pub tls: Arc<rustls::ClientConfig>,
+}
+
+impl Dialer {
+    /// Dials the edge and performs the handshake, within [`HANDSHAKE_TIMEOUT`].
+    #[tracing::instrument(skip(self), fields(edge = %self.edge.authority()))]
+    pub async fn connect(&self) -> Result<Connected, ConnectError> {
+        tokio::time::timeout(HANDSHAKE_TIMEOUT, self.connect_inner())
+            .await
+            .map_err(|_| ConnectError::Timeout(HANDSHAKE_TIMEOUT))?
+    }
+
+    async fn connect_inner(&self) -> Result<Connected, ConnectError> {
+        let addr = self.edge.authority();
+        let proxy = Proxy::from_env(&self.edge.host).map_err(ConnectError::Proxy)?;
+        let tcp = proxy::dial(&self.edge.host, self.edge.port, proxy.as_ref())
+            .await
+            .map_err(|source| ConnectError::Dial { addr: addr.clone(), source })?;
+        let server_name = rustls_pki_types::ServerName::try_from(self.edge.host.clone())
+            .map_err(|_| ConnectError::BadUrl { url: addr.clone(), why: "invalid host name".into() })?;
+        let tls = TlsConnector::from(self.tls.clone())
+            .connect(server_name, tcp)
+            .await
+            .map_err(|source| ConnectError::Tls { addr: addr.clone(), source })?;
+
+        let mut req: Request<()> = format!("wss://{addr}{CONNECT_PATH}")
+            .into_client_request()
+            .map_err(|e| ConnectError::WebSocket(Box::new(e)))?;
+        let headers = req.headers_mut();
+        let bearer = HeaderValue::from_str(&format!("Bearer {}", self.key)).map_err(|_| {
+            ConnectError::Refused {
+                status: 401,
+                code: "bad_key".into(),
+                message: "the tunnel key has characters a header cannot carry".into(),
+            }
+        })?;
+        headers.insert(http::header::AUTHORIZATION, bearer);
+        headers.insert(VERSION_HEADER, HeaderValue::from(PROTOCOL_VERSION));
+        if let Ok(id) = HeaderValue::from_str(&self.agent_id) {
+            headers.insert(AGENT_ID_HEADER, id);
+        }
+        let (ws, resp) = tokio_tungstenite::client_async_with_config(req, tls, Some(ws::ws_config()))
+            .await
+            .map_err(refusal)?;
+        let header = |name: &str| resp.headers().get(name).and_then(|v| v.to_str().ok());
+        let info = TunnelInfo {
+            protocol: header(TUNNEL_PROTOCOL_HEADER).and_then(|p| match p {
+                "http" => Some(Protocol::Http),
+                "tcp" => Some(Protocol::Tcp),
+                "tls" => Some(Protocol::Tls),
+                _ => None,
+            }),
+            public_url: header(PUBLIC_URL_HEADER).map(str::to_string),
+        };
+        let control = Arc::new(Control::default());
+        Ok(Connected { stream: WsStream::new(ws, control.clone()), control, info })
+    }
+}
+
+/// Turns a non-101 upgrade response into a [`ConnectError::Refused`] with the
+/// edge's reason.
+fn refusal(e: WsError) -> ConnectError {
+    match e {
+        WsError::Http(resp) => {
+            let status = resp.status().as_u16();
+            let body = resp.body().as_deref().unwrap_or_default();
+            match serde_json::from_slice::<ErrorBody>(body) {
+                Ok(b) => ConnectError::Refused { status, code: b.error.code, message: b.error.message },
+                Err(_) => ConnectError::Refused {
+                    status,
+                    code: "http".into(),
+                    message: format!(
+                        "unexpected HTTP {status} (is this a culvert edge?): {}",
+                        String::from_utf8_lossy(&body[..body.len().min(200)])
+                    ),
+                },
+            }
+        }
+        e => ConnectError::WebSocket(Box::new(e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn edge_urls() {
+        assert_eq!(
+            EdgeUrl::parse("https://edge.example.com").unwrap(),
+            EdgeUrl { host: "edge.example.com".into(), port: 443 }
+        );
+        let u = EdgeUrl::parse("https://127.0.0.1:8443/").unwrap();
+        assert_eq!((u.host.as_str(), u.port, u.authority()), ("127.0.0.1", 8443, "127.0.0.1:8443".into()));
+        assert!(EdgeUrl::parse("http://x").is_err());
+        assert_eq!(EdgeUrl::parse("[::1]:9").unwrap().authority(), "[::1]:9");
+    }
+}

@@ -1,0 +1,73 @@
+//! The wire between agent and edge (see DESIGN.md "The tunnel"):
+//!
+//! ```text
+//! agent ──TCP──▶ (HTTP CONNECT proxy) ──▶ edge:443, TLS 1.3,
+//!   WebSocket upgrade on /_culvert/v1/connect with the tunnel key,
+//!   binary messages carrying one byte stream ([`ws::WsStream`]),
+//!   HTTP/2 over it: the edge is the h2 client, the agent the h2 server.
+//! ```
+//!
+//! One public HTTP request is one h2 stream; one public TCP connection is one
+//! full-duplex h2 stream whose request and response bodies carry the bytes.
+
+pub mod backoff;
+pub mod body;
+pub mod connect;
+pub mod handshake;
+pub mod proxy;
+pub mod ws;
+
+use hyper_util::rt::TokioExecutor;
+
+use crate::constants::{H2_CONN_WINDOW, H2_MAX_FRAME, H2_MAX_STREAMS, H2_STREAM_WINDOW};
+
+/// HTTP/2 client settings of the edge's end of a tunnel.
+pub fn h2_client() -> hyper::client::conn::http2::Builder<TokioExecutor> {
+    let mut b = hyper::client::conn::http2::Builder::new(TokioExecutor::new());
+    b.initial_stream_window_size(H2_STREAM_WINDOW)
+        .initial_connection_window_size(H2_CONN_WINDOW)
+        .adaptive_window(true)
+        .max_frame_size(H2_MAX_FRAME)
+        .max_concurrent_reset_streams(1024);
+    b
+}
+
+/// HTTP/2 server settings of the agent's end of a tunnel.
+pub fn h2_server() -> hyper::server::conn::http2::Builder<TokioExecutor> {
+    let mut b = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+    b.initial_stream_window_size(H2_STREAM_WINDOW)
+        .initial_connection_window_size(H2_CONN_WINDOW)
+        .adaptive_window(true)
+        .max_frame_size(H2_MAX_FRAME)
+        .max_concurrent_streams(H2_MAX_STREAMS);
+    b
+}
+
+/// What a tunnelled stream is, from the `culvert-stream` header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamKind {
+    /// A plain HTTP request.
+    Http,
+    /// An HTTP upgrade (WebSocket...): request head, then raw bytes both ways.
+    Upgrade,
+    /// Raw bytes of one public TCP (or TLS passthrough) connection.
+    Tcp,
+}
+
+impl StreamKind {
+    pub fn header_value(self) -> &'static str {
+        match self {
+            StreamKind::Http => "http",
+            StreamKind::Upgrade => "upgrade",
+            StreamKind::Tcp => "tcp",
+        }
+    }
+
+    pub fn of<B>(req: &http::Request<B>) -> StreamKind {
+        match req.headers().get(crate::constants::STREAM_HEADER).map(|v| v.as_bytes()) {
+            Some(b"tcp") => StreamKind::Tcp,
+            Some(b"upgrade") => StreamKind::Upgrade,
+            _ => StreamKind::Http,
+        }
+    }
+}
