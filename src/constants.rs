@@ -97,3 +97,8 @@ pub const API_CLIENT_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Default TCP port range for TCP reservations.
 pub const DEFAULT_TCP_PORTS: &str = "20000-20999";
+
+/// Largest control API request body; larger ones get 413.
+pub const API_MAX_BODY: usize = 64 * 1024;
+/// A control API request body must arrive completely within this.
+pub const API_BODY_TIMEOUT: Duration = Duration::from_secs(10);

@@ -238,7 +238,8 @@ async fn http(parts: http::request::Parts, body: Incoming, authority: &str) -> R
             Response::from_parts(parts, body::boxed(body))
         }
         Err(e) => {
-            let msg = format!("backend {authority} failed: {}", error_chain(&e));
+            let what = if e.is_connect() { "unreachable" } else { "failed" };
+            let msg = format!("backend {authority} {what}: {}", error_chain(&e));
             warn!(error = %msg, "http request failed");
             agent_error(StatusCode::BAD_GATEWAY, &msg)
         }

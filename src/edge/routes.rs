@@ -72,7 +72,9 @@ mod tests {
             hostname: host.map(Into::into),
             port,
             labels: Default::default(),
+            owner: String::new(),
             created_at: String::new(),
+            url: None,
         }
     }
 

@@ -1,0 +1,587 @@
+//! Control API types, shared by the edge, the operator and `culvert admin`.
+//!
+//! Everything is JSON in camelCase under [`crate::constants::API_PREFIX`]; the
+//! routes are served by `edge::api` and called by [`crate::admin`]. Lists are
+//! wrapped as `{"items": [...]}` so they can grow fields later.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// Free-form labels (`key=value`) on tunnel keys and reservations.
+pub type Labels = BTreeMap<String, String>;
+
+/// What a tunnel key publishes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Protocol {
+    /// HTTP(S) by host name: the edge terminates TLS and routes by `Host`.
+    Http,
+    /// Raw TCP on a reserved port.
+    Tcp,
+    /// TLS passthrough by SNI on a reserved host name.
+    Tls,
+}
+
+impl Protocol {
+    /// The wire and JSON spelling (`http`, `tcp`, `tls`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Protocol::Http => "http",
+            Protocol::Tcp => "tcp",
+            Protocol::Tls => "tls",
+        }
+    }
+
+    /// Parses the wire spelling.
+    pub fn parse(s: &str) -> Option<Protocol> {
+        match s {
+            "http" => Some(Protocol::Http),
+            "tcp" => Some(Protocol::Tcp),
+            "tls" => Some(Protocol::Tls),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for Protocol {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What a reservation holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReservationKind {
+    /// `<name>.<edge domain>`.
+    Subdomain,
+    /// A custom domain pointed at the edge by CNAME.
+    Custom,
+    /// A TCP port on the edge.
+    Tcp,
+}
+
+impl ReservationKind {
+    /// The JSON spelling (`subdomain`, `custom`, `tcp`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReservationKind::Subdomain => "subdomain",
+            ReservationKind::Custom => "custom",
+            ReservationKind::Tcp => "tcp",
+        }
+    }
+
+    /// Parses the JSON spelling.
+    pub fn parse(s: &str) -> Option<ReservationKind> {
+        match s {
+            "subdomain" => Some(ReservationKind::Subdomain),
+            "custom" => Some(ReservationKind::Custom),
+            "tcp" => Some(ReservationKind::Tcp),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for ReservationKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A reserved domain or TCP port.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Reservation {
+    /// Public id, `rs_` + 12 hex digits.
+    pub id: String,
+    /// Subdomain, custom domain or TCP port.
+    pub kind: ReservationKind,
+    /// Full host name (subdomain and custom kinds), lower case, no trailing dot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hostname: Option<String>,
+    /// TCP port (tcp kind).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<u16>,
+    /// Free-form labels (the operator keeps its cluster id and namespace here).
+    #[serde(default)]
+    pub labels: Labels,
+    /// Id of the API key that holds the reservation.
+    #[serde(default)]
+    pub owner: String,
+    /// RFC 3339 UTC time of creation.
+    pub created_at: String,
+    /// Public address: `https://host[:port]` or `tcp://public-host:port`.
+    /// Filled in by the API (the store does not know the edge's addresses).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+}
+
+impl Reservation {
+    /// The public address of the reservation: `https://<hostname>` (with
+    /// `:<https_port>` unless 443) for domains, `tcp://<public_host>:<port>`
+    /// for TCP ports. TLS passthrough uses the same host and port as HTTPS.
+    pub fn public_url(&self, https_port: u16, public_host: &str) -> String {
+        match (self.kind, &self.hostname, self.port) {
+            (ReservationKind::Tcp, _, Some(port)) => format!("tcp://{public_host}:{port}"),
+            (_, Some(host), _) if https_port == 443 => format!("https://{host}"),
+            (_, Some(host), _) => format!("https://{host}:{https_port}"),
+            // Unreachable for records made by the store; say something useful anyway.
+            _ => format!("reservation {}", self.id),
+        }
+    }
+
+    /// What the reservation holds, for messages and tables: the host name or the port.
+    pub fn target(&self) -> String {
+        match (&self.hostname, self.port) {
+            (Some(host), _) => host.clone(),
+            (None, Some(port)) => format!("port {port}"),
+            (None, None) => self.id.clone(),
+        }
+    }
+}
+
+/// Which reservation a tunnel key belongs to. Kept with the key, so a key of
+/// a released reservation still says what it was for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ReservationRef {
+    /// Id of the reservation (`rs_…`).
+    pub id: String,
+    /// Subdomain, custom domain or TCP port.
+    pub kind: ReservationKind,
+    /// Host name (domain kinds).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hostname: Option<String>,
+    /// TCP port (tcp kind).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<u16>,
+}
+
+impl ReservationRef {
+    /// The host name or `port N`, for messages and tables.
+    pub fn target(&self) -> String {
+        match (&self.hostname, self.port) {
+            (Some(host), _) => host.clone(),
+            (None, Some(port)) => format!("port {port}"),
+            (None, None) => self.id.clone(),
+        }
+    }
+}
+
+impl From<&Reservation> for ReservationRef {
+    fn from(r: &Reservation) -> Self {
+        ReservationRef {
+            id: r.id.clone(),
+            kind: r.kind,
+            hostname: r.hostname.clone(),
+            port: r.port,
+        }
+    }
+}
+
+/// Scope of an API key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum ApiKeyScope {
+    /// Everything, including API key management.
+    Admin,
+    /// Reserve/release domains and ports, mint/list/revoke tunnel keys, read info.
+    Endpoints,
+}
+
+impl ApiKeyScope {
+    /// The JSON spelling (`admin`, `endpoints`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ApiKeyScope::Admin => "admin",
+            ApiKeyScope::Endpoints => "endpoints",
+        }
+    }
+
+    /// Parses the JSON spelling.
+    pub fn parse(s: &str) -> Option<ApiKeyScope> {
+        match s {
+            "admin" => Some(ApiKeyScope::Admin),
+            "endpoints" => Some(ApiKeyScope::Endpoints),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for ApiKeyScope {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An API key as listed (never with its secret).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ApiKey {
+    /// Public id, `ak_` + 12 hex digits.
+    pub id: String,
+    /// What the key is for (free text given at creation).
+    pub name: String,
+    /// What the key may do.
+    pub scope: ApiKeyScope,
+    /// RFC 3339 UTC time of creation.
+    pub created_at: String,
+    /// RFC 3339 UTC time of revocation, if revoked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revoked_at: Option<String>,
+}
+
+/// A tunnel key as listed (never with its secret).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TunnelKey {
+    /// Public id, `tk_` + 12 hex digits.
+    pub id: String,
+    /// What the key publishes.
+    pub protocol: Protocol,
+    /// The reservation the key opens connections for.
+    pub reservation: ReservationRef,
+    /// Free-form labels (the operator keeps its cluster id and object uid here).
+    #[serde(default)]
+    pub labels: Labels,
+    /// Id of the API key that holds the key's reservation.
+    #[serde(default)]
+    pub owner: String,
+    /// RFC 3339 UTC time of creation.
+    pub created_at: String,
+    /// RFC 3339 UTC time of revocation, if revoked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revoked_at: Option<String>,
+    /// Agents connected with this key right now (filled in by the API).
+    #[serde(default)]
+    pub connections: usize,
+}
+
+/// `GET info`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Info {
+    /// The edge's base domain.
+    pub domain: String,
+    /// The edge's culvert version.
+    pub version: String,
+    /// Tunnel wire protocol version the edge speaks.
+    pub protocol_version: u32,
+    /// Oldest agent protocol version the edge accepts.
+    pub min_protocol_version: u32,
+    /// TCP port range for TCP reservations, `FIRST-LAST`.
+    pub tcp_ports: String,
+    /// Host name public TCP addresses are reported with.
+    pub public_host: String,
+    /// Port of public HTTPS (and the tunnel endpoint).
+    pub public_https_port: u16,
+    /// The API key that made this call.
+    pub caller: ApiKey,
+}
+
+/// `POST domains`: give exactly one of `name` and `fqdn`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ReserveDomainRequest {
+    /// A DNS label: reserves `<name>.<edge domain>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// A full host name (custom domain). One label under the edge's domain is
+    /// treated as `name`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fqdn: Option<String>,
+    /// Labels stored with a new reservation (an existing one keeps its own).
+    #[serde(default, skip_serializing_if = "Labels::is_empty")]
+    pub labels: Labels,
+}
+
+/// `POST ports`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ReservePortRequest {
+    /// A port within the edge's range; none picks the lowest free one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<u16>,
+    /// Labels stored with a new reservation (an existing one keeps its own).
+    #[serde(default, skip_serializing_if = "Labels::is_empty")]
+    pub labels: Labels,
+}
+
+/// `DELETE domains/{host}` and `DELETE ports/{port}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ReleaseResponse {
+    /// The reservation that no longer exists.
+    pub reservation: Reservation,
+    /// Ids of the tunnel keys revoked with it.
+    pub revoked_tunnel_keys: Vec<String>,
+}
+
+/// `POST tunnel-keys`: give exactly one of `domain` and `port`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CreateTunnelKeyRequest {
+    /// Host name or subdomain label of a domain reservation (http, tls).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub domain: Option<String>,
+    /// Port of a TCP reservation (tcp).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<u16>,
+    /// What the key publishes; defaults to `http` for a domain, `tcp` for a port.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub protocol: Option<Protocol>,
+    /// Free-form labels.
+    #[serde(default, skip_serializing_if = "Labels::is_empty")]
+    pub labels: Labels,
+}
+
+/// `POST tunnel-keys` answer: the key and its secret, shown only here.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CreatedTunnelKey {
+    /// The key as it will be listed.
+    #[serde(flatten)]
+    pub key: TunnelKey,
+    /// The secret (`culvert_t_…`); the edge keeps only its hash.
+    pub secret: String,
+    /// Public address the key publishes.
+    pub url: String,
+}
+
+/// `POST api-keys`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CreateApiKeyRequest {
+    /// What the key is for (1-100 characters).
+    pub name: String,
+    /// What the key may do.
+    pub scope: ApiKeyScope,
+}
+
+/// `POST api-keys` answer: the key and its secret, shown only here.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CreatedApiKey {
+    /// The key as it will be listed.
+    #[serde(flatten)]
+    pub key: ApiKey,
+    /// The secret (`culvert_a_…` or `culvert_e_…`); the edge keeps only its hash.
+    pub secret: String,
+}
+
+/// Every list answer: `{"items": [...]}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct List<T> {
+    /// The listed records.
+    pub items: Vec<T>,
+}
+
+/// Body of every API error: `{"error": {"code": "...", "message": "..."}}`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ErrorBody {
+    /// The error.
+    pub error: ErrorDetail,
+}
+
+/// The inside of [`ErrorBody`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ErrorDetail {
+    /// Stable machine-readable code, e.g. `already_reserved`.
+    pub code: String,
+    /// What went wrong and what to do about it.
+    pub message: String,
+}
+
+impl ErrorBody {
+    /// An error body with this code and message.
+    pub fn new(code: impl Into<String>, message: impl Into<String>) -> Self {
+        ErrorBody {
+            error: ErrorDetail {
+                code: code.into(),
+                message: message.into(),
+            },
+        }
+    }
+}
+
+/// A label selector: comma-separated `key=value`, `key!=value`, `key` (has
+/// the label) and `!key` (lacks it); all must hold. Empty selects everything.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Selector {
+    terms: Vec<SelectorTerm>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum SelectorTerm {
+    Eq(String, String),
+    Ne(String, String),
+    Exists(String),
+    Absent(String),
+}
+
+impl Selector {
+    /// Parses `k=v,k2!=v2,k3,!k4` (`==` is accepted for `=`).
+    pub fn parse(s: &str) -> Result<Selector, String> {
+        let mut terms = Vec::new();
+        for raw in s.split(',') {
+            let term = raw.trim();
+            if term.is_empty() {
+                continue;
+            }
+            let parsed = if let Some((k, v)) = term.split_once("!=") {
+                SelectorTerm::Ne(check_selector_key(k.trim(), term)?, v.trim().to_string())
+            } else if let Some((k, v)) = term.split_once("==").or_else(|| term.split_once('=')) {
+                SelectorTerm::Eq(check_selector_key(k.trim(), term)?, v.trim().to_string())
+            } else if let Some(k) = term.strip_prefix('!') {
+                SelectorTerm::Absent(check_selector_key(k.trim(), term)?)
+            } else {
+                SelectorTerm::Exists(check_selector_key(term, term)?)
+            };
+            terms.push(parsed);
+        }
+        Ok(Selector { terms })
+    }
+
+    /// Whether the labels satisfy every term.
+    pub fn matches(&self, labels: &Labels) -> bool {
+        self.terms.iter().all(|t| match t {
+            SelectorTerm::Eq(k, v) => labels.get(k) == Some(v),
+            SelectorTerm::Ne(k, v) => labels.get(k) != Some(v),
+            SelectorTerm::Exists(k) => labels.contains_key(k),
+            SelectorTerm::Absent(k) => !labels.contains_key(k),
+        })
+    }
+
+    /// Whether the selector selects everything.
+    pub fn is_empty(&self) -> bool {
+        self.terms.is_empty()
+    }
+}
+
+fn check_selector_key(key: &str, term: &str) -> Result<String, String> {
+    if key.is_empty() || key.contains(['=', '!', ',']) || key.chars().any(char::is_whitespace) {
+        return Err(format!(
+            "selector term `{term}` is not `key=value`, `key!=value`, `key` or `!key`"
+        ));
+    }
+    Ok(key.to_string())
+}
+
+/// Longest label key.
+pub const MAX_LABEL_KEY: usize = 253;
+/// Longest label value.
+pub const MAX_LABEL_VALUE: usize = 253;
+/// Most labels on one record.
+pub const MAX_LABELS: usize = 64;
+
+/// Checks labels: at most [`MAX_LABELS`]; keys 1-253 characters of
+/// `A-Z a-z 0-9 . _ - /`; values up to 253 characters without `,` or `=`
+/// (so a selector can match them) and without control characters.
+pub fn validate_labels(labels: &Labels) -> Result<(), String> {
+    if labels.len() > MAX_LABELS {
+        return Err(format!(
+            "{} labels given; at most {MAX_LABELS} are allowed",
+            labels.len()
+        ));
+    }
+    for (k, v) in labels {
+        let key_ok = !k.is_empty()
+            && k.len() <= MAX_LABEL_KEY
+            && k.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"._-/".contains(&b));
+        if !key_ok {
+            return Err(format!(
+                "label key `{k}` is invalid: use 1-{MAX_LABEL_KEY} characters of A-Z, a-z, 0-9, `.`, `_`, `-`, `/`"
+            ));
+        }
+        let value_ok = v.len() <= MAX_LABEL_VALUE
+            && !v.contains([',', '='])
+            && !v.chars().any(char::is_control);
+        if !value_ok {
+            return Err(format!(
+                "label `{k}` has an invalid value: use at most {MAX_LABEL_VALUE} characters, without `,`, `=` or control characters"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Parses `key=value` (a `--label` flag).
+pub fn parse_label(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_string(), v.trim().to_string())),
+        _ => Err(format!("label `{s}` is not `key=value`")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn labels(pairs: &[(&str, &str)]) -> Labels {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn selectors() {
+        let l = labels(&[("cluster", "a"), ("ns", "default")]);
+        assert!(Selector::parse("").unwrap().matches(&l));
+        assert!(Selector::parse("cluster=a").unwrap().matches(&l));
+        assert!(
+            Selector::parse("cluster==a, ns=default")
+                .unwrap()
+                .matches(&l)
+        );
+        assert!(
+            !Selector::parse("cluster=a,ns=kube-system")
+                .unwrap()
+                .matches(&l)
+        );
+        assert!(Selector::parse("cluster!=b").unwrap().matches(&l));
+        assert!(Selector::parse("ns,!uid").unwrap().matches(&l));
+        assert!(!Selector::parse("uid").unwrap().matches(&l));
+        assert!(Selector::parse("=a").is_err());
+        assert!(Selector::parse("a b=c").is_err());
+    }
+
+    #[test]
+    fn label_rules() {
+        assert!(validate_labels(&labels(&[("culvert.dev/cluster", "x-1_2")])).is_ok());
+        assert!(validate_labels(&labels(&[("", "x")])).is_err());
+        assert!(validate_labels(&labels(&[("a b", "x")])).is_err());
+        assert!(validate_labels(&labels(&[("a", "x,y")])).is_err());
+        assert_eq!(parse_label("a=b=c").unwrap(), ("a".into(), "b=c".into()));
+        assert!(parse_label("novalue").is_err());
+    }
+
+    #[test]
+    fn json_shapes() {
+        let r = Reservation {
+            id: "rs_0123456789ab".into(),
+            kind: ReservationKind::Subdomain,
+            hostname: Some("blog.example.com".into()),
+            port: None,
+            labels: Labels::new(),
+            owner: "ak_0123456789ab".into(),
+            created_at: "2025-01-01T00:00:00Z".into(),
+            url: None,
+        };
+        let v = serde_json::to_value(&r).unwrap();
+        assert_eq!(v["createdAt"], "2025-01-01T00:00:00Z");
+        assert_eq!(v["kind"], "subdomain");
+        assert!(v.get("port").is_none());
+        assert_eq!(r.public_url(443, "x"), "https://blog.example.com");
+        assert_eq!(r.public_url(8443, "x"), "https://blog.example.com:8443");
+        let e = serde_json::to_value(ErrorBody::new("c", "m")).unwrap();
+        assert_eq!(
+            e,
+            serde_json::json!({"error": {"code": "c", "message": "m"}})
+        );
+        let bad = serde_json::from_str::<ReserveDomainRequest>(r#"{"nmae":"x"}"#);
+        assert!(bad.is_err());
+    }
+}

@@ -1,0 +1,398 @@
+//! Test support for tunnel tests: an in-process edge with a self-signed CA on
+//! 127.0.0.1 port 0, real backends, agents, and HTTPS clients.
+//!
+//! ```ignore
+//! #[path = "support/net.rs"]
+//! mod net;
+//! ```
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use culvert::agent::{self, OnReady, Target, TunnelOptions};
+use culvert::cli::{EdgeArgs, PortRange};
+use culvert::edge::{self, EdgeHandle};
+use culvert::tunnel::connect::{Dialer, EdgeUrl};
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use serde_json::Value;
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
+
+pub const DOMAIN: &str = "edge.test";
+
+pub fn init() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    culvert::telemetry::init(culvert::cli::LogFormat::Text);
+}
+
+/// A free contiguous range of `n` ports on 127.0.0.1 (checked by binding).
+pub fn free_port_range(n: u16) -> PortRange {
+    for _ in 0..50 {
+        let base = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        if base > 65000 {
+            continue;
+        }
+        let ok = (base..base + n).all(|p| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok());
+        if ok {
+            return PortRange { first: base, last: base + n - 1 };
+        }
+    }
+    panic!("no free port range of {n}");
+}
+
+pub fn edge_args(dir: &Path, https: SocketAddr, tcp_ports: PortRange) -> EdgeArgs {
+    EdgeArgs {
+        domain: DOMAIN.into(),
+        data_dir: dir.to_path_buf(),
+        tls_cert: None,
+        tls_key: None,
+        self_signed: true,
+        https_addr: https,
+        http_addr: "127.0.0.1:0".parse().unwrap(),
+        admin_addr: "127.0.0.1:0".parse().unwrap(),
+        tcp_ports,
+        tcp_bind: "127.0.0.1".parse().unwrap(),
+        public_host: Some("127.0.0.1".into()),
+        max_agents_per_key: 4,
+    }
+}
+
+/// An edge running in this process.
+pub struct TestEdge {
+    pub handle: Option<EdgeHandle>,
+    pub dir: tempfile::TempDir,
+    pub https: SocketAddr,
+    pub ca_file: PathBuf,
+    pub admin_key: String,
+    pub tcp_ports: PortRange,
+}
+
+impl TestEdge {
+    pub async fn start() -> TestEdge {
+        init();
+        let dir = tempfile::tempdir().unwrap();
+        let tcp_ports = free_port_range(4);
+        let handle = edge::start(edge_args(dir.path(), "127.0.0.1:0".parse().unwrap(), tcp_ports))
+            .await
+            .expect("edge starts");
+        let admin_key = handle.new_admin_key.clone().expect("first start creates the admin key");
+        TestEdge {
+            https: handle.https_addr,
+            ca_file: handle.ca_file.clone().unwrap(),
+            handle: Some(handle),
+            dir,
+            admin_key,
+            tcp_ports,
+        }
+    }
+
+    pub fn edge(&self) -> &Arc<edge::Edge> {
+        &self.handle.as_ref().unwrap().edge
+    }
+
+    pub fn url(&self) -> String {
+        format!("https://127.0.0.1:{}", self.https.port())
+    }
+
+    pub fn client(&self) -> HttpsClient {
+        HttpsClient { addr: self.https, ca_file: self.ca_file.clone() }
+    }
+
+    /// Calls the control API with the admin key.
+    pub async fn api(&self, method: &str, path: &str, body: Option<Value>) -> (StatusCode, Value) {
+        self.api_as(&self.admin_key, method, path, body).await
+    }
+
+    pub async fn api_as(&self, key: &str, method: &str, path: &str, body: Option<Value>) -> (StatusCode, Value) {
+        let body = body.map(|b| b.to_string()).unwrap_or_default();
+        let req = Request::builder()
+            .method(method)
+            .uri(format!("/_culvert/v1/api/{path}"))
+            .header("authorization", format!("Bearer {key}"))
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body)))
+            .unwrap();
+        let resp = self.client().send("127.0.0.1", req, false).await.expect("api call");
+        let status = resp.status();
+        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+        let json = serde_json::from_slice(&bytes).unwrap_or(Value::String(String::from_utf8_lossy(&bytes).into()));
+        (status, json)
+    }
+
+    /// Reserves `<name>.edge.test` and mints an http tunnel key; returns (host, secret).
+    pub async fn http_tunnel_key(&self, name: &str) -> (String, String) {
+        let (s, r) = self.api("POST", "domains", Some(serde_json::json!({"name": name}))).await;
+        assert!(s.is_success(), "reserve: {s} {r}");
+        let host = r["hostname"].as_str().unwrap().to_string();
+        let (s, k) = self
+            .api("POST", "tunnel-keys", Some(serde_json::json!({"domain": host, "protocol": "http"})))
+            .await;
+        assert!(s.is_success(), "tunnel key: {s} {k}");
+        (host, k["secret"].as_str().unwrap().to_string())
+    }
+
+    /// Reserves a TCP port and mints a tcp tunnel key; returns (port, secret).
+    pub async fn tcp_tunnel_key(&self) -> (u16, String) {
+        let (s, r) = self.api("POST", "ports", Some(serde_json::json!({}))).await;
+        assert!(s.is_success(), "reserve port: {s} {r}");
+        let port = r["port"].as_u64().unwrap() as u16;
+        let (s, k) = self.api("POST", "tunnel-keys", Some(serde_json::json!({"port": port, "protocol": "tcp"}))).await;
+        assert!(s.is_success(), "tunnel key: {s} {k}");
+        (port, k["secret"].as_str().unwrap().to_string())
+    }
+
+    pub async fn stop(&mut self) {
+        if let Some(h) = self.handle.take() {
+            h.stop().await;
+        }
+    }
+
+    /// Starts again on the same data dir and HTTPS port.
+    pub async fn restart(&mut self) {
+        self.stop().await;
+        let handle = edge::start(edge_args(self.dir.path(), self.https, self.tcp_ports)).await.expect("edge restarts");
+        assert!(handle.new_admin_key.is_none(), "the admin key survives a restart");
+        self.handle = Some(handle);
+    }
+}
+
+/// An HTTPS client that dials the edge and presents any host name (SNI and Host).
+#[derive(Clone)]
+pub struct HttpsClient {
+    pub addr: SocketAddr,
+    pub ca_file: PathBuf,
+}
+
+impl HttpsClient {
+    pub fn tls_config(&self, h2: bool) -> Arc<rustls::ClientConfig> {
+        let roots = culvert::tls::root_store(Some(&self.ca_file)).unwrap();
+        let mut c = rustls::ClientConfig::builder().with_root_certificates(roots).with_no_client_auth();
+        c.alpn_protocols = vec![if h2 { b"h2".to_vec() } else { b"http/1.1".to_vec() }];
+        Arc::new(c)
+    }
+
+    pub async fn connect(&self, host: &str, h2: bool) -> tokio_rustls::client::TlsStream<TcpStream> {
+        let tcp = TcpStream::connect(self.addr).await.unwrap();
+        let name = rustls_pki_types::ServerName::try_from(host.to_string()).unwrap();
+        tokio_rustls::TlsConnector::from(self.tls_config(h2)).connect(name, tcp).await.expect("TLS to the edge")
+    }
+
+    /// Sends one request on a new connection (HTTP/1.1 or h2).
+    pub async fn send<B>(&self, host: &str, mut req: Request<B>, h2: bool) -> hyper::Result<Response<Incoming>>
+    where
+        B: hyper::body::Body<Data = Bytes> + Send + Unpin + 'static,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let tls = self.connect(host, h2).await;
+        let pq = req.uri().path_and_query().map(|p| p.as_str().to_string()).unwrap_or("/".into());
+        if h2 {
+            *req.uri_mut() = format!("https://{host}{pq}").parse().unwrap();
+            let (mut s, conn) = hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tls)).await?;
+            tokio::spawn(conn);
+            s.send_request(req).await
+        } else {
+            req.headers_mut().insert("host", host.parse().unwrap());
+            let (mut s, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await?;
+            tokio::spawn(conn.with_upgrades());
+            s.send_request(req).await
+        }
+    }
+
+    /// GET and collect the body as a string.
+    pub async fn get(&self, host: &str, path: &str) -> (StatusCode, String) {
+        let req = Request::get(path).body(Full::new(Bytes::new())).unwrap();
+        let resp = self.send(host, req, false).await.expect("request");
+        let status = resp.status();
+        let body = resp.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+        (status, String::from_utf8_lossy(&body).into_owned())
+    }
+}
+
+/// An agent running in this process.
+pub struct TestAgent {
+    pub shutdown: CancellationToken,
+    pub task: tokio::task::JoinHandle<Result<(), culvert::tunnel::connect::ConnectError>>,
+}
+
+impl TestAgent {
+    /// Connects and waits until the edge routes streams to it.
+    pub async fn start(edge: &TestEdge, key: &str, target: Target) -> TestAgent {
+        Self::start_at(&edge.url(), &edge.ca_file, key, target).await
+    }
+
+    pub async fn start_at(url: &str, ca_file: &Path, key: &str, target: Target) -> TestAgent {
+        let agent = Self::spawn(url, ca_file, key, target, false);
+        agent.1.notified().await;
+        agent.0
+    }
+
+    /// Starts without waiting; the Notify fires on every ready connection.
+    pub fn spawn(url: &str, ca_file: &Path, key: &str, target: Target, stop_on_permanent: bool) -> (TestAgent, Arc<tokio::sync::Notify>) {
+        let dialer = Dialer {
+            edge: EdgeUrl::parse(url).unwrap(),
+            key: key.into(),
+            agent_id: agent::agent_id(),
+            tls: culvert::tls::tunnel_client_config(Some(ca_file)).unwrap(),
+        };
+        let ready = Arc::new(tokio::sync::Notify::new());
+        let r = ready.clone();
+        let on_ready: OnReady = Arc::new(move |_| r.notify_one());
+        let shutdown = CancellationToken::new();
+        let options = TunnelOptions { stop_on_permanent_error: stop_on_permanent, on_ready: Some(on_ready) };
+        let task = tokio::spawn(agent::run_tunnel(dialer, agent::serve::fixed(target), options, shutdown.clone()));
+        (TestAgent { shutdown, task }, ready)
+    }
+
+    /// Drains and stops.
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        let _ = self.task.await;
+    }
+}
+
+/// A real HTTP/1.1 backend on 127.0.0.1:0:
+/// - `/echo`: JSON of method, path, headers and body length;
+/// - `/bytes?n=N`: streams N bytes;
+/// - `/upload`: reads the body, answers its length;
+/// - `/delay?ms=N`: answers after N ms;
+/// - `/ws`: WebSocket echo;
+/// - anything else: `hello from backend`.
+pub async fn http_backend() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else { return };
+            let _ = tcp.set_nodelay(true);
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(backend_handle);
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(tcp), service)
+                    .with_upgrades()
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+type TestBody = http_body_util::combinators::UnsyncBoxBody<Bytes, std::io::Error>;
+
+fn query_num(req: &Request<Incoming>, key: &str) -> u64 {
+    req.uri()
+        .query()
+        .unwrap_or_default()
+        .split('&')
+        .find_map(|kv| kv.strip_prefix(&format!("{key}=")).and_then(|v| v.parse().ok()))
+        .unwrap_or(0)
+}
+
+async fn backend_handle(mut req: Request<Incoming>) -> Result<Response<TestBody>, std::convert::Infallible> {
+    let full = |s: String| Full::new(Bytes::from(s)).map_err(|never| match never {}).boxed_unsync();
+    Ok(match req.uri().path() {
+        "/echo" => {
+            let headers: serde_json::Map<String, Value> = req
+                .headers()
+                .iter()
+                .map(|(k, v)| (k.to_string(), Value::String(v.to_str().unwrap_or("").into())))
+                .collect();
+            let (method, path) = (req.method().to_string(), req.uri().to_string());
+            let len = req.into_body().collect().await.map(|b| b.to_bytes().len()).unwrap_or(0);
+            let json = serde_json::json!({"method": method, "path": path, "headers": headers, "bodyLength": len});
+            Response::new(full(json.to_string()))
+        }
+        "/bytes" => {
+            let n = query_num(&req, "n");
+            let chunk = Bytes::from(vec![b'x'; 64 * 1024]);
+            let stream = futures_util::stream::unfold(n, move |left| {
+                let chunk = chunk.clone();
+                async move {
+                    (left > 0).then(|| {
+                        let take = left.min(chunk.len() as u64);
+                        (Ok(hyper::body::Frame::data(chunk.slice(..take as usize))), left - take)
+                    })
+                }
+            });
+            let mut r = Response::new(http_body_util::StreamBody::new(stream).boxed_unsync());
+            r.headers_mut().insert("content-length", n.into());
+            r
+        }
+        "/upload" => {
+            let mut body = req.into_body();
+            let mut total = 0u64;
+            while let Some(frame) = body.frame().await {
+                if let Ok(data) = frame.unwrap().into_data() {
+                    total += data.len() as u64;
+                }
+            }
+            Response::new(full(total.to_string()))
+        }
+        "/delay" => {
+            tokio::time::sleep(std::time::Duration::from_millis(query_num(&req, "ms"))).await;
+            Response::new(full("delayed".into()))
+        }
+        "/ws" => {
+            let key = req.headers().get("sec-websocket-key").cloned().unwrap();
+            let on_upgrade = hyper::upgrade::on(&mut req);
+            tokio::spawn(async move {
+                use futures_util::{SinkExt, StreamExt};
+                let up = on_upgrade.await.unwrap();
+                let mut ws = tokio_tungstenite::WebSocketStream::from_raw_socket(
+                    TokioIo::new(up),
+                    tokio_tungstenite::tungstenite::protocol::Role::Server,
+                    None,
+                )
+                .await;
+                while let Some(Ok(msg)) = ws.next().await {
+                    if msg.is_text() || msg.is_binary() {
+                        if ws.send(msg).await.is_err() {
+                            break;
+                        }
+                    }
+                }
+            });
+            let accept = tokio_tungstenite::tungstenite::handshake::derive_accept_key(key.as_bytes());
+            Response::builder()
+                .status(101)
+                .header("connection", "upgrade")
+                .header("upgrade", "websocket")
+                .header("sec-websocket-accept", accept)
+                .body(full(String::new()))
+                .unwrap()
+        }
+        _ => Response::new(full("hello from backend".into())),
+    })
+}
+
+/// A TCP echo server on 127.0.0.1:0.
+pub async fn tcp_echo() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut tcp, _)) = listener.accept().await else { return };
+            tokio::spawn(async move {
+                let (mut r, mut w) = tcp.split();
+                let _ = tokio::io::copy(&mut r, &mut w).await;
+            });
+        }
+    });
+    addr
+}
+
+/// Resident memory of this process in KiB.
+pub fn rss_kib() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}

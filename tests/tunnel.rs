@@ -1,0 +1,431 @@
+//! The tunnel end to end over real sockets on 127.0.0.1: a real edge (TLS,
+//! WebSocket, HTTP/2), real agents, real backends and real HTTP clients.
+
+#[path = "support/net.rs"]
+mod net;
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use culvert::agent::Target;
+use futures_util::{SinkExt, StreamExt};
+use http::{Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use net::{HttpsClient, TestAgent, TestEdge};
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_tungstenite::tungstenite::Message;
+
+fn http_target(addr: std::net::SocketAddr) -> Target {
+    Target::Http { authority: addr.to_string() }
+}
+
+async fn published() -> (TestEdge, String, TestAgent) {
+    let edge = TestEdge::start().await;
+    let backend = net::http_backend().await;
+    let (host, key) = edge.http_tunnel_key("app").await;
+    let agent = TestAgent::start(&edge, &key, http_target(backend)).await;
+    (edge, host, agent)
+}
+
+#[tokio::test]
+async fn http1_and_h2_reach_the_backend_with_forwarding_headers() {
+    let (edge, host, _agent) = published().await;
+    let client = edge.client();
+    for h2 in [false, true] {
+        let req = Request::post("/echo?x=1")
+            .header("x-forwarded-for", "6.6.6.6")
+            .header("x-custom", "kept")
+            .body(Full::new(Bytes::from_static(b"hello")))
+            .unwrap();
+        let resp = client.send(&host, req, h2).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::OK, "h2={h2}");
+        let body: Value = serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+        assert_eq!(body["method"], "POST");
+        assert_eq!(body["path"], "/echo?x=1");
+        assert_eq!(body["bodyLength"], 5);
+        let h = &body["headers"];
+        assert_eq!(h["x-forwarded-for"], "127.0.0.1", "client-supplied value replaced");
+        assert_eq!(h["x-forwarded-proto"], "https");
+        assert_eq!(h["x-forwarded-host"], host.as_str());
+        assert_eq!(h["x-custom"], "kept");
+        assert!(h["host"].as_str().unwrap().starts_with(&host), "public Host kept: {h}");
+        assert!(h.get("culvert-stream").is_none(), "wire headers never reach the backend");
+    }
+}
+
+#[tokio::test]
+async fn curl_reaches_the_backend() {
+    let (edge, host, _agent) = published().await;
+    let port = edge.https.port();
+    let out = tokio::process::Command::new("curl")
+        .args(["-sS", "--fail", "--cacert"])
+        .arg(&edge.ca_file)
+        .arg("--resolve")
+        .arg(format!("{host}:{port}:127.0.0.1"))
+        .arg(format!("https://{host}:{port}/"))
+        .output()
+        .await
+        .expect("curl is installed");
+    assert!(out.status.success(), "curl: {}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "hello from backend");
+}
+
+#[tokio::test]
+async fn websocket_upgrade_passes_through() {
+    let (edge, host, _agent) = published().await;
+    let tls = edge.client().connect(&host, false).await;
+    let url = format!("wss://{host}/ws");
+    let (mut ws, resp) = tokio_tungstenite::client_async(url, tls).await.expect("upgrade through the edge");
+    assert_eq!(resp.status(), StatusCode::SWITCHING_PROTOCOLS);
+    for i in 0..20 {
+        ws.send(Message::text(format!("ping {i}"))).await.unwrap();
+        let msg = ws.next().await.unwrap().unwrap();
+        assert_eq!(msg.into_text().unwrap().as_str(), format!("ping {i}"));
+    }
+    let big = vec![7u8; 300_000];
+    ws.send(Message::binary(big.clone())).await.unwrap();
+    assert_eq!(ws.next().await.unwrap().unwrap().into_data().as_ref(), big.as_slice());
+}
+
+#[tokio::test]
+async fn tcp_reservation_echoes() {
+    let edge = TestEdge::start().await;
+    let echo = net::tcp_echo().await;
+    let (port, key) = edge.tcp_tunnel_key().await;
+    let _agent = TestAgent::start(&edge, &key, Target::Tcp { addr: echo.to_string() }).await;
+    let mut conns = Vec::new();
+    for i in 0..5 {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+        let msg = format!("hello {i} ").repeat(10_000);
+        s.write_all(msg.as_bytes()).await.unwrap();
+        let mut got = vec![0u8; msg.len()];
+        s.read_exact(&mut got).await.unwrap();
+        assert_eq!(got, msg.as_bytes());
+        conns.push(s);
+    }
+    // Half-close: the echo server sees EOF and closes its side too.
+    let mut s = conns.pop().unwrap();
+    s.shutdown().await.unwrap();
+    let mut rest = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut rest)).await.unwrap().unwrap();
+    assert!(rest.is_empty());
+}
+
+#[tokio::test]
+async fn two_hundred_concurrent_streams_on_one_tunnel() {
+    let (edge, host, _agent) = published().await;
+    let client = edge.client();
+    let tls = client.connect(&host, true).await;
+    let (sender, conn) =
+        hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), hyper_util::rt::TokioIo::new(tls))
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    let mut tasks = Vec::new();
+    for i in 0..200 {
+        let mut sender = sender.clone();
+        let host = host.clone();
+        tasks.push(tokio::spawn(async move {
+            let req = Request::get(format!("https://{host}/delay?ms=200&i={i}")).body(Full::new(Bytes::new())).unwrap();
+            let resp = sender.send_request(req).await.unwrap();
+            let status = resp.status();
+            let body = resp.into_body().collect().await.unwrap().to_bytes();
+            (status, body)
+        }));
+    }
+    for t in tasks {
+        let (status, body) = t.await.unwrap();
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(&body[..], b"delayed");
+    }
+    assert_eq!(edge.edge().registry.count_for_key(&first_key_id(&edge).await), 1, "one tunnel connection served all");
+}
+
+async fn first_key_id(edge: &TestEdge) -> String {
+    let (_, keys) = edge.api("GET", "tunnel-keys", None).await;
+    keys["items"][0]["id"].as_str().unwrap().to_string()
+}
+
+#[tokio::test]
+async fn one_gib_streams_both_ways_with_flat_memory() {
+    const GIB: u64 = 1 << 30;
+    let (edge, host, _agent) = published().await;
+    let client = edge.client();
+    let before = net::rss_kib();
+
+    // Download.
+    let req = Request::get(format!("/bytes?n={GIB}")).body(Full::new(Bytes::new())).unwrap();
+    let resp = client.send(&host, req, false).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut body = resp.into_body();
+    let mut got = 0u64;
+    let mut peak = 0u64;
+    while let Some(frame) = body.frame().await {
+        if let Ok(d) = frame.unwrap().into_data() {
+            got += d.len() as u64;
+            if got % (64 << 20) < d.len() as u64 {
+                peak = peak.max(net::rss_kib());
+            }
+        }
+    }
+    assert_eq!(got, GIB);
+
+    // Upload, generated on the fly.
+    let chunk = Bytes::from(vec![b'u'; 64 * 1024]);
+    let stream = futures_util::stream::iter((0..GIB / chunk.len() as u64).map(move |_| {
+        Ok::<_, std::io::Error>(hyper::body::Frame::data(chunk.clone()))
+    }));
+    let req = Request::post("/upload").body(http_body_util::StreamBody::new(stream)).unwrap();
+    let sampler = tokio::spawn(async move {
+        let mut peak = 0;
+        loop {
+            peak = peak.max(net::rss_kib());
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            if peak > 4 << 20 {
+                return peak;
+            }
+        }
+    });
+    let resp = client.send(&host, req, false).await.unwrap();
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(String::from_utf8_lossy(&body), GIB.to_string());
+    sampler.abort();
+    let after = net::rss_kib();
+    let grown_mib = (peak.max(after).saturating_sub(before)) / 1024;
+    eprintln!("rss before {before} KiB, peak {peak} KiB, after {after} KiB");
+    assert!(grown_mib < 128, "memory grew by {grown_mib} MiB while streaming 1 GiB each way");
+}
+
+#[tokio::test]
+async fn host_without_tunnel_and_offline_tunnel_get_502_pages() {
+    let edge = TestEdge::start().await;
+    let client = edge.client();
+    let (status, page) = client.get("nothing.edge.test", "/").await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY);
+    assert!(page.contains("nothing.edge.test") && page.contains("no tunnel"), "{page}");
+
+    let (host, _key) = edge.http_tunnel_key("offline").await;
+    let (status, page) = client.get(&host, "/").await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY);
+    assert!(page.contains("offline"), "{page}");
+}
+
+#[tokio::test]
+async fn dead_backend_is_a_502_not_a_hang() {
+    let edge = TestEdge::start().await;
+    let (host, key) = edge.http_tunnel_key("dead").await;
+    // A port nothing listens on: bind, learn the port, close.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let _agent = TestAgent::start(&edge, &key, Target::Http { authority: format!("127.0.0.1:{port}") }).await;
+    let (status, body) = tokio::time::timeout(Duration::from_secs(15), edge.client().get(&host, "/")).await.unwrap();
+    assert_eq!(status, StatusCode::BAD_GATEWAY);
+    assert!(body.contains("unreachable"), "{body}");
+}
+
+#[tokio::test]
+async fn handshake_refusals_say_why() {
+    let edge = TestEdge::start().await;
+    let (_host, tunnel_key) = edge.http_tunnel_key("refuse").await;
+    let client = edge.client();
+    let handshake = |auth: Option<String>, version: &'static str| {
+        let client = client.clone();
+        async move {
+            let mut req = Request::get("/_culvert/v1/connect")
+                .header("connection", "upgrade")
+                .header("upgrade", "websocket")
+                .header("sec-websocket-version", "13")
+                .header("sec-websocket-key", "dGhlIHNhbXBsZSBub25jZQ==")
+                .header("culvert-protocol-version", version);
+            if let Some(a) = auth {
+                req = req.header("authorization", a);
+            }
+            let resp = client.send("127.0.0.1", req.body(Full::new(Bytes::new())).unwrap(), false).await.unwrap();
+            let status = resp.status();
+            let body: Value = serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+            (status.as_u16(), body["error"]["code"].as_str().unwrap_or_default().to_string())
+        }
+    };
+    assert_eq!(handshake(None, "1").await, (401, "missing_key".into()));
+    assert_eq!(handshake(Some("Bearer nope".into()), "1").await, (401, "unknown_key".into()));
+    assert_eq!(handshake(Some(format!("Bearer {tunnel_key}")), "0").await, (426, "version_too_old".into()));
+    // The admin (and any API) key cannot carry traffic.
+    assert_eq!(handshake(Some(format!("Bearer {}", edge.admin_key)), "1").await, (403, "not_a_tunnel_key".into()));
+    let (s, k) = edge.api("POST", "api-keys", Some(json!({"name": "op", "scope": "endpoints"}))).await;
+    assert!(s.is_success(), "{k}");
+    let endpoints = k["secret"].as_str().unwrap().to_string();
+    assert_eq!(handshake(Some(format!("Bearer {endpoints}")), "1").await, (403, "not_a_tunnel_key".into()));
+    // And a tunnel key cannot use the API.
+    let (s, body) = edge.api_as(&tunnel_key, "GET", "domains", None).await;
+    assert_eq!(s, StatusCode::FORBIDDEN, "{body}");
+    // The agent reports a refusal as permanent and stops.
+    let (agent, _) = TestAgent::spawn(&edge.url(), &edge.ca_file, &endpoints, Target::Http { authority: "127.0.0.1:1".into() }, true);
+    let err = tokio::time::timeout(Duration::from_secs(10), agent.task).await.unwrap().unwrap().unwrap_err();
+    assert!(err.to_string().contains("API key"), "{err}");
+    let metrics = edge.edge().metrics.encode();
+    assert!(metrics.contains("reason=\"not_a_tunnel_key\""), "{metrics}");
+}
+
+#[tokio::test]
+async fn revoking_a_key_cuts_its_live_tunnel_within_a_second() {
+    let (edge, host, agent) = published().await;
+    let client = edge.client();
+    assert_eq!(client.get(&host, "/").await.0, StatusCode::OK);
+    let id = first_key_id(&edge).await;
+    let (s, body) = edge.api("DELETE", &format!("tunnel-keys/{id}"), None).await;
+    assert!(s.is_success(), "{body}");
+    let revoked = Instant::now();
+    loop {
+        if edge.edge().registry.count_for_key(&id) == 0 && client.get(&host, "/").await.0 == StatusCode::BAD_GATEWAY {
+            break;
+        }
+        assert!(revoked.elapsed() < Duration::from_secs(1), "tunnel still up after revocation");
+        tokio::task::yield_now().await;
+    }
+    agent.stop().await;
+}
+
+#[tokio::test]
+async fn edge_restart_keeps_state_and_the_agent_comes_back() {
+    let mut edge = TestEdge::start().await;
+    let backend = net::http_backend().await;
+    let (host, key) = edge.http_tunnel_key("restart").await;
+    let (agent, ready) = TestAgent::spawn(&edge.url(), &edge.ca_file, &key, http_target(backend), false);
+    ready.notified().await;
+    assert_eq!(edge.client().get(&host, "/").await.0, StatusCode::OK);
+    edge.restart().await;
+    // The agent reconnects on its own (backoff); the key and reservation survived.
+    tokio::time::timeout(Duration::from_secs(20), ready.notified()).await.expect("agent reconnected");
+    let (status, body) = edge.client().get(&host, "/").await;
+    assert_eq!((status, body.as_str()), (StatusCode::OK, "hello from backend"));
+    agent.stop().await;
+}
+
+#[tokio::test]
+async fn two_agents_on_one_key_survive_a_rolling_restart_without_failures() {
+    let edge = TestEdge::start().await;
+    let backend = net::http_backend().await;
+    let (host, key) = edge.http_tunnel_key("rolling").await;
+    let a = TestAgent::start(&edge, &key, http_target(backend)).await;
+    let b = TestAgent::start(&edge, &key, http_target(backend)).await;
+    assert_eq!(edge.edge().registry.count_for_key(&first_key_id(&edge).await), 2);
+
+    let client = edge.client();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let mut workers = Vec::new();
+    for _ in 0..8 {
+        let (client, host, stop) = (client.clone(), host.clone(), stop.clone());
+        workers.push(tokio::spawn(load(client, host, stop)));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    a.stop().await; // drains: goodbye, no new streams, open ones finish
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.cancel();
+    let (mut ok, mut failed) = (0, 0);
+    for w in workers {
+        let (o, f) = w.await.unwrap();
+        ok += o;
+        failed += f;
+    }
+    eprintln!("{ok} ok, {failed} failed");
+    assert!(ok > 50, "load ran ({ok})");
+    assert_eq!(failed, 0);
+    b.stop().await;
+}
+
+async fn load(client: HttpsClient, host: String, stop: tokio_util::sync::CancellationToken) -> (u32, u32) {
+    let (mut ok, mut failed) = (0, 0);
+    let tls = client.connect(&host, true).await;
+    let (mut sender, conn) =
+        hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), hyper_util::rt::TokioIo::new(tls))
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    while !stop.is_cancelled() {
+        let req = Request::get(format!("https://{host}/delay?ms=20")).body(Full::new(Bytes::new())).unwrap();
+        match sender.send_request(req).await {
+            Ok(r) if r.status() == StatusCode::OK => {
+                let _ = r.into_body().collect().await;
+                ok += 1
+            }
+            Ok(r) => {
+                eprintln!("failed: {}", r.status());
+                failed += 1
+            }
+            Err(e) => {
+                eprintln!("failed: {e}");
+                failed += 1
+            }
+        }
+    }
+    (ok, failed)
+}
+
+#[tokio::test]
+async fn bad_public_input_is_refused_and_the_edge_keeps_serving() {
+    let (edge, host, _agent) = published().await;
+    let client = edge.client();
+
+    // Oversized request head.
+    let req = Request::get("/").header("x-big", "a".repeat(100 * 1024)).body(Full::new(Bytes::new())).unwrap();
+    match client.send(&host, req, false).await {
+        Ok(resp) => assert_eq!(resp.status(), StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE),
+        Err(_) => {} // closed: also a refusal
+    }
+
+    // Slow clients: many connections that never finish their headers.
+    let mut slow = Vec::new();
+    for _ in 0..50 {
+        let mut tls = client.connect(&host, false).await;
+        tls.write_all(b"GET / HTTP/1.1\r\nHost: ").await.unwrap();
+        slow.push(tls);
+    }
+    // Garbage instead of TLS.
+    let mut raw = tokio::net::TcpStream::connect(edge.https).await.unwrap();
+    raw.write_all(b"\x00\x01garbage\r\n\r\n").await.unwrap();
+
+    assert_eq!(client.get(&host, "/").await.0, StatusCode::OK, "still serving");
+    // The slow ones are cut after the header read timeout.
+    let mut buf = [0u8; 256];
+    let started = Instant::now();
+    let mut s = slow.pop().unwrap();
+    let n = tokio::time::timeout(Duration::from_secs(30), s.read(&mut buf)).await.expect("slow client cut").unwrap_or(0);
+    let head = String::from_utf8_lossy(&buf[..n]);
+    assert!(n == 0 || head.contains("408"), "{head}");
+    eprintln!("slow client cut after {:?}", started.elapsed());
+}
+
+#[tokio::test]
+async fn http_port_redirects_and_admin_port_serves_metrics() {
+    let (edge, host, _agent) = published().await;
+    assert_eq!(edge.client().get(&host, "/").await.0, StatusCode::OK);
+    let handle = edge.handle.as_ref().unwrap();
+    let out = tokio::process::Command::new("curl")
+        .args(["-sS", "-o", "/dev/null", "-w", "%{http_code} %{redirect_url}", "-H"])
+        .arg(format!("Host: {host}"))
+        .arg(format!("http://{}/path?q=1", handle.http_addr))
+        .output()
+        .await
+        .unwrap();
+    let out = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(out, format!("308 https://{host}:{}/path?q=1", edge.https.port()));
+
+    let out = tokio::process::Command::new("curl")
+        .arg("-sS")
+        .arg(format!("http://{}/metrics", handle.admin_addr))
+        .output()
+        .await
+        .unwrap();
+    let metrics = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(metrics.contains("culvert_edge_tunnels_connected 1"), "{metrics}");
+    assert!(metrics.contains(&format!("reservation=\"{host}\"")), "{metrics}");
+    for path in ["healthz", "readyz"] {
+        let out = tokio::process::Command::new("curl")
+            .args(["-sS", "--fail"])
+            .arg(format!("http://{}/{path}", handle.admin_addr))
+            .output()
+            .await
+            .unwrap();
+        assert!(out.status.success());
+    }
+}
