@@ -1,0 +1,163 @@
+//! The quickstart with real processes: `culvert edge --self-signed`,
+//! `culvert admin`, `culvert http|tcp`, curl; the edge killed with SIGKILL and
+//! restarted keeps every key and reservation.
+
+#[path = "support/net.rs"]
+mod net;
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, Lines};
+use tokio::process::{Child, ChildStdout, Command};
+
+const BIN: &str = env!("CARGO_BIN_EXE_culvert");
+
+struct Proc {
+    child: Child,
+    lines: Lines<BufReader<ChildStdout>>,
+}
+
+impl Proc {
+    fn spawn(args: &[&str]) -> Proc {
+        let mut child = Command::new(BIN)
+            .args(args)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("culvert runs");
+        let lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        Proc { child, lines }
+    }
+
+    /// The next stdout line that starts with `prefix` (the readiness signal).
+    async fn line(&mut self, prefix: &str) -> String {
+        let read = async {
+            loop {
+                match self.lines.next_line().await.unwrap() {
+                    Some(l) if l.starts_with(prefix) => return l,
+                    Some(_) => continue,
+                    None => panic!("process ended before printing `{prefix}`"),
+                }
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(30), read).await.expect("readiness line")
+    }
+}
+
+fn field<'a>(line: &'a str, key: &str) -> &'a str {
+    line.split_whitespace().find_map(|w| w.strip_prefix(&format!("{key}="))).unwrap()
+}
+
+fn edge(dir: &Path, https: &str, ports: &str) -> Proc {
+    Proc::spawn(&[
+        "edge", "--domain", net::DOMAIN, "--data-dir", dir.to_str().unwrap(), "--self-signed",
+        "--https-addr", https, "--http-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0",
+        "--tcp-ports", ports, "--tcp-bind", "127.0.0.1", "--public-host", "127.0.0.1",
+    ])
+}
+
+async fn admin(url: &str, key: &str, ca: &Path, args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(BIN)
+        .args(["admin", "--edge", url, "--key", key, "--ca-file", ca.to_str().unwrap()])
+        .args(args)
+        .output()
+        .await
+        .unwrap();
+    let text = |b: &[u8]| String::from_utf8_lossy(b).trim().to_string();
+    (out.status.success(), text(&out.stdout), text(&out.stderr))
+}
+
+async fn curl(ca: &Path, host: &str, port: u16) -> String {
+    let out = Command::new("curl")
+        .args(["-sS", "--fail", "--max-time", "10", "--cacert", ca.to_str().unwrap(), "--resolve"])
+        .arg(format!("{host}:{port}:127.0.0.1"))
+        .arg(format!("https://{host}:{port}/"))
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success(), "curl: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quickstart_with_real_processes_survives_kill_9() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = dir.path().join("ca.pem");
+    let range = net::free_port_range(3);
+    let ports = range.to_string();
+    let mut e = edge(dir.path(), "127.0.0.1:0", &ports);
+    let ready = e.line("culvert edge ready").await;
+    let https = field(&ready, "https").to_string();
+    let port: u16 = https.rsplit(':').next().unwrap().parse().unwrap();
+    let url = format!("https://{https}");
+    let key = std::fs::read_to_string(field(&ready, "admin_key_file")).unwrap().trim().to_string();
+    assert!(key.starts_with("culvert_a_"));
+
+    let (ok, host, err) = admin(&url, &key, &ca, &["domain", "reserve", "blog"]).await;
+    assert!(ok, "{err}");
+    assert_eq!(host, "blog.edge.test");
+    let (ok, secret, err) = admin(&url, &key, &ca, &["tunnel-key", "create", "--domain", "blog", "--protocol", "http"]).await;
+    assert!(ok && secret.starts_with("culvert_t_"), "{secret} {err}");
+    let (ok, tcp_port, err) = admin(&url, &key, &ca, &["port", "reserve"]).await;
+    assert!(ok, "{err}");
+    let (ok, tcp_secret, err) = admin(&url, &key, &ca, &["tunnel-key", "create", "--port", &tcp_port, "--protocol", "tcp"]).await;
+    assert!(ok, "{err}");
+    // Without --ca-file the self-signed edge is not trusted, and the error says what to do.
+    let out = Command::new(BIN).args(["admin", "--edge", &url, "--key", &key, "info"]).output().await.unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--ca-file"));
+
+    net::init();
+    let backend = net::http_backend().await.port().to_string();
+    let mut agent = Proc::spawn(&["http", &backend, "--edge", &url, "--key", &secret, "--ca-file", ca.to_str().unwrap()]);
+    let fwd = agent.line("Forwarding").await;
+    assert!(fwd.contains(&format!("https://blog.edge.test:{port}")), "{fwd}");
+    assert_eq!(curl(&ca, "blog.edge.test", port).await, "hello from backend");
+
+    let echo = net::tcp_echo().await.port().to_string();
+    let mut tcp_agent = Proc::spawn(&["tcp", &echo, "--edge", &url, "--key", &tcp_secret, "--ca-file", ca.to_str().unwrap()]);
+    tcp_agent.line("Forwarding tcp://").await;
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", tcp_port.parse::<u16>().unwrap())).await.unwrap();
+    s.write_all(b"over tcp").await.unwrap();
+    let mut buf = [0u8; 8];
+    s.read_exact(&mut buf).await.unwrap();
+    assert_eq!(&buf, b"over tcp");
+
+    // kill -9 and restart on the same port: state kept, agents come back.
+    e.child.start_kill().unwrap();
+    e.child.wait().await.unwrap();
+    let mut e = edge(dir.path(), &https, &ports);
+    e.line("culvert edge ready").await;
+    agent.line("Forwarding").await;
+    tcp_agent.line("Forwarding").await;
+    assert_eq!(curl(&ca, "blog.edge.test", port).await, "hello from backend");
+    let (ok, list, _) = admin(&url, &key, &ca, &["-o", "json", "tunnel-key", "list"]).await;
+    assert!(ok);
+    let list: serde_json::Value = serde_json::from_str(&list).unwrap();
+    assert_eq!(list["items"].as_array().unwrap().len(), 2, "{list}");
+
+    // SIGTERM: the agent drains and exits cleanly.
+    let pid = agent.child.id().unwrap() as i32;
+    unsafe_kill(pid);
+    let status = tokio::time::timeout(Duration::from_secs(10), agent.child.wait()).await.unwrap().unwrap();
+    assert!(status.success(), "{status}");
+
+    // A wrong key: the agent stops with a clear message instead of retrying forever.
+    let out = Command::new(BIN)
+        .args(["http", &backend, "--edge", &url, "--key", "culvert_t_nope", "--ca-file", ca.to_str().unwrap()])
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown tunnel key"), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// SIGTERM without a libc dependency.
+fn unsafe_kill(pid: i32) {
+    let status = std::process::Command::new("kill").arg("-TERM").arg(pid.to_string()).status().unwrap();
+    assert!(status.success());
+}
