@@ -273,11 +273,7 @@ pub fn run(args: AdminArgs) -> Result<(), AdminError> {
         .or_else(|| std::env::var("CULVERT_KEY").ok())
         .filter(|k| !k.trim().is_empty())
         .ok_or(AdminError::NoKey)?;
-    let edge = args
-        .edge
-        .as_deref()
-        .filter(|e| !e.trim().is_empty())
-        .ok_or(AdminError::NoEdge)?;
+    let edge = args.edge.as_deref().filter(|e| !e.trim().is_empty()).ok_or(AdminError::NoEdge)?;
     let client = Client::new(edge, key.trim(), args.ca_file.as_deref(), true)?;
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
@@ -316,10 +312,8 @@ impl Client {
         let roots = match ca_file {
             Some(path) => {
                 let certs = crate::tls::load_pem_certs(path).map_err(AdminError::CaFile)?;
-                let certs: Vec<ureq::tls::Certificate<'static>> = certs
-                    .iter()
-                    .map(|c| ureq::tls::Certificate::from_der(c.as_ref()).to_owned())
-                    .collect();
+                let certs: Vec<ureq::tls::Certificate<'static>> =
+                    certs.iter().map(|c| ureq::tls::Certificate::from_der(c.as_ref()).to_owned()).collect();
                 ureq::tls::RootCerts::new_with_certs(&certs)
             }
             None => ureq::tls::RootCerts::WebPki,
@@ -334,11 +328,7 @@ impl Client {
             config = config.proxy(None);
         }
         let agent = ureq::Agent::new_with_config(config.build());
-        Ok(Client {
-            agent,
-            base: format!("{edge}{API_PREFIX}"),
-            key: key.to_string(),
-        })
+        Ok(Client { agent, base: format!("{edge}{API_PREFIX}"), key: key.to_string() })
     }
 
     /// `GET <path>` with query parameters; the JSON answer.
@@ -354,11 +344,7 @@ impl Client {
     /// `POST <path>` with a JSON body; the JSON answer and whether it was 201.
     pub fn post(&self, path: &str, body: &impl Serialize) -> Result<(Value, bool), AdminError> {
         let url = self.url(path);
-        let result = self
-            .agent
-            .post(&url)
-            .header("authorization", self.bearer())
-            .send_json(body);
+        let result = self.agent.post(&url).header("authorization", self.bearer()).send_json(body);
         let created = matches!(&result, Ok(r) if r.status().as_u16() == 201);
         Ok((self.answer(&url, result)?, created))
     }
@@ -366,11 +352,7 @@ impl Client {
     /// `DELETE <path>`; the JSON answer.
     pub fn delete(&self, path: &str) -> Result<Value, AdminError> {
         let url = self.url(path);
-        let result = self
-            .agent
-            .delete(&url)
-            .header("authorization", self.bearer())
-            .call();
+        let result = self.agent.delete(&url).header("authorization", self.bearer()).call();
         self.answer(&url, result)
     }
 
@@ -396,27 +378,16 @@ impl Client {
             AdminError::Connect { url: url.to_string(), source, hint }
         })?;
         let status = response.status().as_u16();
-        let text = response
-            .body_mut()
-            .read_to_string()
-            .map_err(|source| AdminError::Connect {
-                url: url.to_string(),
-                source,
-                hint: "",
-            })?;
-        let unexpected = |detail: String| AdminError::UnexpectedAnswer {
+        let text = response.body_mut().read_to_string().map_err(|source| AdminError::Connect {
             url: url.to_string(),
-            status,
-            detail,
-        };
+            source,
+            hint: "",
+        })?;
+        let unexpected =
+            |detail: String| AdminError::UnexpectedAnswer { url: url.to_string(), status, detail };
         if status >= 400 {
-            let body: ErrorBody =
-                serde_json::from_str(&text).map_err(|_| unexpected(snippet(&text)))?;
-            return Err(AdminError::Refused {
-                status,
-                code: body.error.code,
-                message: body.error.message,
-            });
+            let body: ErrorBody = serde_json::from_str(&text).map_err(|_| unexpected(snippet(&text)))?;
+            return Err(AdminError::Refused { status, code: body.error.code, message: body.error.message });
         }
         if !(200..300).contains(&status) {
             return Err(unexpected(snippet(&text)));
@@ -427,19 +398,14 @@ impl Client {
 
 fn snippet(text: &str) -> String {
     let t: String = text.trim().chars().take(80).collect();
-    if t.is_empty() {
-        "an empty body".into()
-    } else {
-        format!("body starts with {t:?}")
-    }
+    if t.is_empty() { "an empty body".into() } else { format!("body starts with {t:?}") }
 }
 
 fn is_tls_error(e: &ureq::Error) -> bool {
     match e {
         ureq::Error::Tls(_) | ureq::Error::Rustls(_) | ureq::Error::Pem(_) => true,
         ureq::Error::Io(io) => {
-            io.get_ref()
-                .is_some_and(|inner| inner.is::<rustls::Error>())
+            io.get_ref().is_some_and(|inner| inner.is::<rustls::Error>())
                 || io.to_string().to_ascii_lowercase().contains("certificate")
         }
         _ => false,
@@ -480,11 +446,7 @@ pub fn execute(
 ) -> Result<(), AdminError> {
     let json_mode = output == Output::Json;
     let print_json = |out: &mut dyn Write, v: &Value| -> Result<(), AdminError> {
-        writeln!(
-            out,
-            "{}",
-            serde_json::to_string_pretty(v).unwrap_or_else(|_| v.to_string())
-        )?;
+        writeln!(out, "{}", serde_json::to_string_pretty(v).unwrap_or_else(|_| v.to_string()))?;
         Ok(())
     };
     match command {
@@ -510,8 +472,7 @@ pub fn execute(
                 writeln!(out, "{}", r.target())?;
             }
             DomainCommand::List { selector } => {
-                let query: Vec<(&str, &str)> =
-                    selector.iter().map(|s| ("selector", s.as_str())).collect();
+                let query: Vec<(&str, &str)> = selector.iter().map(|s| ("selector", s.as_str())).collect();
                 let v = client.get("domains", &query)?;
                 if json_mode {
                     return print_json(out, &v);
@@ -548,8 +509,7 @@ pub fn execute(
                 writeln!(out, "{}", r.port.map(|p| p.to_string()).unwrap_or_default())?;
             }
             PortCommand::List { selector } => {
-                let query: Vec<(&str, &str)> =
-                    selector.iter().map(|s| ("selector", s.as_str())).collect();
+                let query: Vec<(&str, &str)> = selector.iter().map(|s| ("selector", s.as_str())).collect();
                 let v = client.get("ports", &query)?;
                 if json_mode {
                     return print_json(out, &v);
@@ -573,12 +533,7 @@ pub fn execute(
             }
         },
         AdminCommand::TunnelKey(cmd) => match cmd {
-            TunnelKeyCommand::Create {
-                domain,
-                port,
-                protocol,
-                labels,
-            } => {
+            TunnelKeyCommand::Create { domain, port, protocol, labels } => {
                 let body = strip_nulls(json!({
                     "domain": domain,
                     "port": port,
@@ -622,12 +577,7 @@ pub fn execute(
                     return print_json(out, &v);
                 }
                 let key: TunnelKey = decode(v)?;
-                writeln!(
-                    out,
-                    "revoked tunnel key {} ({})",
-                    key.id,
-                    key.reservation.target()
-                )?;
+                writeln!(out, "revoked tunnel key {} ({})", key.id, key.reservation.target())?;
             }
         },
         AdminCommand::ApiKey(cmd) => match cmd {
@@ -674,8 +624,7 @@ pub fn execute(
 /// Drops `null` members and empty `labels` so the request says only what was given.
 fn strip_nulls(mut v: Value) -> Value {
     if let Value::Object(map) = &mut v {
-        let empty_labels =
-            |k: &str, v: &Value| k == "labels" && v.as_object().is_some_and(|m| m.is_empty());
+        let empty_labels = |k: &str, v: &Value| k == "labels" && v.as_object().is_some_and(|m| m.is_empty());
         map.retain(|k, v| !(v.is_null() || empty_labels(k, v)));
     }
     v
@@ -714,11 +663,7 @@ fn labels_cell(labels: &Labels) -> String {
     if labels.is_empty() {
         return "-".into();
     }
-    labels
-        .iter()
-        .map(|(k, v)| format!("{k}={v}"))
-        .collect::<Vec<_>>()
-        .join(",")
+    labels.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",")
 }
 
 fn info_table(info: &Info) -> String {
@@ -727,21 +672,12 @@ fn info_table(info: &Info) -> String {
         vec!["version".into(), info.version.clone()],
         vec![
             "protocol".into(),
-            format!(
-                "{} (accepts agents from {})",
-                info.protocol_version, info.min_protocol_version
-            ),
+            format!("{} (accepts agents from {})", info.protocol_version, info.min_protocol_version),
         ],
         vec!["tcp ports".into(), info.tcp_ports.clone()],
         vec!["public host".into(), info.public_host.clone()],
         vec!["https port".into(), info.public_https_port.to_string()],
-        vec![
-            "your key".into(),
-            format!(
-                "{} ({}, {})",
-                info.caller.id, info.caller.scope, info.caller.name
-            ),
-        ],
+        vec!["your key".into(), format!("{} ({}, {})", info.caller.id, info.caller.scope, info.caller.name)],
     ];
     render_table(&["FIELD", "VALUE"], &rows)
 }
@@ -779,14 +715,7 @@ fn ports_table(items: &[Reservation]) -> String {
 }
 
 fn tunnel_keys_table(items: &[TunnelKey], with_revoked: bool) -> String {
-    let mut headers = vec![
-        "ID",
-        "PROTOCOL",
-        "RESERVATION",
-        "CONNECTIONS",
-        "LABELS",
-        "CREATED",
-    ];
+    let mut headers = vec!["ID", "PROTOCOL", "RESERVATION", "CONNECTIONS", "LABELS", "CREATED"];
     if with_revoked {
         headers.push("REVOKED");
     }
@@ -858,10 +787,7 @@ mod tests {
         );
         assert_eq!(render_table(&["A", "B"], &[]), "A  B\n");
         // Trailing empty cells leave no trailing spaces.
-        assert_eq!(
-            render_table(&["A", "B"], &[vec!["x".into(), String::new()]]),
-            "A  B\nx\n"
-        );
+        assert_eq!(render_table(&["A", "B"], &[vec!["x".into(), String::new()]]), "A  B\nx\n");
     }
 
     #[test]
@@ -883,10 +809,7 @@ mod tests {
         };
         let t = tunnel_keys_table(&[key], false);
         let lines: Vec<&str> = t.lines().collect();
-        assert_eq!(
-            lines[0],
-            "ID               PROTOCOL  RESERVATION  CONNECTIONS  LABELS      CREATED"
-        );
+        assert_eq!(lines[0], "ID               PROTOCOL  RESERVATION  CONNECTIONS  LABELS      CREATED");
         assert_eq!(
             lines[1],
             "tk_0123456789ab  tcp       port 20017   2            cluster=c1  2025-01-01T00:00:00Z"
@@ -904,28 +827,16 @@ mod tests {
             },
             revoked_tunnel_keys: vec!["tk_1".into()],
         });
-        assert_eq!(
-            released,
-            "released blog.example.com; revoked 1 tunnel key\n"
-        );
+        assert_eq!(released, "released blog.example.com; revoked 1 tunnel key\n");
     }
 
     #[test]
     fn request_bodies_and_paths() {
-        assert_eq!(
-            strip_nulls(json!({"name": "a", "fqdn": null, "labels": {}})),
-            json!({"name": "a"})
-        );
+        assert_eq!(strip_nulls(json!({"name": "a", "fqdn": null, "labels": {}})), json!({"name": "a"}));
         assert_eq!(segment("blog.example.com"), "blog.example.com");
         assert_eq!(segment("../x?y"), "..%2Fx%3Fy");
         for bad in ["https://", "ftp://x", "https://x/path", ""] {
-            assert!(
-                matches!(
-                    Client::new(bad, "k", None, false),
-                    Err(AdminError::BadEdge(_))
-                ),
-                "{bad}"
-            );
+            assert!(matches!(Client::new(bad, "k", None, false), Err(AdminError::BadEdge(_))), "{bad}");
         }
         let c = Client::new("edge.example.com/", "k", None, false).unwrap();
         assert_eq!(c.base, "https://edge.example.com/_culvert/v1/api/");
@@ -956,12 +867,7 @@ mod tests {
     /// `tls`); returns its address, the first admin key and the runtime.
     fn serve_api(
         tls: Option<std::sync::Arc<rustls::ServerConfig>>,
-    ) -> (
-        std::net::SocketAddr,
-        String,
-        tokio::runtime::Runtime,
-        tempfile::TempDir,
-    ) {
+    ) -> (std::net::SocketAddr, String, tokio::runtime::Runtime, tempfile::TempDir) {
         use std::sync::Arc;
 
         use hyper::server::conn::http1;
@@ -980,20 +886,14 @@ mod tests {
             domain: "edge.test".into(),
             public_host: "edge.test".into(),
             public_https_port: 443,
-            tcp_ports: PortRange {
-                first: 20000,
-                last: 20009,
-            },
+            tcp_ports: PortRange { first: 20000, last: 20009 },
             hooks: Arc::new(Hooks),
         };
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         listener.set_nonblocking(true).unwrap();
         let addr = listener.local_addr().unwrap();
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap();
+        let runtime =
+            tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
         let acceptor = tls.map(tokio_rustls::TlsAcceptor::from);
         runtime.spawn(async move {
             let listener = tokio::net::TcpListener::from_std(listener).unwrap();
@@ -1041,8 +941,7 @@ mod tests {
             #[command(flatten)]
             admin: AdminArgs,
         }
-        let parsed =
-            T::try_parse_from(std::iter::once("admin").chain(args.iter().copied())).unwrap();
+        let parsed = T::try_parse_from(std::iter::once("admin").chain(args.iter().copied())).unwrap();
         let mut out = Vec::new();
         execute(client, &parsed.admin.command, parsed.admin.output, &mut out)?;
         Ok(String::from_utf8(out).unwrap())
@@ -1058,39 +957,16 @@ mod tests {
 
         assert!(run(&admin_client, &["info"]).unwrap().contains("edge.test"));
         assert_eq!(
-            run(
-                &admin_client,
-                &["domain", "reserve", "blog", "--label", "a=b"]
-            )
-            .unwrap(),
+            run(&admin_client, &["domain", "reserve", "blog", "--label", "a=b"]).unwrap(),
             "blog.edge.test\n"
         );
-        assert_eq!(
-            run(&admin_client, &["domain", "reserve", "blog"]).unwrap(),
-            "blog.edge.test\n"
-        );
+        assert_eq!(run(&admin_client, &["domain", "reserve", "blog"]).unwrap(), "blog.edge.test\n");
         assert_eq!(run(&admin_client, &["port", "reserve"]).unwrap(), "20000\n");
-        let secret = run(
-            &admin_client,
-            &[
-                "tunnel-key",
-                "create",
-                "--domain",
-                "blog",
-                "--protocol",
-                "http",
-            ],
-        )
-        .unwrap();
-        assert!(
-            secret.starts_with("culvert_t_") && secret.lines().count() == 1,
-            "{secret}"
-        );
-        let json_out = run(
-            &admin_client,
-            &["-o", "json", "tunnel-key", "create", "--port", "20000"],
-        )
-        .unwrap();
+        let secret =
+            run(&admin_client, &["tunnel-key", "create", "--domain", "blog", "--protocol", "http"]).unwrap();
+        assert!(secret.starts_with("culvert_t_") && secret.lines().count() == 1, "{secret}");
+        let json_out =
+            run(&admin_client, &["-o", "json", "tunnel-key", "create", "--port", "20000"]).unwrap();
         let v: Value = serde_json::from_str(&json_out).unwrap();
         assert_eq!(v["protocol"], "tcp");
         let list = run(&admin_client, &["tunnel-key", "list"]).unwrap();
@@ -1098,18 +974,13 @@ mod tests {
         assert!(list.lines().next().unwrap().starts_with("ID "));
         let list = run(&admin_client, &["tunnel-key", "list", "--selector", "nope"]).unwrap();
         assert_eq!(list.lines().count(), 1, "{list}");
-        let ep = run(
-            &admin_client,
-            &["api-key", "create", "--name", "op", "--scope", "endpoints"],
-        )
-        .unwrap();
+        let ep = run(&admin_client, &["api-key", "create", "--name", "op", "--scope", "endpoints"]).unwrap();
         let ep_client = Client::new(&edge, ep.trim(), None, false).unwrap();
         let err = run(&ep_client, &["domain", "reserve", "blog"]).unwrap_err();
         assert_eq!(err.category(), "refused");
         assert!(
-            err.to_string().starts_with(
-                "edge refused: already_reserved: domain blog.edge.test is held by another key"
-            ),
+            err.to_string()
+                .starts_with("edge refused: already_reserved: domain blog.edge.test is held by another key"),
             "{err}"
         );
         let err = run(&ep_client, &["api-key", "list"]).unwrap_err();
@@ -1135,9 +1006,8 @@ mod tests {
         let nobody = Client::new(&format!("http://{closed_addr}"), &admin, None, false).unwrap();
         let err = run(&nobody, &["info"]).unwrap_err();
         assert!(
-            err.to_string().starts_with(&format!(
-                "failed to reach http://{closed_addr}/_culvert/v1/api/info"
-            )),
+            err.to_string()
+                .starts_with(&format!("failed to reach http://{closed_addr}/_culvert/v1/api/info")),
             "{err}"
         );
         runtime.shutdown_background();
@@ -1150,9 +1020,8 @@ mod tests {
         use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 
         let pki = crate::tls::generate_pki(&["127.0.0.1".to_string()]).unwrap();
-        let certs = CertificateDer::pem_slice_iter(pki.cert_pem.as_bytes())
-            .collect::<Result<Vec<_>, _>>()
-            .unwrap();
+        let certs =
+            CertificateDer::pem_slice_iter(pki.cert_pem.as_bytes()).collect::<Result<Vec<_>, _>>().unwrap();
         let key = PrivateKeyDer::from_pem_slice(pki.key_pem.as_bytes()).unwrap();
         let config = rustls::ServerConfig::builder_with_provider(std::sync::Arc::new(
             rustls::crypto::ring::default_provider(),
@@ -1169,10 +1038,7 @@ mod tests {
         let err = run_args(&untrusted, &["info"]).unwrap_err();
         assert_eq!(err.category(), "connect");
         let message = err.to_string();
-        assert!(
-            message.starts_with(&format!("failed to reach {edge}/_culvert/v1/api/info")),
-            "{message}"
-        );
+        assert!(message.starts_with(&format!("failed to reach {edge}/_culvert/v1/api/info")), "{message}");
         assert!(message.contains("--ca-file"), "{message}");
 
         let ca = dir.path().join("ca.pem");

@@ -171,12 +171,7 @@ impl ReservationRef {
 
 impl From<&Reservation> for ReservationRef {
     fn from(r: &Reservation) -> Self {
-        ReservationRef {
-            id: r.id.clone(),
-            kind: r.kind,
-            hostname: r.hostname.clone(),
-            port: r.port,
-        }
+        ReservationRef { id: r.id.clone(), kind: r.kind, hostname: r.hostname.clone(), port: r.port }
     }
 }
 
@@ -396,12 +391,7 @@ pub struct ErrorDetail {
 impl ErrorBody {
     /// An error body with this code and message.
     pub fn new(code: impl Into<String>, message: impl Into<String>) -> Self {
-        ErrorBody {
-            error: ErrorDetail {
-                code: code.into(),
-                message: message.into(),
-            },
-        }
+        ErrorBody { error: ErrorDetail { code: code.into(), message: message.into() } }
     }
 }
 
@@ -461,9 +451,7 @@ impl Selector {
 
 fn check_selector_key(key: &str, term: &str) -> Result<String, String> {
     if key.is_empty() || key.contains(['=', '!', ',']) || key.chars().any(char::is_whitespace) {
-        return Err(format!(
-            "selector term `{term}` is not `key=value`, `key!=value`, `key` or `!key`"
-        ));
+        return Err(format!("selector term `{term}` is not `key=value`, `key!=value`, `key` or `!key`"));
     }
     Ok(key.to_string())
 }
@@ -480,24 +468,19 @@ pub const MAX_LABELS: usize = 64;
 /// (so a selector can match them) and without control characters.
 pub fn validate_labels(labels: &Labels) -> Result<(), String> {
     if labels.len() > MAX_LABELS {
-        return Err(format!(
-            "{} labels given; at most {MAX_LABELS} are allowed",
-            labels.len()
-        ));
+        return Err(format!("{} labels given; at most {MAX_LABELS} are allowed", labels.len()));
     }
     for (k, v) in labels {
         let key_ok = !k.is_empty()
             && k.len() <= MAX_LABEL_KEY
-            && k.bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b"._-/".contains(&b));
+            && k.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-/".contains(&b));
         if !key_ok {
             return Err(format!(
                 "label key `{k}` is invalid: use 1-{MAX_LABEL_KEY} characters of A-Z, a-z, 0-9, `.`, `_`, `-`, `/`"
             ));
         }
-        let value_ok = v.len() <= MAX_LABEL_VALUE
-            && !v.contains([',', '='])
-            && !v.chars().any(char::is_control);
+        let value_ok =
+            v.len() <= MAX_LABEL_VALUE && !v.contains([',', '=']) && !v.chars().any(char::is_control);
         if !value_ok {
             return Err(format!(
                 "label `{k}` has an invalid value: use at most {MAX_LABEL_VALUE} characters, without `,`, `=` or control characters"
@@ -520,10 +503,7 @@ mod tests {
     use super::*;
 
     fn labels(pairs: &[(&str, &str)]) -> Labels {
-        pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
     }
 
     #[test]
@@ -531,16 +511,8 @@ mod tests {
         let l = labels(&[("cluster", "a"), ("ns", "default")]);
         assert!(Selector::parse("").unwrap().matches(&l));
         assert!(Selector::parse("cluster=a").unwrap().matches(&l));
-        assert!(
-            Selector::parse("cluster==a, ns=default")
-                .unwrap()
-                .matches(&l)
-        );
-        assert!(
-            !Selector::parse("cluster=a,ns=kube-system")
-                .unwrap()
-                .matches(&l)
-        );
+        assert!(Selector::parse("cluster==a, ns=default").unwrap().matches(&l));
+        assert!(!Selector::parse("cluster=a,ns=kube-system").unwrap().matches(&l));
         assert!(Selector::parse("cluster!=b").unwrap().matches(&l));
         assert!(Selector::parse("ns,!uid").unwrap().matches(&l));
         assert!(!Selector::parse("uid").unwrap().matches(&l));
@@ -577,10 +549,7 @@ mod tests {
         assert_eq!(r.public_url(443, "x"), "https://blog.example.com");
         assert_eq!(r.public_url(8443, "x"), "https://blog.example.com:8443");
         let e = serde_json::to_value(ErrorBody::new("c", "m")).unwrap();
-        assert_eq!(
-            e,
-            serde_json::json!({"error": {"code": "c", "message": "m"}})
-        );
+        assert_eq!(e, serde_json::json!({"error": {"code": "c", "message": "m"}}));
         let bad = serde_json::from_str::<ReserveDomainRequest>(r#"{"nmae":"x"}"#);
         assert!(bad.is_err());
     }

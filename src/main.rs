@@ -14,8 +14,12 @@ fn main() -> anyhow::Result<()> {
             runtime.block_on(async move {
                 match command {
                     Command::Edge(args) => culvert::edge::run(args).await.map_err(anyhow::Error::from),
-                    Command::Http(args) => culvert::agent::run_standalone(args, false).await.map_err(Into::into),
-                    Command::Tcp(args) => culvert::agent::run_standalone(args, true).await.map_err(Into::into),
+                    Command::Http(args) => {
+                        culvert::agent::run_standalone(args, false).await.map_err(Into::into)
+                    }
+                    Command::Tcp(args) => {
+                        culvert::agent::run_standalone(args, true).await.map_err(Into::into)
+                    }
                     Command::Admin(_) => unreachable!("handled above"),
                 }
             })?;

@@ -48,9 +48,7 @@ impl TlsError {
     pub fn category(&self) -> &'static str {
         match self {
             TlsError::Read { .. } | TlsError::Write { .. } => "io",
-            TlsError::NoCertificate { .. } | TlsError::NoKey { .. } | TlsError::BadPem { .. } => {
-                "bad_pem"
-            }
+            TlsError::NoCertificate { .. } | TlsError::NoKey { .. } | TlsError::BadPem { .. } => "bad_pem",
             TlsError::Key(_) | TlsError::Config(_) => "config",
             TlsError::Generate(_) => "generate",
         }
@@ -87,9 +85,7 @@ pub fn certified_key(
     certs: Vec<CertificateDer<'static>>,
     key: PrivateKeyDer<'static>,
 ) -> Result<Arc<CertifiedKey>, TlsError> {
-    CertifiedKey::from_der(certs, key, &provider::default_provider())
-        .map(Arc::new)
-        .map_err(TlsError::Key)
+    CertifiedKey::from_der(certs, key, &provider::default_provider()).map(Arc::new).map_err(TlsError::Key)
 }
 
 /// Picks the certificate by SNI: exact names first (custom domains), then
@@ -236,12 +232,8 @@ pub fn write_file(path: &Path, contents: &[u8], mode: u32) -> Result<(), TlsErro
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let write = || -> std::io::Result<()> {
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(mode)
-            .open(path)?;
+        let mut f =
+            std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(mode).open(path)?;
         f.write_all(contents)?;
         f.sync_all()
     };

@@ -54,9 +54,24 @@ fn field<'a>(line: &'a str, key: &str) -> &'a str {
 
 fn edge(dir: &Path, https: &str, ports: &str) -> Proc {
     Proc::spawn(&[
-        "edge", "--domain", net::DOMAIN, "--data-dir", dir.to_str().unwrap(), "--self-signed",
-        "--https-addr", https, "--http-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0",
-        "--tcp-ports", ports, "--tcp-bind", "127.0.0.1", "--public-host", "127.0.0.1",
+        "edge",
+        "--domain",
+        net::DOMAIN,
+        "--data-dir",
+        dir.to_str().unwrap(),
+        "--self-signed",
+        "--https-addr",
+        https,
+        "--http-addr",
+        "127.0.0.1:0",
+        "--admin-addr",
+        "127.0.0.1:0",
+        "--tcp-ports",
+        ports,
+        "--tcp-bind",
+        "127.0.0.1",
+        "--public-host",
+        "127.0.0.1",
     ])
 }
 
@@ -100,28 +115,34 @@ async fn quickstart_with_real_processes_survives_kill_9() {
     let (ok, host, err) = admin(&url, &key, &ca, &["domain", "reserve", "blog"]).await;
     assert!(ok, "{err}");
     assert_eq!(host, "blog.edge.test");
-    let (ok, secret, err) = admin(&url, &key, &ca, &["tunnel-key", "create", "--domain", "blog", "--protocol", "http"]).await;
+    let (ok, secret, err) =
+        admin(&url, &key, &ca, &["tunnel-key", "create", "--domain", "blog", "--protocol", "http"]).await;
     assert!(ok && secret.starts_with("culvert_t_"), "{secret} {err}");
     let (ok, tcp_port, err) = admin(&url, &key, &ca, &["port", "reserve"]).await;
     assert!(ok, "{err}");
-    let (ok, tcp_secret, err) = admin(&url, &key, &ca, &["tunnel-key", "create", "--port", &tcp_port, "--protocol", "tcp"]).await;
+    let (ok, tcp_secret, err) =
+        admin(&url, &key, &ca, &["tunnel-key", "create", "--port", &tcp_port, "--protocol", "tcp"]).await;
     assert!(ok, "{err}");
     // Without --ca-file the self-signed edge is not trusted, and the error says what to do.
-    let out = Command::new(BIN).args(["admin", "--edge", &url, "--key", &key, "info"]).output().await.unwrap();
+    let out =
+        Command::new(BIN).args(["admin", "--edge", &url, "--key", &key, "info"]).output().await.unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--ca-file"));
 
     net::init();
     let backend = net::http_backend().await.port().to_string();
-    let mut agent = Proc::spawn(&["http", &backend, "--edge", &url, "--key", &secret, "--ca-file", ca.to_str().unwrap()]);
+    let mut agent =
+        Proc::spawn(&["http", &backend, "--edge", &url, "--key", &secret, "--ca-file", ca.to_str().unwrap()]);
     let fwd = agent.line("Forwarding").await;
     assert!(fwd.contains(&format!("https://blog.edge.test:{port}")), "{fwd}");
     assert_eq!(curl(&ca, "blog.edge.test", port).await, "hello from backend");
 
     let echo = net::tcp_echo().await.port().to_string();
-    let mut tcp_agent = Proc::spawn(&["tcp", &echo, "--edge", &url, "--key", &tcp_secret, "--ca-file", ca.to_str().unwrap()]);
+    let mut tcp_agent =
+        Proc::spawn(&["tcp", &echo, "--edge", &url, "--key", &tcp_secret, "--ca-file", ca.to_str().unwrap()]);
     tcp_agent.line("Forwarding tcp://").await;
-    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", tcp_port.parse::<u16>().unwrap())).await.unwrap();
+    let mut s =
+        tokio::net::TcpStream::connect(("127.0.0.1", tcp_port.parse::<u16>().unwrap())).await.unwrap();
     s.write_all(b"over tcp").await.unwrap();
     let mut buf = [0u8; 8];
     s.read_exact(&mut buf).await.unwrap();
@@ -148,12 +169,25 @@ async fn quickstart_with_real_processes_survives_kill_9() {
 
     // A wrong key: the agent stops with a clear message instead of retrying forever.
     let out = Command::new(BIN)
-        .args(["http", &backend, "--edge", &url, "--key", "culvert_t_nope", "--ca-file", ca.to_str().unwrap()])
+        .args([
+            "http",
+            &backend,
+            "--edge",
+            &url,
+            "--key",
+            "culvert_t_nope",
+            "--ca-file",
+            ca.to_str().unwrap(),
+        ])
         .output()
         .await
         .unwrap();
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown tunnel key"), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("unknown tunnel key"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// SIGTERM without a libc dependency.

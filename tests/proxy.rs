@@ -15,9 +15,13 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 
 /// Starts tinyproxy on a free port; returns the child and its port.
 async fn tinyproxy(dir: &std::path::Path) -> Option<(tokio::process::Child, u16)> {
-    let bin = ["/usr/bin/tinyproxy", "/usr/sbin/tinyproxy"].into_iter().find(|p| std::path::Path::new(p).exists());
+    let bin =
+        ["/usr/bin/tinyproxy", "/usr/sbin/tinyproxy"].into_iter().find(|p| std::path::Path::new(p).exists());
     let Some(bin) = bin else {
-        assert!(std::env::var_os("CI").is_none(), "tinyproxy is missing: `.ci/run` installs it (apt-get install tinyproxy)");
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "tinyproxy is missing: `.ci/run` installs it (apt-get install tinyproxy)"
+        );
         eprintln!("skipping: tinyproxy is not installed (apt-get install tinyproxy)");
         return None;
     };

@@ -40,7 +40,8 @@ async fn http1_and_h2_reach_the_backend_with_forwarding_headers() {
             .unwrap();
         let resp = client.send(&host, req, h2).await.unwrap();
         assert_eq!(resp.status(), StatusCode::OK, "h2={h2}");
-        let body: Value = serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+        let body: Value =
+            serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
         assert_eq!(body["method"], "POST");
         assert_eq!(body["path"], "/echo?x=1");
         assert_eq!(body["bodyLength"], 5);
@@ -117,17 +118,21 @@ async fn two_hundred_concurrent_streams_on_one_tunnel() {
     let (edge, host, _agent) = published().await;
     let client = edge.client();
     let tls = client.connect(&host, true).await;
-    let (sender, conn) =
-        hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), hyper_util::rt::TokioIo::new(tls))
-            .await
-            .unwrap();
+    let (sender, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tls),
+    )
+    .await
+    .unwrap();
     tokio::spawn(conn);
     let mut tasks = Vec::new();
     for i in 0..200 {
         let mut sender = sender.clone();
         let host = host.clone();
         tasks.push(tokio::spawn(async move {
-            let req = Request::get(format!("https://{host}/delay?ms=200&i={i}")).body(Full::new(Bytes::new())).unwrap();
+            let req = Request::get(format!("https://{host}/delay?ms=200&i={i}"))
+                .body(Full::new(Bytes::new()))
+                .unwrap();
             let resp = sender.send_request(req).await.unwrap();
             let status = resp.status();
             let body = resp.into_body().collect().await.unwrap().to_bytes();
@@ -139,7 +144,11 @@ async fn two_hundred_concurrent_streams_on_one_tunnel() {
         assert_eq!(status, StatusCode::OK);
         assert_eq!(&body[..], b"delayed");
     }
-    assert_eq!(edge.edge().registry.count_for_key(&first_key_id(&edge).await), 1, "one tunnel connection served all");
+    assert_eq!(
+        edge.edge().registry.count_for_key(&first_key_id(&edge).await),
+        1,
+        "one tunnel connection served all"
+    );
 }
 
 async fn first_key_id(edge: &TestEdge) -> String {
@@ -173,9 +182,10 @@ async fn one_gib_streams_both_ways_with_flat_memory() {
 
     // Upload, generated on the fly.
     let chunk = Bytes::from(vec![b'u'; 64 * 1024]);
-    let stream = futures_util::stream::iter((0..GIB / chunk.len() as u64).map(move |_| {
-        Ok::<_, std::io::Error>(hyper::body::Frame::data(chunk.clone()))
-    }));
+    let stream = futures_util::stream::iter(
+        (0..GIB / chunk.len() as u64)
+            .map(move |_| Ok::<_, std::io::Error>(hyper::body::Frame::data(chunk.clone()))),
+    );
     let req = Request::post("/upload").body(http_body_util::StreamBody::new(stream)).unwrap();
     let sampler = tokio::spawn(async move {
         let mut peak = 0;
@@ -218,7 +228,8 @@ async fn dead_backend_is_a_502_not_a_hang() {
     // A port nothing listens on: bind, learn the port, close.
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let _agent = TestAgent::start(&edge, &key, Target::Http { authority: format!("127.0.0.1:{port}") }).await;
-    let (status, body) = tokio::time::timeout(Duration::from_secs(15), edge.client().get(&host, "/")).await.unwrap();
+    let (status, body) =
+        tokio::time::timeout(Duration::from_secs(15), edge.client().get(&host, "/")).await.unwrap();
     assert_eq!(status, StatusCode::BAD_GATEWAY);
     assert!(body.contains("unreachable"), "{body}");
 }
@@ -240,9 +251,11 @@ async fn handshake_refusals_say_why() {
             if let Some(a) = auth {
                 req = req.header("authorization", a);
             }
-            let resp = client.send("127.0.0.1", req.body(Full::new(Bytes::new())).unwrap(), false).await.unwrap();
+            let resp =
+                client.send("127.0.0.1", req.body(Full::new(Bytes::new())).unwrap(), false).await.unwrap();
             let status = resp.status();
-            let body: Value = serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+            let body: Value =
+                serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
             (status.as_u16(), body["error"]["code"].as_str().unwrap_or_default().to_string())
         }
     };
@@ -250,7 +263,10 @@ async fn handshake_refusals_say_why() {
     assert_eq!(handshake(Some("Bearer nope".into()), "1").await, (401, "unknown_key".into()));
     assert_eq!(handshake(Some(format!("Bearer {tunnel_key}")), "0").await, (426, "version_too_old".into()));
     // The admin (and any API) key cannot carry traffic.
-    assert_eq!(handshake(Some(format!("Bearer {}", edge.admin_key)), "1").await, (403, "not_a_tunnel_key".into()));
+    assert_eq!(
+        handshake(Some(format!("Bearer {}", edge.admin_key)), "1").await,
+        (403, "not_a_tunnel_key".into())
+    );
     let (s, k) = edge.api("POST", "api-keys", Some(json!({"name": "op", "scope": "endpoints"}))).await;
     assert!(s.is_success(), "{k}");
     let endpoints = k["secret"].as_str().unwrap().to_string();
@@ -259,7 +275,13 @@ async fn handshake_refusals_say_why() {
     let (s, body) = edge.api_as(&tunnel_key, "GET", "domains", None).await;
     assert_eq!(s, StatusCode::FORBIDDEN, "{body}");
     // The agent reports a refusal as permanent and stops.
-    let (agent, _) = TestAgent::spawn(&edge.url(), &edge.ca_file, &endpoints, Target::Http { authority: "127.0.0.1:1".into() }, true);
+    let (agent, _) = TestAgent::spawn(
+        &edge.url(),
+        &edge.ca_file,
+        &endpoints,
+        Target::Http { authority: "127.0.0.1:1".into() },
+        true,
+    );
     let err = tokio::time::timeout(Duration::from_secs(10), agent.task).await.unwrap().unwrap().unwrap_err();
     assert!(err.to_string().contains("API key"), "{err}");
     let metrics = edge.edge().metrics.encode();
@@ -276,7 +298,9 @@ async fn revoking_a_key_cuts_its_live_tunnel_within_a_second() {
     assert!(s.is_success(), "{body}");
     let revoked = Instant::now();
     loop {
-        if edge.edge().registry.count_for_key(&id) == 0 && client.get(&host, "/").await.0 == StatusCode::BAD_GATEWAY {
+        if edge.edge().registry.count_for_key(&id) == 0
+            && client.get(&host, "/").await.0 == StatusCode::BAD_GATEWAY
+        {
             break;
         }
         assert!(revoked.elapsed() < Duration::from_secs(1), "tunnel still up after revocation");
@@ -336,10 +360,12 @@ async fn two_agents_on_one_key_survive_a_rolling_restart_without_failures() {
 async fn load(client: HttpsClient, host: String, stop: tokio_util::sync::CancellationToken) -> (u32, u32) {
     let (mut ok, mut failed) = (0, 0);
     let tls = client.connect(&host, true).await;
-    let (mut sender, conn) =
-        hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), hyper_util::rt::TokioIo::new(tls))
-            .await
-            .unwrap();
+    let (mut sender, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tls),
+    )
+    .await
+    .unwrap();
     tokio::spawn(conn);
     while !stop.is_cancelled() {
         let req = Request::get(format!("https://{host}/delay?ms=20")).body(Full::new(Bytes::new())).unwrap();
@@ -367,7 +393,8 @@ async fn bad_public_input_is_refused_and_the_edge_keeps_serving() {
     let client = edge.client();
 
     // Oversized request head.
-    let req = Request::get("/").header("x-big", "a".repeat(100 * 1024)).body(Full::new(Bytes::new())).unwrap();
+    let req =
+        Request::get("/").header("x-big", "a".repeat(100 * 1024)).body(Full::new(Bytes::new())).unwrap();
     match client.send(&host, req, false).await {
         Ok(resp) => assert_eq!(resp.status(), StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE),
         Err(_) => {} // closed: also a refusal
@@ -389,7 +416,10 @@ async fn bad_public_input_is_refused_and_the_edge_keeps_serving() {
     let mut buf = [0u8; 256];
     let started = Instant::now();
     let mut s = slow.pop().unwrap();
-    let n = tokio::time::timeout(Duration::from_secs(30), s.read(&mut buf)).await.expect("slow client cut").unwrap_or(0);
+    let n = tokio::time::timeout(Duration::from_secs(30), s.read(&mut buf))
+        .await
+        .expect("slow client cut")
+        .unwrap_or(0);
     let head = String::from_utf8_lossy(&buf[..n]);
     assert!(n == 0 || head.contains("408"), "{head}");
     eprintln!("slow client cut after {:?}", started.elapsed());

@@ -14,9 +14,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::TcpStream;
 use tracing::{Instrument, debug, warn};
 
-use crate::constants::{
-    BACKEND_CONNECT_TIMEOUT, ERROR_HEADER, STATUS_HEADER, UPGRADE_HEADER,
-};
+use crate::constants::{BACKEND_CONNECT_TIMEOUT, ERROR_HEADER, STATUS_HEADER, UPGRADE_HEADER};
 use crate::tunnel::StreamKind;
 use crate::tunnel::body::{self, BoxBody, ReadBody};
 
@@ -209,10 +207,7 @@ pub fn strip_culvert_headers(headers: &mut HeaderMap) {
 }
 
 /// The request head as the backend sees it: origin-form URI, the public Host.
-fn backend_request(
-    mut parts: http::request::Parts,
-    authority: &str,
-) -> Result<http::request::Parts, String> {
+fn backend_request(mut parts: http::request::Parts, authority: &str) -> Result<http::request::Parts, String> {
     let host = parts.uri.authority().map(|a| a.as_str().to_string());
     let pq = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
     parts.uri = Uri::try_from(format!("http://{authority}{pq}")).map_err(|e| e.to_string())?;

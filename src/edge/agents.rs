@@ -15,7 +15,9 @@ use tracing::{Instrument, info, warn};
 
 use super::Edge;
 use super::store::TunnelKeyAuth;
-use crate::constants::{AGENT_ID_HEADER, MSG_READY, PUBLIC_URL_HEADER, TUNNEL_PROTOCOL_HEADER, VERSION_HEADER};
+use crate::constants::{
+    AGENT_ID_HEADER, MSG_READY, PUBLIC_URL_HEADER, TUNNEL_PROTOCOL_HEADER, VERSION_HEADER,
+};
 use crate::tunnel::body::{self, BoxBody};
 use crate::tunnel::handshake::Refusal;
 use crate::tunnel::ws::{self, Control, WsStream};
@@ -30,7 +32,7 @@ fn refuse(edge: &Edge, refusal: Refusal, peer: SocketAddr) -> Response<BoxBody> 
     r
 }
 
-fn header<'a, B>(req: &'a Request<B>, name: impl header::AsHeaderName) -> Option<&'a str> {
+fn header<B>(req: &Request<B>, name: impl header::AsHeaderName) -> Option<&str> {
     req.headers().get(name).and_then(|v| v.to_str().ok())
 }
 
@@ -85,7 +87,9 @@ pub async fn accept(edge: Arc<Edge>, mut req: Request<Incoming>, peer: SocketAdd
                 Ok(u) => u,
                 Err(e) => return warn!(error = %e, "agent upgrade failed"),
             };
-            let ws = WebSocketStream::from_raw_socket(TokioIo::new(upgraded), Role::Server, Some(ws::ws_config())).await;
+            let ws =
+                WebSocketStream::from_raw_socket(TokioIo::new(upgraded), Role::Server, Some(ws::ws_config()))
+                    .await;
             let control = Arc::new(Control::default());
             let stream = WsStream::new(ws, control.clone());
             let (sender, conn) = match crate::tunnel::h2_client().handshake(TokioIo::new(stream)).await {

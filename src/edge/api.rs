@@ -30,15 +30,12 @@ use serde::de::DeserializeOwned;
 
 use super::store::{ApiKeyAuth, Store, StoreError};
 use crate::api::{
-    ApiKey, ApiKeyScope, CreateApiKeyRequest, CreateTunnelKeyRequest, CreatedApiKey,
-    CreatedTunnelKey, ErrorBody, Info, List, Protocol, ReleaseResponse, Reservation,
-    ReservationKind, ReserveDomainRequest, ReservePortRequest, Selector, TunnelKey,
-    validate_labels,
+    ApiKey, ApiKeyScope, CreateApiKeyRequest, CreateTunnelKeyRequest, CreatedApiKey, CreatedTunnelKey,
+    ErrorBody, Info, List, Protocol, ReleaseResponse, Reservation, ReservationKind, ReserveDomainRequest,
+    ReservePortRequest, Selector, TunnelKey, validate_labels,
 };
 use crate::cli::PortRange;
-use crate::constants::{
-    API_BODY_TIMEOUT, API_MAX_BODY, API_PREFIX, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
-};
+use crate::constants::{API_BODY_TIMEOUT, API_MAX_BODY, API_PREFIX, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION};
 
 /// What the control API needs from the running edge.
 pub trait EdgeHooks: Send + Sync + 'static {
@@ -185,15 +182,12 @@ impl ApiError {
         let mut response = json_response(status, &ErrorBody::new(self.category(), message));
         match &self {
             ApiError::Unauthenticated { .. } => {
-                response.headers_mut().insert(
-                    header::WWW_AUTHENTICATE,
-                    HeaderValue::from_static("Bearer realm=\"culvert\""),
-                );
-            }
-            ApiError::MethodNotAllowed { allowed, .. } => {
                 response
                     .headers_mut()
-                    .insert(header::ALLOW, HeaderValue::from_static(allowed));
+                    .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer realm=\"culvert\""));
+            }
+            ApiError::MethodNotAllowed { allowed, .. } => {
+                response.headers_mut().insert(header::ALLOW, HeaderValue::from_static(allowed));
             }
             _ => {}
         }
@@ -201,24 +195,19 @@ impl ApiError {
     }
 
     fn invalid(code: &'static str, message: impl Into<String>) -> ApiError {
-        ApiError::Invalid {
-            code,
-            message: message.into(),
-        }
+        ApiError::Invalid { code, message: message.into() }
     }
 }
 
 impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
         match e {
-            StoreError::AlreadyReserved { target, .. } if target.starts_with("port ") => {
-                ApiError::Conflict {
-                    code: "already_reserved",
-                    message: format!(
-                        "{target} is held by another key; reserve another port, or omit the port to get a free one"
-                    ),
-                }
-            }
+            StoreError::AlreadyReserved { target, .. } if target.starts_with("port ") => ApiError::Conflict {
+                code: "already_reserved",
+                message: format!(
+                    "{target} is held by another key; reserve another port, or omit the port to get a free one"
+                ),
+            },
             StoreError::AlreadyReserved { target, .. } => ApiError::Conflict {
                 code: "already_reserved",
                 message: format!("domain {target} is held by another key; reserve another name"),
@@ -235,9 +224,7 @@ impl From<StoreError> for ApiError {
                     "every port of the edge's TCP port range {range} is reserved; release one (culvert admin port release PORT) or widen the edge's --tcp-ports"
                 ),
             },
-            StoreError::NotFound { what } => ApiError::NotFound {
-                message: format!("{what} does not exist"),
-            },
+            StoreError::NotFound { what } => ApiError::NotFound { message: format!("{what} does not exist") },
             StoreError::LastAdminKey { id } => ApiError::Conflict {
                 code: "last_admin_key",
                 message: format!(
@@ -280,9 +267,8 @@ enum Route {
 
 impl Route {
     fn parse(path: &str) -> Option<Route> {
-        let rest = path
-            .strip_prefix(API_PREFIX)
-            .or_else(|| path.strip_prefix(API_PREFIX.trim_end_matches('/')))?;
+        let rest =
+            path.strip_prefix(API_PREFIX).or_else(|| path.strip_prefix(API_PREFIX.trim_end_matches('/')))?;
         let rest = rest.trim_start_matches('/').trim_end_matches('/');
         let segments: Vec<&str> = rest.split('/').collect();
         let item = |s: &str| percent_decode(s).filter(|s| !s.is_empty());
@@ -304,9 +290,7 @@ impl Route {
         match self {
             Route::Info => "GET",
             Route::Domains | Route::Ports | Route::TunnelKeys | Route::ApiKeys => "GET, POST",
-            Route::Domain(_) | Route::Port(_) | Route::TunnelKey(_) | Route::ApiKey(_) => {
-                "GET, DELETE"
-            }
+            Route::Domain(_) | Route::Port(_) | Route::TunnelKey(_) | Route::ApiKey(_) => "GET, DELETE",
         }
     }
 }
@@ -421,21 +405,13 @@ where
         }
         (Route::ApiKeys, &Method::GET) => {
             query.only(&[])?;
-            Ok(json_response(
-                StatusCode::OK,
-                &List {
-                    items: ctx.store.api_keys()?,
-                },
-            ))
+            Ok(json_response(StatusCode::OK, &List { items: ctx.store.api_keys()? }))
         }
         (Route::ApiKeys, &Method::POST) => {
             query.only(&[])?;
             let request: CreateApiKeyRequest = read_json(body, &headers).await?;
             let name = request.name.trim();
-            if name.is_empty()
-                || name.chars().count() > MAX_KEY_NAME
-                || name.chars().any(char::is_control)
-            {
+            if name.is_empty() || name.chars().count() > MAX_KEY_NAME || name.chars().any(char::is_control) {
                 return Err(ApiError::invalid(
                     "invalid_name",
                     format!(
@@ -445,16 +421,14 @@ where
             }
             let (key, secret) = ctx.store.create_api_key(name, request.scope)?;
             tracing::info!(key = %key.id, scope = %key.scope, by = %caller.id, "api key created");
-            Ok(json_response(
-                StatusCode::CREATED,
-                &CreatedApiKey { key, secret },
-            ))
+            Ok(json_response(StatusCode::CREATED, &CreatedApiKey { key, secret }))
         }
         (Route::ApiKey(id), &Method::GET) => {
             query.only(&[])?;
-            let key = ctx.store.api_key(id)?.ok_or_else(|| ApiError::NotFound {
-                message: format!("api key {id} does not exist"),
-            })?;
+            let key = ctx
+                .store
+                .api_key(id)?
+                .ok_or_else(|| ApiError::NotFound { message: format!("api key {id} does not exist") })?;
             Ok(json_response(StatusCode::OK, &key))
         }
         (Route::ApiKey(id), &Method::DELETE) => {
@@ -489,8 +463,7 @@ fn authenticate(store: &Store, headers: &HeaderMap) -> Result<ApiKey, ApiError> 
         }),
         ApiKeyAuth::Unknown => Err(ApiError::Unauthenticated {
             code: "unknown_key",
-            message: "this API key is not known to the edge; check --key (or CULVERT_ADMIN_KEY)"
-                .into(),
+            message: "this API key is not known to the edge; check --key (or CULVERT_ADMIN_KEY)".into(),
         }),
         ApiKeyAuth::Revoked(key) => Err(ApiError::Unauthenticated {
             code: "key_revoked",
@@ -536,11 +509,7 @@ fn with_url(ctx: &ApiContext, mut r: Reservation) -> Reservation {
 }
 
 fn with_connections(ctx: &ApiContext, mut k: TunnelKey) -> TunnelKey {
-    k.connections = if k.revoked_at.is_some() {
-        0
-    } else {
-        ctx.hooks.connections_for_key(&k.id)
-    };
+    k.connections = if k.revoked_at.is_some() { 0 } else { ctx.hooks.connections_for_key(&k.id) };
     k
 }
 
@@ -579,18 +548,12 @@ fn reserve_domain(
             ));
         }
     };
-    let (reservation, created) =
-        ctx.store
-            .reserve_domain(kind, &hostname, &caller.id, &request.labels)?;
+    let (reservation, created) = ctx.store.reserve_domain(kind, &hostname, &caller.id, &request.labels)?;
     if created {
         tracing::info!(hostname = %hostname, kind = %kind, by = %caller.id, "domain reserved");
         ctx.hooks.state_changed();
     }
-    let status = if created {
-        StatusCode::CREATED
-    } else {
-        StatusCode::OK
-    };
+    let status = if created { StatusCode::CREATED } else { StatusCode::OK };
     Ok(json_response(status, &with_url(ctx, reservation)))
 }
 
@@ -610,17 +573,12 @@ fn reserve_port(
         ));
     }
     let (reservation, created) =
-        ctx.store
-            .reserve_port(request.port, ctx.tcp_ports, &caller.id, &request.labels)?;
+        ctx.store.reserve_port(request.port, ctx.tcp_ports, &caller.id, &request.labels)?;
     if created {
         tracing::info!(port = ?reservation.port, by = %caller.id, "port reserved");
         ctx.hooks.state_changed();
     }
-    let status = if created {
-        StatusCode::CREATED
-    } else {
-        StatusCode::OK
-    };
+    let status = if created { StatusCode::CREATED } else { StatusCode::OK };
     Ok(json_response(status, &with_url(ctx, reservation)))
 }
 
@@ -638,13 +596,7 @@ fn release(
     );
     ctx.hooks.state_changed();
     let reservation = with_url(ctx, reservation);
-    Ok(json_response(
-        StatusCode::OK,
-        &ReleaseResponse {
-            reservation,
-            revoked_tunnel_keys,
-        },
-    ))
+    Ok(json_response(StatusCode::OK, &ReleaseResponse { reservation, revoked_tunnel_keys }))
 }
 
 fn domain_of(ctx: &ApiContext, caller: &ApiKey, host: &str) -> Result<Reservation, ApiError> {
@@ -652,9 +604,7 @@ fn domain_of(ctx: &ApiContext, caller: &ApiKey, host: &str) -> Result<Reservatio
     let reservation = ctx
         .store
         .reservation_by_hostname(&hostname)?
-        .ok_or_else(|| ApiError::NotFound {
-            message: format!("domain {hostname} is not reserved"),
-        })?;
+        .ok_or_else(|| ApiError::NotFound { message: format!("domain {hostname} is not reserved") })?;
     if !may_use(caller, &reservation.owner) {
         return Err(not_owner(&format!("domain {hostname}")));
     }
@@ -662,20 +612,14 @@ fn domain_of(ctx: &ApiContext, caller: &ApiKey, host: &str) -> Result<Reservatio
 }
 
 fn port_of(ctx: &ApiContext, caller: &ApiKey, port: &str) -> Result<Reservation, ApiError> {
-    let port: u16 = port
-        .parse()
-        .ok()
-        .filter(|p| *p != 0)
-        .ok_or_else(|| ApiError::BadRequest {
-            code: "invalid_port",
-            message: format!("`{port}` is not a port number (1-65535)"),
-        })?;
+    let port: u16 = port.parse().ok().filter(|p| *p != 0).ok_or_else(|| ApiError::BadRequest {
+        code: "invalid_port",
+        message: format!("`{port}` is not a port number (1-65535)"),
+    })?;
     let reservation = ctx
         .store
         .reservation_by_port(port)?
-        .ok_or_else(|| ApiError::NotFound {
-            message: format!("port {port} is not reserved"),
-        })?;
+        .ok_or_else(|| ApiError::NotFound { message: format!("port {port} is not reserved") })?;
     if !may_use(caller, &reservation.owner) {
         return Err(not_owner(&format!("port {port}")));
     }
@@ -686,9 +630,7 @@ fn tunnel_key_of(ctx: &ApiContext, caller: &ApiKey, id: &str) -> Result<TunnelKe
     let key = ctx
         .store
         .tunnel_key(id)?
-        .ok_or_else(|| ApiError::NotFound {
-            message: format!("tunnel key {id} does not exist"),
-        })?;
+        .ok_or_else(|| ApiError::NotFound { message: format!("tunnel key {id} does not exist") })?;
     if !may_use(caller, &key.owner) {
         return Err(not_owner(&format!("tunnel key {id}")));
     }
@@ -712,13 +654,12 @@ fn create_tunnel_key(
                 ));
             }
             let hostname = lookup_hostname(host, &domain)?;
-            let reservation = ctx.store.reservation_by_hostname(&hostname)?.ok_or_else(|| {
-                ApiError::NotFound {
+            let reservation =
+                ctx.store.reservation_by_hostname(&hostname)?.ok_or_else(|| ApiError::NotFound {
                     message: format!(
                         "domain {hostname} is not reserved; reserve it first (culvert admin domain reserve)"
                     ),
-                }
-            })?;
+                })?;
             (reservation, protocol)
         }
         (None, Some(port)) => {
@@ -726,13 +667,13 @@ fn create_tunnel_key(
             if protocol != Protocol::Tcp {
                 return Err(ApiError::invalid(
                     "protocol_mismatch",
-                    format!(
-                        "{protocol} tunnels need a domain reservation: give domain instead of port"
-                    ),
+                    format!("{protocol} tunnels need a domain reservation: give domain instead of port"),
                 ));
             }
             let reservation = ctx.store.reservation_by_port(port)?.ok_or_else(|| ApiError::NotFound {
-                message: format!("port {port} is not reserved; reserve it first (culvert admin port reserve {port})"),
+                message: format!(
+                    "port {port} is not reserved; reserve it first (culvert admin port reserve {port})"
+                ),
             })?;
             (reservation, protocol)
         }
@@ -748,15 +689,11 @@ fn create_tunnel_key(
         return Err(not_owner(&reservation.target()));
     }
     let (key, secret) =
-        ctx.store
-            .create_tunnel_key(&reservation.id, protocol, &request.labels, &caller.id)?;
+        ctx.store.create_tunnel_key(&reservation.id, protocol, &request.labels, &caller.id)?;
     tracing::info!(key = %key.id, reservation = %reservation.target(), %protocol, by = %caller.id, "tunnel key created");
     ctx.hooks.state_changed();
     let url = reservation.public_url(ctx.public_https_port, &ctx.public_host);
-    Ok(json_response(
-        StatusCode::CREATED,
-        &CreatedTunnelKey { key, secret, url },
-    ))
+    Ok(json_response(StatusCode::CREATED, &CreatedTunnelKey { key, secret, url }))
 }
 
 /// The edge's base domain, lower case without a trailing dot.
@@ -768,8 +705,7 @@ fn edge_domain(ctx: &ApiContext) -> String {
 pub fn is_dns_label(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 63
-        && s.bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
         && !s.starts_with('-')
         && !s.ends_with('-')
 }
@@ -809,10 +745,7 @@ pub fn normalize_hostname(host: &str) -> Result<String, ApiError> {
     let h = host.trim().to_ascii_lowercase();
     let h = h.strip_suffix('.').unwrap_or(&h).to_string();
     let bad = |why: &str| {
-        ApiError::invalid(
-            "invalid_domain",
-            format!("`{host}` is not a valid domain name: {why}"),
-        )
+        ApiError::invalid("invalid_domain", format!("`{host}` is not a valid domain name: {why}"))
     };
     if h.parse::<std::net::IpAddr>().is_ok() {
         return Err(bad("IP addresses cannot be reserved, only names"));
@@ -829,10 +762,7 @@ pub fn normalize_hostname(host: &str) -> Result<String, ApiError> {
             "label `{label}` is not a DNS label (1-63 characters of a-z, 0-9 and `-`, not starting or ending with `-`)"
         )));
     }
-    if labels
-        .last()
-        .is_some_and(|tld| tld.bytes().all(|b| b.is_ascii_digit()))
-    {
+    if labels.last().is_some_and(|tld| tld.bytes().all(|b| b.is_ascii_digit())) {
         return Err(bad("the last label cannot be all digits"));
     }
     Ok(h)
@@ -842,10 +772,7 @@ pub fn normalize_hostname(host: &str) -> Result<String, ApiError> {
 /// subdomain (normalised); deeper names under it are refused (the wildcard
 /// certificate covers one level); the edge's own name is refused; anything
 /// else is a custom domain.
-pub fn custom_or_subdomain(
-    fqdn: &str,
-    domain: &str,
-) -> Result<(ReservationKind, String), ApiError> {
+pub fn custom_or_subdomain(fqdn: &str, domain: &str) -> Result<(ReservationKind, String), ApiError> {
     let host = normalize_hostname(fqdn)?;
     if host == domain {
         return Err(ApiError::invalid(
@@ -870,11 +797,7 @@ pub fn custom_or_subdomain(
 /// The host name a path segment or `domain` field means: a bare label is
 /// `<label>.<domain>`, anything with a dot is a full host name.
 fn lookup_hostname(host: &str, domain: &str) -> Result<String, ApiError> {
-    if host.contains('.') {
-        normalize_hostname(host)
-    } else {
-        subdomain(host, domain)
-    }
+    if host.contains('.') { normalize_hostname(host) } else { subdomain(host, domain) }
 }
 
 /// Reads a JSON body of at most [`API_MAX_BODY`] bytes within
@@ -884,10 +807,8 @@ where
     B: hyper::body::Body<Data = Bytes>,
     B::Error: std::fmt::Display,
 {
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
+    let declared =
+        headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > API_MAX_BODY as u64) {
         return Err(ApiError::TooLarge);
     }
@@ -908,14 +829,9 @@ where
         }
         Ok(buf.freeze())
     };
-    let bytes = tokio::time::timeout(API_BODY_TIMEOUT, collect)
-        .await
-        .map_err(|_| ApiError::BodyTimeout)??;
-    let bytes: &[u8] = if bytes.iter().all(u8::is_ascii_whitespace) {
-        b"{}"
-    } else {
-        &bytes
-    };
+    let bytes =
+        tokio::time::timeout(API_BODY_TIMEOUT, collect).await.map_err(|_| ApiError::BodyTimeout)??;
+    let bytes: &[u8] = if bytes.iter().all(u8::is_ascii_whitespace) { b"{}" } else { &bytes };
     serde_json::from_slice(bytes).map_err(|e| ApiError::BadRequest {
         code: "invalid_json",
         message: format!("the request body is not valid for this call: {e}"),
@@ -927,20 +843,15 @@ fn json_response<T: Serialize>(status: StatusCode, value: &T) -> Response<Full<B
         Ok(body) => (status, body),
         Err(e) => (
             StatusCode::INTERNAL_SERVER_ERROR,
-            format!(
-                r#"{{"error":{{"code":"internal","message":"failed to encode the answer: {e}"}}}}"#
-            )
-            .into_bytes(),
+            format!(r#"{{"error":{{"code":"internal","message":"failed to encode the answer: {e}"}}}}"#)
+                .into_bytes(),
         ),
     };
     body.push(b'\n');
     let mut response = Response::new(Full::new(Bytes::from(body)));
     *response.status_mut() = status;
     let headers = response.headers_mut();
-    headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     response
 }
@@ -973,29 +884,18 @@ impl Query {
             }),
             Some((k, _)) => Err(ApiError::BadRequest {
                 code: "invalid_query",
-                message: format!(
-                    "unknown query parameter `{k}`; this call takes {}",
-                    allowed.join(", ")
-                ),
+                message: format!("unknown query parameter `{k}`; this call takes {}", allowed.join(", ")),
             }),
         }
     }
 
     fn get(&self, key: &str) -> Option<&str> {
-        self.0
-            .iter()
-            .rev()
-            .find(|(k, _)| k == key)
-            .map(|(_, v)| v.as_str())
+        self.0.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
     }
 
     fn selector(&self) -> Result<Selector, ApiError> {
-        Selector::parse(self.get("selector").unwrap_or("")).map_err(|message| {
-            ApiError::BadRequest {
-                code: "invalid_selector",
-                message,
-            }
-        })
+        Selector::parse(self.get("selector").unwrap_or(""))
+            .map_err(|message| ApiError::BadRequest { code: "invalid_selector", message })
     }
 
     fn flag(&self, key: &str) -> Result<bool, ApiError> {
@@ -1050,12 +950,7 @@ mod tests {
             self.changes.fetch_add(1, Ordering::SeqCst);
         }
         fn connections_for_key(&self, key_id: &str) -> usize {
-            self.connections
-                .lock()
-                .unwrap()
-                .get(key_id)
-                .copied()
-                .unwrap_or(0)
+            self.connections.lock().unwrap().get(key_id).copied().unwrap_or(0)
         }
     }
 
@@ -1076,18 +971,10 @@ mod tests {
             domain: "Edge.Example.com.".into(),
             public_host: "edge.example.com".into(),
             public_https_port: 443,
-            tcp_ports: PortRange {
-                first: 20000,
-                last: 20002,
-            },
+            tcp_ports: PortRange { first: 20000, last: 20002 },
             hooks: hooks.clone(),
         };
-        Edge {
-            ctx,
-            hooks,
-            admin,
-            _dir: dir,
-        }
+        Edge { ctx, hooks, admin, _dir: dir }
     }
 
     impl Edge {
@@ -1098,9 +985,7 @@ mod tests {
             key: Option<&str>,
             body: Option<Value>,
         ) -> (StatusCode, Value) {
-            let mut req = Request::builder()
-                .method(method)
-                .uri(format!("{API_PREFIX}{path}"));
+            let mut req = Request::builder().method(method).uri(format!("{API_PREFIX}{path}"));
             if let Some(key) = key {
                 req = req.header("authorization", format!("Bearer {key}"));
             }
@@ -1112,13 +997,8 @@ mod tests {
             let value: Value = serde_json::from_slice(&bytes).unwrap();
             if !status.is_success() {
                 // Every error has exactly this shape.
-                let error = value["error"]
-                    .as_object()
-                    .unwrap_or_else(|| panic!("{value}"));
-                assert!(
-                    error["code"].is_string() && error["message"].is_string(),
-                    "{value}"
-                );
+                let error = value["error"].as_object().unwrap_or_else(|| panic!("{value}"));
+                assert!(error["code"].is_string() && error["message"].is_string(), "{value}");
                 assert_eq!(error.len(), 2, "{value}");
                 assert_eq!(value.as_object().unwrap().len(), 1, "{value}");
             }
@@ -1164,57 +1044,29 @@ mod tests {
         assert_eq!(v["caller"]["scope"], "admin");
 
         let (status, v) = e.call("GET", "info", None, None).await;
-        assert_eq!(
-            (status, code(&v)),
-            (StatusCode::UNAUTHORIZED, "missing_key")
-        );
+        assert_eq!((status, code(&v)), (StatusCode::UNAUTHORIZED, "missing_key"));
         let (status, v) = e.call("GET", "info", Some("culvert_a_0000"), None).await;
-        assert_eq!(
-            (status, code(&v)),
-            (StatusCode::UNAUTHORIZED, "unknown_key")
-        );
+        assert_eq!((status, code(&v)), (StatusCode::UNAUTHORIZED, "unknown_key"));
         let (status, v) = e.call("GET", "nope", Some(&e.admin), None).await;
         assert_eq!((status, code(&v)), (StatusCode::NOT_FOUND, "not_found"));
         let (status, v) = e.call("PUT", "domains", Some(&e.admin), None).await;
-        assert_eq!(
-            (status, code(&v)),
-            (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed")
-        );
+        assert_eq!((status, code(&v)), (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed"));
         let (status, v) = e.call("GET", "info?x=1", Some(&e.admin), None).await;
-        assert_eq!(
-            (status, code(&v)),
-            (StatusCode::BAD_REQUEST, "invalid_query")
-        );
+        assert_eq!((status, code(&v)), (StatusCode::BAD_REQUEST, "invalid_query"));
     }
 
     #[tokio::test]
     async fn tunnel_keys_cannot_use_the_api() {
         let e = edge();
-        e.call(
-            "POST",
-            "domains",
-            Some(&e.admin),
-            Some(json!({"name": "blog"})),
-        )
-        .await;
-        let (status, v) = e
-            .call(
-                "POST",
-                "tunnel-keys",
-                Some(&e.admin),
-                Some(json!({"domain": "blog"})),
-            )
-            .await;
+        e.call("POST", "domains", Some(&e.admin), Some(json!({"name": "blog"}))).await;
+        let (status, v) =
+            e.call("POST", "tunnel-keys", Some(&e.admin), Some(json!({"domain": "blog"}))).await;
         assert_eq!(status, StatusCode::CREATED, "{v}");
         let tunnel = v["secret"].as_str().unwrap().to_string();
         assert!(tunnel.starts_with("culvert_t_"));
         for (method, path) in [("GET", "info"), ("GET", "domains"), ("POST", "api-keys")] {
             let (status, v) = e.call(method, path, Some(&tunnel), None).await;
-            assert_eq!(
-                (status, code(&v)),
-                (StatusCode::FORBIDDEN, "tunnel_key_not_allowed"),
-                "{path}"
-            );
+            assert_eq!((status, code(&v)), (StatusCode::FORBIDDEN, "tunnel_key_not_allowed"), "{path}");
             assert_eq!(
                 v["error"]["message"],
                 "tunnel keys cannot use the API; use an admin or endpoints API key"
@@ -1229,19 +1081,11 @@ mod tests {
         assert!(ep.starts_with("culvert_e_"));
         for (method, path, body) in [
             ("GET", "api-keys", None),
-            (
-                "POST",
-                "api-keys",
-                Some(json!({"name": "x", "scope": "admin"})),
-            ),
+            ("POST", "api-keys", Some(json!({"name": "x", "scope": "admin"}))),
             ("DELETE", "api-keys/ak_000000000000", None),
         ] {
             let (status, v) = e.call(method, path, Some(&ep), body).await;
-            assert_eq!(
-                (status, code(&v)),
-                (StatusCode::FORBIDDEN, "admin_required"),
-                "{method} {path}"
-            );
+            assert_eq!((status, code(&v)), (StatusCode::FORBIDDEN, "admin_required"), "{method} {path}");
         }
         // But it may reserve, mint and read info.
         let (status, _) = e.call("GET", "info", Some(&ep), None).await;
@@ -1256,12 +1100,7 @@ mod tests {
         let ep = e.endpoints_key("a").await;
         let other = e.endpoints_key("b").await;
         let (status, v) = e
-            .call(
-                "POST",
-                "domains",
-                Some(&ep),
-                Some(json!({"name": "Blog", "labels": {"ns": "web"}})),
-            )
+            .call("POST", "domains", Some(&ep), Some(json!({"name": "Blog", "labels": {"ns": "web"}})))
             .await;
         assert_eq!(status, StatusCode::CREATED, "{v}");
         assert_eq!(v["hostname"], "blog.edge.example.com");
@@ -1271,54 +1110,27 @@ mod tests {
         assert_eq!(e.hooks.changes.load(Ordering::SeqCst), 1);
 
         // Idempotent for the same key, also when given as fqdn.
-        let (status, again) = e
-            .call(
-                "POST",
-                "domains",
-                Some(&ep),
-                Some(json!({"fqdn": "blog.edge.example.com."})),
-            )
-            .await;
+        let (status, again) =
+            e.call("POST", "domains", Some(&ep), Some(json!({"fqdn": "blog.edge.example.com."}))).await;
         assert_eq!(status, StatusCode::OK);
         assert_eq!(again, v);
-        let (status, err) = e
-            .call(
-                "POST",
-                "domains",
-                Some(&other),
-                Some(json!({"name": "blog"})),
-            )
-            .await;
-        assert_eq!(
-            (status, code(&err)),
-            (StatusCode::CONFLICT, "already_reserved")
-        );
+        let (status, err) = e.call("POST", "domains", Some(&other), Some(json!({"name": "blog"}))).await;
+        assert_eq!((status, code(&err)), (StatusCode::CONFLICT, "already_reserved"));
         assert_eq!(
             err["error"]["message"],
             "domain blog.edge.example.com is held by another key; reserve another name"
         );
 
         // Custom domains.
-        let (status, c) = e
-            .call(
-                "POST",
-                "domains",
-                Some(&ep),
-                Some(json!({"fqdn": "App.Example.org"})),
-            )
-            .await;
+        let (status, c) =
+            e.call("POST", "domains", Some(&ep), Some(json!({"fqdn": "App.Example.org"}))).await;
         assert_eq!(status, StatusCode::CREATED, "{c}");
-        assert_eq!(
-            (c["kind"].as_str(), c["hostname"].as_str()),
-            (Some("custom"), Some("app.example.org"))
-        );
+        assert_eq!((c["kind"].as_str(), c["hostname"].as_str()), (Some("custom"), Some("app.example.org")));
 
         // Lists show only what the caller holds (admin sees all).
         let (_, list) = e.call("GET", "domains", Some(&ep), None).await;
         assert_eq!(list["items"].as_array().unwrap().len(), 2);
-        let (_, list) = e
-            .call("GET", "domains?selector=ns%3Dweb", Some(&ep), None)
-            .await;
+        let (_, list) = e.call("GET", "domains?selector=ns%3Dweb", Some(&ep), None).await;
         assert_eq!(list["items"].as_array().unwrap().len(), 1);
         let (_, list) = e.call("GET", "domains", Some(&other), None).await;
         assert_eq!(list["items"].as_array().unwrap().len(), 0);
@@ -1327,18 +1139,9 @@ mod tests {
 
         let (status, got) = e.call("GET", "domains/blog", Some(&ep), None).await;
         assert_eq!((status, &got), (StatusCode::OK, &v));
-        let (status, err) = e
-            .call(
-                "DELETE",
-                "domains/blog.edge.example.com",
-                Some(&other),
-                None,
-            )
-            .await;
+        let (status, err) = e.call("DELETE", "domains/blog.edge.example.com", Some(&other), None).await;
         assert_eq!((status, code(&err)), (StatusCode::FORBIDDEN, "not_owner"));
-        let (status, released) = e
-            .call("DELETE", "domains/blog.edge.example.com", Some(&ep), None)
-            .await;
+        let (status, released) = e.call("DELETE", "domains/blog.edge.example.com", Some(&ep), None).await;
         assert_eq!(status, StatusCode::OK);
         assert_eq!(released["reservation"]["hostname"], "blog.edge.example.com");
         let (status, err) = e.call("DELETE", "domains/blog", Some(&ep), None).await;
@@ -1361,44 +1164,18 @@ mod tests {
             (json!({"fqdn": "*.example.com"}), "invalid_domain"),
             (json!({"fqdn": "a.b.edge.example.com"}), "invalid_domain"),
             (json!({"fqdn": "edge.example.com"}), "reserved_name"),
-            (
-                json!({"name": "a", "fqdn": "a.example.org"}),
-                "invalid_request",
-            ),
+            (json!({"name": "a", "fqdn": "a.example.org"}), "invalid_request"),
             (json!({}), "invalid_request"),
-            (
-                json!({"name": "ok", "labels": {"bad key": "v"}}),
-                "invalid_labels",
-            ),
+            (json!({"name": "ok", "labels": {"bad key": "v"}}), "invalid_labels"),
         ] {
             let (status, v) = e.call("POST", "domains", k, Some(body.clone())).await;
-            assert_eq!(
-                (status, code(&v)),
-                (StatusCode::UNPROCESSABLE_ENTITY, want),
-                "{body}: {v}"
-            );
+            assert_eq!((status, code(&v)), (StatusCode::UNPROCESSABLE_ENTITY, want), "{body}: {v}");
         }
-        let (status, v) = e
-            .call("POST", "domains", k, Some(json!({"nmae": "x"})))
-            .await;
-        assert_eq!(
-            (status, code(&v)),
-            (StatusCode::BAD_REQUEST, "invalid_json")
-        );
-        assert!(
-            v["error"]["message"]
-                .as_str()
-                .unwrap()
-                .contains("unknown field `nmae`"),
-            "{v}"
-        );
-        let (status, v) = e
-            .call("POST", "domains", k, Some(json!("x".repeat(70_000))))
-            .await;
-        assert_eq!(
-            (status, code(&v)),
-            (StatusCode::PAYLOAD_TOO_LARGE, "body_too_large")
-        );
+        let (status, v) = e.call("POST", "domains", k, Some(json!({"nmae": "x"}))).await;
+        assert_eq!((status, code(&v)), (StatusCode::BAD_REQUEST, "invalid_json"));
+        assert!(v["error"]["message"].as_str().unwrap().contains("unknown field `nmae`"), "{v}");
+        let (status, v) = e.call("POST", "domains", k, Some(json!("x".repeat(70_000)))).await;
+        assert_eq!((status, code(&v)), (StatusCode::PAYLOAD_TOO_LARGE, "body_too_large"));
         assert_eq!(e.hooks.changes.load(Ordering::SeqCst), 0);
     }
 
@@ -1407,61 +1184,33 @@ mod tests {
         let e = edge();
         let ep = e.endpoints_key("a").await;
         let other = e.endpoints_key("b").await;
-        let (status, v) = e
-            .call("POST", "ports", Some(&ep), Some(json!({"port": 20001})))
-            .await;
+        let (status, v) = e.call("POST", "ports", Some(&ep), Some(json!({"port": 20001}))).await;
         assert_eq!(status, StatusCode::CREATED, "{v}");
         assert_eq!(v["url"], "tcp://edge.example.com:20001");
-        let (status, _) = e
-            .call("POST", "ports", Some(&ep), Some(json!({"port": 20001})))
-            .await;
+        let (status, _) = e.call("POST", "ports", Some(&ep), Some(json!({"port": 20001}))).await;
         assert_eq!(status, StatusCode::OK);
-        let (status, err) = e
-            .call("POST", "ports", Some(&other), Some(json!({"port": 20001})))
-            .await;
-        assert_eq!(
-            (status, code(&err)),
-            (StatusCode::CONFLICT, "already_reserved")
-        );
+        let (status, err) = e.call("POST", "ports", Some(&other), Some(json!({"port": 20001}))).await;
+        assert_eq!((status, code(&err)), (StatusCode::CONFLICT, "already_reserved"));
         for port in [json!(80), json!(0), json!(20003)] {
-            let (status, err) = e
-                .call("POST", "ports", Some(&ep), Some(json!({"port": port})))
-                .await;
+            let (status, err) = e.call("POST", "ports", Some(&ep), Some(json!({"port": port}))).await;
             assert_eq!(
                 (status, code(&err)),
                 (StatusCode::UNPROCESSABLE_ENTITY, "port_out_of_range"),
                 "{port}"
             );
-            assert!(
-                err["error"]["message"]
-                    .as_str()
-                    .unwrap()
-                    .contains("20000-20002"),
-                "{err}"
-            );
+            assert!(err["error"]["message"].as_str().unwrap().contains("20000-20002"), "{err}");
         }
-        let (status, err) = e
-            .call("POST", "ports", Some(&ep), Some(json!({"port": 70000})))
-            .await;
-        assert_eq!(
-            (status, code(&err)),
-            (StatusCode::BAD_REQUEST, "invalid_json")
-        );
+        let (status, err) = e.call("POST", "ports", Some(&ep), Some(json!({"port": 70000}))).await;
+        assert_eq!((status, code(&err)), (StatusCode::BAD_REQUEST, "invalid_json"));
         let (_, a) = e.call("POST", "ports", Some(&other), None).await;
         let (_, b) = e.call("POST", "ports", Some(&other), Some(json!({}))).await;
-        assert_eq!(
-            (a["port"].as_u64(), b["port"].as_u64()),
-            (Some(20000), Some(20002))
-        );
+        assert_eq!((a["port"].as_u64(), b["port"].as_u64()), (Some(20000), Some(20002)));
         let (status, err) = e.call("POST", "ports", Some(&ep), None).await;
         assert_eq!((status, code(&err)), (StatusCode::CONFLICT, "no_free_port"));
         let (_, list) = e.call("GET", "ports", Some(&other), None).await;
         assert_eq!(list["items"].as_array().unwrap().len(), 2);
         let (status, err) = e.call("GET", "ports/abc", Some(&ep), None).await;
-        assert_eq!(
-            (status, code(&err)),
-            (StatusCode::BAD_REQUEST, "invalid_port")
-        );
+        assert_eq!((status, code(&err)), (StatusCode::BAD_REQUEST, "invalid_port"));
         let (status, err) = e.call("DELETE", "ports/20000", Some(&ep), None).await;
         assert_eq!((status, code(&err)), (StatusCode::FORBIDDEN, "not_owner"));
         let (status, _) = e.call("DELETE", "ports/20000", Some(&e.admin), None).await;
@@ -1473,64 +1222,23 @@ mod tests {
         let e = edge();
         let ep = e.endpoints_key("a").await;
         let other = e.endpoints_key("b").await;
-        e.call("POST", "domains", Some(&ep), Some(json!({"name": "blog"})))
-            .await;
+        e.call("POST", "domains", Some(&ep), Some(json!({"name": "blog"}))).await;
         let (_, port) = e.call("POST", "ports", Some(&ep), None).await;
         let port = port["port"].as_u64().unwrap();
 
-        let (status, err) = e
-            .call(
-                "POST",
-                "tunnel-keys",
-                Some(&ep),
-                Some(json!({"domain": "nope"})),
-            )
-            .await;
+        let (status, err) = e.call("POST", "tunnel-keys", Some(&ep), Some(json!({"domain": "nope"}))).await;
         assert_eq!((status, code(&err)), (StatusCode::NOT_FOUND, "not_found"));
         let (status, err) = e
-            .call(
-                "POST",
-                "tunnel-keys",
-                Some(&ep),
-                Some(json!({"domain": "blog", "protocol": "tcp"})),
-            )
+            .call("POST", "tunnel-keys", Some(&ep), Some(json!({"domain": "blog", "protocol": "tcp"})))
             .await;
-        assert_eq!(
-            (status, code(&err)),
-            (StatusCode::UNPROCESSABLE_ENTITY, "protocol_mismatch")
-        );
-        let (status, err) = e
-            .call(
-                "POST",
-                "tunnel-keys",
-                Some(&ep),
-                Some(json!({"port": port, "protocol": "http"})),
-            )
-            .await;
-        assert_eq!(
-            (status, code(&err)),
-            (StatusCode::UNPROCESSABLE_ENTITY, "protocol_mismatch")
-        );
-        let (status, err) = e
-            .call(
-                "POST",
-                "tunnel-keys",
-                Some(&ep),
-                Some(json!({"protocol": "http"})),
-            )
-            .await;
-        assert_eq!(
-            (status, code(&err)),
-            (StatusCode::UNPROCESSABLE_ENTITY, "invalid_request")
-        );
-        let (status, err) = e
-            .call(
-                "POST",
-                "tunnel-keys",
-                Some(&other),
-                Some(json!({"domain": "blog"})),
-            )
-            .await;
+        assert_eq!((status, code(&err)), (StatusCode::UNPROCESSABLE_ENTITY, "protocol_mismatch"));
+        let (status, err) =
+            e.call("POST", "tunnel-keys", Some(&ep), Some(json!({"port": port, "protocol": "http"}))).await;
+        assert_eq!((status, code(&err)), (StatusCode::UNPROCESSABLE_ENTITY, "protocol_mismatch"));
+        let (status, err) = e.call("POST", "tunnel-keys", Some(&ep), Some(json!({"protocol": "http"}))).await;
+        assert_eq!((status, code(&err)), (StatusCode::UNPROCESSABLE_ENTITY, "invalid_request"));
+        let (status, err) =
+            e.call("POST", "tunnel-keys", Some(&other), Some(json!({"domain": "blog"}))).await;
         assert_eq!((status, code(&err)), (StatusCode::FORBIDDEN, "not_owner"));
 
         let changes = e.hooks.changes.load(Ordering::SeqCst);
@@ -1549,35 +1257,19 @@ mod tests {
         assert!(http_key["createdAt"].is_string());
         assert_eq!(e.hooks.changes.load(Ordering::SeqCst), changes + 1);
         let (status, tcp_key) = e
-            .call(
-                "POST",
-                "tunnel-keys",
-                Some(&ep),
-                Some(json!({"port": port, "labels": {"cluster": "c2"}})),
-            )
+            .call("POST", "tunnel-keys", Some(&ep), Some(json!({"port": port, "labels": {"cluster": "c2"}})))
             .await;
         assert_eq!(status, StatusCode::CREATED);
         assert_eq!(tcp_key["protocol"], "tcp");
         // Admin may mint for any reservation; the key belongs to the reservation's owner.
         let (status, admin_key) = e
-            .call(
-                "POST",
-                "tunnel-keys",
-                Some(&e.admin),
-                Some(json!({"domain": "blog", "protocol": "tls"})),
-            )
+            .call("POST", "tunnel-keys", Some(&e.admin), Some(json!({"domain": "blog", "protocol": "tls"})))
             .await;
         assert_eq!(status, StatusCode::CREATED);
         let http_id = http_key["id"].as_str().unwrap().to_string();
-        e.hooks
-            .connections
-            .lock()
-            .unwrap()
-            .insert(http_id.clone(), 2);
+        e.hooks.connections.lock().unwrap().insert(http_id.clone(), 2);
 
-        let (_, list) = e
-            .call("GET", "tunnel-keys?selector=cluster=c1", Some(&ep), None)
-            .await;
+        let (_, list) = e.call("GET", "tunnel-keys?selector=cluster=c1", Some(&ep), None).await;
         let items = list["items"].as_array().unwrap();
         assert_eq!(items.len(), 1);
         assert_eq!(items[0]["id"], http_id);
@@ -1587,34 +1279,18 @@ mod tests {
         assert_eq!(list["items"].as_array().unwrap().len(), 3);
         let (_, list) = e.call("GET", "tunnel-keys", Some(&other), None).await;
         assert_eq!(list["items"].as_array().unwrap().len(), 0);
-        let (status, err) = e
-            .call("GET", "tunnel-keys?selector=a%20b", Some(&ep), None)
-            .await;
-        assert_eq!(
-            (status, code(&err)),
-            (StatusCode::BAD_REQUEST, "invalid_selector")
-        );
+        let (status, err) = e.call("GET", "tunnel-keys?selector=a%20b", Some(&ep), None).await;
+        assert_eq!((status, code(&err)), (StatusCode::BAD_REQUEST, "invalid_selector"));
 
-        let (status, err) = e
-            .call(
-                "DELETE",
-                &format!("tunnel-keys/{http_id}"),
-                Some(&other),
-                None,
-            )
-            .await;
+        let (status, err) = e.call("DELETE", &format!("tunnel-keys/{http_id}"), Some(&other), None).await;
         assert_eq!((status, code(&err)), (StatusCode::FORBIDDEN, "not_owner"));
-        let (status, revoked) = e
-            .call("DELETE", &format!("tunnel-keys/{http_id}"), Some(&ep), None)
-            .await;
+        let (status, revoked) = e.call("DELETE", &format!("tunnel-keys/{http_id}"), Some(&ep), None).await;
         assert_eq!(status, StatusCode::OK);
         assert!(revoked["revokedAt"].is_string());
         assert_eq!(revoked["connections"], 0);
         let (_, list) = e.call("GET", "tunnel-keys", Some(&ep), None).await;
         assert_eq!(list["items"].as_array().unwrap().len(), 2);
-        let (_, list) = e
-            .call("GET", "tunnel-keys?revoked=true", Some(&ep), None)
-            .await;
+        let (_, list) = e.call("GET", "tunnel-keys?revoked=true", Some(&ep), None).await;
         assert_eq!(list["items"].as_array().unwrap().len(), 3);
 
         // Releasing the domain revokes its remaining key.
@@ -1631,90 +1307,42 @@ mod tests {
     async fn api_key_management() {
         let e = edge();
         let (status, v) = e
-            .call(
-                "POST",
-                "api-keys",
-                Some(&e.admin),
-                Some(json!({"name": "second", "scope": "admin"})),
-            )
+            .call("POST", "api-keys", Some(&e.admin), Some(json!({"name": "second", "scope": "admin"})))
             .await;
         assert_eq!(status, StatusCode::CREATED);
         assert!(v["secret"].as_str().unwrap().starts_with("culvert_a_"));
         let second = v["id"].as_str().unwrap().to_string();
         let (status, err) = e
-            .call(
-                "POST",
-                "api-keys",
-                Some(&e.admin),
-                Some(json!({"name": " ", "scope": "endpoints"})),
-            )
+            .call("POST", "api-keys", Some(&e.admin), Some(json!({"name": " ", "scope": "endpoints"})))
             .await;
-        assert_eq!(
-            (status, code(&err)),
-            (StatusCode::UNPROCESSABLE_ENTITY, "invalid_name")
-        );
-        let (status, err) = e
-            .call(
-                "POST",
-                "api-keys",
-                Some(&e.admin),
-                Some(json!({"name": "x", "scope": "tunnel"})),
-            )
-            .await;
-        assert_eq!(
-            (status, code(&err)),
-            (StatusCode::BAD_REQUEST, "invalid_json")
-        );
+        assert_eq!((status, code(&err)), (StatusCode::UNPROCESSABLE_ENTITY, "invalid_name"));
+        let (status, err) =
+            e.call("POST", "api-keys", Some(&e.admin), Some(json!({"name": "x", "scope": "tunnel"}))).await;
+        assert_eq!((status, code(&err)), (StatusCode::BAD_REQUEST, "invalid_json"));
         let (_, list) = e.call("GET", "api-keys", Some(&e.admin), None).await;
         let first = list["items"][0]["id"].as_str().unwrap().to_string();
-        assert!(
-            list["items"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .all(|k| k.get("secret").is_none())
-        );
+        assert!(list["items"].as_array().unwrap().iter().all(|k| k.get("secret").is_none()));
 
-        let (status, _) = e
-            .call(
-                "DELETE",
-                &format!("api-keys/{second}"),
-                Some(&e.admin),
-                None,
-            )
-            .await;
+        let (status, _) = e.call("DELETE", &format!("api-keys/{second}"), Some(&e.admin), None).await;
         assert_eq!(status, StatusCode::OK);
-        let (status, err) = e
-            .call("DELETE", &format!("api-keys/{first}"), Some(&e.admin), None)
-            .await;
-        assert_eq!(
-            (status, code(&err)),
-            (StatusCode::CONFLICT, "last_admin_key")
-        );
-        let (status, err) = e
-            .call("DELETE", "api-keys/ak_nope", Some(&e.admin), None)
-            .await;
+        let (status, err) = e.call("DELETE", &format!("api-keys/{first}"), Some(&e.admin), None).await;
+        assert_eq!((status, code(&err)), (StatusCode::CONFLICT, "last_admin_key"));
+        let (status, err) = e.call("DELETE", "api-keys/ak_nope", Some(&e.admin), None).await;
         assert_eq!((status, code(&err)), (StatusCode::NOT_FOUND, "not_found"));
 
         // A revoked key is told so.
         let ep = e.endpoints_key("ep").await;
         let (_, info) = e.call("GET", "info", Some(&ep), None).await;
         let ep_id = info["caller"]["id"].as_str().unwrap().to_string();
-        e.call("DELETE", &format!("api-keys/{ep_id}"), Some(&e.admin), None)
-            .await;
+        e.call("DELETE", &format!("api-keys/{ep_id}"), Some(&e.admin), None).await;
         let (status, err) = e.call("GET", "info", Some(&ep), None).await;
-        assert_eq!(
-            (status, code(&err)),
-            (StatusCode::UNAUTHORIZED, "key_revoked")
-        );
+        assert_eq!((status, code(&err)), (StatusCode::UNAUTHORIZED, "key_revoked"));
     }
 
     #[test]
     fn names() {
         assert!(is_dns_label("a") && is_dns_label("a-1") && is_dns_label(&"a".repeat(63)));
-        assert!(
-            !is_dns_label("") && !is_dns_label("-a") && !is_dns_label("a-") && !is_dns_label("A")
-        );
+        assert!(!is_dns_label("") && !is_dns_label("-a") && !is_dns_label("a-") && !is_dns_label("A"));
         assert_eq!(
             custom_or_subdomain("x.edge.example.com", "edge.example.com").unwrap(),
             (ReservationKind::Subdomain, "x.edge.example.com".to_string())
@@ -1725,9 +1353,7 @@ mod tests {
         );
         // A suffix match on a label boundary only.
         assert_eq!(
-            custom_or_subdomain("myedge.example.com", "edge.example.com")
-                .unwrap()
-                .0,
+            custom_or_subdomain("myedge.example.com", "edge.example.com").unwrap().0,
             ReservationKind::Custom
         );
         assert_eq!(percent_decode("a%3Db%2Cc").as_deref(), Some("a=b,c"));

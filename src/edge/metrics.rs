@@ -21,11 +21,7 @@ impl Default for Metrics {
     fn default() -> Self {
         let mut registry = Registry::with_prefix("culvert_edge");
         let tunnels_connected = Gauge::default();
-        registry.register(
-            "tunnels_connected",
-            "Agent connections currently open",
-            tunnels_connected.clone(),
-        );
+        registry.register("tunnels_connected", "Agent connections currently open", tunnels_connected.clone());
         let streams_open = Gauge::default();
         registry.register("streams_open", "Streams currently open on tunnels", streams_open.clone());
         let bytes = Family::<Labels, Counter>::default();

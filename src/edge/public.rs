@@ -168,9 +168,8 @@ fn text(status: StatusCode, msg: &str) -> Response<BoxBody> {
 
 /// A short error page naming the host and the reason.
 pub fn error_page(status: StatusCode, host: &str, reason: &str) -> Response<BoxBody> {
-    let esc = |s: &str| {
-        s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
-    };
+    let esc =
+        |s: &str| s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;");
     let title = format!("{} {}", status.as_u16(), status.canonical_reason().unwrap_or(""));
     let page = format!(
         "<!doctype html><html><head><meta charset=\"utf-8\"><title>{title}</title></head>\
@@ -196,11 +195,11 @@ fn request_host<B>(req: &Request<B>) -> Option<String> {
 async fn handle(edge: Arc<Edge>, req: Request<Incoming>, peer: SocketAddr) -> Response<BoxBody> {
     let host = request_host(&req).unwrap_or_default();
     let routes = edge.routes();
-    if let Some(reservation) = routes.host(&host) {
-        if reservation.kind != ReservationKind::Tcp {
-            let reservation = reservation.clone();
-            return proxy(edge, req, peer, reservation).await;
-        }
+    if let Some(reservation) = routes.host(&host)
+        && reservation.kind != ReservationKind::Tcp
+    {
+        let reservation = reservation.clone();
+        return proxy(edge, req, peer, reservation).await;
     }
     let path = req.uri().path();
     if path == CONNECT_PATH {

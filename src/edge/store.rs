@@ -234,10 +234,7 @@ impl Store {
     /// Opens (creating if needed) `<dir>/culvert.db`, switches it to WAL and
     /// applies pending migrations. The directory is created if missing.
     pub fn open(dir: &Path) -> Result<Store, StoreError> {
-        std::fs::create_dir_all(dir).map_err(|source| StoreError::Io {
-            path: dir.into(),
-            source,
-        })?;
+        std::fs::create_dir_all(dir).map_err(|source| StoreError::Io { path: dir.into(), source })?;
         let path = dir.join(DB_FILE);
         let mut conn = Connection::open(&path)?;
         restrict_permissions(&path)?;
@@ -252,24 +249,18 @@ impl Store {
         conn.pragma_update(None, "synchronous", "FULL")?;
         conn.pragma_update(None, "foreign_keys", "ON")?;
         migrate(&mut conn, &path)?;
-        Ok(Store {
-            conn: Arc::new(Mutex::new(conn)),
-        })
+        Ok(Store { conn: Arc::new(Mutex::new(conn)) })
     }
 
     fn lock(&self) -> MutexGuard<'_, Connection> {
         // A panic while holding the lock rolled its transaction back on
         // unwind; the connection itself is still usable.
-        self.conn
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.conn.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// Schema version of the open database.
     pub fn schema_version(&self) -> Result<u32, StoreError> {
-        Ok(self
-            .lock()
-            .query_row("PRAGMA user_version", [], |r| r.get(0))?)
+        Ok(self.lock().query_row("PRAGMA user_version", [], |r| r.get(0))?)
     }
 
     /// Creates an admin key if there is no live one (the first start) and
@@ -291,11 +282,7 @@ impl Store {
     }
 
     /// Makes an API key; returns it and its secret (shown once).
-    pub fn create_api_key(
-        &self,
-        name: &str,
-        scope: ApiKeyScope,
-    ) -> Result<(ApiKey, String), StoreError> {
+    pub fn create_api_key(&self, name: &str, scope: ApiKeyScope) -> Result<(ApiKey, String), StoreError> {
         let mut conn = self.lock();
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
         let made = insert_api_key(&tx, name, scope)?;
@@ -306,12 +293,8 @@ impl Store {
     /// Every API key, revoked ones included, oldest first.
     pub fn api_keys(&self) -> Result<Vec<ApiKey>, StoreError> {
         let conn = self.lock();
-        let mut stmt = conn.prepare(&format!(
-            "SELECT {API_KEY_COLUMNS} FROM api_keys ORDER BY rowid"
-        ))?;
-        let keys = stmt
-            .query_map([], api_key_from_row)?
-            .collect::<Result<_, _>>()?;
+        let mut stmt = conn.prepare(&format!("SELECT {API_KEY_COLUMNS} FROM api_keys ORDER BY rowid"))?;
+        let keys = stmt.query_map([], api_key_from_row)?.collect::<Result<_, _>>()?;
         Ok(keys)
     }
 
@@ -338,9 +321,7 @@ impl Store {
                 api_key_from_row,
             )
             .optional()?
-            .ok_or_else(|| StoreError::NotFound {
-                what: format!("api key {id}"),
-            })?;
+            .ok_or_else(|| StoreError::NotFound { what: format!("api key {id}") })?;
         if key.revoked_at.is_some() {
             return Ok(key);
         }
@@ -355,15 +336,9 @@ impl Store {
             }
         }
         let now = now_rfc3339();
-        tx.execute(
-            "UPDATE api_keys SET revoked_at = ?2 WHERE id = ?1",
-            params![id, now],
-        )?;
+        tx.execute("UPDATE api_keys SET revoked_at = ?2 WHERE id = ?1", params![id, now])?;
         tx.commit()?;
-        Ok(ApiKey {
-            revoked_at: Some(now),
-            ..key
-        })
+        Ok(ApiKey { revoked_at: Some(now), ..key })
     }
 
     /// Looks an API key up by its secret.
@@ -386,17 +361,9 @@ impl Store {
             Some(key) => ApiKeyAuth::Valid(key),
             None => {
                 let tunnel: Option<String> = conn
-                    .query_row(
-                        "SELECT id FROM tunnel_keys WHERE secret_hash = ?1",
-                        [&hash],
-                        |r| r.get(0),
-                    )
+                    .query_row("SELECT id FROM tunnel_keys WHERE secret_hash = ?1", [&hash], |r| r.get(0))
                     .optional()?;
-                if tunnel.is_some() {
-                    ApiKeyAuth::TunnelKey
-                } else {
-                    ApiKeyAuth::Unknown
-                }
+                if tunnel.is_some() { ApiKeyAuth::TunnelKey } else { ApiKeyAuth::Unknown }
             }
         })
     }
@@ -426,24 +393,15 @@ impl Store {
             .optional()?;
         let Some((key_id, protocol, reservation_id, revoked_at)) = found else {
             let api: Option<String> = conn
-                .query_row(
-                    "SELECT id FROM api_keys WHERE secret_hash = ?1",
-                    [&hash],
-                    |r| r.get(0),
-                )
+                .query_row("SELECT id FROM api_keys WHERE secret_hash = ?1", [&hash], |r| r.get(0))
                 .optional()?;
-            return Ok(if api.is_some() {
-                TunnelKeyAuth::NotATunnelKey
-            } else {
-                TunnelKeyAuth::Unknown
-            });
+            return Ok(if api.is_some() { TunnelKeyAuth::NotATunnelKey } else { TunnelKeyAuth::Unknown });
         };
         if revoked_at.is_some() {
             return Ok(TunnelKeyAuth::Revoked);
         }
-        let protocol = Protocol::parse(&protocol).ok_or_else(|| {
-            StoreError::Corrupt(format!("tunnel key {key_id} has protocol {protocol:?}"))
-        })?;
+        let protocol = Protocol::parse(&protocol)
+            .ok_or_else(|| StoreError::Corrupt(format!("tunnel key {key_id} has protocol {protocol:?}")))?;
         let reservation = conn
             .query_row(
                 &format!("SELECT {RESERVATION_COLUMNS} FROM reservations WHERE id = ?1"),
@@ -452,11 +410,7 @@ impl Store {
             )
             .optional()?;
         Ok(match reservation {
-            Some(reservation) => TunnelKeyAuth::Valid(TunnelGrant {
-                key_id,
-                protocol,
-                reservation,
-            }),
+            Some(reservation) => TunnelKeyAuth::Valid(TunnelGrant { key_id, protocol, reservation }),
             // Releasing revokes the keys in the same transaction; treat a
             // stray one the same way.
             None => TunnelKeyAuth::Revoked,
@@ -473,9 +427,7 @@ impl Store {
         labels: &Labels,
     ) -> Result<(Reservation, bool), StoreError> {
         if kind == ReservationKind::Tcp {
-            return Err(StoreError::Corrupt(
-                "a tcp reservation has no host name".into(),
-            ));
+            return Err(StoreError::Corrupt("a tcp reservation has no host name".into()));
         }
         let mut conn = self.lock();
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
@@ -511,8 +463,7 @@ impl Store {
             }
             None => lowest_free_port(&tx, range)?.ok_or(StoreError::NoFreePort { range })?,
         };
-        let reservation =
-            insert_reservation(&tx, ReservationKind::Tcp, None, Some(port), owner, labels)?;
+        let reservation = insert_reservation(&tx, ReservationKind::Tcp, None, Some(port), owner, labels)?;
         tx.commit()?;
         Ok((reservation, true))
     }
@@ -520,20 +471,14 @@ impl Store {
     /// Every reservation: domains by host name, then ports in order.
     pub fn reservations(&self) -> Result<Vec<Reservation>, StoreError> {
         let conn = self.lock();
-        let mut stmt = conn.prepare(&format!(
-            "SELECT {RESERVATION_COLUMNS} FROM reservations ORDER BY port, hostname"
-        ))?;
-        let all = stmt
-            .query_map([], reservation_from_row)?
-            .collect::<Result<_, _>>()?;
+        let mut stmt =
+            conn.prepare(&format!("SELECT {RESERVATION_COLUMNS} FROM reservations ORDER BY port, hostname"))?;
+        let all = stmt.query_map([], reservation_from_row)?.collect::<Result<_, _>>()?;
         Ok(all)
     }
 
     /// The reservation of a host name.
-    pub fn reservation_by_hostname(
-        &self,
-        hostname: &str,
-    ) -> Result<Option<Reservation>, StoreError> {
+    pub fn reservation_by_hostname(&self, hostname: &str) -> Result<Option<Reservation>, StoreError> {
         select_reservation(&self.lock(), "hostname = ?1", &hostname)
     }
 
@@ -552,16 +497,13 @@ impl Store {
     pub fn release_reservation(&self, id: &str) -> Result<(Reservation, Vec<String>), StoreError> {
         let mut conn = self.lock();
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-        let reservation =
-            select_reservation(&tx, "id = ?1", &id)?.ok_or_else(|| StoreError::NotFound {
-                what: format!("reservation {id}"),
-            })?;
+        let reservation = select_reservation(&tx, "id = ?1", &id)?
+            .ok_or_else(|| StoreError::NotFound { what: format!("reservation {id}") })?;
         let revoked: Vec<String> = {
             let mut stmt = tx.prepare(
                 "SELECT id FROM tunnel_keys WHERE reservation_id = ?1 AND revoked_at IS NULL ORDER BY rowid",
             )?;
-            stmt.query_map([id], |r| r.get(0))?
-                .collect::<Result<_, _>>()?
+            stmt.query_map([id], |r| r.get(0))?.collect::<Result<_, _>>()?
         };
         tx.execute(
             "UPDATE tunnel_keys SET revoked_at = ?2 WHERE reservation_id = ?1 AND revoked_at IS NULL",
@@ -585,12 +527,8 @@ impl Store {
     ) -> Result<(TunnelKey, String), StoreError> {
         let mut conn = self.lock();
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-        let reservation =
-            select_reservation(&tx, "id = ?1", &reservation_id)?.ok_or_else(|| {
-                StoreError::NotFound {
-                    what: format!("reservation {reservation_id}"),
-                }
-            })?;
+        let reservation = select_reservation(&tx, "id = ?1", &reservation_id)?
+            .ok_or_else(|| StoreError::NotFound { what: format!("reservation {reservation_id}") })?;
         let secret = new_secret(TUNNEL_KEY_PREFIX)?;
         let labels_json = labels_to_json(labels)?;
         let created_at = now_rfc3339();
@@ -630,17 +568,10 @@ impl Store {
     /// Tunnel keys, oldest first; revoked ones only if asked.
     pub fn tunnel_keys(&self, include_revoked: bool) -> Result<Vec<TunnelKey>, StoreError> {
         let conn = self.lock();
-        let filter = if include_revoked {
-            ""
-        } else {
-            "WHERE revoked_at IS NULL"
-        };
-        let mut stmt = conn.prepare(&format!(
-            "SELECT {TUNNEL_KEY_COLUMNS} FROM tunnel_keys {filter} ORDER BY rowid"
-        ))?;
-        let keys = stmt
-            .query_map([], tunnel_key_from_row)?
-            .collect::<Result<_, _>>()?;
+        let filter = if include_revoked { "" } else { "WHERE revoked_at IS NULL" };
+        let mut stmt =
+            conn.prepare(&format!("SELECT {TUNNEL_KEY_COLUMNS} FROM tunnel_keys {filter} ORDER BY rowid"))?;
+        let keys = stmt.query_map([], tunnel_key_from_row)?.collect::<Result<_, _>>()?;
         Ok(keys)
     }
 
@@ -667,31 +598,21 @@ impl Store {
                 tunnel_key_from_row,
             )
             .optional()?
-            .ok_or_else(|| StoreError::NotFound {
-                what: format!("tunnel key {id}"),
-            })?;
+            .ok_or_else(|| StoreError::NotFound { what: format!("tunnel key {id}") })?;
         if key.revoked_at.is_some() {
             return Ok(key);
         }
         let now = now_rfc3339();
-        tx.execute(
-            "UPDATE tunnel_keys SET revoked_at = ?2 WHERE id = ?1",
-            params![id, now],
-        )?;
+        tx.execute("UPDATE tunnel_keys SET revoked_at = ?2 WHERE id = ?1", params![id, now])?;
         tx.commit()?;
-        Ok(TunnelKey {
-            revoked_at: Some(now),
-            ..key
-        })
+        Ok(TunnelKey { revoked_at: Some(now), ..key })
     }
 
     /// Ids of all tunnel keys that are not revoked.
     pub fn live_tunnel_key_ids(&self) -> Result<HashSet<String>, StoreError> {
         let conn = self.lock();
         let mut stmt = conn.prepare("SELECT id FROM tunnel_keys WHERE revoked_at IS NULL")?;
-        let ids = stmt
-            .query_map([], |r| r.get(0))?
-            .collect::<Result<_, _>>()?;
+        let ids = stmt.query_map([], |r| r.get(0))?.collect::<Result<_, _>>()?;
         Ok(ids)
     }
 }
@@ -702,11 +623,7 @@ fn migrate(conn: &mut Connection, path: &Path) -> Result<(), StoreError> {
         let tx = conn.transaction_with_behavior(TransactionBehavior::Exclusive)?;
         let version: u32 = tx.query_row("PRAGMA user_version", [], |r| r.get(0))?;
         if version > supported {
-            return Err(StoreError::NewerSchema {
-                path: path.into(),
-                found: version,
-                supported,
-            });
+            return Err(StoreError::NewerSchema { path: path.into(), found: version, supported });
         }
         let Some(sql) = MIGRATIONS.get(version as usize) else {
             return Ok(());
@@ -720,32 +637,23 @@ fn migrate(conn: &mut Connection, path: &Path) -> Result<(), StoreError> {
 
 fn restrict_permissions(path: &Path) -> Result<(), StoreError> {
     use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(|source| {
-        StoreError::Io {
-            path: path.into(),
-            source,
-        }
-    })
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .map_err(|source| StoreError::Io { path: path.into(), source })
 }
 
 fn held_by(existing: Reservation, owner: &str) -> Result<(Reservation, bool), StoreError> {
     if existing.owner == owner {
         Ok((existing, false))
     } else {
-        Err(StoreError::AlreadyReserved {
-            target: existing.target(),
-            owner: existing.owner,
-        })
+        Err(StoreError::AlreadyReserved { target: existing.target(), owner: existing.owner })
     }
 }
 
 fn lowest_free_port(conn: &Connection, range: PortRange) -> Result<Option<u16>, StoreError> {
     let mut stmt =
         conn.prepare("SELECT port FROM reservations WHERE port BETWEEN ?1 AND ?2 ORDER BY port")?;
-    let taken = stmt.query_map(
-        params![i64::from(range.first), i64::from(range.last)],
-        |r| r.get::<_, i64>(0),
-    )?;
+    let taken =
+        stmt.query_map(params![i64::from(range.first), i64::from(range.last)], |r| r.get::<_, i64>(0))?;
     let mut candidate = i64::from(range.first);
     for port in taken {
         let port = port?;
@@ -754,11 +662,7 @@ fn lowest_free_port(conn: &Connection, range: PortRange) -> Result<Option<u16>, 
         }
         candidate = port + 1;
     }
-    Ok(if candidate <= i64::from(range.last) {
-        u16::try_from(candidate).ok()
-    } else {
-        None
-    })
+    Ok(if candidate <= i64::from(range.last) { u16::try_from(candidate).ok() } else { None })
 }
 
 fn insert_reservation(
@@ -775,15 +679,7 @@ fn insert_reservation(
         conn.execute(
             "INSERT INTO reservations (id, kind, hostname, port, owner, labels, created_at)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
-            params![
-                id,
-                kind.as_str(),
-                hostname,
-                port.map(i64::from),
-                owner,
-                labels_json,
-                created_at
-            ],
+            params![id, kind.as_str(), hostname, port.map(i64::from), owner, labels_json, created_at],
         )
     })?;
     Ok(Reservation {
@@ -798,11 +694,7 @@ fn insert_reservation(
     })
 }
 
-fn insert_api_key(
-    conn: &Connection,
-    name: &str,
-    scope: ApiKeyScope,
-) -> Result<(ApiKey, String), StoreError> {
+fn insert_api_key(conn: &Connection, name: &str, scope: ApiKeyScope) -> Result<(ApiKey, String), StoreError> {
     let prefix = match scope {
         ApiKeyScope::Admin => ADMIN_KEY_PREFIX,
         ApiKeyScope::Endpoints => ENDPOINTS_KEY_PREFIX,
@@ -815,13 +707,7 @@ fn insert_api_key(
             params![id, name, scope.as_str(), hash_secret(&secret), created_at],
         )
     })?;
-    let key = ApiKey {
-        id,
-        name: name.to_string(),
-        scope,
-        created_at,
-        revoked_at: None,
-    };
+    let key = ApiKey { id, name: name.to_string(), scope, created_at, revoked_at: None };
     Ok((key, secret))
 }
 
@@ -879,8 +765,7 @@ fn api_key_from_row(row: &Row<'_>) -> rusqlite::Result<ApiKey> {
     Ok(ApiKey {
         id: row.get(0)?,
         name: row.get(1)?,
-        scope: ApiKeyScope::parse(&scope)
-            .ok_or_else(|| invalid(2, format!("unknown scope {scope:?}")))?,
+        scope: ApiKeyScope::parse(&scope).ok_or_else(|| invalid(2, format!("unknown scope {scope:?}")))?,
         created_at: row.get(3)?,
         revoked_at: row.get(4)?,
     })
@@ -890,8 +775,7 @@ fn reservation_from_row(row: &Row<'_>) -> rusqlite::Result<Reservation> {
     let kind: String = row.get(1)?;
     Ok(Reservation {
         id: row.get(0)?,
-        kind: ReservationKind::parse(&kind)
-            .ok_or_else(|| invalid(1, format!("unknown kind {kind:?}")))?,
+        kind: ReservationKind::parse(&kind).ok_or_else(|| invalid(1, format!("unknown kind {kind:?}")))?,
         hostname: row.get(2)?,
         port: port_column(row, 3)?,
         owner: row.get(4)?,
@@ -926,16 +810,13 @@ fn tunnel_key_from_row(row: &Row<'_>) -> rusqlite::Result<TunnelKey> {
 fn port_column(row: &Row<'_>, column: usize) -> rusqlite::Result<Option<u16>> {
     match row.get::<_, Option<i64>>(column)? {
         None => Ok(None),
-        Some(p) => u16::try_from(p)
-            .map(Some)
-            .map_err(|_| invalid(column, format!("port {p} out of range"))),
+        Some(p) => u16::try_from(p).map(Some).map_err(|_| invalid(column, format!("port {p} out of range"))),
     }
 }
 
 fn labels_column(row: &Row<'_>, column: usize) -> rusqlite::Result<Labels> {
     let json: String = row.get(column)?;
-    serde_json::from_str(&json)
-        .map_err(|e| invalid(column, format!("labels are not a JSON object: {e}")))
+    serde_json::from_str(&json).map_err(|e| invalid(column, format!("labels are not a JSON object: {e}")))
 }
 
 fn labels_to_json(labels: &Labels) -> Result<String, StoreError> {
@@ -944,9 +825,7 @@ fn labels_to_json(labels: &Labels) -> Result<String, StoreError> {
 
 fn random_bytes<const N: usize>() -> Result<[u8; N], StoreError> {
     let mut buf = [0u8; N];
-    SystemRandom::new()
-        .fill(&mut buf)
-        .map_err(|_| StoreError::Random)?;
+    SystemRandom::new().fill(&mut buf).map_err(|_| StoreError::Random)?;
     Ok(buf)
 }
 
@@ -962,32 +841,22 @@ fn hash_secret(secret: &str) -> String {
 
 fn hex(bytes: &[u8]) -> String {
     use std::fmt::Write;
-    bytes
-        .iter()
-        .fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
-            let _ = write!(s, "{b:02x}");
-            s
-        })
+    bytes.iter().fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
+        let _ = write!(s, "{b:02x}");
+        s
+    })
 }
 
 /// The current time as RFC 3339 UTC with seconds, e.g. `2025-01-31T12:00:00Z`.
 pub fn now_rfc3339() -> String {
-    let secs = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
+    let secs = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     rfc3339(secs)
 }
 
 fn rfc3339(unix_secs: u64) -> String {
     let (days, rem) = (unix_secs / 86_400, unix_secs % 86_400);
     let (y, m, d) = civil_from_days(days as i64);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
+    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
 }
 
 /// Days since 1970-01-01 to (year, month, day), proleptic Gregorian
@@ -1014,19 +883,11 @@ mod tests {
     }
 
     fn labels(pairs: &[(&str, &str)]) -> Labels {
-        pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
     }
 
     fn admin(store: &Store) -> ApiKey {
-        store
-            .api_keys()
-            .unwrap()
-            .into_iter()
-            .find(|k| k.scope == ApiKeyScope::Admin)
-            .unwrap()
+        store.api_keys().unwrap().into_iter().find(|k| k.scope == ApiKeyScope::Admin).unwrap()
     }
 
     #[test]
@@ -1044,10 +905,7 @@ mod tests {
         assert_eq!(store.schema_version().unwrap(), MIGRATIONS.len() as u32);
         drop(store);
         // Opening again applies nothing and keeps the version.
-        assert_eq!(
-            Store::open(dir.path()).unwrap().schema_version().unwrap(),
-            MIGRATIONS.len() as u32
-        );
+        assert_eq!(Store::open(dir.path()).unwrap().schema_version().unwrap(), MIGRATIONS.len() as u32);
         let conn = Connection::open(dir.path().join(DB_FILE)).unwrap();
         conn.pragma_update(None, "user_version", 99).unwrap();
         drop(conn);
@@ -1060,34 +918,18 @@ mod tests {
     fn key_prefixes_and_hashing() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(dir.path()).unwrap();
-        let admin_secret = store
-            .ensure_admin_key()
-            .unwrap()
-            .expect("first start makes a key");
+        let admin_secret = store.ensure_admin_key().unwrap().expect("first start makes a key");
         assert!(admin_secret.starts_with(ADMIN_KEY_PREFIX));
         assert_eq!(admin_secret.len(), ADMIN_KEY_PREFIX.len() + 64);
-        assert_eq!(
-            store.ensure_admin_key().unwrap(),
-            None,
-            "only on the first start"
-        );
-        let (ep, ep_secret) = store
-            .create_api_key("operator", ApiKeyScope::Endpoints)
-            .unwrap();
+        assert_eq!(store.ensure_admin_key().unwrap(), None, "only on the first start");
+        let (ep, ep_secret) = store.create_api_key("operator", ApiKeyScope::Endpoints).unwrap();
         assert!(ep_secret.starts_with(ENDPOINTS_KEY_PREFIX));
         assert!(ep.id.starts_with("ak_") && ep.id.len() == 15, "{}", ep.id);
 
         let (r, _) = store
-            .reserve_domain(
-                ReservationKind::Subdomain,
-                "blog.example.com",
-                &ep.id,
-                &Labels::new(),
-            )
+            .reserve_domain(ReservationKind::Subdomain, "blog.example.com", &ep.id, &Labels::new())
             .unwrap();
-        let (tk, tk_secret) = store
-            .create_tunnel_key(&r.id, Protocol::Http, &Labels::new(), &ep.id)
-            .unwrap();
+        let (tk, tk_secret) = store.create_tunnel_key(&r.id, Protocol::Http, &Labels::new(), &ep.id).unwrap();
         assert!(tk_secret.starts_with(TUNNEL_KEY_PREFIX));
         assert!(tk.id.starts_with("tk_") && tk.id.len() == 15, "{}", tk.id);
 
@@ -1106,14 +948,8 @@ mod tests {
         assert!(
             matches!(store.authenticate_api_key(&ep_secret).unwrap(), ApiKeyAuth::Valid(k) if k.id == ep.id)
         );
-        assert!(matches!(
-            store.authenticate_api_key(&tk_secret).unwrap(),
-            ApiKeyAuth::TunnelKey
-        ));
-        assert!(matches!(
-            store.authenticate_api_key("culvert_a_nope").unwrap(),
-            ApiKeyAuth::Unknown
-        ));
+        assert!(matches!(store.authenticate_api_key(&tk_secret).unwrap(), ApiKeyAuth::TunnelKey));
+        assert!(matches!(store.authenticate_api_key("culvert_a_nope").unwrap(), ApiKeyAuth::Unknown));
 
         match store.authenticate_tunnel_key(&tk_secret).unwrap() {
             TunnelKeyAuth::Valid(g) => {
@@ -1123,22 +959,13 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
-        assert!(matches!(
-            store.authenticate_tunnel_key(&ep_secret).unwrap(),
-            TunnelKeyAuth::NotATunnelKey
-        ));
+        assert!(matches!(store.authenticate_tunnel_key(&ep_secret).unwrap(), TunnelKeyAuth::NotATunnelKey));
         assert!(matches!(
             store.authenticate_tunnel_key(&admin_secret).unwrap(),
             TunnelKeyAuth::NotATunnelKey
         ));
-        assert!(matches!(
-            store.authenticate_tunnel_key("culvert_t_00").unwrap(),
-            TunnelKeyAuth::Unknown
-        ));
-        assert!(matches!(
-            store.authenticate_tunnel_key("").unwrap(),
-            TunnelKeyAuth::Unknown
-        ));
+        assert!(matches!(store.authenticate_tunnel_key("culvert_t_00").unwrap(), TunnelKeyAuth::Unknown));
+        assert!(matches!(store.authenticate_tunnel_key("").unwrap(), TunnelKeyAuth::Unknown));
     }
 
     #[test]
@@ -1148,48 +975,27 @@ mod tests {
         let admin_secret = store.ensure_admin_key().unwrap().unwrap();
         let owner = admin(&store).id;
         let (d, _) = store
-            .reserve_domain(
-                ReservationKind::Custom,
-                "app.example.org",
-                &owner,
-                &labels(&[("ns", "web")]),
-            )
+            .reserve_domain(ReservationKind::Custom, "app.example.org", &owner, &labels(&[("ns", "web")]))
             .unwrap();
-        let (p, _) = store
-            .reserve_port(None, range(20000, 20010), &owner, &Labels::new())
-            .unwrap();
-        let (tk, tk_secret) = store
-            .create_tunnel_key(&p.id, Protocol::Tcp, &labels(&[("uid", "1")]), &owner)
-            .unwrap();
-        let (gone, gone_secret) = store
-            .create_tunnel_key(&d.id, Protocol::Http, &Labels::new(), &owner)
-            .unwrap();
+        let (p, _) = store.reserve_port(None, range(20000, 20010), &owner, &Labels::new()).unwrap();
+        let (tk, tk_secret) =
+            store.create_tunnel_key(&p.id, Protocol::Tcp, &labels(&[("uid", "1")]), &owner).unwrap();
+        let (gone, gone_secret) =
+            store.create_tunnel_key(&d.id, Protocol::Http, &Labels::new(), &owner).unwrap();
         store.revoke_tunnel_key(&gone.id).unwrap();
         // Like kill -9: the connection is never closed, the WAL never checkpointed.
         std::mem::forget(store);
 
         let store = Store::open(dir.path()).unwrap();
         assert_eq!(store.ensure_admin_key().unwrap(), None);
-        assert!(matches!(
-            store.authenticate_api_key(&admin_secret).unwrap(),
-            ApiKeyAuth::Valid(_)
-        ));
+        assert!(matches!(store.authenticate_api_key(&admin_secret).unwrap(), ApiKeyAuth::Valid(_)));
         assert_eq!(store.reservations().unwrap(), vec![d.clone(), p.clone()]);
         assert!(
             matches!(store.authenticate_tunnel_key(&tk_secret).unwrap(), TunnelKeyAuth::Valid(g) if g.reservation == p)
         );
-        assert!(matches!(
-            store.authenticate_tunnel_key(&gone_secret).unwrap(),
-            TunnelKeyAuth::Revoked
-        ));
-        assert_eq!(
-            store.live_tunnel_key_ids().unwrap(),
-            HashSet::from([tk.id.clone()])
-        );
-        assert_eq!(
-            store.tunnel_key(&tk.id).unwrap().unwrap().labels,
-            labels(&[("uid", "1")])
-        );
+        assert!(matches!(store.authenticate_tunnel_key(&gone_secret).unwrap(), TunnelKeyAuth::Revoked));
+        assert_eq!(store.live_tunnel_key_ids().unwrap(), HashSet::from([tk.id.clone()]));
+        assert_eq!(store.tunnel_key(&tk.id).unwrap().unwrap().labels, labels(&[("uid", "1")]));
     }
 
     #[test]
@@ -1199,71 +1005,38 @@ mod tests {
         let (a, _) = store.create_api_key("a", ApiKeyScope::Endpoints).unwrap();
         let (b, _) = store.create_api_key("b", ApiKeyScope::Endpoints).unwrap();
         let (first, created) = store
-            .reserve_domain(
-                ReservationKind::Subdomain,
-                "blog.example.com",
-                &a.id,
-                &labels(&[("x", "1")]),
-            )
+            .reserve_domain(ReservationKind::Subdomain, "blog.example.com", &a.id, &labels(&[("x", "1")]))
             .unwrap();
         assert!(created);
         let (again, created) = store
-            .reserve_domain(
-                ReservationKind::Subdomain,
-                "blog.example.com",
-                &a.id,
-                &Labels::new(),
-            )
+            .reserve_domain(ReservationKind::Subdomain, "blog.example.com", &a.id, &Labels::new())
             .unwrap();
         assert!(!created);
         assert_eq!(again, first, "the existing record, labels unchanged");
         let err = store
-            .reserve_domain(
-                ReservationKind::Subdomain,
-                "blog.example.com",
-                &b.id,
-                &Labels::new(),
-            )
+            .reserve_domain(ReservationKind::Subdomain, "blog.example.com", &b.id, &Labels::new())
             .unwrap_err();
-        assert!(
-            matches!(&err, StoreError::AlreadyReserved { owner, .. } if *owner == a.id),
-            "{err}"
-        );
+        assert!(matches!(&err, StoreError::AlreadyReserved { owner, .. } if *owner == a.id), "{err}");
 
-        let (p, created) = store
-            .reserve_port(Some(20005), range(20000, 20010), &a.id, &Labels::new())
-            .unwrap();
+        let (p, created) =
+            store.reserve_port(Some(20005), range(20000, 20010), &a.id, &Labels::new()).unwrap();
         assert!(created);
-        let (p2, created) = store
-            .reserve_port(Some(20005), range(20000, 20010), &a.id, &Labels::new())
-            .unwrap();
+        let (p2, created) =
+            store.reserve_port(Some(20005), range(20000, 20010), &a.id, &Labels::new()).unwrap();
         assert!(!created);
         assert_eq!(p, p2);
-        let err = store
-            .reserve_port(Some(20005), range(20000, 20010), &b.id, &Labels::new())
-            .unwrap_err();
+        let err = store.reserve_port(Some(20005), range(20000, 20010), &b.id, &Labels::new()).unwrap_err();
         assert_eq!(err.category(), "already_reserved");
-        assert_eq!(
-            err.to_string(),
-            format!("port 20005 is held by another key ({})", a.id)
-        );
+        assert_eq!(err.to_string(), format!("port 20005 is held by another key ({})", a.id));
 
         // Released names are free again, for anyone.
         store.release_reservation(&first.id).unwrap();
         let (taken, created) = store
-            .reserve_domain(
-                ReservationKind::Subdomain,
-                "blog.example.com",
-                &b.id,
-                &Labels::new(),
-            )
+            .reserve_domain(ReservationKind::Subdomain, "blog.example.com", &b.id, &Labels::new())
             .unwrap();
         assert!(created);
         assert_ne!(taken.id, first.id);
-        assert!(matches!(
-            store.release_reservation(&first.id).unwrap_err(),
-            StoreError::NotFound { .. }
-        ));
+        assert!(matches!(store.release_reservation(&first.id).unwrap_err(), StoreError::NotFound { .. }));
     }
 
     #[test]
@@ -1274,16 +1047,8 @@ mod tests {
         let r = range(30000, 30003);
         let none = Labels::new();
         store.reserve_port(Some(30001), r, &a.id, &none).unwrap();
-        let got: Vec<u16> = (0..3)
-            .map(|_| {
-                store
-                    .reserve_port(None, r, &a.id, &none)
-                    .unwrap()
-                    .0
-                    .port
-                    .unwrap()
-            })
-            .collect();
+        let got: Vec<u16> =
+            (0..3).map(|_| store.reserve_port(None, r, &a.id, &none).unwrap().0.port.unwrap()).collect();
         assert_eq!(got, vec![30000, 30002, 30003]);
         assert!(matches!(
             store.reserve_port(None, r, &a.id, &none).unwrap_err(),
@@ -1294,19 +1059,9 @@ mod tests {
         // A freed port in the middle is handed out next.
         let mid = store.reservation_by_port(30002).unwrap().unwrap();
         store.release_reservation(&mid.id).unwrap();
-        assert_eq!(
-            store.reserve_port(None, r, &a.id, &none).unwrap().0.port,
-            Some(30002)
-        );
+        assert_eq!(store.reserve_port(None, r, &a.id, &none).unwrap().0.port, Some(30002));
         // Ports reserved outside a (since narrowed) range do not block allocation.
-        assert_eq!(
-            store
-                .reserve_port(None, range(30003, 30005), &a.id, &none)
-                .unwrap()
-                .0
-                .port,
-            Some(30004)
-        );
+        assert_eq!(store.reserve_port(None, range(30003, 30005), &a.id, &none).unwrap().0.port, Some(30004));
     }
 
     #[test]
@@ -1316,34 +1071,15 @@ mod tests {
         store.ensure_admin_key().unwrap();
         let owner = admin(&store).id;
         let (r, _) = store
-            .reserve_domain(
-                ReservationKind::Subdomain,
-                "x.example.com",
-                &owner,
-                &Labels::new(),
-            )
+            .reserve_domain(ReservationKind::Subdomain, "x.example.com", &owner, &Labels::new())
             .unwrap();
-        let (k1, s1) = store
-            .create_tunnel_key(&r.id, Protocol::Http, &Labels::new(), &owner)
-            .unwrap();
-        let (k2, s2) = store
-            .create_tunnel_key(&r.id, Protocol::Tls, &Labels::new(), &owner)
-            .unwrap();
+        let (k1, s1) = store.create_tunnel_key(&r.id, Protocol::Http, &Labels::new(), &owner).unwrap();
+        let (k2, s2) = store.create_tunnel_key(&r.id, Protocol::Tls, &Labels::new(), &owner).unwrap();
         let revoked = store.revoke_tunnel_key(&k1.id).unwrap();
         assert!(revoked.revoked_at.is_some());
-        assert_eq!(
-            store.revoke_tunnel_key(&k1.id).unwrap(),
-            revoked,
-            "idempotent"
-        );
-        assert!(matches!(
-            store.authenticate_tunnel_key(&s1).unwrap(),
-            TunnelKeyAuth::Revoked
-        ));
-        assert!(matches!(
-            store.authenticate_tunnel_key(&s2).unwrap(),
-            TunnelKeyAuth::Valid(_)
-        ));
+        assert_eq!(store.revoke_tunnel_key(&k1.id).unwrap(), revoked, "idempotent");
+        assert!(matches!(store.authenticate_tunnel_key(&s1).unwrap(), TunnelKeyAuth::Revoked));
+        assert!(matches!(store.authenticate_tunnel_key(&s2).unwrap(), TunnelKeyAuth::Valid(_)));
         assert_eq!(store.tunnel_keys(false).unwrap().len(), 1);
         assert_eq!(store.tunnel_keys(true).unwrap().len(), 2);
 
@@ -1351,10 +1087,7 @@ mod tests {
         let (released, keys) = store.release_reservation(&r.id).unwrap();
         assert_eq!(released.id, r.id);
         assert_eq!(keys, vec![k2.id.clone()]);
-        assert!(matches!(
-            store.authenticate_tunnel_key(&s2).unwrap(),
-            TunnelKeyAuth::Revoked
-        ));
+        assert!(matches!(store.authenticate_tunnel_key(&s2).unwrap(), TunnelKeyAuth::Revoked));
         assert!(store.live_tunnel_key_ids().unwrap().is_empty());
         let listed = store.tunnel_key(&k2.id).unwrap().unwrap();
         assert_eq!(
@@ -1375,31 +1108,15 @@ mod tests {
         store.ensure_admin_key().unwrap();
         let first = admin(&store);
         assert_eq!(first.name, INITIAL_ADMIN_KEY_NAME);
-        assert!(matches!(
-            store.revoke_api_key(&first.id).unwrap_err(),
-            StoreError::LastAdminKey { .. }
-        ));
+        assert!(matches!(store.revoke_api_key(&first.id).unwrap_err(), StoreError::LastAdminKey { .. }));
         let (second, second_secret) = store.create_api_key("second", ApiKeyScope::Admin).unwrap();
         store.revoke_api_key(&first.id).unwrap();
-        assert!(matches!(
-            store.revoke_api_key(&second.id).unwrap_err(),
-            StoreError::LastAdminKey { .. }
-        ));
+        assert!(matches!(store.revoke_api_key(&second.id).unwrap_err(), StoreError::LastAdminKey { .. }));
         let (ep, ep_secret) = store.create_api_key("ep", ApiKeyScope::Endpoints).unwrap();
         store.revoke_api_key(&ep.id).unwrap();
-        assert!(matches!(
-            store.authenticate_api_key(&ep_secret).unwrap(),
-            ApiKeyAuth::Revoked(_)
-        ));
-        assert!(matches!(
-            store.authenticate_api_key(&second_secret).unwrap(),
-            ApiKeyAuth::Valid(_)
-        ));
+        assert!(matches!(store.authenticate_api_key(&ep_secret).unwrap(), ApiKeyAuth::Revoked(_)));
+        assert!(matches!(store.authenticate_api_key(&second_secret).unwrap(), ApiKeyAuth::Valid(_)));
         assert_eq!(store.api_keys().unwrap().len(), 3);
-        assert_eq!(
-            store.ensure_admin_key().unwrap(),
-            None,
-            "a live admin key exists"
-        );
+        assert_eq!(store.ensure_admin_key().unwrap(), None, "a live admin key exists");
     }
 }

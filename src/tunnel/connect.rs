@@ -66,7 +66,9 @@ pub enum ConnectError {
         #[source]
         source: std::io::Error,
     },
-    #[error("TLS handshake with {addr} failed: {source} (for an edge started with --self-signed, pass its ca.pem with --ca-file)")]
+    #[error(
+        "TLS handshake with {addr} failed: {source} (for an edge started with --self-signed, pass its ca.pem with --ca-file)"
+    )]
     Tls {
         addr: String,
         #[source]
@@ -154,13 +156,12 @@ impl Dialer {
             .into_client_request()
             .map_err(|e| ConnectError::WebSocket(Box::new(e)))?;
         let headers = req.headers_mut();
-        let bearer = HeaderValue::from_str(&format!("Bearer {}", self.key)).map_err(|_| {
-            ConnectError::Refused {
+        let bearer =
+            HeaderValue::from_str(&format!("Bearer {}", self.key)).map_err(|_| ConnectError::Refused {
                 status: 401,
                 code: "bad_key".into(),
                 message: "the tunnel key has characters a header cannot carry".into(),
-            }
-        })?;
+            })?;
         headers.insert(http::header::AUTHORIZATION, bearer);
         headers.insert(VERSION_HEADER, HeaderValue::from(PROTOCOL_VERSION));
         if let Ok(id) = HeaderValue::from_str(&self.agent_id) {

@@ -54,9 +54,7 @@ impl Refusal {
 
     pub fn message(&self) -> String {
         match self {
-            Refusal::MissingKey => {
-                "no tunnel key: send `Authorization: Bearer <tunnel key>`".into()
-            }
+            Refusal::MissingKey => "no tunnel key: send `Authorization: Bearer <tunnel key>`".into(),
             Refusal::UnknownKey => {
                 "unknown tunnel key: create one with `culvert admin tunnel-key create`".into()
             }
@@ -90,9 +88,7 @@ impl Refusal {
 
     /// Checks the agent's protocol version header.
     pub fn check_version(value: Option<&str>) -> Result<u32, Refusal> {
-        let got: u32 = value
-            .and_then(|v| v.trim().parse().ok())
-            .ok_or(Refusal::MissingVersion)?;
+        let got: u32 = value.and_then(|v| v.trim().parse().ok()).ok_or(Refusal::MissingVersion)?;
         if got < MIN_PROTOCOL_VERSION {
             Err(Refusal::VersionTooOld { got })
         } else if got > PROTOCOL_VERSION {

@@ -26,9 +26,7 @@ impl Proxy {
         let rest = match url.split_once("://") {
             Some(("http", rest)) => rest,
             Some((scheme, _)) => {
-                return Err(format!(
-                    "proxy URL `{url}`: scheme `{scheme}` is not supported, use http://"
-                ));
+                return Err(format!("proxy URL `{url}`: scheme `{scheme}` is not supported, use http://"));
             }
             None => url,
         };
@@ -51,10 +49,10 @@ impl Proxy {
         let Some(url) = var(&["HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"]) else {
             return Ok(None);
         };
-        if let Some(no_proxy) = var(&["NO_PROXY", "no_proxy"]) {
-            if no_proxy_matches(&no_proxy, host) {
-                return Ok(None);
-            }
+        if let Some(no_proxy) = var(&["NO_PROXY", "no_proxy"])
+            && no_proxy_matches(&no_proxy, host)
+        {
+            return Ok(None);
         }
         Proxy::parse(url.trim()).map(Some)
     }
@@ -85,15 +83,14 @@ fn percent_decode(s: &str) -> String {
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
-        if bytes[i] == b'%' && i + 2 < bytes.len() {
-            if let Some(b) = std::str::from_utf8(&bytes[i + 1..i + 3])
-                .ok()
-                .and_then(|h| u8::from_str_radix(h, 16).ok())
-            {
-                out.push(b);
-                i += 3;
-                continue;
-            }
+        if bytes[i] == b'%'
+            && i + 2 < bytes.len()
+            && let Some(b) =
+                std::str::from_utf8(&bytes[i + 1..i + 3]).ok().and_then(|h| u8::from_str_radix(h, 16).ok())
+        {
+            out.push(b);
+            i += 3;
+            continue;
         }
         out.push(bytes[i]);
         i += 1;

@@ -109,7 +109,13 @@ impl TestEdge {
         self.api_as(&self.admin_key, method, path, body).await
     }
 
-    pub async fn api_as(&self, key: &str, method: &str, path: &str, body: Option<Value>) -> (StatusCode, Value) {
+    pub async fn api_as(
+        &self,
+        key: &str,
+        method: &str,
+        path: &str,
+        body: Option<Value>,
+    ) -> (StatusCode, Value) {
         let body = body.map(|b| b.to_string()).unwrap_or_default();
         let req = Request::builder()
             .method(method)
@@ -121,7 +127,8 @@ impl TestEdge {
         let resp = self.client().send("127.0.0.1", req, false).await.expect("api call");
         let status = resp.status();
         let bytes = resp.into_body().collect().await.unwrap().to_bytes();
-        let json = serde_json::from_slice(&bytes).unwrap_or(Value::String(String::from_utf8_lossy(&bytes).into()));
+        let json =
+            serde_json::from_slice(&bytes).unwrap_or(Value::String(String::from_utf8_lossy(&bytes).into()));
         (status, json)
     }
 
@@ -142,7 +149,8 @@ impl TestEdge {
         let (s, r) = self.api("POST", "ports", Some(serde_json::json!({}))).await;
         assert!(s.is_success(), "reserve port: {s} {r}");
         let port = r["port"].as_u64().unwrap() as u16;
-        let (s, k) = self.api("POST", "tunnel-keys", Some(serde_json::json!({"port": port, "protocol": "tcp"}))).await;
+        let (s, k) =
+            self.api("POST", "tunnel-keys", Some(serde_json::json!({"port": port, "protocol": "tcp"}))).await;
         assert!(s.is_success(), "tunnel key: {s} {k}");
         (port, k["secret"].as_str().unwrap().to_string())
     }
@@ -156,7 +164,8 @@ impl TestEdge {
     /// Starts again on the same data dir and HTTPS port.
     pub async fn restart(&mut self) {
         self.stop().await;
-        let handle = edge::start(edge_args(self.dir.path(), self.https, self.tcp_ports)).await.expect("edge restarts");
+        let handle =
+            edge::start(edge_args(self.dir.path(), self.https, self.tcp_ports)).await.expect("edge restarts");
         assert!(handle.new_admin_key.is_none(), "the admin key survives a restart");
         self.handle = Some(handle);
     }
@@ -180,11 +189,19 @@ impl HttpsClient {
     pub async fn connect(&self, host: &str, h2: bool) -> tokio_rustls::client::TlsStream<TcpStream> {
         let tcp = TcpStream::connect(self.addr).await.unwrap();
         let name = rustls_pki_types::ServerName::try_from(host.to_string()).unwrap();
-        tokio_rustls::TlsConnector::from(self.tls_config(h2)).connect(name, tcp).await.expect("TLS to the edge")
+        tokio_rustls::TlsConnector::from(self.tls_config(h2))
+            .connect(name, tcp)
+            .await
+            .expect("TLS to the edge")
     }
 
     /// Sends one request on a new connection (HTTP/1.1 or h2).
-    pub async fn send<B>(&self, host: &str, mut req: Request<B>, h2: bool) -> hyper::Result<Response<Incoming>>
+    pub async fn send<B>(
+        &self,
+        host: &str,
+        mut req: Request<B>,
+        h2: bool,
+    ) -> hyper::Result<Response<Incoming>>
     where
         B: hyper::body::Body<Data = Bytes> + Send + Unpin + 'static,
         B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
@@ -193,7 +210,8 @@ impl HttpsClient {
         let pq = req.uri().path_and_query().map(|p| p.as_str().to_string()).unwrap_or("/".into());
         if h2 {
             *req.uri_mut() = format!("https://{host}{pq}").parse().unwrap();
-            let (mut s, conn) = hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tls)).await?;
+            let (mut s, conn) =
+                hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tls)).await?;
             tokio::spawn(conn);
             s.send_request(req).await
         } else {
@@ -233,7 +251,13 @@ impl TestAgent {
     }
 
     /// Starts without waiting; the Notify fires on every ready connection.
-    pub fn spawn(url: &str, ca_file: &Path, key: &str, target: Target, stop_on_permanent: bool) -> (TestAgent, Arc<tokio::sync::Notify>) {
+    pub fn spawn(
+        url: &str,
+        ca_file: &Path,
+        key: &str,
+        target: Target,
+        stop_on_permanent: bool,
+    ) -> (TestAgent, Arc<tokio::sync::Notify>) {
         let dialer = Dialer {
             edge: EdgeUrl::parse(url).unwrap(),
             key: key.into(),
@@ -245,7 +269,8 @@ impl TestAgent {
         let on_ready: OnReady = Arc::new(move |_| r.notify_one());
         let shutdown = CancellationToken::new();
         let options = TunnelOptions { stop_on_permanent_error: stop_on_permanent, on_ready: Some(on_ready) };
-        let task = tokio::spawn(agent::run_tunnel(dialer, agent::serve::fixed(target), options, shutdown.clone()));
+        let task =
+            tokio::spawn(agent::run_tunnel(dialer, agent::serve::fixed(target), options, shutdown.clone()));
         (TestAgent { shutdown, task }, ready)
     }
 
@@ -304,7 +329,8 @@ async fn backend_handle(mut req: Request<Incoming>) -> Result<Response<TestBody>
                 .collect();
             let (method, path) = (req.method().to_string(), req.uri().to_string());
             let len = req.into_body().collect().await.map(|b| b.to_bytes().len()).unwrap_or(0);
-            let json = serde_json::json!({"method": method, "path": path, "headers": headers, "bodyLength": len});
+            let json =
+                serde_json::json!({"method": method, "path": path, "headers": headers, "bodyLength": len});
             Response::new(full(json.to_string()))
         }
         "/bytes" => {
