@@ -39,6 +39,8 @@ pub enum Command {
     Tcp(AgentArgs),
     /// Manage API keys, domains, ports and tunnel keys on an edge.
     Admin(crate::admin::AdminArgs),
+    /// Print the CustomResourceDefinitions (YAML) to apply before the operator.
+    Crd,
 }
 
 #[derive(Debug, Clone, Args)]

@@ -10,6 +10,7 @@ pub mod agent;
 pub mod api;
 pub mod cli;
 pub mod constants;
+pub mod crd;
 pub mod edge;
 pub mod telemetry;
 pub mod tls;

@@ -9,6 +9,7 @@ fn main() -> anyhow::Result<()> {
     culvert::telemetry::init(cli.log_format);
     match cli.command {
         Command::Admin(args) => culvert::admin::run(args)?,
+        Command::Crd => print!("{}", culvert::crd::crds_yaml()),
         command => {
             let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
             runtime.block_on(async move {
@@ -20,7 +21,7 @@ fn main() -> anyhow::Result<()> {
                     Command::Tcp(args) => {
                         culvert::agent::run_standalone(args, true).await.map_err(Into::into)
                     }
-                    Command::Admin(_) => unreachable!("handled above"),
+                    Command::Admin(_) | Command::Crd => unreachable!("handled above"),
                 }
             })?;
         }

@@ -1,0 +1,276 @@
+//! The custom resources of `culvert.dev/v1alpha1`: `Domain`, `TcpPort` and
+//! `Tunnel`. The YAML in `crds/` is generated from these types by
+//! `culvert crd` and checked for drift by a test.
+
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// What happens to the reservation at the edge when the object is deleted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum ReclaimPolicy {
+    /// Release the reservation at the edge.
+    #[default]
+    Delete,
+    /// Keep the reservation; an object created again adopts it.
+    Retain,
+}
+
+/// A status condition (the Kubernetes API conventions' shape).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Condition {
+    /// Condition type: `Ready`.
+    #[serde(rename = "type")]
+    pub type_: String,
+    /// `True`, `False` or `Unknown`.
+    pub status: String,
+    /// One CamelCase word saying why.
+    pub reason: String,
+    /// What happened and what to do about it.
+    pub message: String,
+    /// When the status last changed (RFC 3339).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_transition_time: Option<String>,
+    /// The generation this condition was computed for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+}
+
+/// A reserved public host name on the edge: a subdomain of the edge's domain
+/// (`spec.name`) or a custom domain pointed at the edge by CNAME (`spec.fqdn`).
+#[derive(CustomResource, Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "culvert.dev",
+    version = "v1alpha1",
+    kind = "Domain",
+    namespaced,
+    status = "DomainStatus",
+    shortname = "cdomain",
+    category = "culvert",
+    printcolumn = r#"{"name":"Host","type":"string","jsonPath":".status.hostname"}"#,
+    printcolumn = r#"{"name":"Reclaim","type":"string","jsonPath":".spec.reclaimPolicy"}"#,
+    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct DomainSpec {
+    /// A subdomain label: `podinfo` publishes `podinfo.<edge domain>`. Give
+    /// this or `fqdn`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// A custom domain, e.g. `app.example.org`, pointed at the edge by CNAME.
+    /// Give this or `name`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fqdn: Option<String>,
+    /// `Delete` (default) releases the reservation with the object; `Retain`
+    /// keeps it for the next object that asks for the same name.
+    #[serde(default)]
+    pub reclaim_policy: ReclaimPolicy,
+}
+
+/// Observed state of a Domain.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DomainStatus {
+    /// The generation last reconciled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// `Ready` with reason and message.
+    #[serde(default)]
+    pub conditions: Vec<Condition>,
+    /// The reserved public host name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hostname: Option<String>,
+    /// The public URL.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+    /// For a custom domain: the CNAME target to set at your DNS provider.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cname_target: Option<String>,
+    /// Id of the reservation at the edge.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reservation_id: Option<String>,
+}
+
+/// A reserved TCP port on the edge.
+#[derive(CustomResource, Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "culvert.dev",
+    version = "v1alpha1",
+    kind = "TcpPort",
+    namespaced,
+    status = "TcpPortStatus",
+    shortname = "ctcpport",
+    category = "culvert",
+    printcolumn = r#"{"name":"Address","type":"string","jsonPath":".status.address"}"#,
+    printcolumn = r#"{"name":"Reclaim","type":"string","jsonPath":".spec.reclaimPolicy"}"#,
+    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct TcpPortSpec {
+    /// The port to reserve; empty takes any free port of the edge's range.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<i32>", range(min = 1, max = 65535))]
+    pub port: Option<u16>,
+    /// `Delete` (default) or `Retain`, as for Domain.
+    #[serde(default)]
+    pub reclaim_policy: ReclaimPolicy,
+}
+
+/// Observed state of a TcpPort.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TcpPortStatus {
+    /// The generation last reconciled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// `Ready` with reason and message.
+    #[serde(default)]
+    pub conditions: Vec<Condition>,
+    /// The reserved port.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<i32>")]
+    pub port: Option<u16>,
+    /// The public address, `host:port`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub address: Option<String>,
+    /// Id of the reservation at the edge.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reservation_id: Option<String>,
+}
+
+/// How a Tunnel publishes its Service.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum TunnelProtocol {
+    /// HTTP(S) on a Domain; TLS is terminated at the edge.
+    #[default]
+    Http,
+    /// Raw TCP on a TcpPort.
+    Tcp,
+    /// TLS passthrough on a Domain: the backend terminates TLS.
+    Tls,
+}
+
+/// PROXY protocol header sent to the backend with the public client's address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ProxyProtocol {
+    V1,
+    V2,
+}
+
+/// The Service a Tunnel sends traffic to: always in the Tunnel's namespace.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ServiceRef {
+    /// Name of a Service in the Tunnel's own namespace (not ExternalName).
+    pub name: String,
+    /// The Service port, by number or by name.
+    #[schemars(schema_with = "int_or_string")]
+    pub port: IntOrString,
+}
+
+fn int_or_string(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({"x-kubernetes-int-or-string": true})
+}
+
+/// Publishes one port of a Service on a Domain (http, tls) or a TcpPort
+/// (tcp) of the same namespace, without an Ingress.
+#[derive(CustomResource, Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "culvert.dev",
+    version = "v1alpha1",
+    kind = "Tunnel",
+    namespaced,
+    status = "TunnelStatus",
+    shortname = "ctunnel",
+    category = "culvert",
+    printcolumn = r#"{"name":"Protocol","type":"string","jsonPath":".spec.protocol"}"#,
+    printcolumn = r#"{"name":"URL","type":"string","jsonPath":".status.url"}"#,
+    printcolumn = r#"{"name":"Status","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].reason"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct TunnelSpec {
+    /// The backend Service and port.
+    pub service: ServiceRef,
+    /// `http` (default), `tcp` or `tls` (passthrough).
+    #[serde(default)]
+    pub protocol: TunnelProtocol,
+    /// Name of a Domain in this namespace (http and tls).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub domain: Option<String>,
+    /// Name of a TcpPort in this namespace (tcp).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tcp_port: Option<String>,
+    /// Send a PROXY protocol header (tcp, tls) with the public client address.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub proxy_protocol: Option<ProxyProtocol>,
+}
+
+/// Observed state of a Tunnel.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TunnelStatus {
+    /// The generation last reconciled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// `Ready` with reason and message.
+    #[serde(default)]
+    pub conditions: Vec<Condition>,
+    /// The public URL or address.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+    /// Agents connected at the edge with this Tunnel's key.
+    #[serde(default)]
+    #[schemars(with = "i32")]
+    pub agents: u32,
+    /// Backend addresses (`ip:port`) the agents dial, as resolved by the operator.
+    #[serde(default)]
+    pub backends: Vec<String>,
+    /// The Secret holding this Tunnel's key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_secret: Option<String>,
+}
+
+/// Every CRD of culvert as one multi-document YAML.
+pub fn crds_yaml() -> String {
+    use kube::CustomResourceExt;
+    [Domain::crd(), TcpPort::crd(), Tunnel::crd()]
+        .iter()
+        .map(|crd| format!("---\n{}", serde_saphyr::to_string(crd).expect("CRDs serialize")))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn committed_crds_match_the_types() {
+        let committed = include_str!("../crds/culvert.yaml");
+        assert!(
+            committed == crds_yaml(),
+            "crds/culvert.yaml is stale: run `cargo run -- crd > crds/culvert.yaml`"
+        );
+    }
+
+    #[test]
+    fn tunnel_accepts_port_by_number_or_name() {
+        let t: TunnelSpec = serde_json::from_value(serde_json::json!({
+            "service": {"name": "podinfo", "port": 9898}, "domain": "podinfo"
+        }))
+        .unwrap();
+        assert_eq!(t.service.port, IntOrString::Int(9898));
+        assert_eq!(t.protocol, TunnelProtocol::Http);
+        let t: TunnelSpec = serde_json::from_value(serde_json::json!({
+            "service": {"name": "db", "port": "postgres"}, "protocol": "tcp", "tcpPort": "db"
+        }))
+        .unwrap();
+        assert_eq!(t.service.port, IntOrString::String("postgres".into()));
+    }
+}
