@@ -39,6 +39,8 @@ pub enum Command {
     Tcp(AgentArgs),
     /// Manage API keys, domains, ports and tunnel keys on an edge.
     Admin(crate::admin::AdminArgs),
+    /// Run the Kubernetes operator and in-cluster agent.
+    Operator(crate::operator::OperatorArgs),
     /// Print the CustomResourceDefinitions (YAML) to apply before the operator.
     Crd,
 }

@@ -18,6 +18,7 @@ fn main() -> anyhow::Result<()> {
                     Command::Http(args) => {
                         culvert::agent::run_standalone(args, false).await.map_err(Into::into)
                     }
+                    Command::Operator(args) => culvert::operator::run(args).await,
                     Command::Tcp(args) => {
                         culvert::agent::run_standalone(args, true).await.map_err(Into::into)
                     }

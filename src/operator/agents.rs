@@ -1,0 +1,149 @@
+//! The in-cluster agent: every replica keeps one tunnel connection per ready
+//! Tunnel, with that Tunnel's own key (from its Secret), and forwards streams
+//! to the backends the leader resolved into the Tunnel's status. Backend
+//! changes apply without reconnecting; a new key reconnects.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
+
+use futures_util::StreamExt;
+use k8s_openapi::api::core::v1::Secret;
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Client, ResourceExt};
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, info};
+
+use super::OperatorArgs;
+use super::names::{LABEL_TUNNEL, SECRET_KEY};
+use super::status::Metrics;
+use crate::agent::{self, Resolver, Target, TunnelOptions};
+use crate::crd::{Tunnel, TunnelProtocol};
+use crate::tunnel::connect::{Dialer, EdgeUrl};
+
+struct Running {
+    key: String,
+    backends: Arc<RwLock<Vec<String>>>,
+    stop: CancellationToken,
+}
+
+/// What one Tunnel needs to be carried.
+struct Desired {
+    name: String,
+    key: String,
+    protocol: TunnelProtocol,
+    backends: Vec<String>,
+}
+
+fn desired(tunnels: &Store<Tunnel>, secrets: &Store<Secret>) -> HashMap<String, Desired> {
+    let mut out = HashMap::new();
+    for t in tunnels.state() {
+        let Some(status) = &t.status else { continue };
+        let ready = status.conditions.iter().any(|c| c.type_ == "Ready" && c.status == "True");
+        if !ready || status.backends.is_empty() {
+            continue;
+        }
+        let Some(secret_name) = &status.key_secret else { continue };
+        let secret_ref = reflector::ObjectRef::<Secret>::new(secret_name).within(&t.namespace().unwrap_or_default());
+        let Some(secret) = secrets.get(&secret_ref) else { continue };
+        let Some(key) = secret.data.as_ref().and_then(|d| d.get(SECRET_KEY)) else { continue };
+        out.insert(
+            t.uid().unwrap_or_default(),
+            Desired {
+                name: format!("{}/{}", t.namespace().unwrap_or_default(), t.name_any()),
+                key: String::from_utf8_lossy(&key.0).into_owned(),
+                protocol: t.spec.protocol,
+                backends: status.backends.clone(),
+            },
+        );
+    }
+    out
+}
+
+fn resolver(protocol: TunnelProtocol, backends: Arc<RwLock<Vec<String>>>) -> Resolver {
+    let next = AtomicUsize::new(0);
+    Arc::new(move |_parts| {
+        let list = backends.read().expect("poisoned");
+        if list.is_empty() {
+            return None;
+        }
+        let addr = list[next.fetch_add(1, Ordering::Relaxed) % list.len()].clone();
+        Some(match protocol {
+            TunnelProtocol::Http => Target::Http { authority: addr },
+            TunnelProtocol::Tcp | TunnelProtocol::Tls => Target::Tcp { addr },
+        })
+    })
+}
+
+/// Runs until `shutdown`, then drains every tunnel connection.
+pub async fn run(client: Client, args: OperatorArgs, metrics: Metrics, shutdown: CancellationToken) {
+    let tls = match crate::tls::tunnel_client_config(args.ca_file.as_deref()) {
+        Ok(t) => t,
+        Err(e) => return tracing::error!(error = %e, "agents cannot start"),
+    };
+    let edge = match EdgeUrl::parse(&args.edge) {
+        Ok(e) => e,
+        Err(e) => return tracing::error!(error = %e, "agents cannot start"),
+    };
+    let (tunnels, tw) = reflector::store();
+    let (secrets, sw) = reflector::store();
+    let tunnel_events = watcher(Api::<Tunnel>::all(client.clone()), watcher::Config::default().any_semantic())
+        .default_backoff()
+        .reflect(tw)
+        .map(|_| ());
+    let secret_events =
+        watcher(Api::<Secret>::all(client.clone()), watcher::Config::default().labels(LABEL_TUNNEL).any_semantic())
+            .default_backoff()
+            .reflect(sw)
+            .map(|_| ());
+    let mut events = std::pin::pin!(futures_util::stream::select(tunnel_events, secret_events));
+    let _ = tokio::join!(tunnels.wait_until_ready(), secrets.wait_until_ready());
+    metrics.set_ready();
+
+    let mut running: HashMap<String, Running> = HashMap::new();
+    loop {
+        let want = desired(&tunnels, &secrets);
+        let gone: HashSet<String> =
+            running.iter().filter(|(uid, r)| want.get(*uid).is_none_or(|d| d.key != r.key)).map(|(u, _)| u.clone()).collect();
+        for uid in gone {
+            if let Some(r) = running.remove(&uid) {
+                r.stop.cancel();
+                metrics.tunnels_connected.dec();
+            }
+        }
+        for (uid, d) in want {
+            if let Some(r) = running.get(&uid) {
+                let mut b = r.backends.write().expect("poisoned");
+                if *b != d.backends {
+                    info!(tunnel = %d.name, backends = ?d.backends, "backends changed; the tunnel stays connected");
+                    *b = d.backends;
+                }
+                continue;
+            }
+            let backends = Arc::new(RwLock::new(d.backends));
+            let stop = shutdown.child_token();
+            let dialer = Dialer { edge: edge.clone(), key: d.key.clone(), agent_id: agent::agent_id(), tls: tls.clone() };
+            let name = d.name.clone();
+            let options = TunnelOptions {
+                stop_on_permanent_error: false,
+                on_ready: Some(Arc::new(move |info: &crate::tunnel::connect::TunnelInfo| {
+                    info!(tunnel = %name, url = info.public_url.as_deref().unwrap_or(""), "tunnel ready");
+                })),
+            };
+            let span = tracing::info_span!("tunnel", tunnel = %d.name);
+            tokio::spawn(
+                agent::run_tunnel(dialer, resolver(d.protocol, backends.clone()), options, stop.clone()).instrument(span),
+            );
+            metrics.tunnels_connected.inc();
+            running.insert(uid, Running { key: d.key, backends, stop });
+        }
+        tokio::select! {
+            e = events.next() => if e.is_none() { break },
+            _ = shutdown.cancelled() => break,
+        }
+    }
+    for (_, r) in running {
+        r.stop.cancel();
+    }
+}

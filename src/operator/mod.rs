@@ -1,0 +1,252 @@
+//! The operator: Kubernetes controllers (on the elected leader) that turn
+//! `Domain`, `TcpPort` and `Tunnel` objects into reservations and tunnel keys
+//! at the edge, and the in-cluster agent (on every replica) that carries the
+//! traffic of every ready Tunnel.
+//!
+//! Phases of each reconcile, in order: read → validate → build desired state
+//! → apply (edge, then Kubernetes) → status. Everything external lives behind
+//! a finalizer.
+
+pub mod agents;
+pub mod edge;
+pub mod leader;
+pub mod reservation;
+pub mod status;
+pub mod tunnel;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Namespace;
+use kube::runtime::events::{Recorder, Reporter};
+use kube::{Api, Client};
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+
+use crate::crd::{Domain, TcpPort, Tunnel};
+use edge::EdgeClient;
+
+/// Names used across the operator, defined once.
+pub mod names {
+    /// Finalizer on Domain, TcpPort and Tunnel: the edge side is released first.
+    pub const FINALIZER: &str = "culvert.dev/finalizer";
+    /// The one field manager of every server-side apply.
+    pub const FIELD_MANAGER: &str = "culvert-operator";
+    /// Edge labels (on reservations and tunnel keys) that say who holds them.
+    pub const LABEL_CLUSTER: &str = "culvert.dev/cluster";
+    pub const LABEL_NAMESPACE: &str = "culvert.dev/namespace";
+    pub const LABEL_KIND: &str = "culvert.dev/kind";
+    pub const LABEL_NAME: &str = "culvert.dev/name";
+    pub const LABEL_UID: &str = "culvert.dev/uid";
+    /// Label on the Secrets that hold tunnel keys (value: the Tunnel's name).
+    pub const LABEL_TUNNEL: &str = "culvert.dev/tunnel";
+    /// Keys of a tunnel key Secret.
+    pub const SECRET_KEY: &str = "key";
+    pub const SECRET_KEY_ID: &str = "keyId";
+    /// The Lease that elects the reconciling replica.
+    pub const LEASE: &str = "culvert-operator-leader";
+    /// Reporter of events.
+    pub const CONTROLLER: &str = "culvert-operator";
+}
+
+/// How agents reach a Tunnel's Service.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BackendAddress {
+    /// The Service's ClusterIP and port (needs kube-proxy or an equivalent; every
+    /// ordinary cluster has one).
+    ClusterIp,
+    /// The ready endpoints of the Service (EndpointSlices), dialed directly.
+    Endpoints,
+}
+
+/// `culvert operator` flags.
+#[derive(Debug, Clone, clap::Args)]
+pub struct OperatorArgs {
+    /// The edge's URL, e.g. https://edge.example.com.
+    #[arg(long, env = "CULVERT_EDGE")]
+    pub edge: String,
+    /// An API key of scope `endpoints` (it cannot carry traffic).
+    #[arg(long, env = "CULVERT_API_KEY", hide_env_values = true)]
+    pub api_key: String,
+    /// Trust this PEM CA instead of the built-in Mozilla roots.
+    #[arg(long, env = "CULVERT_CA_FILE")]
+    pub ca_file: Option<PathBuf>,
+    /// Namespace of the leader election Lease.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "culvert-system")]
+    pub namespace: String,
+    /// This replica's identity in the election (the pod name).
+    #[arg(long, env = "POD_NAME")]
+    pub identity: Option<String>,
+    /// How often every object is checked against the edge (re-creates
+    /// reservations deleted out-of-band), in seconds.
+    #[arg(long, env = "CULVERT_RESYNC_SECONDS", default_value_t = 300)]
+    pub resync_seconds: u64,
+    /// Lease duration of the leader election, in seconds.
+    #[arg(long, env = "CULVERT_LEASE_SECONDS", default_value_t = 15)]
+    pub lease_seconds: u64,
+    /// How agents reach backends.
+    #[arg(long, env = "CULVERT_BACKEND_ADDRESS", value_enum, default_value_t = BackendAddress::ClusterIp)]
+    pub backend_address: BackendAddress,
+    /// Metrics, /healthz and /readyz.
+    #[arg(long, env = "CULVERT_ADMIN_ADDR", default_value = "0.0.0.0:9090")]
+    pub admin_addr: SocketAddr,
+}
+
+/// Why a reconcile failed; the category labels metrics and event reasons.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("kubernetes API call failed: {0}")]
+    Kube(#[from] kube::Error),
+    #[error("edge API call failed: {0}")]
+    Edge(#[from] crate::admin::AdminError),
+    #[error("{0}")]
+    Invalid(String),
+    #[error("{0}")]
+    Conflict(String),
+    #[error("{0}")]
+    Waiting(String),
+    #[error("finalizer: {0}")]
+    Finalizer(#[source] Box<kube::runtime::finalizer::Error<Error>>),
+}
+
+impl Error {
+    pub fn category(&self) -> &'static str {
+        match self {
+            Error::Kube(_) => "KubeApiError",
+            Error::Edge(_) => "EdgeApiError",
+            Error::Invalid(_) => "InvalidSpec",
+            Error::Conflict(_) => "Conflict",
+            Error::Waiting(_) => "Waiting",
+            Error::Finalizer(e) => match &**e {
+                kube::runtime::finalizer::Error::ApplyFailed(e)
+                | kube::runtime::finalizer::Error::CleanupFailed(e) => e.category(),
+                _ => "FinalizerError",
+            },
+        }
+    }
+}
+
+/// What every reconcile shares.
+pub struct Context {
+    pub client: Client,
+    pub edge: EdgeClient,
+    /// The uid of the `kube-system` namespace: this cluster's id at the edge.
+    pub cluster_id: String,
+    pub resync: Duration,
+    pub backend_address: BackendAddress,
+    pub recorder: Recorder,
+    pub metrics: status::Metrics,
+}
+
+/// Fails with a one-line fix when the CRDs are not installed.
+async fn check_crds(client: &Client) -> Result<(), String> {
+    let lp = kube::api::ListParams::default().limit(1);
+    for (kind, res) in [
+        ("Domain", Api::<Domain>::all(client.clone()).list(&lp).await.map(|_| ())),
+        ("TcpPort", Api::<TcpPort>::all(client.clone()).list(&lp).await.map(|_| ())),
+        ("Tunnel", Api::<Tunnel>::all(client.clone()).list(&lp).await.map(|_| ())),
+    ] {
+        if let Err(kube::Error::Api(e)) = &res
+            && e.code == 404
+        {
+            return Err(format!(
+                "the {kind} CRD is not installed: run `culvert crd | kubectl apply -f -` (or install the Helm chart)"
+            ));
+        }
+        res.map_err(|e| format!("cannot list {kind} objects: {e}"))?;
+    }
+    Ok(())
+}
+
+/// `culvert operator`: runs until SIGINT/SIGTERM.
+pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
+    let shutdown = CancellationToken::new();
+    tokio::spawn(crate::shutdown_on_signal(shutdown.clone()));
+    let client = Client::try_default().await.map_err(|e| {
+        anyhow::anyhow!("cannot reach the Kubernetes API ({e}): run in a pod or set KUBECONFIG")
+    })?;
+    start(client, args, shutdown).await
+}
+
+/// Runs the operator with `client` until `shutdown` (tests call this directly).
+pub async fn start(client: Client, args: OperatorArgs, shutdown: CancellationToken) -> anyhow::Result<()> {
+    check_crds(&client).await.map_err(anyhow::Error::msg)?;
+    let edge = EdgeClient::new(&args.edge, &args.api_key, args.ca_file.as_deref())?;
+    let info = edge.check().await.map_err(|e| {
+        anyhow::anyhow!(
+            "the edge refused the operator's API key or cannot be reached: {e}. \
+             Create an endpoints key with `culvert admin api-key create --name operator --scope endpoints`"
+        )
+    })?;
+    let cluster_id = Api::<Namespace>::all(client.clone())
+        .get("kube-system")
+        .await?
+        .metadata
+        .uid
+        .ok_or_else(|| anyhow::anyhow!("the kube-system namespace has no uid"))?;
+    let identity = args.identity.clone().unwrap_or_else(|| format!("culvert-{}", crate::agent::agent_id()));
+    info!(edge = %args.edge, domain = %info.domain, cluster = %cluster_id, %identity, "operator starting");
+
+    let metrics = status::Metrics::default();
+    let ctx = Arc::new(Context {
+        recorder: Recorder::new(
+            client.clone(),
+            Reporter { controller: names::CONTROLLER.into(), instance: Some(identity.clone()) },
+        ),
+        client: client.clone(),
+        edge,
+        cluster_id,
+        resync: Duration::from_secs(args.resync_seconds.max(1)),
+        backend_address: args.backend_address,
+        metrics: metrics.clone(),
+    });
+
+    let admin = tokio::net::TcpListener::bind(args.admin_addr).await?;
+    tokio::spawn(status::serve_admin(admin, metrics.clone(), shutdown.clone()));
+
+    // Every replica carries traffic.
+    let agents = tokio::spawn(agents::run(client.clone(), args.clone(), metrics.clone(), shutdown.clone()));
+
+    // One replica reconciles.
+    let elector = leader::Elector::new(
+        client.clone(),
+        &args.namespace,
+        identity,
+        Duration::from_secs(args.lease_seconds.max(2)),
+    );
+    loop {
+        tokio::select! {
+            _ = elector.acquire() => {}
+            _ = shutdown.cancelled() => break,
+        }
+        info!("elected leader: reconciling");
+        metrics.set_leader(true);
+        let term = shutdown.child_token();
+        let lost = elector.hold(term.clone());
+        if let Err(e) = reservation::revoke_orphans(&ctx).await {
+            warn!(error = %e, "failed to revoke keys of objects deleted while the operator was down");
+        }
+        tokio::select! {
+            _ = controllers(ctx.clone(), term.clone()) => {}
+            _ = lost => warn!("lost the leader lease; stopping the controllers"),
+            _ = shutdown.cancelled() => {}
+        }
+        term.cancel();
+        metrics.set_leader(false);
+        elector.release().await;
+    }
+    if let Err(e) = agents.await {
+        error!(error = %e, "agent task failed");
+    }
+    Ok(())
+}
+
+async fn controllers(ctx: Arc<Context>, stop: CancellationToken) {
+    tokio::join!(
+        reservation::run_domains(ctx.clone(), stop.clone()),
+        reservation::run_tcp_ports(ctx.clone(), stop.clone()),
+        tunnel::run(ctx.clone(), stop.clone()),
+    );
+}

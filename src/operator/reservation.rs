@@ -1,0 +1,341 @@
+//! The Domain and TcpPort controllers: one reservation at the edge per
+//! object, adopted when it already exists for this cluster and namespace,
+//! re-created when it was deleted out-of-band, released (or kept, with
+//! `reclaimPolicy: Retain`) behind a finalizer.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+use std::time::Instant;
+
+use futures_util::StreamExt;
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::finalizer::{Event as Finalizer, finalizer};
+use kube::runtime::watcher;
+use kube::{Api, Resource, ResourceExt};
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, info, warn};
+
+use super::names::{FINALIZER, LABEL_CLUSTER, LABEL_KIND, LABEL_NAME, LABEL_NAMESPACE, LABEL_UID};
+use super::status::{apply_status, carry_transition, event, ready};
+use super::{Context, Error};
+use crate::admin::AdminError;
+use crate::api::{Reservation, TunnelKey};
+use crate::crd::{Condition, Domain, DomainStatus, ReclaimPolicy, TcpPort, TcpPortStatus, Tunnel};
+
+/// What differs between Domain and TcpPort.
+pub trait Reserved:
+    Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+    + Clone
+    + std::fmt::Debug
+    + serde::Serialize
+    + serde::de::DeserializeOwned
+    + Send
+    + Sync
+    + 'static
+{
+    const KIND: &'static str;
+    /// `domains` or `ports`.
+    const COLLECTION: &'static str;
+    fn reclaim(&self) -> ReclaimPolicy;
+    /// The reservation's key at the edge if the spec (or the status) names it.
+    fn edge_key(&self) -> Result<Option<String>, Error>;
+    /// The body of `POST <collection>` (labels are added).
+    fn request(&self) -> Value;
+    fn conditions(&self) -> Vec<Condition>;
+    fn reservation_id(&self) -> Option<String>;
+    /// The status for a held reservation (`None`: not held).
+    fn status(&self, r: Option<&Reservation>, condition: Condition) -> Value;
+}
+
+fn is_dns_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+impl Reserved for Domain {
+    const KIND: &'static str = "Domain";
+    const COLLECTION: &'static str = "domains";
+
+    fn reclaim(&self) -> ReclaimPolicy {
+        self.spec.reclaim_policy
+    }
+
+    fn edge_key(&self) -> Result<Option<String>, Error> {
+        match (&self.spec.name, &self.spec.fqdn) {
+            (Some(name), None) if is_dns_label(name) => Ok(Some(name.clone())),
+            (Some(name), None) => Err(Error::Invalid(format!(
+                "spec.name `{name}` is not a DNS label (a-z, 0-9 and '-', at most 63): for a full host name use spec.fqdn"
+            ))),
+            (None, Some(fqdn)) => {
+                let fqdn = fqdn.trim_end_matches('.').to_ascii_lowercase();
+                if fqdn.split('.').count() >= 2 && fqdn.split('.').all(is_dns_label) {
+                    Ok(Some(fqdn))
+                } else {
+                    Err(Error::Invalid(format!("spec.fqdn `{fqdn}` is not a valid host name")))
+                }
+            }
+            _ => Err(Error::Invalid("give exactly one of spec.name (a subdomain) and spec.fqdn (a custom domain)".into())),
+        }
+    }
+
+    fn request(&self) -> Value {
+        match (&self.spec.name, &self.spec.fqdn) {
+            (Some(name), _) => json!({ "name": name }),
+            (_, fqdn) => json!({ "fqdn": fqdn }),
+        }
+    }
+
+    fn conditions(&self) -> Vec<Condition> {
+        self.status.as_ref().map(|s| s.conditions.clone()).unwrap_or_default()
+    }
+
+    fn reservation_id(&self) -> Option<String> {
+        self.status.as_ref().and_then(|s| s.reservation_id.clone())
+    }
+
+    fn status(&self, r: Option<&Reservation>, condition: Condition) -> Value {
+        let custom = r.is_some_and(|r| r.kind == crate::api::ReservationKind::Custom);
+        let status = DomainStatus {
+            observed_generation: self.metadata.generation,
+            conditions: vec![condition],
+            hostname: r.and_then(|r| r.hostname.clone()),
+            url: r.and_then(|r| r.url.clone()),
+            cname_target: None,
+            reservation_id: r.map(|r| r.id.clone()),
+        };
+        let mut v = serde_json::to_value(status).expect("serializable");
+        if custom {
+            v["cnameTarget"] = json!("(the edge's domain; see `culvert admin info`)");
+        }
+        v
+    }
+}
+
+impl Reserved for TcpPort {
+    const KIND: &'static str = "TcpPort";
+    const COLLECTION: &'static str = "ports";
+
+    fn reclaim(&self) -> ReclaimPolicy {
+        self.spec.reclaim_policy
+    }
+
+    fn edge_key(&self) -> Result<Option<String>, Error> {
+        match self.spec.port {
+            Some(0) => Err(Error::Invalid("spec.port must be 1-65535".into())),
+            Some(p) => Ok(Some(p.to_string())),
+            None => Ok(self.status.as_ref().and_then(|s| s.port).map(|p| p.to_string())),
+        }
+    }
+
+    fn request(&self) -> Value {
+        match self.spec.port {
+            Some(p) => json!({ "port": p }),
+            None => json!({}),
+        }
+    }
+
+    fn conditions(&self) -> Vec<Condition> {
+        self.status.as_ref().map(|s| s.conditions.clone()).unwrap_or_default()
+    }
+
+    fn reservation_id(&self) -> Option<String> {
+        self.status.as_ref().and_then(|s| s.reservation_id.clone())
+    }
+
+    fn status(&self, r: Option<&Reservation>, condition: Condition) -> Value {
+        let status = TcpPortStatus {
+            observed_generation: self.metadata.generation,
+            conditions: vec![condition],
+            port: r.and_then(|r| r.port),
+            address: r.and_then(|r| r.url.as_deref()).map(|u| u.trim_start_matches("tcp://").to_string()),
+            reservation_id: r.map(|r| r.id.clone()),
+        };
+        serde_json::to_value(status).expect("serializable")
+    }
+}
+
+/// The edge labels that say an object of this cluster and namespace holds a thing.
+pub fn owner_labels(ctx: &Context, kind: &str, obj: &impl ResourceExt) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (LABEL_CLUSTER.to_string(), ctx.cluster_id.clone()),
+        (LABEL_NAMESPACE.to_string(), obj.namespace().unwrap_or_default()),
+        (LABEL_KIND.to_string(), kind.to_string()),
+        (LABEL_NAME.to_string(), obj.name_any()),
+    ])
+}
+
+pub fn selector(labels: &BTreeMap<String, String>) -> String {
+    labels.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",")
+}
+
+/// Finds the reservation the object means: by its key, or by our labels.
+async fn find<K: Reserved>(ctx: &Context, obj: &K) -> Result<Option<Reservation>, Error> {
+    let labels = owner_labels(ctx, K::KIND, obj);
+    let found = match obj.edge_key()? {
+        Some(key) => match ctx.edge.get::<Reservation>(format!("{}/{key}", K::COLLECTION)).await {
+            Ok(r) => r,
+            Err(AdminError::Refused { status: 403, .. }) => {
+                return Err(Error::Conflict(format!(
+                    "{key} is reserved at the edge by another API key; pick another name"
+                )));
+            }
+            Err(e) => return Err(e.into()),
+        },
+        None => ctx.edge.list::<Reservation>(K::COLLECTION, selector(&labels)).await?.into_iter().next(),
+    };
+    if let Some(r) = &found {
+        let holder = |k: &str| r.labels.get(k).map(String::as_str).unwrap_or("");
+        if holder(LABEL_CLUSTER) != ctx.cluster_id || holder(LABEL_NAMESPACE) != labels[LABEL_NAMESPACE] {
+            return Err(Error::Conflict(format!(
+                "{} is held by another cluster or namespace (cluster {}, namespace {}); it is never taken over",
+                r.target(),
+                if holder(LABEL_CLUSTER).is_empty() { "unknown" } else { holder(LABEL_CLUSTER) },
+                if holder(LABEL_NAMESPACE).is_empty() { "unknown" } else { holder(LABEL_NAMESPACE) },
+            )));
+        }
+        let other = holder(LABEL_NAME);
+        if other != obj.name_any() && other_exists::<K>(ctx, &labels[LABEL_NAMESPACE], other).await? {
+            return Err(Error::Conflict(format!("{} is held by {} {other} of this namespace", r.target(), K::KIND)));
+        }
+    }
+    Ok(found)
+}
+
+async fn other_exists<K: Reserved>(ctx: &Context, ns: &str, name: &str) -> Result<bool, Error> {
+    Ok(!name.is_empty() && Api::<K>::namespaced(ctx.client.clone(), ns).get_opt(name).await?.is_some())
+}
+
+async fn apply<K: Reserved>(obj: Arc<K>, ctx: &Context) -> Result<Action, Error> {
+    let api: Api<K> = Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
+    let outcome = async {
+        let (reservation, how) = match find(ctx, &*obj).await? {
+            Some(r) => {
+                let how = if obj.reservation_id().as_deref() == Some(&r.id) { "Reserved" } else { "Adopted" };
+                (r, how)
+            }
+            None => {
+                let mut body = obj.request();
+                body["labels"] = serde_json::to_value(owner_labels(ctx, K::KIND, &*obj)).expect("labels");
+                let r: Reservation = ctx.edge.post(K::COLLECTION, body).await.map_err(|e| match e {
+                    AdminError::Refused { status: 409 | 422, message, .. } => Error::Conflict(message),
+                    e => e.into(),
+                })?;
+                let how = if obj.reservation_id().is_some() { "Recreated" } else { "Reserved" };
+                (r, how)
+            }
+        };
+        Ok::<_, Error>((reservation, how))
+    }
+    .await;
+    let generation = obj.meta().generation;
+    let (status, warn_reason) = match &outcome {
+        Ok((r, how)) => {
+            let msg = format!("{} is reserved at the edge: {}", r.target(), r.url.clone().unwrap_or_default());
+            (obj.status(Some(r), ready(true, how, msg, generation)), None)
+        }
+        Err(e @ (Error::Invalid(_) | Error::Conflict(_))) => {
+            (obj.status(None, ready(false, e.category(), e.to_string(), generation)), Some(e.category()))
+        }
+        Err(e) => {
+            let msg = format!("cannot reach the edge: {e}");
+            (obj.status(None, ready(false, "EdgeUnavailable", msg, generation)), Some("EdgeUnavailable"))
+        }
+    };
+    let mut condition: Condition = serde_json::from_value(status["conditions"][0].clone()).expect("condition");
+    let changed = carry_transition(&mut condition, &obj.conditions());
+    let mut status = status;
+    status["conditions"] = json!([condition]);
+    apply_status(&api, &*obj, &status).await?;
+    if changed {
+        match (&outcome, warn_reason) {
+            (Ok((_, "Recreated")), _) => {
+                event(ctx, &*obj, false, "Recreated", format!("the reservation was missing at the edge and was re-created: {}", condition.message)).await
+            }
+            (Ok((_, how)), _) => event(ctx, &*obj, false, how, condition.message.clone()).await,
+            (Err(_), Some(reason)) => event(ctx, &*obj, true, reason, condition.message.clone()).await,
+            _ => {}
+        }
+    }
+    match outcome {
+        Ok(_) | Err(Error::Invalid(_) | Error::Conflict(_)) => Ok(Action::requeue(ctx.resync)),
+        Err(e) => Err(e),
+    }
+}
+
+async fn cleanup<K: Reserved>(obj: Arc<K>, ctx: &Context) -> Result<Action, Error> {
+    if obj.reclaim() == ReclaimPolicy::Retain {
+        info!("reclaimPolicy Retain: keeping the reservation at the edge");
+        return Ok(Action::await_change());
+    }
+    let found = match find(ctx, &*obj).await {
+        Ok(found) => found,
+        // Not ours (or the spec never was valid): nothing of ours to release.
+        Err(Error::Conflict(_) | Error::Invalid(_)) => None,
+        Err(e) => return Err(e),
+    };
+    if let Some(r) = found {
+        let key = r.hostname.clone().or(r.port.map(|p| p.to_string())).unwrap_or_default();
+        ctx.edge.delete(format!("{}/{key}", K::COLLECTION)).await?;
+        info!(reservation = %r.target(), "released the reservation");
+    }
+    Ok(Action::await_change())
+}
+
+async fn reconcile<K: Reserved>(obj: Arc<K>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let started = Instant::now();
+    let api: Api<K> = Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
+    let span = tracing::info_span!("reconcile", kind = K::KIND, namespace = %obj.namespace().unwrap_or_default(), name = %obj.name_any());
+    let result = finalizer(&api, FINALIZER, obj, |ev| async {
+        match ev {
+            Finalizer::Apply(o) => apply(o, &ctx).await,
+            Finalizer::Cleanup(o) => cleanup(o, &ctx).await,
+        }
+    })
+    .instrument(span)
+    .await
+    .map_err(|e| Error::Finalizer(Box::new(e)));
+    ctx.metrics.reconciled(K::KIND, started.elapsed().as_secs_f64(), result.as_ref().map(|_| ()).map_err(Error::category));
+    result
+}
+
+fn error_policy<K: Reserved>(_obj: Arc<K>, e: &Error, _ctx: Arc<Context>) -> Action {
+    warn!(kind = K::KIND, error = %e, category = e.category(), "reconcile failed; retrying");
+    Action::requeue(std::time::Duration::from_secs(5))
+}
+
+async fn run_controller<K: Reserved>(ctx: Arc<Context>, stop: CancellationToken) {
+    let api = Api::<K>::all(ctx.client.clone());
+    Controller::new(api, watcher::Config::default().any_semantic())
+        .graceful_shutdown_on(async move { stop.cancelled().await })
+        .run(reconcile::<K>, error_policy::<K>, ctx)
+        .for_each(|_| async {})
+        .await;
+}
+
+pub async fn run_domains(ctx: Arc<Context>, stop: CancellationToken) {
+    run_controller::<Domain>(ctx, stop).await
+}
+
+pub async fn run_tcp_ports(ctx: Arc<Context>, stop: CancellationToken) {
+    run_controller::<TcpPort>(ctx, stop).await
+}
+
+/// At start: revokes the keys of Tunnels of this cluster that no longer
+/// exist (deleted while no operator was running).
+pub async fn revoke_orphans(ctx: &Context) -> Result<(), Error> {
+    let tunnels = Api::<Tunnel>::all(ctx.client.clone()).list(&Default::default()).await?;
+    let live: HashSet<String> = tunnels.items.iter().filter_map(|t| t.metadata.uid.clone()).collect();
+    let selector = format!("{LABEL_CLUSTER}={},{LABEL_KIND}=Tunnel", ctx.cluster_id);
+    for key in ctx.edge.list::<TunnelKey>("tunnel-keys", selector).await? {
+        let uid = key.labels.get(LABEL_UID).cloned().unwrap_or_default();
+        if !live.contains(&uid) {
+            ctx.edge.delete(format!("tunnel-keys/{}", key.id)).await?;
+            info!(key = %key.id, tunnel_uid = %uid, "revoked the key of a Tunnel deleted while the operator was down");
+        }
+    }
+    Ok(())
+}

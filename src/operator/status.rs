@@ -1,0 +1,178 @@
+//! Status conditions, events, metrics and the admin port of the operator.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use http::{Response, StatusCode};
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Patch, PatchParams};
+use kube::runtime::events::{Event, EventType};
+use kube::{Api, Resource, ResourceExt};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tokio_util::sync::CancellationToken;
+
+use super::names::FIELD_MANAGER;
+use super::{Context, Error};
+use crate::crd::Condition;
+use crate::tunnel::body;
+
+type Labels = Vec<(&'static str, String)>;
+
+/// The operator's metrics (one registry; never labelled by object name).
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Arc<Registry>,
+    reconciles: Family<Labels, Counter>,
+    failures: Family<Labels, Counter>,
+    durations: Family<Labels, Histogram>,
+    pub tunnels_connected: Gauge,
+    leader: Gauge,
+    ready: Arc<AtomicBool>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut r = Registry::with_prefix("culvert_operator");
+        let reconciles = Family::<Labels, Counter>::default();
+        r.register("reconciles", "Reconcile runs by kind", reconciles.clone());
+        let failures = Family::<Labels, Counter>::default();
+        r.register("reconcile_failures", "Failed reconciles by kind and error category", failures.clone());
+        let durations = Family::<Labels, Histogram>::new_with_constructor(|| {
+            Histogram::new([0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0])
+        });
+        r.register("reconcile_duration_seconds", "Reconcile durations by kind", durations.clone());
+        let tunnels_connected = Gauge::default();
+        r.register("tunnels_connected", "Tunnel connections this replica holds open", tunnels_connected.clone());
+        let leader = Gauge::default();
+        r.register("leader", "1 while this replica reconciles", leader.clone());
+        Metrics {
+            registry: Arc::new(r),
+            reconciles,
+            failures,
+            durations,
+            tunnels_connected,
+            leader,
+            ready: Arc::default(),
+        }
+    }
+}
+
+impl Metrics {
+    pub fn reconciled(&self, kind: &'static str, seconds: f64, result: Result<(), &'static str>) {
+        let k = vec![("kind", kind.to_string())];
+        self.reconciles.get_or_create(&k).inc();
+        self.durations.get_or_create(&k).observe(seconds);
+        if let Err(category) = result {
+            self.failures.get_or_create(&vec![("kind", kind.to_string()), ("category", category.into())]).inc();
+        }
+    }
+
+    pub fn set_leader(&self, leader: bool) {
+        self.leader.set(leader as i64);
+    }
+
+    pub fn set_ready(&self) {
+        self.ready.store(true, Ordering::Release);
+    }
+
+    fn encode(&self) -> String {
+        let mut out = String::new();
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+/// `/metrics`, `/healthz`, `/readyz` (ready once the agents' caches synced).
+pub async fn serve_admin(listener: tokio::net::TcpListener, metrics: Metrics, stop: CancellationToken) {
+    loop {
+        let (tcp, _) = tokio::select! {
+            r = listener.accept() => match r { Ok(x) => x, Err(_) => continue },
+            _ = stop.cancelled() => return,
+        };
+        let metrics = metrics.clone();
+        tokio::spawn(async move {
+            let service = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                let metrics = metrics.clone();
+                async move {
+                    let (status, text) = match req.uri().path() {
+                        "/metrics" => (StatusCode::OK, metrics.encode()),
+                        "/healthz" => (StatusCode::OK, "ok\n".into()),
+                        "/readyz" if metrics.ready.load(Ordering::Acquire) => (StatusCode::OK, "ok\n".into()),
+                        "/readyz" => (StatusCode::SERVICE_UNAVAILABLE, "caches not synced yet\n".into()),
+                        _ => (StatusCode::NOT_FOUND, "try /metrics, /healthz or /readyz\n".into()),
+                    };
+                    let mut r = Response::new(body::full(text));
+                    *r.status_mut() = status;
+                    Ok::<_, std::convert::Infallible>(r)
+                }
+            });
+            let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                .http1_only()
+                .serve_connection(TokioIo::new(tcp), service)
+                .await;
+        });
+    }
+}
+
+/// A `Ready` condition.
+pub fn ready(ok: bool, reason: &str, message: impl Into<String>, generation: Option<i64>) -> Condition {
+    Condition {
+        type_: "Ready".into(),
+        status: if ok { "True" } else { "False" }.into(),
+        reason: reason.into(),
+        message: message.into(),
+        last_transition_time: Some(Timestamp::now().to_string()),
+        observed_generation: generation,
+    }
+}
+
+/// Keeps the transition time when the condition did not change.
+pub fn carry_transition(new: &mut Condition, old: &[Condition]) -> bool {
+    match old.iter().find(|c| c.type_ == new.type_) {
+        Some(o) if o.status == new.status && o.reason == new.reason => {
+            new.last_transition_time = o.last_transition_time.clone();
+            false
+        }
+        _ => true,
+    }
+}
+
+/// Server-side applies `status` to the object's status subresource.
+pub async fn apply_status<K, S>(api: &Api<K>, obj: &K, status: &S) -> Result<(), Error>
+where
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug,
+    S: Serialize,
+{
+    let patch = serde_json::json!({
+        "apiVersion": K::api_version(&()),
+        "kind": K::kind(&()),
+        "status": status,
+    });
+    api.patch_status(&obj.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(patch)).await?;
+    Ok(())
+}
+
+/// Publishes an event about `obj`; failures to publish are only logged.
+pub async fn event<K>(ctx: &Context, obj: &K, warning: bool, reason: &str, note: String)
+where
+    K: Resource<DynamicType = ()>,
+{
+    let ev = Event {
+        type_: if warning { EventType::Warning } else { EventType::Normal },
+        reason: reason.into(),
+        note: Some(note),
+        action: "Reconcile".into(),
+        secondary: None,
+    };
+    if let Err(e) = ctx.recorder.publish(&ev, &obj.object_ref(&())).await {
+        tracing::debug!(error = %e, "failed to publish an event");
+    }
+}

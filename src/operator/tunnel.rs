@@ -1,0 +1,363 @@
+//! The Tunnel controller: validates the Tunnel against its namespace (the
+//! Service, the Domain or TcpPort), resolves the backend addresses, mints one
+//! tunnel key per Tunnel into a Secret it owns, and revokes the key behind a
+//! finalizer.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use k8s_openapi::ByteString;
+use k8s_openapi::api::core::v1::{Secret, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kube::api::{ObjectMeta, Patch, PatchParams};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::finalizer::{Event as Finalizer, finalizer};
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::watcher;
+use kube::{Api, Resource, ResourceExt};
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, info, warn};
+
+use super::names::{FIELD_MANAGER, FINALIZER, LABEL_TUNNEL, LABEL_UID, SECRET_KEY, SECRET_KEY_ID};
+use super::reservation::owner_labels;
+use super::status::{apply_status, carry_transition, event, ready};
+use super::{BackendAddress, Context, Error};
+use crate::api::{CreatedTunnelKey, TunnelKey};
+use crate::crd::{Domain, TcpPort, Tunnel, TunnelProtocol, TunnelStatus};
+
+/// Name of the Secret holding a Tunnel's key.
+pub fn secret_name(tunnel: &str) -> String {
+    format!("{tunnel}-culvert-key")
+}
+
+/// What a ready Tunnel resolved to.
+struct Resolved {
+    url: String,
+    backends: Vec<String>,
+    agents: u32,
+}
+
+fn dns_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+/// Validate: the spec alone, without a client.
+pub fn validate(t: &Tunnel) -> Result<(), Error> {
+    let svc = &t.spec.service.name;
+    if !dns_label(svc) {
+        return Err(Error::Invalid(format!(
+            "spec.service.name `{svc}` must be the name of a Service in this namespace: \
+             IP addresses, host names and other namespaces are not allowed"
+        )));
+    }
+    match (t.spec.protocol, &t.spec.domain, &t.spec.tcp_port) {
+        (TunnelProtocol::Tls, _, _) => {
+            Err(Error::Invalid("protocol tls (passthrough) is not supported by this version yet; use http or tcp".into()))
+        }
+        (TunnelProtocol::Http, Some(_), None) | (TunnelProtocol::Tcp, None, Some(_)) => Ok(()),
+        (TunnelProtocol::Http, _, _) => {
+            Err(Error::Invalid("protocol http needs spec.domain (a Domain of this namespace) and no tcpPort".into()))
+        }
+        (TunnelProtocol::Tcp, _, _) => {
+            Err(Error::Invalid("protocol tcp needs spec.tcpPort (a TcpPort of this namespace) and no domain".into()))
+        }
+    }
+    .and_then(|()| match (t.spec.protocol, t.spec.proxy_protocol) {
+        (TunnelProtocol::Http, Some(_)) => Err(Error::Invalid("proxyProtocol applies to tcp and tls only".into())),
+        _ => Ok(()),
+    })
+}
+
+/// The reservation (`domain` host name or TCP port) the Tunnel publishes on.
+async fn reservation(t: &Tunnel, ctx: &Context, ns: &str) -> Result<serde_json::Value, Error> {
+    let not_ready = |kind: &str, name: &str| {
+        Error::Waiting(format!("{kind} {name} of this namespace is not ready yet (see `kubectl describe {} {name}`)", kind.to_lowercase()))
+    };
+    if let Some(name) = &t.spec.domain {
+        let d = Api::<Domain>::namespaced(ctx.client.clone(), ns).get_opt(name).await?.ok_or_else(|| {
+            Error::Waiting(format!("no Domain {name} in this namespace: create one (a Tunnel may only use its own namespace's Domains)"))
+        })?;
+        let host = d.status.and_then(|s| s.hostname).ok_or_else(|| not_ready("Domain", name))?;
+        return Ok(json!({ "domain": host, "protocol": "http" }));
+    }
+    let name = t.spec.tcp_port.clone().unwrap_or_default();
+    let p = Api::<TcpPort>::namespaced(ctx.client.clone(), ns).get_opt(&name).await?.ok_or_else(|| {
+        Error::Waiting(format!("no TcpPort {name} in this namespace: create one (a Tunnel may only use its own namespace's TcpPorts)"))
+    })?;
+    let port = p.status.and_then(|s| s.port).ok_or_else(|| not_ready("TcpPort", &name))?;
+    Ok(json!({ "port": port, "protocol": "tcp" }))
+}
+
+/// The addresses agents dial for the Tunnel's Service port.
+async fn backends(t: &Tunnel, ctx: &Context, ns: &str) -> Result<Vec<String>, Error> {
+    let name = &t.spec.service.name;
+    let svc = Api::<Service>::namespaced(ctx.client.clone(), ns)
+        .get_opt(name)
+        .await?
+        .ok_or_else(|| Error::Waiting(format!("Service {name} not found in this namespace")))?;
+    let spec = svc.spec.unwrap_or_default();
+    if spec.type_.as_deref() == Some("ExternalName") {
+        return Err(Error::Invalid(format!(
+            "Service {name} is of type ExternalName: culvert only sends traffic to Services backed by this cluster"
+        )));
+    }
+    let ports = spec.ports.unwrap_or_default();
+    let port = ports
+        .iter()
+        .find(|p| match &t.spec.service.port {
+            IntOrString::Int(n) => p.port == *n,
+            IntOrString::String(s) => p.name.as_deref() == Some(s.as_str()),
+        })
+        .ok_or_else(|| Error::Invalid(format!("Service {name} has no port {:?}", t.spec.service.port)))?;
+    let headless = spec.cluster_ip.as_deref().is_none_or(|ip| ip == "None" || ip.is_empty());
+    if ctx.backend_address == BackendAddress::ClusterIp && !headless {
+        let ip = spec.cluster_ip.unwrap_or_default();
+        let ip = if ip.contains(':') { format!("[{ip}]") } else { ip };
+        return Ok(vec![format!("{ip}:{}", port.port)]);
+    }
+    let slices = Api::<EndpointSlice>::namespaced(ctx.client.clone(), ns)
+        .list(&kube::api::ListParams::default().labels(&format!("kubernetes.io/service-name={name}")))
+        .await?;
+    let mut out = Vec::new();
+    for slice in slices.items {
+        let target = slice
+            .ports
+            .unwrap_or_default()
+            .iter()
+            .find(|p| p.name == port.name || slice_single(&p.name, &port.name))
+            .and_then(|p| p.port);
+        let Some(target) = target else { continue };
+        for ep in slice.endpoints.unwrap_or_default() {
+            if ep.conditions.as_ref().and_then(|c| c.ready) == Some(false) {
+                continue;
+            }
+            for a in ep.addresses {
+                out.push(if a.contains(':') { format!("[{a}]:{target}") } else { format!("{a}:{target}") });
+            }
+        }
+    }
+    out.sort();
+    out.dedup();
+    if out.is_empty() {
+        return Err(Error::Waiting(format!("Service {name} has no ready endpoints")));
+    }
+    Ok(out)
+}
+
+fn slice_single(a: &Option<String>, b: &Option<String>) -> bool {
+    a.as_deref().unwrap_or("").is_empty() && b.as_deref().unwrap_or("").is_empty()
+}
+
+/// Makes sure the Tunnel's Secret holds a live key for its reservation.
+async fn ensure_key(t: &Tunnel, ctx: &Context, ns: &str, want: &serde_json::Value) -> Result<TunnelKey, Error> {
+    let secrets = Api::<Secret>::namespaced(ctx.client.clone(), ns);
+    let name = secret_name(&t.name_any());
+    let existing = secrets.get_opt(&name).await?;
+    let key_id = existing
+        .as_ref()
+        .and_then(|s| s.data.as_ref())
+        .and_then(|d| d.get(SECRET_KEY_ID))
+        .map(|b| String::from_utf8_lossy(&b.0).into_owned());
+    if let Some(id) = &key_id
+        && let Some(key) = ctx.edge.get::<TunnelKey>(format!("tunnel-keys/{id}")).await?
+    {
+        let same = match (want.get("domain"), want.get("port")) {
+            (Some(host), _) => key.reservation.hostname.as_deref() == host.as_str(),
+            (_, Some(port)) => key.reservation.port.map(u64::from) == port.as_u64(),
+            _ => false,
+        };
+        if key.revoked_at.is_none() && same {
+            return Ok(key);
+        }
+        ctx.edge.delete(format!("tunnel-keys/{id}")).await?;
+    }
+    let mut labels = owner_labels(ctx, "Tunnel", t);
+    labels.insert(LABEL_UID.into(), t.uid().unwrap_or_default());
+    let mut body = want.clone();
+    body["labels"] = serde_json::to_value(&labels).expect("labels");
+    let created: CreatedTunnelKey = ctx.edge.post("tunnel-keys", body).await?;
+    let secret = Secret {
+        metadata: ObjectMeta {
+            name: Some(name.clone()),
+            namespace: Some(ns.into()),
+            labels: Some(BTreeMap::from([(LABEL_TUNNEL.into(), t.name_any())])),
+            owner_references: t.controller_owner_ref(&()).map(|o| vec![o]),
+            ..Default::default()
+        },
+        type_: Some("Opaque".into()),
+        data: Some(BTreeMap::from([
+            (SECRET_KEY.into(), ByteString(created.secret.into_bytes())),
+            (SECRET_KEY_ID.into(), ByteString(created.key.id.clone().into_bytes())),
+        ])),
+        ..Default::default()
+    };
+    secrets.patch(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&secret)).await?;
+    info!(key = %created.key.id, secret = %name, "minted a tunnel key");
+    Ok(created.key)
+}
+
+async fn resolve(t: &Tunnel, ctx: &Context) -> Result<Resolved, Error> {
+    let ns = t.namespace().unwrap_or_default();
+    validate(t)?;
+    let want = reservation(t, ctx, &ns).await?;
+    let backends = backends(t, ctx, &ns).await?;
+    let key = ensure_key(t, ctx, &ns, &want).await?;
+    let url = match (&key.reservation.hostname, key.reservation.port) {
+        (Some(_), _) | (_, Some(_)) => ctx
+            .edge
+            .get::<crate::api::Reservation>(format!(
+                "{}/{}",
+                if key.reservation.port.is_some() { "ports" } else { "domains" },
+                key.reservation.hostname.clone().unwrap_or_else(|| key.reservation.port.unwrap_or(0).to_string())
+            ))
+            .await?
+            .and_then(|r| r.url)
+            .unwrap_or_default(),
+        _ => String::new(),
+    };
+    Ok(Resolved { url, backends, agents: key.connections as u32 })
+}
+
+async fn apply(t: Arc<Tunnel>, ctx: &Context) -> Result<Action, Error> {
+    let api: Api<Tunnel> = Api::namespaced(ctx.client.clone(), &t.namespace().unwrap_or_default());
+    let outcome = resolve(&t, ctx).await;
+    let generation = t.meta().generation;
+    let old = t.status.clone().unwrap_or_default();
+    let mut status = TunnelStatus { observed_generation: generation, key_secret: Some(secret_name(&t.name_any())), ..Default::default() };
+    let mut condition = match &outcome {
+        Ok(r) => {
+            status.url = Some(r.url.clone());
+            status.backends = r.backends.clone();
+            status.agents = r.agents;
+            ready(true, "Published", format!("{} → {} ({} agent(s) connected)", r.url, r.backends.join(", "), r.agents), generation)
+        }
+        Err(e @ (Error::Invalid(_) | Error::Conflict(_) | Error::Waiting(_))) => ready(false, e.category(), e.to_string(), generation),
+        Err(e) => ready(false, "EdgeUnavailable", format!("cannot reach the edge: {e}"), generation),
+    };
+    // A transient failure keeps the last good data path running.
+    if outcome.is_err() && matches!(outcome, Err(Error::Edge(_) | Error::Kube(_))) {
+        status.url = old.url.clone();
+        status.backends = old.backends.clone();
+    }
+    let changed = carry_transition(&mut condition, &old.conditions);
+    let failed = condition.status != "True";
+    let (reason, message) = (condition.reason.clone(), condition.message.clone());
+    status.conditions = vec![condition];
+    apply_status(&api, &*t, &status).await?;
+    if changed {
+        event(ctx, &*t, failed, &reason, message).await;
+    }
+    match outcome {
+        Ok(r) if r.agents == 0 => Ok(Action::requeue(ctx.resync.min(Duration::from_secs(5)))),
+        Ok(_) | Err(Error::Invalid(_) | Error::Conflict(_)) => Ok(Action::requeue(ctx.resync)),
+        Err(Error::Waiting(_)) => Ok(Action::requeue(ctx.resync.min(Duration::from_secs(30)))),
+        Err(e) => Err(e),
+    }
+}
+
+async fn cleanup(t: Arc<Tunnel>, ctx: &Context) -> Result<Action, Error> {
+    let selector = format!("{LABEL_UID}={}", t.uid().unwrap_or_default());
+    for key in ctx.edge.list::<TunnelKey>("tunnel-keys", selector).await? {
+        ctx.edge.delete(format!("tunnel-keys/{}", key.id)).await?;
+        info!(key = %key.id, "revoked the Tunnel's key");
+    }
+    Ok(Action::await_change())
+}
+
+async fn reconcile(t: Arc<Tunnel>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let started = Instant::now();
+    let api: Api<Tunnel> = Api::namespaced(ctx.client.clone(), &t.namespace().unwrap_or_default());
+    let span = tracing::info_span!("reconcile", kind = "Tunnel", namespace = %t.namespace().unwrap_or_default(), name = %t.name_any());
+    let result = finalizer(&api, FINALIZER, t, |ev| async {
+        match ev {
+            Finalizer::Apply(t) => apply(t, &ctx).await,
+            Finalizer::Cleanup(t) => cleanup(t, &ctx).await,
+        }
+    })
+    .instrument(span)
+    .await
+    .map_err(|e| Error::Finalizer(Box::new(e)));
+    ctx.metrics.reconciled("Tunnel", started.elapsed().as_secs_f64(), result.as_ref().map(|_| ()).map_err(Error::category));
+    result
+}
+
+fn error_policy(_t: Arc<Tunnel>, e: &Error, _ctx: Arc<Context>) -> Action {
+    warn!(error = %e, category = e.category(), "Tunnel reconcile failed; retrying");
+    Action::requeue(Duration::from_secs(5))
+}
+
+pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
+    let client = ctx.client.clone();
+    let controller = Controller::new(Api::<Tunnel>::all(client.clone()), watcher::Config::default().any_semantic());
+    let store = controller.store();
+    // Tunnels that refer to a changed object of their namespace.
+    let refs = move |ns: Option<String>, pick: Box<dyn Fn(&Tunnel) -> bool + Send>| {
+        store
+            .state()
+            .into_iter()
+            .filter(|t| t.namespace() == ns && pick(t))
+            .map(|t| ObjectRef::from_obj(&*t))
+            .collect::<Vec<_>>()
+    };
+    let (r1, r2, r3, r4) = (refs.clone(), refs.clone(), refs.clone(), refs);
+    controller
+        .owns(Api::<Secret>::all(client.clone()), watcher::Config::default().labels(LABEL_TUNNEL))
+        .watches(Api::<Service>::all(client.clone()), watcher::Config::default(), move |s: Service| {
+            let name = s.name_any();
+            r1(s.namespace(), Box::new(move |t| t.spec.service.name == name))
+        })
+        .watches(
+            Api::<EndpointSlice>::all(client.clone()),
+            watcher::Config::default().labels("kubernetes.io/service-name"),
+            move |e: EndpointSlice| {
+                let svc = e.labels().get("kubernetes.io/service-name").cloned().unwrap_or_default();
+                r2(e.namespace(), Box::new(move |t| t.spec.service.name == svc))
+            },
+        )
+        .watches(Api::<Domain>::all(client.clone()), watcher::Config::default(), move |d: Domain| {
+            let name = d.name_any();
+            r3(d.namespace(), Box::new(move |t| t.spec.domain.as_deref() == Some(&name)))
+        })
+        .watches(Api::<TcpPort>::all(client.clone()), watcher::Config::default(), move |p: TcpPort| {
+            let name = p.name_any();
+            r4(p.namespace(), Box::new(move |t| t.spec.tcp_port.as_deref() == Some(&name)))
+        })
+        .graceful_shutdown_on(async move { stop.cancelled().await })
+        .run(reconcile, error_policy, ctx)
+        .for_each(|_| async {})
+        .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tunnel(spec: serde_json::Value) -> Tunnel {
+        Tunnel::new("t", serde_json::from_value(spec).unwrap())
+    }
+
+    #[test]
+    fn validation_rejects_what_isolation_forbids() {
+        let ok = tunnel(json!({"service": {"name": "web", "port": 80}, "domain": "web"}));
+        assert!(validate(&ok).is_ok());
+        for (spec, needle) in [
+            (json!({"service": {"name": "10.0.0.1", "port": 80}, "domain": "d"}), "IP addresses"),
+            (json!({"service": {"name": "web.other-ns", "port": 80}, "domain": "d"}), "other namespaces"),
+            (json!({"service": {"name": "example.com", "port": 80}, "domain": "d"}), "host names"),
+            (json!({"service": {"name": "web", "port": 80}}), "needs spec.domain"),
+            (json!({"service": {"name": "web", "port": 80}, "protocol": "tcp", "domain": "d"}), "needs spec.tcpPort"),
+            (json!({"service": {"name": "web", "port": 80}, "domain": "d", "proxyProtocol": "v1"}), "tcp and tls only"),
+        ] {
+            let err = validate(&tunnel(spec.clone())).unwrap_err().to_string();
+            assert!(err.contains(needle), "{spec}: {err}");
+        }
+    }
+}
