@@ -11,7 +11,7 @@ use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::Secret;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
-use kube::{Api, Client, ResourceExt};
+use kube::{Client, ResourceExt};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, info};
 
@@ -88,12 +88,12 @@ pub async fn run(client: Client, args: OperatorArgs, metrics: Metrics, shutdown:
     };
     let (tunnels, tw) = reflector::store();
     let (secrets, sw) = reflector::store();
-    let tunnel_events = watcher(Api::<Tunnel>::all(client.clone()), watcher::Config::default().any_semantic())
+    let tunnel_events = watcher(super::watched::<Tunnel>(&client, args.watch_namespace.as_deref()), watcher::Config::default().any_semantic())
         .default_backoff()
         .reflect(tw)
         .map(|_| ());
     let secret_events =
-        watcher(Api::<Secret>::all(client.clone()), watcher::Config::default().labels(LABEL_TUNNEL).any_semantic())
+        watcher(super::watched::<Secret>(&client, args.watch_namespace.as_deref()), watcher::Config::default().labels(LABEL_TUNNEL).any_semantic())
             .default_backoff()
             .reflect(sw)
             .map(|_| ());

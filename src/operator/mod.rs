@@ -92,6 +92,9 @@ pub struct OperatorArgs {
     /// Metrics, /healthz and /readyz.
     #[arg(long, env = "CULVERT_ADMIN_ADDR", default_value = "0.0.0.0:9090")]
     pub admin_addr: SocketAddr,
+    /// Watch only this namespace (default: all namespaces).
+    #[arg(long, env = "CULVERT_WATCH_NAMESPACE")]
+    pub watch_namespace: Option<String>,
 }
 
 /// Why a reconcile failed; the category labels metrics and event reasons.
@@ -138,15 +141,38 @@ pub struct Context {
     pub backend_address: BackendAddress,
     pub recorder: Recorder,
     pub metrics: status::Metrics,
+    /// Only this namespace is watched, when set.
+    pub watch_namespace: Option<String>,
+}
+
+impl Context {
+    /// An API over every watched namespace.
+    pub fn api<K>(&self) -> Api<K>
+    where
+        K: kube::Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>,
+    {
+        watched(&self.client, self.watch_namespace.as_deref())
+    }
+}
+
+/// An API over `namespace`, or over all namespaces.
+pub fn watched<K>(client: &Client, namespace: Option<&str>) -> Api<K>
+where
+    K: kube::Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>,
+{
+    match namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    }
 }
 
 /// Fails with a one-line fix when the CRDs are not installed.
-async fn check_crds(client: &Client) -> Result<(), String> {
+async fn check_crds(client: &Client, namespace: Option<&str>) -> Result<(), String> {
     let lp = kube::api::ListParams::default().limit(1);
     for (kind, res) in [
-        ("Domain", Api::<Domain>::all(client.clone()).list(&lp).await.map(|_| ())),
-        ("TcpPort", Api::<TcpPort>::all(client.clone()).list(&lp).await.map(|_| ())),
-        ("Tunnel", Api::<Tunnel>::all(client.clone()).list(&lp).await.map(|_| ())),
+        ("Domain", watched::<Domain>(client, namespace).list(&lp).await.map(|_| ())),
+        ("TcpPort", watched::<TcpPort>(client, namespace).list(&lp).await.map(|_| ())),
+        ("Tunnel", watched::<Tunnel>(client, namespace).list(&lp).await.map(|_| ())),
     ] {
         if let Err(kube::Error::Api(e)) = &res
             && e.code == 404
@@ -172,7 +198,7 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
 
 /// Runs the operator with `client` until `shutdown` (tests call this directly).
 pub async fn start(client: Client, args: OperatorArgs, shutdown: CancellationToken) -> anyhow::Result<()> {
-    check_crds(&client).await.map_err(anyhow::Error::msg)?;
+    check_crds(&client, args.watch_namespace.as_deref()).await.map_err(anyhow::Error::msg)?;
     let edge = EdgeClient::new(&args.edge, &args.api_key, args.ca_file.as_deref())?;
     let info = edge.check().await.map_err(|e| {
         anyhow::anyhow!(
@@ -201,6 +227,7 @@ pub async fn start(client: Client, args: OperatorArgs, shutdown: CancellationTok
         resync: Duration::from_secs(args.resync_seconds.max(1)),
         backend_address: args.backend_address,
         metrics: metrics.clone(),
+        watch_namespace: args.watch_namespace.clone(),
     });
 
     let admin = tokio::net::TcpListener::bind(args.admin_addr).await?;

@@ -308,7 +308,7 @@ fn error_policy<K: Reserved>(_obj: Arc<K>, e: &Error, _ctx: Arc<Context>) -> Act
 }
 
 async fn run_controller<K: Reserved>(ctx: Arc<Context>, stop: CancellationToken) {
-    let api = Api::<K>::all(ctx.client.clone());
+    let api = ctx.api::<K>();
     Controller::new(api, watcher::Config::default().any_semantic())
         .graceful_shutdown_on(async move { stop.cancelled().await })
         .run(reconcile::<K>, error_policy::<K>, ctx)
@@ -327,9 +327,12 @@ pub async fn run_tcp_ports(ctx: Arc<Context>, stop: CancellationToken) {
 /// At start: revokes the keys of Tunnels of this cluster that no longer
 /// exist (deleted while no operator was running).
 pub async fn revoke_orphans(ctx: &Context) -> Result<(), Error> {
-    let tunnels = Api::<Tunnel>::all(ctx.client.clone()).list(&Default::default()).await?;
+    let tunnels = ctx.api::<Tunnel>().list(&Default::default()).await?;
     let live: HashSet<String> = tunnels.items.iter().filter_map(|t| t.metadata.uid.clone()).collect();
-    let selector = format!("{LABEL_CLUSTER}={},{LABEL_KIND}=Tunnel", ctx.cluster_id);
+    let mut selector = format!("{LABEL_CLUSTER}={},{LABEL_KIND}=Tunnel", ctx.cluster_id);
+    if let Some(ns) = &ctx.watch_namespace {
+        selector.push_str(&format!(",{LABEL_NAMESPACE}={ns}"));
+    }
     for key in ctx.edge.list::<TunnelKey>("tunnel-keys", selector).await? {
         let uid = key.labels.get(LABEL_UID).cloned().unwrap_or_default();
         if !live.contains(&uid) {

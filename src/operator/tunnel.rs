@@ -295,8 +295,10 @@ fn error_policy(_t: Arc<Tunnel>, e: &Error, _ctx: Arc<Context>) -> Action {
 }
 
 pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
+    let ns = ctx.watch_namespace.clone();
     let client = ctx.client.clone();
-    let controller = Controller::new(Api::<Tunnel>::all(client.clone()), watcher::Config::default().any_semantic());
+    let all = |_: ()| ns.as_deref();
+    let controller = Controller::new(super::watched::<Tunnel>(&client, all(())), watcher::Config::default().any_semantic());
     let store = controller.store();
     // Tunnels that refer to a changed object of their namespace.
     let refs = move |ns: Option<String>, pick: Box<dyn Fn(&Tunnel) -> bool + Send>| {
@@ -309,24 +311,24 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
     };
     let (r1, r2, r3, r4) = (refs.clone(), refs.clone(), refs.clone(), refs);
     controller
-        .owns(Api::<Secret>::all(client.clone()), watcher::Config::default().labels(LABEL_TUNNEL))
-        .watches(Api::<Service>::all(client.clone()), watcher::Config::default(), move |s: Service| {
+        .owns(super::watched::<Secret>(&client, all(())), watcher::Config::default().labels(LABEL_TUNNEL))
+        .watches(super::watched::<Service>(&client, all(())), watcher::Config::default(), move |s: Service| {
             let name = s.name_any();
             r1(s.namespace(), Box::new(move |t| t.spec.service.name == name))
         })
         .watches(
-            Api::<EndpointSlice>::all(client.clone()),
+            super::watched::<EndpointSlice>(&client, all(())),
             watcher::Config::default().labels("kubernetes.io/service-name"),
             move |e: EndpointSlice| {
                 let svc = e.labels().get("kubernetes.io/service-name").cloned().unwrap_or_default();
                 r2(e.namespace(), Box::new(move |t| t.spec.service.name == svc))
             },
         )
-        .watches(Api::<Domain>::all(client.clone()), watcher::Config::default(), move |d: Domain| {
+        .watches(super::watched::<Domain>(&client, all(())), watcher::Config::default(), move |d: Domain| {
             let name = d.name_any();
             r3(d.namespace(), Box::new(move |t| t.spec.domain.as_deref() == Some(&name)))
         })
-        .watches(Api::<TcpPort>::all(client.clone()), watcher::Config::default(), move |p: TcpPort| {
+        .watches(super::watched::<TcpPort>(&client, all(())), watcher::Config::default(), move |p: TcpPort| {
             let name = p.name_any();
             r4(p.namespace(), Box::new(move |t| t.spec.tcp_port.as_deref() == Some(&name)))
         })
