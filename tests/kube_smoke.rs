@@ -12,7 +12,10 @@ use anyhow::Context;
 use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
-use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ObjectMeta, Patch, PatchParams, PostParams};
+use kube::api::{
+    Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ObjectMeta, Patch, PatchParams,
+    PostParams,
+};
 use kube::runtime::wait::{await_condition, conditions};
 use serde_json::json;
 
@@ -55,12 +58,18 @@ async fn crd_status_subresource_server_side_apply() -> anyhow::Result<()> {
     crds.patch(crd_name, &PatchParams::apply(MANAGER).force(), &Patch::Apply(widget_crd()))
         .await
         .context("applying the CRD")?;
-    tokio::time::timeout(Duration::from_secs(30), await_condition(crds, crd_name, conditions::is_crd_established()))
-        .await
-        .context("CRD not Established within 30s")??;
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        await_condition(crds, crd_name, conditions::is_crd_established()),
+    )
+    .await
+    .context("CRD not Established within 30s")??;
 
     let ns = env.namespace("smoke-crd").await?;
-    let ar = ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("smoke.culvert.dev", "v1", "Widget"), "widgets");
+    let ar = ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("smoke.culvert.dev", "v1", "Widget"),
+        "widgets",
+    );
     let widgets: Api<DynamicObject> = Api::namespaced_with(env.client.clone(), &ns.name, &ar);
 
     // 2. Custom object. Retried briefly: the new API can take a moment to be served everywhere.
@@ -121,7 +130,11 @@ async fn owner_reference_garbage_collection() -> anyhow::Result<()> {
     let cms: Api<ConfigMap> = ns.api();
 
     let cm = |name: &str, owner: Option<OwnerReference>| ConfigMap {
-        metadata: ObjectMeta { name: Some(name.into()), owner_references: owner.map(|o| vec![o]), ..Default::default() },
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            owner_references: owner.map(|o| vec![o]),
+            ..Default::default()
+        },
         data: Some([("k".to_string(), name.to_string())].into()),
         ..Default::default()
     };

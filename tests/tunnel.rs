@@ -395,9 +395,9 @@ async fn bad_public_input_is_refused_and_the_edge_keeps_serving() {
     // Oversized request head.
     let req =
         Request::get("/").header("x-big", "a".repeat(100 * 1024)).body(Full::new(Bytes::new())).unwrap();
-    match client.send(&host, req, false).await {
-        Ok(resp) => assert_eq!(resp.status(), StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE),
-        Err(_) => {} // closed: also a refusal
+    // A 431, or the connection closed: both are refusals.
+    if let Ok(resp) = client.send(&host, req, false).await {
+        assert_eq!(resp.status(), StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE);
     }
 
     // Slow clients: many connections that never finish their headers.

@@ -45,7 +45,8 @@ fn desired(tunnels: &Store<Tunnel>, secrets: &Store<Secret>) -> HashMap<String, 
             continue;
         }
         let Some(secret_name) = &status.key_secret else { continue };
-        let secret_ref = reflector::ObjectRef::<Secret>::new(secret_name).within(&t.namespace().unwrap_or_default());
+        let secret_ref =
+            reflector::ObjectRef::<Secret>::new(secret_name).within(&t.namespace().unwrap_or_default());
         let Some(secret) = secrets.get(&secret_ref) else { continue };
         let Some(key) = secret.data.as_ref().and_then(|d| d.get(SECRET_KEY)) else { continue };
         out.insert(
@@ -88,24 +89,36 @@ pub async fn run(client: Client, args: OperatorArgs, metrics: Metrics, shutdown:
     };
     let (tunnels, tw) = reflector::store();
     let (secrets, sw) = reflector::store();
-    let tunnel_events = watcher(super::watched::<Tunnel>(&client, args.watch_namespace.as_deref()), watcher::Config::default().any_semantic())
-        .default_backoff()
-        .reflect(tw)
-        .map(|_| ());
-    let secret_events =
-        watcher(super::watched::<Secret>(&client, args.watch_namespace.as_deref()), watcher::Config::default().labels(LABEL_TUNNEL).any_semantic())
-            .default_backoff()
-            .reflect(sw)
-            .map(|_| ());
+    let tunnel_events = watcher(
+        super::watched::<Tunnel>(&client, args.watch_namespace.as_deref()),
+        watcher::Config::default().any_semantic(),
+    )
+    .default_backoff()
+    .reflect(tw)
+    .map(|_| ());
+    let secret_events = watcher(
+        super::watched::<Secret>(&client, args.watch_namespace.as_deref()),
+        watcher::Config::default().labels(LABEL_TUNNEL).any_semantic(),
+    )
+    .default_backoff()
+    .reflect(sw)
+    .map(|_| ());
     let mut events = std::pin::pin!(futures_util::stream::select(tunnel_events, secret_events));
-    let _ = tokio::join!(tunnels.wait_until_ready(), secrets.wait_until_ready());
-    metrics.set_ready();
+    // Ready once both caches have their first full list (the streams below fill them).
+    let (t, s, m) = (tunnels.clone(), secrets.clone(), metrics.clone());
+    tokio::spawn(async move {
+        let _ = tokio::join!(t.wait_until_ready(), s.wait_until_ready());
+        m.set_ready();
+    });
 
     let mut running: HashMap<String, Running> = HashMap::new();
     loop {
         let want = desired(&tunnels, &secrets);
-        let gone: HashSet<String> =
-            running.iter().filter(|(uid, r)| want.get(*uid).is_none_or(|d| d.key != r.key)).map(|(u, _)| u.clone()).collect();
+        let gone: HashSet<String> = running
+            .iter()
+            .filter(|(uid, r)| want.get(*uid).is_none_or(|d| d.key != r.key))
+            .map(|(u, _)| u.clone())
+            .collect();
         for uid in gone {
             if let Some(r) = running.remove(&uid) {
                 r.stop.cancel();
@@ -123,7 +136,12 @@ pub async fn run(client: Client, args: OperatorArgs, metrics: Metrics, shutdown:
             }
             let backends = Arc::new(RwLock::new(d.backends));
             let stop = shutdown.child_token();
-            let dialer = Dialer { edge: edge.clone(), key: d.key.clone(), agent_id: agent::agent_id(), tls: tls.clone() };
+            let dialer = Dialer {
+                edge: edge.clone(),
+                key: d.key.clone(),
+                agent_id: agent::agent_id(),
+                tls: tls.clone(),
+            };
             let name = d.name.clone();
             let options = TunnelOptions {
                 stop_on_permanent_error: false,
@@ -133,7 +151,8 @@ pub async fn run(client: Client, args: OperatorArgs, metrics: Metrics, shutdown:
             };
             let span = tracing::info_span!("tunnel", tunnel = %d.name);
             tokio::spawn(
-                agent::run_tunnel(dialer, resolver(d.protocol, backends.clone()), options, stop.clone()).instrument(span),
+                agent::run_tunnel(dialer, resolver(d.protocol, backends.clone()), options, stop.clone())
+                    .instrument(span),
             );
             metrics.tunnels_connected.inc();
             running.insert(uid, Running { key: d.key, backends, stop });

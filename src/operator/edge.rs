@@ -42,7 +42,11 @@ impl EdgeClient {
     }
 
     /// Lists `path` (`domains`, `tunnel-keys`...) with a label selector.
-    pub async fn list<T: DeserializeOwned>(&self, path: &'static str, selector: String) -> Result<Vec<T>, AdminError> {
+    pub async fn list<T: DeserializeOwned>(
+        &self,
+        path: &'static str,
+        selector: String,
+    ) -> Result<Vec<T>, AdminError> {
         let v = self.blocking(move |c| c.get(path, &[("selector", &selector)])).await?;
         let list: crate::api::List<T> = decode(v)?;
         Ok(list.items)

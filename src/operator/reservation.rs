@@ -78,7 +78,9 @@ impl Reserved for Domain {
                     Err(Error::Invalid(format!("spec.fqdn `{fqdn}` is not a valid host name")))
                 }
             }
-            _ => Err(Error::Invalid("give exactly one of spec.name (a subdomain) and spec.fqdn (a custom domain)".into())),
+            _ => Err(Error::Invalid(
+                "give exactly one of spec.name (a subdomain) and spec.fqdn (a custom domain)".into(),
+            )),
         }
     }
 
@@ -199,7 +201,11 @@ async fn find<K: Reserved>(ctx: &Context, obj: &K) -> Result<Option<Reservation>
         }
         let other = holder(LABEL_NAME);
         if other != obj.name_any() && other_exists::<K>(ctx, &labels[LABEL_NAMESPACE], other).await? {
-            return Err(Error::Conflict(format!("{} is held by {} {other} of this namespace", r.target(), K::KIND)));
+            return Err(Error::Conflict(format!(
+                "{} is held by {} {other} of this namespace",
+                r.target(),
+                K::KIND
+            )));
         }
     }
     Ok(found)
@@ -233,9 +239,10 @@ async fn apply<K: Reserved>(obj: Arc<K>, ctx: &Context) -> Result<Action, Error>
     .await;
     let generation = obj.meta().generation;
     let (status, warn_reason) = match &outcome {
-        Ok((r, how)) => {
-            let msg = format!("{} is reserved at the edge: {}", r.target(), r.url.clone().unwrap_or_default());
-            (obj.status(Some(r), ready(true, how, msg, generation)), None)
+        Ok((r, _)) => {
+            let msg =
+                format!("{} is reserved at the edge: {}", r.target(), r.url.clone().unwrap_or_default());
+            (obj.status(Some(r), ready(true, "Reserved", msg, generation)), None)
         }
         Err(e @ (Error::Invalid(_) | Error::Conflict(_))) => {
             (obj.status(None, ready(false, e.category(), e.to_string(), generation)), Some(e.category()))
@@ -245,20 +252,26 @@ async fn apply<K: Reserved>(obj: Arc<K>, ctx: &Context) -> Result<Action, Error>
             (obj.status(None, ready(false, "EdgeUnavailable", msg, generation)), Some("EdgeUnavailable"))
         }
     };
-    let mut condition: Condition = serde_json::from_value(status["conditions"][0].clone()).expect("condition");
+    let mut condition: Condition =
+        serde_json::from_value(status["conditions"][0].clone()).expect("condition");
     let changed = carry_transition(&mut condition, &obj.conditions());
     let mut status = status;
     status["conditions"] = json!([condition]);
     apply_status(&api, &*obj, &status).await?;
-    if changed {
-        match (&outcome, warn_reason) {
-            (Ok((_, "Recreated")), _) => {
-                event(ctx, &*obj, false, "Recreated", format!("the reservation was missing at the edge and was re-created: {}", condition.message)).await
-            }
-            (Ok((_, how)), _) => event(ctx, &*obj, false, how, condition.message.clone()).await,
-            (Err(_), Some(reason)) => event(ctx, &*obj, true, reason, condition.message.clone()).await,
-            _ => {}
+    match (&outcome, warn_reason) {
+        // Adopting and re-creating are events whenever they happen.
+        (Ok((_, "Recreated")), _) => {
+            let note =
+                format!("the reservation was missing at the edge and was re-created: {}", condition.message);
+            event(ctx, &*obj, false, "Recreated", note).await
         }
+        (Ok((_, "Adopted")), _) => {
+            let note = format!("adopted the existing reservation of this namespace: {}", condition.message);
+            event(ctx, &*obj, false, "Adopted", note).await
+        }
+        (Ok(_), _) if changed => event(ctx, &*obj, false, "Reserved", condition.message.clone()).await,
+        (Err(_), Some(reason)) if changed => event(ctx, &*obj, true, reason, condition.message.clone()).await,
+        _ => {}
     }
     match outcome {
         Ok(_) | Err(Error::Invalid(_) | Error::Conflict(_)) => Ok(Action::requeue(ctx.resync)),
@@ -298,7 +311,11 @@ async fn reconcile<K: Reserved>(obj: Arc<K>, ctx: Arc<Context>) -> Result<Action
     .instrument(span)
     .await
     .map_err(|e| Error::Finalizer(Box::new(e)));
-    ctx.metrics.reconciled(K::KIND, started.elapsed().as_secs_f64(), result.as_ref().map(|_| ()).map_err(Error::category));
+    ctx.metrics.reconciled(
+        K::KIND,
+        started.elapsed().as_secs_f64(),
+        result.as_ref().map(|_| ()).map_err(Error::category),
+    );
     result
 }
 

@@ -50,7 +50,11 @@ impl Default for Metrics {
         });
         r.register("reconcile_duration_seconds", "Reconcile durations by kind", durations.clone());
         let tunnels_connected = Gauge::default();
-        r.register("tunnels_connected", "Tunnel connections this replica holds open", tunnels_connected.clone());
+        r.register(
+            "tunnels_connected",
+            "Tunnel connections this replica holds open",
+            tunnels_connected.clone(),
+        );
         let leader = Gauge::default();
         r.register("leader", "1 while this replica reconciles", leader.clone());
         Metrics {
@@ -71,7 +75,9 @@ impl Metrics {
         self.reconciles.get_or_create(&k).inc();
         self.durations.get_or_create(&k).observe(seconds);
         if let Err(category) = result {
-            self.failures.get_or_create(&vec![("kind", kind.to_string()), ("category", category.into())]).inc();
+            self.failures
+                .get_or_create(&vec![("kind", kind.to_string()), ("category", category.into())])
+                .inc();
         }
     }
 
@@ -156,7 +162,8 @@ where
         "kind": K::kind(&()),
         "status": status,
     });
-    api.patch_status(&obj.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(patch)).await?;
+    api.patch_status(&obj.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(patch))
+        .await?;
     Ok(())
 }
 

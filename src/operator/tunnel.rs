@@ -59,19 +59,21 @@ pub fn validate(t: &Tunnel) -> Result<(), Error> {
         )));
     }
     match (t.spec.protocol, &t.spec.domain, &t.spec.tcp_port) {
-        (TunnelProtocol::Tls, _, _) => {
-            Err(Error::Invalid("protocol tls (passthrough) is not supported by this version yet; use http or tcp".into()))
-        }
+        (TunnelProtocol::Tls, _, _) => Err(Error::Invalid(
+            "protocol tls (passthrough) is not supported by this version yet; use http or tcp".into(),
+        )),
         (TunnelProtocol::Http, Some(_), None) | (TunnelProtocol::Tcp, None, Some(_)) => Ok(()),
-        (TunnelProtocol::Http, _, _) => {
-            Err(Error::Invalid("protocol http needs spec.domain (a Domain of this namespace) and no tcpPort".into()))
-        }
-        (TunnelProtocol::Tcp, _, _) => {
-            Err(Error::Invalid("protocol tcp needs spec.tcpPort (a TcpPort of this namespace) and no domain".into()))
-        }
+        (TunnelProtocol::Http, _, _) => Err(Error::Invalid(
+            "protocol http needs spec.domain (a Domain of this namespace) and no tcpPort".into(),
+        )),
+        (TunnelProtocol::Tcp, _, _) => Err(Error::Invalid(
+            "protocol tcp needs spec.tcpPort (a TcpPort of this namespace) and no domain".into(),
+        )),
     }
     .and_then(|()| match (t.spec.protocol, t.spec.proxy_protocol) {
-        (TunnelProtocol::Http, Some(_)) => Err(Error::Invalid("proxyProtocol applies to tcp and tls only".into())),
+        (TunnelProtocol::Http, Some(_)) => {
+            Err(Error::Invalid("proxyProtocol applies to tcp and tls only".into()))
+        }
         _ => Ok(()),
     })
 }
@@ -79,7 +81,10 @@ pub fn validate(t: &Tunnel) -> Result<(), Error> {
 /// The reservation (`domain` host name or TCP port) the Tunnel publishes on.
 async fn reservation(t: &Tunnel, ctx: &Context, ns: &str) -> Result<serde_json::Value, Error> {
     let not_ready = |kind: &str, name: &str| {
-        Error::Waiting(format!("{kind} {name} of this namespace is not ready yet (see `kubectl describe {} {name}`)", kind.to_lowercase()))
+        Error::Waiting(format!(
+            "{kind} {name} of this namespace is not ready yet (see `kubectl describe {} {name}`)",
+            kind.to_lowercase()
+        ))
     };
     if let Some(name) = &t.spec.domain {
         let d = Api::<Domain>::namespaced(ctx.client.clone(), ns).get_opt(name).await?.ok_or_else(|| {
@@ -157,7 +162,12 @@ fn slice_single(a: &Option<String>, b: &Option<String>) -> bool {
 }
 
 /// Makes sure the Tunnel's Secret holds a live key for its reservation.
-async fn ensure_key(t: &Tunnel, ctx: &Context, ns: &str, want: &serde_json::Value) -> Result<TunnelKey, Error> {
+async fn ensure_key(
+    t: &Tunnel,
+    ctx: &Context,
+    ns: &str,
+    want: &serde_json::Value,
+) -> Result<TunnelKey, Error> {
     let secrets = Api::<Secret>::namespaced(ctx.client.clone(), ns);
     let name = secret_name(&t.name_any());
     let existing = secrets.get_opt(&name).await?;
@@ -216,7 +226,11 @@ async fn resolve(t: &Tunnel, ctx: &Context) -> Result<Resolved, Error> {
             .get::<crate::api::Reservation>(format!(
                 "{}/{}",
                 if key.reservation.port.is_some() { "ports" } else { "domains" },
-                key.reservation.hostname.clone().unwrap_or_else(|| key.reservation.port.unwrap_or(0).to_string())
+                key.reservation.hostname.clone().unwrap_or_else(|| key
+                    .reservation
+                    .port
+                    .unwrap_or(0)
+                    .to_string())
             ))
             .await?
             .and_then(|r| r.url)
@@ -231,15 +245,26 @@ async fn apply(t: Arc<Tunnel>, ctx: &Context) -> Result<Action, Error> {
     let outcome = resolve(&t, ctx).await;
     let generation = t.meta().generation;
     let old = t.status.clone().unwrap_or_default();
-    let mut status = TunnelStatus { observed_generation: generation, key_secret: Some(secret_name(&t.name_any())), ..Default::default() };
+    let mut status = TunnelStatus {
+        observed_generation: generation,
+        key_secret: Some(secret_name(&t.name_any())),
+        ..Default::default()
+    };
     let mut condition = match &outcome {
         Ok(r) => {
             status.url = Some(r.url.clone());
             status.backends = r.backends.clone();
             status.agents = r.agents;
-            ready(true, "Published", format!("{} → {} ({} agent(s) connected)", r.url, r.backends.join(", "), r.agents), generation)
+            ready(
+                true,
+                "Published",
+                format!("{} → {} ({} agent(s) connected)", r.url, r.backends.join(", "), r.agents),
+                generation,
+            )
         }
-        Err(e @ (Error::Invalid(_) | Error::Conflict(_) | Error::Waiting(_))) => ready(false, e.category(), e.to_string(), generation),
+        Err(e @ (Error::Invalid(_) | Error::Conflict(_) | Error::Waiting(_))) => {
+            ready(false, e.category(), e.to_string(), generation)
+        }
         Err(e) => ready(false, "EdgeUnavailable", format!("cannot reach the edge: {e}"), generation),
     };
     // A transient failure keeps the last good data path running.
@@ -285,7 +310,11 @@ async fn reconcile(t: Arc<Tunnel>, ctx: Arc<Context>) -> Result<Action, Error> {
     .instrument(span)
     .await
     .map_err(|e| Error::Finalizer(Box::new(e)));
-    ctx.metrics.reconciled("Tunnel", started.elapsed().as_secs_f64(), result.as_ref().map(|_| ()).map_err(Error::category));
+    ctx.metrics.reconciled(
+        "Tunnel",
+        started.elapsed().as_secs_f64(),
+        result.as_ref().map(|_| ()).map_err(Error::category),
+    );
     result
 }
 
@@ -298,7 +327,10 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
     let ns = ctx.watch_namespace.clone();
     let client = ctx.client.clone();
     let all = |_: ()| ns.as_deref();
-    let controller = Controller::new(super::watched::<Tunnel>(&client, all(())), watcher::Config::default().any_semantic());
+    let controller = Controller::new(
+        super::watched::<Tunnel>(&client, all(())),
+        watcher::Config::default().any_semantic(),
+    );
     let store = controller.store();
     // Tunnels that refer to a changed object of their namespace.
     let refs = move |ns: Option<String>, pick: Box<dyn Fn(&Tunnel) -> bool + Send>| {
@@ -312,10 +344,14 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
     let (r1, r2, r3, r4) = (refs.clone(), refs.clone(), refs.clone(), refs);
     controller
         .owns(super::watched::<Secret>(&client, all(())), watcher::Config::default().labels(LABEL_TUNNEL))
-        .watches(super::watched::<Service>(&client, all(())), watcher::Config::default(), move |s: Service| {
-            let name = s.name_any();
-            r1(s.namespace(), Box::new(move |t| t.spec.service.name == name))
-        })
+        .watches(
+            super::watched::<Service>(&client, all(())),
+            watcher::Config::default(),
+            move |s: Service| {
+                let name = s.name_any();
+                r1(s.namespace(), Box::new(move |t| t.spec.service.name == name))
+            },
+        )
         .watches(
             super::watched::<EndpointSlice>(&client, all(())),
             watcher::Config::default().labels("kubernetes.io/service-name"),
@@ -328,10 +364,14 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
             let name = d.name_any();
             r3(d.namespace(), Box::new(move |t| t.spec.domain.as_deref() == Some(&name)))
         })
-        .watches(super::watched::<TcpPort>(&client, all(())), watcher::Config::default(), move |p: TcpPort| {
-            let name = p.name_any();
-            r4(p.namespace(), Box::new(move |t| t.spec.tcp_port.as_deref() == Some(&name)))
-        })
+        .watches(
+            super::watched::<TcpPort>(&client, all(())),
+            watcher::Config::default(),
+            move |p: TcpPort| {
+                let name = p.name_any();
+                r4(p.namespace(), Box::new(move |t| t.spec.tcp_port.as_deref() == Some(&name)))
+            },
+        )
         .graceful_shutdown_on(async move { stop.cancelled().await })
         .run(reconcile, error_policy, ctx)
         .for_each(|_| async {})
@@ -355,8 +395,14 @@ mod tests {
             (json!({"service": {"name": "web.other-ns", "port": 80}, "domain": "d"}), "other namespaces"),
             (json!({"service": {"name": "example.com", "port": 80}, "domain": "d"}), "host names"),
             (json!({"service": {"name": "web", "port": 80}}), "needs spec.domain"),
-            (json!({"service": {"name": "web", "port": 80}, "protocol": "tcp", "domain": "d"}), "needs spec.tcpPort"),
-            (json!({"service": {"name": "web", "port": 80}, "domain": "d", "proxyProtocol": "v1"}), "tcp and tls only"),
+            (
+                json!({"service": {"name": "web", "port": 80}, "protocol": "tcp", "domain": "d"}),
+                "needs spec.tcpPort",
+            ),
+            (
+                json!({"service": {"name": "web", "port": 80}, "domain": "d", "proxyProtocol": "v1"}),
+                "tcp and tls only",
+            ),
         ] {
             let err = validate(&tunnel(spec.clone())).unwrap_err().to_string();
             assert!(err.contains(needle), "{spec}: {err}");

@@ -64,7 +64,9 @@ pub async fn connect() -> Option<KubeEnv> {
         let hint = "start the harness with `scripts/kube-env start .kube-env` and \
                     export CULVERT_KUBECONFIG=$PWD/.kube-env/kubeconfig";
         if std::env::var_os("CI").is_some_and(|v| !v.is_empty()) {
-            panic!("kube-env: no Kubernetes harness configured, but CI is set and these tests must run: {hint}");
+            panic!(
+                "kube-env: no Kubernetes harness configured, but CI is set and these tests must run: {hint}"
+            );
         }
         eprintln!("skipping: no Kubernetes harness configured; {hint}");
         return None;
@@ -85,13 +87,17 @@ pub async fn connect() -> Option<KubeEnv> {
 fn find_kubeconfig() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("CULVERT_KUBECONFIG").filter(|v| !v.is_empty()) {
         let p = PathBuf::from(p);
-        assert!(p.is_file(), "CULVERT_KUBECONFIG={} does not exist (harness not started or stopped?)", p.display());
+        assert!(
+            p.is_file(),
+            "CULVERT_KUBECONFIG={} does not exist (harness not started or stopped?)",
+            p.display()
+        );
         return Some(p);
     }
-    if let Some(p) = std::env::var_os("KUBECONFIG").filter(|v| !v.is_empty()).map(PathBuf::from) {
-        if is_kube_env(&p) {
-            return Some(p);
-        }
+    if let Some(p) = std::env::var_os("KUBECONFIG").filter(|v| !v.is_empty()).map(PathBuf::from)
+        && is_kube_env(&p)
+    {
+        return Some(p);
     }
     let p = Path::new(env!("CARGO_MANIFEST_DIR")).join(".kube-env/kubeconfig");
     is_kube_env(&p).then_some(p)
@@ -125,7 +131,12 @@ impl KubeEnv {
             .create(&PostParams::default(), &ns)
             .await
             .with_context(|| format!("creating namespace {name}"))?;
-        Ok(TestNamespace { name, client: self.client.clone(), kubeconfig: self.kubeconfig.clone(), deleted: false })
+        Ok(TestNamespace {
+            name,
+            client: self.client.clone(),
+            kubeconfig: self.kubeconfig.clone(),
+            deleted: false,
+        })
     }
 }
 

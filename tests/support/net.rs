@@ -376,10 +376,8 @@ async fn backend_handle(mut req: Request<Incoming>) -> Result<Response<TestBody>
                 )
                 .await;
                 while let Some(Ok(msg)) = ws.next().await {
-                    if msg.is_text() || msg.is_binary() {
-                        if ws.send(msg).await.is_err() {
-                            break;
-                        }
+                    if (msg.is_text() || msg.is_binary()) && ws.send(msg).await.is_err() {
+                        break;
                     }
                 }
             });

@@ -1,0 +1,439 @@
+//! The operator against a real kube-apiserver (the kube-env harness) and a
+//! real edge, each test in its own namespace with its own operator
+//! (`--watch-namespace`), traffic to real backend processes.
+
+#[path = "support/kube.rs"]
+mod kube_env;
+#[path = "support/net.rs"]
+mod net;
+#[path = "support/netns.rs"]
+mod netns;
+
+use std::time::Duration;
+
+use culvert::crd::{Domain, TcpPort, Tunnel};
+use culvert::operator::{BackendAddress, OperatorArgs};
+use http::StatusCode;
+use k8s_openapi::api::core::v1::{Event, Secret, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
+use kube_env::{TestNamespace, wait_until};
+use net::TestEdge;
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+async fn install_crds(client: &Client) {
+    let api = Api::<CustomResourceDefinition>::all(client.clone());
+    for doc in include_str!("../crds/culvert.yaml").split("---\n").filter(|d| !d.trim().is_empty()) {
+        let crd: CustomResourceDefinition = serde_saphyr::from_str(doc).unwrap();
+        api.patch(&crd.name_any(), &PatchParams::apply("culvert-tests").force(), &Patch::Apply(&crd))
+            .await
+            .unwrap();
+    }
+    for name in ["domains.culvert.dev", "tcpports.culvert.dev", "tunnels.culvert.dev"] {
+        wait_until("CRD established", WAIT, || async {
+            let c = api.get(name).await?;
+            Ok(c.status
+                .and_then(|s| s.conditions)
+                .unwrap_or_default()
+                .iter()
+                .any(|c| c.type_ == "Established" && c.status == "True")
+                .then_some(()))
+        })
+        .await
+        .unwrap();
+    }
+}
+
+struct Fixture {
+    client: Client,
+    ns: TestNamespace,
+    edge: TestEdge,
+    endpoints_key: String,
+}
+
+impl Fixture {
+    async fn new(prefix: &str) -> Option<Fixture> {
+        let env = kube_env::connect().await?;
+        install_crds(&env.client).await;
+        let ns = env.namespace(prefix).await.unwrap();
+        let edge = TestEdge::start().await;
+        let (s, k) =
+            edge.api("POST", "api-keys", Some(json!({"name": "operator", "scope": "endpoints"}))).await;
+        assert!(s.is_success(), "{k}");
+        Some(Fixture {
+            client: env.client.clone(),
+            ns,
+            edge,
+            endpoints_key: k["secret"].as_str().unwrap().into(),
+        })
+    }
+
+    fn args(&self, identity: &str) -> OperatorArgs {
+        OperatorArgs {
+            edge: self.edge.url(),
+            api_key: self.endpoints_key.clone(),
+            ca_file: Some(self.edge.ca_file.clone()),
+            namespace: self.ns.name.clone(),
+            identity: Some(identity.into()),
+            resync_seconds: 1,
+            lease_seconds: 2,
+            backend_address: BackendAddress::Endpoints,
+            admin_addr: "127.0.0.1:0".parse().unwrap(),
+            watch_namespace: Some(self.ns.name.clone()),
+        }
+    }
+
+    /// Starts an operator in this process; cancel the token to stop it.
+    fn operator(&self, identity: &str) -> (CancellationToken, tokio::task::JoinHandle<()>) {
+        let stop = CancellationToken::new();
+        let (client, args, s) = (self.client.clone(), self.args(identity), stop.clone());
+        let task =
+            tokio::spawn(
+                async move { culvert::operator::start(client, args, s).await.expect("operator runs") },
+            );
+        (stop, task)
+    }
+
+    fn api<K>(&self) -> Api<K>
+    where
+        K: kube::Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>,
+    {
+        Api::namespaced(self.client.clone(), &self.ns.name)
+    }
+
+    async fn create<K>(&self, obj: Value) -> K
+    where
+        K: kube::Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+            + Clone
+            + serde::de::DeserializeOwned
+            + serde::Serialize
+            + std::fmt::Debug,
+    {
+        let obj: K = serde_json::from_value(obj).unwrap();
+        self.api::<K>().create(&PostParams::default(), &obj).await.unwrap()
+    }
+
+    /// Waits for the Ready condition's reason (any status).
+    async fn wait_reason<K>(&self, name: &str, reason: &str) -> Value
+    where
+        K: kube::Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+            + Clone
+            + serde::de::DeserializeOwned
+            + serde::Serialize
+            + std::fmt::Debug,
+    {
+        let api = self.api::<K>();
+        let found = wait_until(&format!("{name} Ready reason {reason}"), WAIT, || async {
+            let v = serde_json::to_value(api.get(name).await?)?;
+            let got = v["status"]["conditions"][0]["reason"].as_str().unwrap_or("").to_string();
+            Ok((got == reason).then_some(v))
+        })
+        .await;
+        match found {
+            Ok(v) => v,
+            Err(e) => panic!(
+                "{e}; last seen: {:?}",
+                api.get(name).await.map(|o| serde_json::to_value(o).unwrap()["status"].clone())
+            ),
+        }
+    }
+
+    /// Deletes every culvert object (the operator still running, so the
+    /// finalizers complete), stops the operator and deletes the namespace.
+    async fn finish(self, stop: CancellationToken, task: tokio::task::JoinHandle<()>) {
+        let dp = DeleteParams::default();
+        let lp = Default::default();
+        self.api::<Tunnel>().delete_collection(&dp, &lp).await.unwrap();
+        self.api::<Domain>().delete_collection(&dp, &lp).await.unwrap();
+        self.api::<TcpPort>().delete_collection(&dp, &lp).await.unwrap();
+        wait_until("culvert objects finalized", WAIT, || async {
+            let left = self.api::<Tunnel>().list(&lp).await?.items.len()
+                + self.api::<Domain>().list(&lp).await?.items.len()
+                + self.api::<TcpPort>().list(&lp).await?.items.len();
+            Ok((left == 0).then_some(()))
+        })
+        .await
+        .unwrap();
+        stop.cancel();
+        tokio::time::timeout(Duration::from_secs(30), task).await.expect("operator stops").unwrap();
+        self.ns.delete_and_wait().await.unwrap();
+    }
+
+    async fn events_for(&self, name: &str) -> Vec<(String, String)> {
+        let events = self.api::<Event>().list(&Default::default()).await.unwrap();
+        events
+            .items
+            .into_iter()
+            .filter(|e| e.involved_object.name.as_deref() == Some(name))
+            .map(|e| (e.type_.unwrap_or_default(), e.reason.unwrap_or_default()))
+            .collect()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn domains_reserve_release_retain_adopt_and_recreate() {
+    let Some(f) = Fixture::new("op-domain").await else { return };
+    let (stop, task) = f.operator("solo");
+    let name = format!("w{}", &f.ns.name[f.ns.name.len() - 8..]);
+
+    // Reserve.
+    f.create::<Domain>(json!({"apiVersion": "culvert.dev/v1alpha1", "kind": "Domain", "metadata": {"name": "web"}, "spec": {"name": name}})).await;
+    let d = f.wait_reason::<Domain>("web", "Reserved").await;
+    let host = d["status"]["hostname"].as_str().unwrap().to_string();
+    assert_eq!(host, format!("{name}.edge.test"));
+    let (s, r) = f.edge.api("GET", &format!("domains/{host}"), None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(r["labels"]["culvert.dev/namespace"], f.ns.name.as_str());
+
+    // Deleted out-of-band at the edge: re-created at the next resync, with an event.
+    let (s, _) = f.edge.api("DELETE", &format!("domains/{host}"), None).await;
+    assert!(s.is_success());
+    wait_until("reservation re-created", WAIT, || async {
+        Ok((f.edge.api("GET", &format!("domains/{host}"), None).await.0 == StatusCode::OK).then_some(()))
+    })
+    .await
+    .unwrap();
+    wait_until("Recreated event", WAIT, || async {
+        Ok(f.events_for("web").await.iter().any(|(t, r)| t == "Normal" && r == "Recreated").then_some(()))
+    })
+    .await
+    .unwrap();
+
+    // Delete (reclaimPolicy Delete): released at the edge.
+    f.api::<Domain>().delete("web", &DeleteParams::default()).await.unwrap();
+    wait_until("reservation released", WAIT, || async {
+        Ok((f.edge.api("GET", &format!("domains/{host}"), None).await.0 == StatusCode::NOT_FOUND)
+            .then_some(()))
+    })
+    .await
+    .unwrap();
+
+    // Retain: kept after delete, adopted by the object created again.
+    let retained = json!({"apiVersion": "culvert.dev/v1alpha1", "kind": "Domain", "metadata": {"name": "kept"}, "spec": {"name": format!("{name}k"), "reclaimPolicy": "Retain"}});
+    f.create::<Domain>(retained.clone()).await;
+    f.wait_reason::<Domain>("kept", "Reserved").await;
+    f.api::<Domain>().delete("kept", &DeleteParams::default()).await.unwrap();
+    wait_until("Domain gone", WAIT, || async {
+        Ok(f.api::<Domain>().get_opt("kept").await?.is_none().then_some(()))
+    })
+    .await
+    .unwrap();
+    let kept_host = format!("{name}k.edge.test");
+    assert_eq!(f.edge.api("GET", &format!("domains/{kept_host}"), None).await.0, StatusCode::OK, "retained");
+    f.create::<Domain>(retained).await;
+    f.wait_reason::<Domain>("kept", "Reserved").await;
+    wait_until("Adopted event", WAIT, || async {
+        Ok(f.events_for("kept").await.iter().any(|(t, r)| t == "Normal" && r == "Adopted").then_some(()))
+    })
+    .await
+    .unwrap();
+
+    // Held by someone else (the admin key here): a Conflict, never taken over.
+    let (s, _) = f.edge.api("POST", "domains", Some(json!({"name": format!("{name}x")}))).await;
+    assert!(s.is_success());
+    f.create::<Domain>(json!({"apiVersion": "culvert.dev/v1alpha1", "kind": "Domain", "metadata": {"name": "taken"}, "spec": {"name": format!("{name}x")}})).await;
+    let d = f.wait_reason::<Domain>("taken", "Conflict").await;
+    assert_eq!(d["status"]["conditions"][0]["status"], "False");
+    wait_until("Warning event", WAIT, || async {
+        Ok(f.events_for("taken").await.iter().any(|(t, r)| t == "Warning" && r == "Conflict").then_some(()))
+    })
+    .await
+    .unwrap();
+
+    // A TcpPort: any free port of the range.
+    f.create::<TcpPort>(json!({"apiVersion": "culvert.dev/v1alpha1", "kind": "TcpPort", "metadata": {"name": "db"}, "spec": {}})).await;
+    let p = f.wait_reason::<TcpPort>("db", "Reserved").await;
+    let port = p["status"]["port"].as_u64().unwrap() as u16;
+    assert!(f.edge.tcp_ports.contains(port));
+    assert_eq!(p["status"]["address"], format!("127.0.0.1:{port}"));
+    f.api::<TcpPort>().delete("db", &DeleteParams::default()).await.unwrap();
+    wait_until("port released", WAIT, || async {
+        Ok((f.edge.api("GET", &format!("ports/{port}"), None).await.0 == StatusCode::NOT_FOUND).then_some(()))
+    })
+    .await
+    .unwrap();
+
+    f.finish(stop, task).await;
+}
+
+/// A Service without selector whose EndpointSlice points at `ip:port`.
+async fn service_with_endpoint(f: &Fixture, name: &str, ip: &str, port: u16) {
+    f.create::<Service>(json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": name},
+        "spec": {"ports": [{"name": "http", "port": 80, "targetPort": port}]}}))
+        .await;
+    f.create::<EndpointSlice>(json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"name": format!("{name}-1"), "labels": {"kubernetes.io/service-name": name}},
+        "addressType": "IPv4", "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
+        "endpoints": [{"addresses": [ip], "conditions": {"ready": true}}]}))
+        .await;
+}
+
+async fn tunnel_keys(f: &Fixture, uid: &str) -> Vec<Value> {
+    let (_, keys) =
+        f.edge.api("GET", &format!("tunnel-keys?selector=culvert.dev/uid={uid}&revoked=true"), None).await;
+    keys["items"].as_array().cloned().unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tunnel_end_to_end_and_keys_never_leak() {
+    let Some(f) = Fixture::new("op-tunnel").await else { return };
+    let Some(mut host) = netns::NetnsHost::create() else { return };
+    let site = tempfile::tempdir().unwrap();
+    std::fs::write(site.path().join("index.html"), "hello from the cluster").unwrap();
+    host.serve_http(site.path(), 8000);
+    service_with_endpoint(&f, "web", &host.ip, 8000).await;
+
+    let (stop, task) = f.operator("solo");
+    let label = format!("t{}", &f.ns.name[f.ns.name.len() - 8..]);
+    f.create::<Domain>(json!({"apiVersion": "culvert.dev/v1alpha1", "kind": "Domain", "metadata": {"name": "web"}, "spec": {"name": label}})).await;
+    let t: Tunnel = f
+        .create(json!({"apiVersion": "culvert.dev/v1alpha1", "kind": "Tunnel", "metadata": {"name": "web"},
+            "spec": {"service": {"name": "web", "port": "http"}, "domain": "web"}}))
+        .await;
+    let uid = t.uid().unwrap();
+    let status = wait_until("Tunnel published with an agent", WAIT, || async {
+        let v = serde_json::to_value(f.api::<Tunnel>().get("web").await?)?;
+        Ok((v["status"]["conditions"][0]["reason"] == "Published"
+            && v["status"]["agents"].as_u64() >= Some(1))
+        .then_some(v))
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}: {:?}", f.edge.edge().registry.count_for_key("x")));
+    let public = format!("{label}.edge.test");
+    assert_eq!(status["status"]["url"], format!("https://{public}:{}", f.edge.https.port()));
+    assert_eq!(status["status"]["backends"][0], format!("{}:8000", host.ip));
+
+    // A real HTTP request through the edge reaches the backend in the network namespace.
+    let body = wait_until("request through the tunnel", WAIT, || async {
+        let (s, b) = f.edge.client().get(&public, "/").await;
+        Ok((s == StatusCode::OK).then_some(b))
+    })
+    .await
+    .unwrap();
+    assert_eq!(body, "hello from the cluster");
+
+    // The key lives in a Secret owned by the Tunnel; the operator's key cannot carry traffic.
+    let secret = f.api::<Secret>().get("web-culvert-key").await.unwrap();
+    assert_eq!(secret.owner_references()[0].uid, uid);
+    let keys = tunnel_keys(&f, &uid).await;
+    assert_eq!(keys.len(), 1);
+    assert!(keys[0]["revokedAt"].is_null());
+
+    // Deleting the Tunnel revokes its key.
+    f.api::<Tunnel>().delete("web", &DeleteParams::default()).await.unwrap();
+    wait_until("key revoked", WAIT, || async {
+        Ok(tunnel_keys(&f, &uid).await.iter().all(|k| !k["revokedAt"].is_null()).then_some(()))
+    })
+    .await
+    .unwrap();
+
+    // A Tunnel deleted while the operator is down: its key is revoked at the next start.
+    let t: Tunnel = f
+        .create(
+            json!({"apiVersion": "culvert.dev/v1alpha1", "kind": "Tunnel", "metadata": {"name": "orphan"},
+            "spec": {"service": {"name": "web", "port": 80}, "domain": "web"}}),
+        )
+        .await;
+    let orphan_uid = t.uid().unwrap();
+    wait_until("orphan key minted", WAIT, || async {
+        Ok((!tunnel_keys(&f, &orphan_uid).await.is_empty()).then_some(()))
+    })
+    .await
+    .unwrap();
+    stop.cancel();
+    task.await.unwrap();
+    let api = f.api::<Tunnel>();
+    api.patch("orphan", &PatchParams::default(), &Patch::Merge(json!({"metadata": {"finalizers": null}})))
+        .await
+        .unwrap();
+    api.delete("orphan", &DeleteParams::default()).await.unwrap();
+    wait_until("orphan gone", WAIT, || async { Ok(api.get_opt("orphan").await?.is_none().then_some(())) })
+        .await
+        .unwrap();
+    assert!(
+        tunnel_keys(&f, &orphan_uid).await.iter().all(|k| k["revokedAt"].is_null()),
+        "still live while no operator runs"
+    );
+    let (stop, task) = f.operator("solo");
+    wait_until("orphan key revoked at start", WAIT, || async {
+        Ok(tunnel_keys(&f, &orphan_uid).await.iter().all(|k| !k["revokedAt"].is_null()).then_some(()))
+    })
+    .await
+    .unwrap();
+
+    f.finish(stop, task).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn isolation_rejections_are_conditions_and_warnings() {
+    let Some(f) = Fixture::new("op-isolation").await else { return };
+    let (stop, task) = f.operator("solo");
+    f.create::<Service>(json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "ext"},
+        "spec": {"type": "ExternalName", "externalName": "example.com"}}))
+        .await;
+    let label = format!("i{}", &f.ns.name[f.ns.name.len() - 8..]);
+    f.create::<Domain>(json!({"apiVersion": "culvert.dev/v1alpha1", "kind": "Domain", "metadata": {"name": "d"}, "spec": {"name": label}})).await;
+    f.wait_reason::<Domain>("d", "Reserved").await;
+    let cases = [
+        ("ip", json!({"service": {"name": "10.0.0.1", "port": 80}, "domain": "d"}), "InvalidSpec"),
+        (
+            "other-ns",
+            json!({"service": {"name": "web.kube-system", "port": 80}, "domain": "d"}),
+            "InvalidSpec",
+        ),
+        ("external", json!({"service": {"name": "ext", "port": 80}, "domain": "d"}), "InvalidSpec"),
+        ("foreign-domain", json!({"service": {"name": "ext", "port": 80}, "domain": "not-here"}), "Waiting"),
+    ];
+    for (name, spec, _) in &cases {
+        f.create::<Tunnel>(json!({"apiVersion": "culvert.dev/v1alpha1", "kind": "Tunnel", "metadata": {"name": name}, "spec": spec})).await;
+    }
+    for (name, _, reason) in &cases {
+        let t = f.wait_reason::<Tunnel>(name, reason).await;
+        assert_eq!(t["status"]["conditions"][0]["status"], "False", "{name}: {t}");
+        wait_until("Warning event", WAIT, || async {
+            Ok(f.events_for(name).await.iter().any(|(t, r)| t == "Warning" && r == reason).then_some(()))
+        })
+        .await
+        .unwrap();
+    }
+    f.finish(stop, task).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leader_hands_over_when_the_leader_dies() {
+    use k8s_openapi::api::coordination::v1::Lease;
+    let Some(f) = Fixture::new("op-leader").await else { return };
+    let (stop_a, task_a) = f.operator("replica-a");
+    let leases = f.api::<Lease>();
+    let holder = || async {
+        leases.get_opt("culvert-operator-leader").await.ok().flatten().and_then(|l| l.spec?.holder_identity)
+    };
+    wait_until("replica-a leads", WAIT, || async {
+        Ok((holder().await.as_deref() == Some("replica-a")).then_some(()))
+    })
+    .await
+    .unwrap();
+    let (stop_b, task_b) = f.operator("replica-b");
+    // Kill the leader without a goodbye: the lease (2 s) must run out.
+    task_a.abort();
+    let _ = task_a.await;
+    let killed = std::time::Instant::now();
+    wait_until("replica-b takes over", Duration::from_secs(20), || async {
+        Ok((holder().await.as_deref() == Some("replica-b")).then_some(()))
+    })
+    .await
+    .unwrap();
+    eprintln!("handed over {:?} after the leader died", killed.elapsed());
+    assert!(killed.elapsed() < Duration::from_secs(8));
+    // The new leader reconciles.
+    let label = format!("l{}", &f.ns.name[f.ns.name.len() - 8..]);
+    f.create::<Domain>(json!({"apiVersion": "culvert.dev/v1alpha1", "kind": "Domain", "metadata": {"name": "d"}, "spec": {"name": label}})).await;
+    f.wait_reason::<Domain>("d", "Reserved").await;
+    stop_a.cancel();
+    f.finish(stop_b, task_b).await;
+}
