@@ -49,6 +49,8 @@ pub const MSG_READY: &str = "ready";
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Public clients must send a complete request head within this (slowloris).
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// A public connection with no byte either way for this long is closed.
+pub const PUBLIC_IDLE_TIMEOUT: Duration = Duration::from_secs(600);
 /// Largest request head a public client may send.
 pub const MAX_HEADER_BYTES: usize = 64 * 1024;
 /// Public connections served at once; more are closed on accept.

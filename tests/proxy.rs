@@ -83,6 +83,7 @@ async fn agent_reaches_the_edge_only_through_an_http_proxy() {
         key: key.clone(),
         agent_id: "t".into(),
         tls: culvert::tls::tunnel_client_config(Some(&edge.ca_file)).unwrap(),
+        protocol: None,
     };
     let err = dialer.connect().await.err().expect("refused by the proxy");
     assert!(err.to_string().contains("proxy"), "{err}");

@@ -94,7 +94,7 @@ async fn tcp_reservation_echoes() {
     let edge = TestEdge::start().await;
     let echo = net::tcp_echo().await;
     let (port, key) = edge.tcp_tunnel_key().await;
-    let _agent = TestAgent::start(&edge, &key, Target::Tcp { addr: echo.to_string() }).await;
+    let _agent = TestAgent::start(&edge, &key, Target::Tcp { addr: echo.to_string(), proxy: None }).await;
     let mut conns = Vec::new();
     for i in 0..5 {
         let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
@@ -458,4 +458,40 @@ async fn http_port_redirects_and_admin_port_serves_metrics() {
             .unwrap();
         assert!(out.status.success());
     }
+}
+
+#[tokio::test]
+async fn an_agent_of_the_wrong_protocol_and_agents_over_the_limit_are_refused() {
+    let edge = TestEdge::start().await;
+    let (_host, key) = edge.http_tunnel_key("limits").await;
+    // `culvert tcp` with a key made for http.
+    let dialer = culvert::tunnel::connect::Dialer {
+        edge: culvert::tunnel::connect::EdgeUrl::parse(&edge.url()).unwrap(),
+        key: key.clone(),
+        agent_id: "t".into(),
+        tls: culvert::tls::tunnel_client_config(Some(&edge.ca_file)).unwrap(),
+        protocol: Some(culvert::api::Protocol::Tcp),
+    };
+    let err = dialer.connect().await.err().expect("refused");
+    assert!(err.is_permanent() && err.to_string().contains("culvert http"), "{err}");
+
+    // Six agents at the same moment with a limit of four: four get in.
+    let mut dialers = Vec::new();
+    for _ in 0..6 {
+        let mut d = dialer.clone();
+        d.protocol = Some(culvert::api::Protocol::Http);
+        dialers.push(tokio::spawn(async move { d.connect().await }));
+    }
+    let mut conns = Vec::new();
+    let mut refused = 0;
+    for d in dialers {
+        match d.await.unwrap() {
+            Ok(c) => conns.push(c),
+            Err(e) => {
+                assert!(e.to_string().contains("too_many_agents"), "{e}");
+                refused += 1;
+            }
+        }
+    }
+    assert_eq!((conns.len(), refused), (4, 2));
 }

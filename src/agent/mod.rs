@@ -176,6 +176,7 @@ pub async fn run_standalone(args: AgentArgs, tcp: bool) -> Result<(), AgentError
         key: args.key.clone(),
         agent_id: agent_id(),
         tls: tls::tunnel_client_config(args.ca_file.as_deref())?,
+        protocol: Some(if tcp { crate::api::Protocol::Tcp } else { crate::api::Protocol::Http }),
     };
     let shutdown = CancellationToken::new();
     tokio::spawn(crate::shutdown_on_signal(shutdown.clone()));

@@ -66,9 +66,15 @@ pub async fn accept(edge: Arc<Edge>, mut req: Request<Incoming>, peer: SocketAdd
             return refuse(&edge, Refusal::Internal, peer);
         }
     };
-    if edge.registry.count_for_key(&grant.key_id) >= edge.max_agents_per_key {
-        return refuse(&edge, Refusal::TooManyAgents { max: edge.max_agents_per_key }, peer);
+    if let Some(wanted) = header(&req, TUNNEL_PROTOCOL_HEADER)
+        && wanted != grant.protocol.as_str()
+    {
+        let refusal = Refusal::WrongProtocol { key: grant.protocol.as_str(), agent: wanted.chars().take(16).collect() };
+        return refuse(&edge, refusal, peer);
     }
+    let Some(slot) = edge.registry.reserve_slot(&grant.key_id, edge.max_agents_per_key) else {
+        return refuse(&edge, Refusal::TooManyAgents { max: edge.max_agents_per_key }, peer);
+    };
     let agent_id = header(&req, AGENT_ID_HEADER).unwrap_or("-").chars().take(64).collect::<String>();
     let public_url = edge.public_url(&grant.reservation);
     let protocol = grant.protocol;
@@ -103,6 +109,7 @@ pub async fn accept(edge: Arc<Edge>, mut req: Request<Incoming>, peer: SocketAdd
                 sender,
                 control.clone(),
             );
+            drop(slot);
             edge.metrics.tunnels_connected.inc();
             // Revoked while we were setting up? Then close right away.
             if !edge.store.live_tunnel_key_ids().map(|l| l.contains(&grant.key_id)).unwrap_or(true) {
@@ -115,7 +122,11 @@ pub async fn accept(edge: Arc<Edge>, mut req: Request<Incoming>, peer: SocketAdd
                     Ok(()) => "closed".to_string(),
                     Err(e) => crate::agent::serve::error_chain(&e),
                 },
-                _ = registered.cancel.cancelled() => "key revoked or reservation released".into(),
+                _ = registered.cancel.cancelled() => if edge.shutdown.is_cancelled() {
+                    "edge shutting down".into()
+                } else {
+                    "key revoked or reservation released".into()
+                },
                 _ = edge.shutdown.cancelled() => "edge shutting down".into(),
             };
             edge.registry.remove(&registered);

@@ -4,6 +4,7 @@
 
 pub mod agents;
 pub mod api;
+pub mod idle;
 pub mod metrics;
 pub mod public;
 pub mod registry;

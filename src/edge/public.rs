@@ -81,7 +81,8 @@ pub async fn serve_https(edge: Arc<Edge>, listener: TcpListener, tls: Arc<rustls
                     let edge = edge.clone();
                     async move { Ok::<_, Infallible>(handle(edge, req, peer).await) }
                 });
-                let conn = builder.serve_connection_with_upgrades(TokioIo::new(tls), service);
+                let io = super::idle::IdleTimeout::new(tls);
+                let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
                 if let Err(e) = conn.await {
                     debug!(error = %e, "public connection ended");
                 }
@@ -139,7 +140,8 @@ where
         let (edge, f) = (edge.clone(), f.clone());
         tokio::spawn(async move {
             let service = service_fn(move |req| f(edge.clone(), req));
-            let _ = http_builder().http1_only().serve_connection(TokioIo::new(tcp), service).await;
+            let io = super::idle::IdleTimeout::new(tcp);
+            let _ = http_builder().http1_only().serve_connection(TokioIo::new(io), service).await;
         });
     }
 }

@@ -52,6 +52,9 @@ impl Drop for StreamGuard {
 
 pub struct Registry {
     by_reservation: Mutex<HashMap<String, Vec<Arc<AgentConn>>>>,
+    /// Handshakes accepted but not registered yet, per key (so the per-key
+    /// limit holds for agents that connect at the same moment).
+    pending: Arc<Mutex<HashMap<String, usize>>>,
     next_id: AtomicU64,
     /// Streams open across all connections.
     streams_open: Gauge,
@@ -59,7 +62,12 @@ pub struct Registry {
 
 impl Registry {
     pub fn new(streams_open: Gauge) -> Self {
-        Registry { by_reservation: Mutex::default(), next_id: AtomicU64::new(0), streams_open }
+        Registry {
+            by_reservation: Mutex::default(),
+            pending: Arc::default(),
+            next_id: AtomicU64::new(0),
+            streams_open,
+        }
     }
 
     /// Registers a connection and returns it.
@@ -115,6 +123,18 @@ impl Registry {
         map.values().flatten().filter(|c| c.key_id == key_id && !c.cancel.is_cancelled()).count()
     }
 
+    /// Holds one of `max` connection slots of a key until the connection is
+    /// registered (or fails); `None` when all are taken.
+    pub fn reserve_slot(&self, key_id: &str, max: usize) -> Option<PendingSlot> {
+        let mut pending = self.pending.lock().expect("poisoned");
+        let waiting = pending.get(key_id).copied().unwrap_or(0);
+        if self.count_for_key(key_id) + waiting >= max {
+            return None;
+        }
+        *pending.entry(key_id.to_string()).or_default() += 1;
+        Some(PendingSlot { pending: self.pending.clone(), key_id: key_id.to_string() })
+    }
+
     /// Closes every connection whose key is not live or whose reservation is gone.
     pub fn close_invalid(&self, live_keys: &HashSet<String>, reservation_exists: impl Fn(&str) -> bool) {
         let map = self.by_reservation.lock().expect("poisoned");
@@ -130,6 +150,24 @@ impl Registry {
     pub fn close_all(&self) {
         for conn in self.by_reservation.lock().expect("poisoned").values().flatten() {
             conn.cancel.cancel();
+        }
+    }
+}
+
+/// A connection slot held between the handshake and the registration.
+pub struct PendingSlot {
+    pending: Arc<Mutex<HashMap<String, usize>>>,
+    key_id: String,
+}
+
+impl Drop for PendingSlot {
+    fn drop(&mut self) {
+        let mut pending = self.pending.lock().expect("poisoned");
+        if let Some(n) = pending.get_mut(&self.key_id) {
+            *n -= 1;
+            if *n == 0 {
+                pending.remove(&self.key_id);
+            }
         }
     }
 }

@@ -136,11 +136,17 @@ pub async fn run(client: Client, args: OperatorArgs, metrics: Metrics, shutdown:
             }
             let backends = Arc::new(RwLock::new(d.backends));
             let stop = shutdown.child_token();
+            let protocol = match d.protocol {
+                TunnelProtocol::Http => crate::api::Protocol::Http,
+                TunnelProtocol::Tcp => crate::api::Protocol::Tcp,
+                TunnelProtocol::Tls => crate::api::Protocol::Tls,
+            };
             let dialer = Dialer {
                 edge: edge.clone(),
                 key: d.key.clone(),
                 agent_id: agent::agent_id(),
                 tls: tls.clone(),
+                protocol: Some(protocol),
             };
             let name = d.name.clone();
             let options = TunnelOptions {

@@ -128,6 +128,8 @@ pub struct Dialer {
     pub key: String,
     pub agent_id: String,
     pub tls: Arc<rustls::ClientConfig>,
+    /// What the agent serves; the edge refuses a key made for another protocol.
+    pub protocol: Option<Protocol>,
 }
 
 impl Dialer {
@@ -164,6 +166,9 @@ impl Dialer {
             })?;
         headers.insert(http::header::AUTHORIZATION, bearer);
         headers.insert(VERSION_HEADER, HeaderValue::from(PROTOCOL_VERSION));
+        if let Some(p) = self.protocol {
+            headers.insert(TUNNEL_PROTOCOL_HEADER, HeaderValue::from_static(p.as_str()));
+        }
         if let Ok(id) = HeaderValue::from_str(&self.agent_id) {
             headers.insert(AGENT_ID_HEADER, id);
         }

@@ -19,6 +19,7 @@ pub enum Refusal {
     VersionTooNew { got: u32 },
     NotWebSocket,
     TooManyAgents { max: usize },
+    WrongProtocol { key: &'static str, agent: String },
     Internal,
 }
 
@@ -26,7 +27,7 @@ impl Refusal {
     pub fn status(&self) -> StatusCode {
         match self {
             Refusal::MissingKey | Refusal::UnknownKey => StatusCode::UNAUTHORIZED,
-            Refusal::RevokedKey | Refusal::NotATunnelKey => StatusCode::FORBIDDEN,
+            Refusal::RevokedKey | Refusal::NotATunnelKey | Refusal::WrongProtocol { .. } => StatusCode::FORBIDDEN,
             Refusal::MissingVersion | Refusal::VersionTooOld { .. } | Refusal::VersionTooNew { .. } => {
                 StatusCode::UPGRADE_REQUIRED
             }
@@ -41,13 +42,14 @@ impl Refusal {
         match self {
             Refusal::MissingKey => "missing_key",
             Refusal::UnknownKey => "unknown_key",
-            Refusal::RevokedKey => "revoked_key",
+            Refusal::RevokedKey => "key_revoked",
             Refusal::NotATunnelKey => "not_a_tunnel_key",
             Refusal::MissingVersion => "missing_version",
             Refusal::VersionTooOld { .. } => "version_too_old",
             Refusal::VersionTooNew { .. } => "version_too_new",
             Refusal::NotWebSocket => "not_websocket",
             Refusal::TooManyAgents { .. } => "too_many_agents",
+            Refusal::WrongProtocol { .. } => "wrong_protocol",
             Refusal::Internal => "internal",
         }
     }
@@ -78,6 +80,9 @@ impl Refusal {
             Refusal::TooManyAgents { max } => {
                 format!("{max} agents are already connected with this key")
             }
+            Refusal::WrongProtocol { key, agent } => format!(
+                "this key publishes {key}, but the agent asked for {agent}: use `culvert {key}` (or a key made with --protocol {agent})"
+            ),
             Refusal::Internal => "the edge could not check the key; retry".into(),
         }
     }

@@ -263,6 +263,7 @@ impl TestAgent {
             key: key.into(),
             agent_id: agent::agent_id(),
             tls: culvert::tls::tunnel_client_config(Some(ca_file)).unwrap(),
+            protocol: None,
         };
         let ready = Arc::new(tokio::sync::Notify::new());
         let r = ready.clone();
