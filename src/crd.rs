@@ -178,6 +178,47 @@ fn int_or_string(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
     schemars::json_schema!({"x-kubernetes-int-or-string": true})
 }
 
+/// How a route's path matches the request path (the Ingress path types;
+/// `ImplementationSpecific` is read as `Prefix`).
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
+)]
+pub enum PathType {
+    /// The request path equals `path` exactly (case-sensitive).
+    Exact,
+    /// `path` is an element-wise prefix of the request path: `/foo` matches
+    /// `/foo`, `/foo/` and `/foo/bar`, not `/foobar`.
+    #[default]
+    Prefix,
+}
+
+/// One HTTP route of a Tunnel: a path to a Service of the Tunnel's namespace.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TunnelRoute {
+    /// The path, starting with `/`.
+    pub path: String,
+    /// `Exact` or `Prefix` (default).
+    #[serde(default)]
+    pub path_type: PathType,
+    /// The backend Service and port.
+    pub service: ServiceRef,
+}
+
+/// A route with the addresses the operator resolved for it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ResolvedRoute {
+    /// The path, starting with `/`.
+    pub path: String,
+    /// `Exact` or `Prefix`.
+    pub path_type: PathType,
+    /// Backend addresses (`ip:port`); empty when the Service cannot be used
+    /// (the Ready condition says why) and the path answers 503.
+    #[serde(default)]
+    pub backends: Vec<String>,
+}
+
 /// Publishes one port of a Service on a Domain (http, tls) or a TcpPort
 /// (tcp) of the same namespace, without an Ingress.
 #[derive(CustomResource, Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -196,8 +237,15 @@ fn int_or_string(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
 )]
 #[serde(rename_all = "camelCase")]
 pub struct TunnelSpec {
-    /// The backend Service and port.
-    pub service: ServiceRef,
+    /// The backend Service and port. With `routes`: the default backend of
+    /// requests no route matches (optional; without it they get 404).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service: Option<ServiceRef>,
+    /// HTTP routes by path (protocol http only): the longest matching path
+    /// wins, `Exact` before `Prefix` at equal length. The Ingress controller
+    /// writes these; changing them never reconnects the tunnel.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub routes: Vec<TunnelRoute>,
     /// `http` (default), `tcp` or `tls` (passthrough).
     #[serde(default)]
     pub protocol: TunnelProtocol,
@@ -210,6 +258,13 @@ pub struct TunnelSpec {
     /// Send a PROXY protocol header (tcp, tls) with the public client address.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub proxy_protocol: Option<ProxyProtocol>,
+}
+
+impl TunnelSpec {
+    /// Names of every Service the Tunnel sends traffic to.
+    pub fn services(&self) -> impl Iterator<Item = &str> {
+        self.service.iter().chain(self.routes.iter().map(|r| &r.service)).map(|s| s.name.as_str())
+    }
 }
 
 /// Observed state of a Tunnel.
@@ -229,9 +284,13 @@ pub struct TunnelStatus {
     #[serde(default)]
     #[schemars(with = "i32")]
     pub agents: u32,
-    /// Backend addresses (`ip:port`) the agents dial, as resolved by the operator.
+    /// Backend addresses (`ip:port`) the agents dial, as resolved by the operator
+    /// (with routes: those of the default backend).
     #[serde(default)]
     pub backends: Vec<String>,
+    /// The routes with their resolved backend addresses.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub routes: Vec<ResolvedRoute>,
     /// The Secret holding this Tunnel's key.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key_secret: Option<String>,
@@ -265,12 +324,12 @@ mod tests {
             "service": {"name": "podinfo", "port": 9898}, "domain": "podinfo"
         }))
         .unwrap();
-        assert_eq!(t.service.port, IntOrString::Int(9898));
+        assert_eq!(t.service.as_ref().unwrap().port, IntOrString::Int(9898));
         assert_eq!(t.protocol, TunnelProtocol::Http);
         let t: TunnelSpec = serde_json::from_value(serde_json::json!({
             "service": {"name": "db", "port": "postgres"}, "protocol": "tcp", "tcpPort": "db"
         }))
         .unwrap();
-        assert_eq!(t.service.port, IntOrString::String("postgres".into()));
+        assert_eq!(t.service.unwrap().port, IntOrString::String("postgres".into()));
     }
 }

@@ -85,6 +85,8 @@ impl Fixture {
             backend_address: BackendAddress::Endpoints,
             admin_addr: "127.0.0.1:0".parse().unwrap(),
             watch_namespace: Some(self.ns.name.clone()),
+            annotated_only: false,
+            domain_policy: culvert::operator::DomainPolicy::Auto,
         }
     }
 

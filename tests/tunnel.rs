@@ -495,3 +495,56 @@ async fn an_agent_of_the_wrong_protocol_and_agents_over_the_limit_are_refused() 
     }
     assert_eq!((conns.len(), refused), (4, 2));
 }
+
+#[tokio::test]
+async fn tls_passthrough_by_sni_reaches_a_backend_that_terminates_tls() {
+    let edge = TestEdge::start().await;
+    let (s, r) = edge.api("POST", "domains", Some(json!({"name": "secure"}))).await;
+    assert!(s.is_success(), "{r}");
+    let (s, k) = edge.api("POST", "tunnel-keys", Some(json!({"domain": "secure", "protocol": "tls"}))).await;
+    assert!(s.is_success(), "{k}");
+    let key = k["secret"].as_str().unwrap().to_string();
+
+    // The backend has its own CA and certificate: only passthrough can make the client trust it.
+    let pki = culvert::tls::generate_pki(&["secure.edge.test".to_string()]).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (ca, cert, keyf) = (dir.path().join("ca.pem"), dir.path().join("c.pem"), dir.path().join("k.pem"));
+    std::fs::write(&ca, &pki.ca_pem).unwrap();
+    std::fs::write(&cert, &pki.cert_pem).unwrap();
+    std::fs::write(&keyf, &pki.key_pem).unwrap();
+    let certified = culvert::tls::certified_key(
+        culvert::tls::load_pem_certs(&cert).unwrap(),
+        culvert::tls::load_pem_key(&keyf).unwrap(),
+    )
+    .unwrap();
+    let resolver = std::sync::Arc::new(culvert::tls::CertResolver::new(certified));
+    let acceptor = tokio_rustls::TlsAcceptor::from(culvert::tls::server_config(resolver).unwrap());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let backend = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let mut tls = acceptor.accept(tcp).await.unwrap();
+                let mut buf = [0u8; 4];
+                tls.read_exact(&mut buf).await.unwrap();
+                tls.write_all(b"backend terminated TLS: ").await.unwrap();
+                tls.write_all(&buf).await.unwrap();
+                tls.shutdown().await.unwrap();
+            });
+        }
+    });
+    let _agent = TestAgent::start(&edge, &key, Target::Tcp { addr: backend.to_string(), proxy: None }).await;
+
+    let client = HttpsClient { addr: edge.https, ca_file: ca };
+    let mut tls = client.connect("secure.edge.test", false).await;
+    tls.write_all(b"ping").await.unwrap();
+    let mut got = String::new();
+    tls.read_to_string(&mut got).await.unwrap();
+    assert_eq!(got, "backend terminated TLS: ping");
+
+    // Other hosts are still terminated at the edge.
+    let (host, http_key) = edge.http_tunnel_key("plain").await;
+    let _plain = TestAgent::start(&edge, &http_key, http_target(net::http_backend().await)).await;
+    assert_eq!(edge.client().get(&host, "/").await, (StatusCode::OK, "hello from backend".into()));
+}

@@ -3,6 +3,7 @@
 //! raw byte pipes.
 
 use std::convert::Infallible;
+use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock};
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
@@ -14,7 +15,10 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::TcpStream;
 use tracing::{Instrument, debug, warn};
 
-use crate::constants::{BACKEND_CONNECT_TIMEOUT, ERROR_HEADER, STATUS_HEADER, UPGRADE_HEADER};
+use crate::constants::{
+    BACKEND_CONNECT_TIMEOUT, CLIENT_ADDR_HEADER, ERROR_HEADER, SERVER_ADDR_HEADER, STATUS_HEADER,
+    UPGRADE_HEADER,
+};
 use crate::tunnel::StreamKind;
 use crate::tunnel::body::{self, BoxBody, ReadBody};
 
@@ -23,8 +27,9 @@ use crate::tunnel::body::{self, BoxBody, ReadBody};
 pub enum Target {
     /// An HTTP backend: `host:port`.
     Http { authority: String },
-    /// A TCP backend: `host:port`.
-    Tcp { addr: String },
+    /// A TCP backend: `host:port`, optionally told the public client's
+    /// address with a PROXY protocol header.
+    Tcp { addr: String, proxy: Option<ProxyHeader> },
 }
 
 impl Target {
@@ -41,7 +46,7 @@ impl Target {
 
     /// `5432` or `host:5432`.
     pub fn parse_tcp(s: &str) -> Result<Target, String> {
-        Ok(Target::Tcp { addr: host_port(s)? })
+        Ok(Target::Tcp { addr: host_port(s)?, proxy: None })
     }
 }
 
@@ -49,7 +54,7 @@ impl std::fmt::Display for Target {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Target::Http { authority } => write!(f, "http://{authority}"),
-            Target::Tcp { addr } => write!(f, "tcp://{addr}"),
+            Target::Tcp { addr, .. } => write!(f, "tcp://{addr}"),
         }
     }
 }
@@ -69,6 +74,76 @@ fn host_port(s: &str) -> Result<String, String> {
         }
         _ => Err("expected PORT, HOST:PORT or http://HOST:PORT".into()),
     }
+}
+
+/// A PROXY protocol header (HAProxy's, versions 1 and 2) written to a TCP
+/// backend before the stream's bytes, so it learns the public client's address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProxyHeader {
+    /// The text form: `PROXY TCP4 <client> <edge> <client port> <edge port>\r\n`.
+    V1,
+    /// The binary form.
+    V2,
+}
+
+/// The 12 bytes every PROXY protocol v2 header starts with.
+pub const PROXY_V2_SIGNATURE: [u8; 12] = *b"\r\n\r\n\0\r\nQUIT\n";
+
+impl ProxyHeader {
+    /// The header for a connection from `client` to `server` (the address at
+    /// the edge it reached). Without both, v1 says `UNKNOWN` and v2 `LOCAL`;
+    /// mixed families are both sent as IPv6 (v4-mapped).
+    pub fn encode(self, client: Option<SocketAddr>, server: Option<SocketAddr>) -> Vec<u8> {
+        let v6 = |a: SocketAddr| match a {
+            SocketAddr::V4(v4) => SocketAddr::new(v4.ip().to_ipv6_mapped().into(), v4.port()),
+            a => a,
+        };
+        let pair = match (client, server) {
+            (Some(c), Some(s)) if c.is_ipv4() == s.is_ipv4() => Some((c, s)),
+            (Some(c), Some(s)) => Some((v6(c), v6(s))),
+            _ => None,
+        };
+        match (self, pair) {
+            (ProxyHeader::V1, Some((c, s))) => {
+                let family = if c.is_ipv4() { "TCP4" } else { "TCP6" };
+                format!("PROXY {family} {} {} {} {}\r\n", c.ip(), s.ip(), c.port(), s.port()).into_bytes()
+            }
+            (ProxyHeader::V1, None) => b"PROXY UNKNOWN\r\n".to_vec(),
+            (ProxyHeader::V2, pair) => {
+                let mut out = PROXY_V2_SIGNATURE.to_vec();
+                let mut addrs = Vec::with_capacity(36);
+                let (command, family) = match pair {
+                    Some((SocketAddr::V4(c), SocketAddr::V4(s))) => {
+                        addrs.extend(c.ip().octets());
+                        addrs.extend(s.ip().octets());
+                        (0x21, 0x11) // PROXY, TCP over IPv4
+                    }
+                    Some((c, s)) => {
+                        for a in [c, s] {
+                            if let SocketAddr::V6(a) = v6(a) {
+                                addrs.extend(a.ip().octets());
+                            }
+                        }
+                        (0x21, 0x21) // PROXY, TCP over IPv6
+                    }
+                    None => (0x20, 0x00), // LOCAL, unspecified
+                };
+                if let Some((c, s)) = pair {
+                    addrs.extend(c.port().to_be_bytes());
+                    addrs.extend(s.port().to_be_bytes());
+                }
+                out.extend([command, family]);
+                out.extend((addrs.len() as u16).to_be_bytes());
+                out.extend(addrs);
+                out
+            }
+        }
+    }
+}
+
+/// An `ip:port` the edge put in a stream header.
+fn header_addr(parts: &http::request::Parts, name: &str) -> Option<SocketAddr> {
+    parts.headers.get(name)?.to_str().ok()?.parse().ok()
 }
 
 /// Chooses the backend of a stream from its request head (the Host and the
@@ -117,7 +192,12 @@ async fn handle(req: Request<Incoming>, kind: StreamKind, resolver: &Resolver) -
         return agent_error(StatusCode::NOT_FOUND, "no backend for this host and path");
     };
     match (kind, target) {
-        (StreamKind::Tcp, Target::Tcp { addr }) => tcp(addr, body).await,
+        (StreamKind::Tcp, Target::Tcp { addr, proxy }) => {
+            let header = proxy.map(|p| {
+                p.encode(header_addr(&parts, CLIENT_ADDR_HEADER), header_addr(&parts, SERVER_ADDR_HEADER))
+            });
+            tcp(addr, header, body).await
+        }
         (StreamKind::Http, Target::Http { authority }) => http(parts, body, &authority).await,
         (StreamKind::Upgrade, Target::Http { authority }) => upgrade(parts, body, &authority).await,
         (kind, target) => agent_error(
@@ -150,14 +230,19 @@ async fn dial(addr: &str) -> Result<TcpStream, String> {
     }
 }
 
-async fn tcp(addr: String, body: Incoming) -> Response<BoxBody> {
-    let stream = match dial(&addr).await {
+async fn tcp(addr: String, proxy_header: Option<Vec<u8>>, body: Incoming) -> Response<BoxBody> {
+    let mut stream = match dial(&addr).await {
         Ok(s) => s,
         Err(e) => {
             warn!(error = %e, "tcp stream refused");
             return agent_error(StatusCode::BAD_GATEWAY, &e);
         }
     };
+    if let Some(header) = proxy_header
+        && let Err(e) = tokio::io::AsyncWriteExt::write_all(&mut stream, &header).await
+    {
+        return agent_error(StatusCode::BAD_GATEWAY, &format!("backend {addr}: {e}"));
+    }
     let (read, write) = stream.into_split();
     tokio::spawn(
         async move {
@@ -322,10 +407,37 @@ mod tests {
             Target::parse_http("http://app.local:3000/").unwrap(),
             Target::Http { authority: "app.local:3000".into() }
         );
-        assert_eq!(Target::parse_tcp("db:5432").unwrap(), Target::Tcp { addr: "db:5432".into() });
+        assert_eq!(
+            Target::parse_tcp("db:5432").unwrap(),
+            Target::Tcp { addr: "db:5432".into(), proxy: None }
+        );
         assert!(Target::parse_http("https://x:1").is_err());
         assert!(Target::parse_tcp("0").is_err());
         assert!(Target::parse_tcp("host").is_err());
+    }
+
+    #[test]
+    fn proxy_protocol_headers() {
+        let c: SocketAddr = "203.0.113.7:51234".parse().unwrap();
+        let s: SocketAddr = "192.0.2.1:20001".parse().unwrap();
+        assert_eq!(
+            ProxyHeader::V1.encode(Some(c), Some(s)),
+            b"PROXY TCP4 203.0.113.7 192.0.2.1 51234 20001\r\n"
+        );
+        assert_eq!(ProxyHeader::V1.encode(None, Some(s)), b"PROXY UNKNOWN\r\n");
+        let c6: SocketAddr = "[2001:db8::1]:4000".parse().unwrap();
+        assert_eq!(
+            ProxyHeader::V1.encode(Some(c6), Some(s)),
+            b"PROXY TCP6 2001:db8::1 ::ffff:192.0.2.1 4000 20001\r\n"
+        );
+        let v2 = ProxyHeader::V2.encode(Some(c), Some(s));
+        assert_eq!(&v2[..12], &PROXY_V2_SIGNATURE);
+        assert_eq!(&v2[12..16], &[0x21, 0x11, 0, 12]);
+        assert_eq!(&v2[16..], &[203, 0, 113, 7, 192, 0, 2, 1, 0xc8, 0x22, 0x4e, 0x21]);
+        let v2 = ProxyHeader::V2.encode(Some(c6), Some(s));
+        assert_eq!(&v2[12..16], &[0x21, 0x21, 0, 36]);
+        assert_eq!(v2.len(), 16 + 36);
+        assert_eq!(&ProxyHeader::V2.encode(None, None)[12..], &[0x20, 0x00, 0, 0]);
     }
 
     #[test]

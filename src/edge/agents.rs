@@ -69,7 +69,8 @@ pub async fn accept(edge: Arc<Edge>, mut req: Request<Incoming>, peer: SocketAdd
     if let Some(wanted) = header(&req, TUNNEL_PROTOCOL_HEADER)
         && wanted != grant.protocol.as_str()
     {
-        let refusal = Refusal::WrongProtocol { key: grant.protocol.as_str(), agent: wanted.chars().take(16).collect() };
+        let refusal =
+            Refusal::WrongProtocol { key: grant.protocol.as_str(), agent: wanted.chars().take(16).collect() };
         return refuse(&edge, refusal, peer);
     }
     let Some(slot) = edge.registry.reserve_slot(&grant.key_id, edge.max_agents_per_key) else {
@@ -106,6 +107,7 @@ pub async fn accept(edge: Arc<Edge>, mut req: Request<Incoming>, peer: SocketAdd
                 grant.key_id.clone(),
                 grant.reservation.id.clone(),
                 agent_id,
+                grant.protocol,
                 sender,
                 control.clone(),
             );

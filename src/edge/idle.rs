@@ -41,7 +41,10 @@ impl<S: AsyncRead + Unpin> AsyncRead for IdleTimeout<S> {
             Poll::Pending => {
                 if this.deadline.as_mut().poll(cx).is_ready() {
                     let what = if this.started { "idle" } else { "silent after the handshake" };
-                    return Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, format!("connection {what}"))));
+                    return Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        format!("connection {what}"),
+                    )));
                 }
                 Poll::Pending
             }

@@ -9,6 +9,7 @@ pub mod metrics;
 pub mod public;
 pub mod registry;
 pub mod routes;
+pub mod sni;
 pub mod store;
 pub mod tcp;
 

@@ -19,9 +19,9 @@ use tokio::sync::{Semaphore, mpsc};
 use tokio_rustls::TlsAcceptor;
 use tracing::{Instrument, debug, warn};
 
-use super::Edge;
+use super::{Edge, sni};
 use crate::agent::serve::{error_chain, strip_culvert_headers, strip_hop_by_hop};
-use crate::api::{Reservation, ReservationKind};
+use crate::api::{Protocol, Reservation, ReservationKind};
 use crate::constants::{
     API_PREFIX, CONNECT_PATH, ERROR_HEADER, HANDSHAKE_TIMEOUT, HEADER_READ_TIMEOUT, MAX_HEADER_BYTES,
     MAX_PUBLIC_CONNECTIONS, RESERVED_PREFIX, STATUS_HEADER, STREAM_HEADER, UPGRADE_HEADER,
@@ -70,6 +70,24 @@ pub async fn serve_https(edge: Arc<Edge>, listener: TcpListener, tls: Arc<rustls
         tokio::spawn(
             async move {
                 let _permit = permit;
+                let mut tcp = tcp;
+                let (hello, sni) =
+                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, sni::read_client_hello(&mut tcp)).await {
+                        Ok(Ok(x)) => x,
+                        Ok(Err(e)) => return debug!(error = %e, "reading the ClientHello failed"),
+                        Err(_) => return debug!("no ClientHello in time"),
+                    };
+                // TLS passthrough: the host's agents publish `tls`; the backend terminates TLS.
+                if let Some(reservation) = sni.as_deref().and_then(|h| edge.routes().host(h).cloned())
+                    && edge.registry.serves(&reservation.id, Protocol::Tls)
+                {
+                    let local = tcp.local_addr().ok();
+                    let name = reservation.hostname.clone().unwrap_or_default();
+                    let io = sni::Prefixed::new(hello, tcp);
+                    return super::tcp::forward(&edge, io, &reservation, Protocol::Tls, &name, peer, local)
+                        .await;
+                }
+                let tcp = sni::Prefixed::new(hello, tcp);
                 let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                     Ok(Ok(tls)) => tls,
                     Ok(Err(e)) => return debug!(error = %e, "TLS handshake failed"),
@@ -287,7 +305,7 @@ async fn proxy(
 
     let mut tried = Vec::new();
     let (resp, guard) = loop {
-        let Some(guard) = edge.registry.pick(&reservation.id, &tried) else {
+        let Some(guard) = edge.registry.pick(&reservation.id, Protocol::Http, &tried) else {
             let reason = if tried.is_empty() {
                 "the tunnel is offline: no agent is connected for this host"
             } else {

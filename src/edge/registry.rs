@@ -9,6 +9,7 @@ use hyper::client::conn::http2::SendRequest;
 use prometheus_client::metrics::gauge::Gauge;
 use tokio_util::sync::CancellationToken;
 
+use crate::api::Protocol;
 use crate::tunnel::body::BoxBody;
 use crate::tunnel::ws::Control;
 
@@ -18,6 +19,8 @@ pub struct AgentConn {
     pub key_id: String,
     pub reservation_id: String,
     pub agent_id: String,
+    /// What the connection's key publishes.
+    pub protocol: Protocol,
     pub sender: SendRequest<BoxBody>,
     pub control: Arc<Control>,
     /// Cancelled to close the connection (key revoked, reservation released).
@@ -76,6 +79,7 @@ impl Registry {
         key_id: String,
         reservation_id: String,
         agent_id: String,
+        protocol: Protocol,
         sender: SendRequest<BoxBody>,
         control: Arc<Control>,
     ) -> Arc<AgentConn> {
@@ -84,6 +88,7 @@ impl Registry {
             key_id,
             reservation_id: reservation_id.clone(),
             agent_id,
+            protocol,
             sender,
             control,
             cancel: CancellationToken::new(),
@@ -103,13 +108,14 @@ impl Registry {
         }
     }
 
-    /// Picks a connection for a new stream of `reservation_id`, skipping `tried`.
-    pub fn pick(&self, reservation_id: &str, tried: &[u64]) -> Option<StreamGuard> {
+    /// Picks a connection of `protocol` for a new stream of `reservation_id`,
+    /// skipping `tried`.
+    pub fn pick(&self, reservation_id: &str, protocol: Protocol, tried: &[u64]) -> Option<StreamGuard> {
         let map = self.by_reservation.lock().expect("poisoned");
         let conn = map
             .get(reservation_id)?
             .iter()
-            .filter(|c| c.usable() && !tried.contains(&c.id))
+            .filter(|c| c.protocol == protocol && c.usable() && !tried.contains(&c.id))
             .min_by_key(|c| c.open_streams.load(Ordering::Relaxed))?
             .clone();
         conn.open_streams.fetch_add(1, Ordering::Relaxed);
@@ -144,6 +150,12 @@ impl Registry {
                 conn.cancel.cancel();
             }
         }
+    }
+
+    /// Whether a usable connection of `protocol` serves `reservation_id`.
+    pub fn serves(&self, reservation_id: &str, protocol: Protocol) -> bool {
+        let map = self.by_reservation.lock().expect("poisoned");
+        map.get(reservation_id).is_some_and(|l| l.iter().any(|c| c.protocol == protocol && c.usable()))
     }
 
     /// Closes everything (shutdown).

@@ -12,9 +12,11 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, error, info, warn};
 
 use super::Edge;
+use crate::api::{Protocol, Reservation};
 use crate::constants::{CLIENT_ADDR_HEADER, SERVER_ADDR_HEADER, STREAM_HEADER};
 use crate::tunnel::StreamKind;
 use crate::tunnel::body::{self, Counted, ReadBody};
+use tokio::io::{AsyncRead, AsyncWrite};
 
 #[derive(Default)]
 pub struct TcpListeners {
@@ -80,11 +82,26 @@ async fn serve(edge: Arc<Edge>, tcp: TcpStream, port: u16, peer: SocketAddr) {
     let Some(reservation) = edge.routes().port(port).cloned() else {
         return debug!("no reservation for this port any more");
     };
-    let name = format!(":{port}");
-    let (read, write) = tcp.into_split();
+    forward(&edge, tcp, &reservation, Protocol::Tcp, &format!(":{port}"), peer, local).await;
+}
+
+/// Carries one public byte stream (a TCP connection, or a TLS connection
+/// passed through by SNI) to an agent of `reservation` serving `protocol`.
+pub async fn forward<S>(
+    edge: &Arc<Edge>,
+    io: S,
+    reservation: &Reservation,
+    protocol: Protocol,
+    name: &str,
+    peer: SocketAddr,
+    local: Option<SocketAddr>,
+) where
+    S: AsyncRead + AsyncWrite + Send + 'static,
+{
+    let (read, write) = tokio::io::split(io);
     let mut tried = Vec::new();
-    let mut body = Some(body::boxed(Counted::new(ReadBody::new(read), edge.metrics.bytes(&name, "in"))));
-    while let Some(guard) = edge.registry.pick(&reservation.id, &tried) {
+    let mut body = Some(body::boxed(Counted::new(ReadBody::new(read), edge.metrics.bytes(name, "in"))));
+    while let Some(guard) = edge.registry.pick(&reservation.id, protocol, &tried) {
         tried.push(guard.conn().id);
         let mut req = Request::new(body.take().expect("body is put back on retry"));
         *req.method_mut() = http::Method::POST;
@@ -99,20 +116,20 @@ async fn serve(edge: Arc<Edge>, tcp: TcpStream, port: u16, peer: SocketAddr) {
         let mut sender = guard.conn().sender.clone();
         match sender.try_send_request(req).await {
             Ok(resp) if resp.status() == StatusCode::OK => {
-                let down = Counted::new(resp.into_body(), edge.metrics.bytes(&name, "out"));
+                let down = Counted::new(resp.into_body(), edge.metrics.bytes(name, "out"));
                 let r = body::copy_body(down, write).await;
                 drop(guard);
-                return debug!(result = ?r, "tcp stream ended");
+                return debug!(result = ?r, "stream ended");
             }
             Ok(resp) => {
                 let why = resp.headers().get(crate::constants::ERROR_HEADER).cloned();
-                return warn!(status = %resp.status(), reason = ?why, "agent refused the TCP stream");
+                return warn!(status = %resp.status(), reason = ?why, "agent refused the stream");
             }
             Err(mut e) => match e.take_message() {
                 Some(r) if tried.len() < 3 => body = Some(r.into_body()),
-                _ => return warn!(error = %e.error(), "tunnel failed for a TCP stream"),
+                _ => return warn!(error = %e.error(), "tunnel failed for a stream"),
             },
         }
     }
-    debug!("no agent connected for this TCP reservation; closing");
+    debug!("no agent connected for this reservation; closing");
 }

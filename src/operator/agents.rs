@@ -17,15 +17,43 @@ use tracing::{Instrument, info};
 
 use super::OperatorArgs;
 use super::names::{LABEL_TUNNEL, SECRET_KEY};
+use super::routes::{Rule, Table};
 use super::status::Metrics;
+use crate::agent::serve::ProxyHeader;
 use crate::agent::{self, Resolver, Target, TunnelOptions};
-use crate::crd::{Tunnel, TunnelProtocol};
+use crate::crd::{ProxyProtocol, Tunnel, TunnelProtocol, TunnelStatus};
 use crate::tunnel::connect::{Dialer, EdgeUrl};
 
 struct Running {
     key: String,
-    backends: Arc<RwLock<Vec<String>>>,
+    routing: Arc<RwLock<Routing>>,
     stop: CancellationToken,
+}
+
+/// How the streams of one Tunnel are routed; behind a lock, so changes apply
+/// without reconnecting.
+#[derive(Debug, Clone, Default, PartialEq)]
+struct Routing {
+    /// HTTP: paths to backends; TCP: only the default backends.
+    table: Table<Vec<String>>,
+    /// PROXY protocol header for TCP streams.
+    proxy: Option<ProxyHeader>,
+}
+
+impl Routing {
+    fn of(t: &Tunnel, status: &TunnelStatus) -> Routing {
+        let rules = status
+            .routes
+            .iter()
+            .map(|r| Rule::new(r.path.clone(), r.path_type, r.backends.clone()))
+            .collect();
+        let default = (!status.backends.is_empty()).then(|| status.backends.clone());
+        let proxy = t.spec.proxy_protocol.map(|p| match p {
+            ProxyProtocol::V1 => ProxyHeader::V1,
+            ProxyProtocol::V2 => ProxyHeader::V2,
+        });
+        Routing { table: Table::new(rules, default), proxy }
+    }
 }
 
 /// What one Tunnel needs to be carried.
@@ -33,7 +61,7 @@ struct Desired {
     name: String,
     key: String,
     protocol: TunnelProtocol,
-    backends: Vec<String>,
+    routing: Routing,
 }
 
 fn desired(tunnels: &Store<Tunnel>, secrets: &Store<Secret>) -> HashMap<String, Desired> {
@@ -41,7 +69,7 @@ fn desired(tunnels: &Store<Tunnel>, secrets: &Store<Secret>) -> HashMap<String, 
     for t in tunnels.state() {
         let Some(status) = &t.status else { continue };
         let ready = status.conditions.iter().any(|c| c.type_ == "Ready" && c.status == "True");
-        if !ready || status.backends.is_empty() {
+        if !ready || (status.backends.is_empty() && status.routes.is_empty()) {
             continue;
         }
         let Some(secret_name) = &status.key_secret else { continue };
@@ -55,24 +83,29 @@ fn desired(tunnels: &Store<Tunnel>, secrets: &Store<Secret>) -> HashMap<String, 
                 name: format!("{}/{}", t.namespace().unwrap_or_default(), t.name_any()),
                 key: String::from_utf8_lossy(&key.0).into_owned(),
                 protocol: t.spec.protocol,
-                backends: status.backends.clone(),
+                routing: Routing::of(&t, status),
             },
         );
     }
     out
 }
 
-fn resolver(protocol: TunnelProtocol, backends: Arc<RwLock<Vec<String>>>) -> Resolver {
+/// Picks a backend by path (http) or the default backends (tcp), round robin.
+fn resolver(protocol: TunnelProtocol, routing: Arc<RwLock<Routing>>) -> Resolver {
     let next = AtomicUsize::new(0);
-    Arc::new(move |_parts| {
-        let list = backends.read().expect("poisoned");
+    Arc::new(move |parts| {
+        let routing = routing.read().expect("poisoned");
+        let list = match protocol {
+            TunnelProtocol::Http => routing.table.lookup(parts.uri.path())?,
+            TunnelProtocol::Tcp | TunnelProtocol::Tls => routing.table.default_backend()?,
+        };
         if list.is_empty() {
             return None;
         }
         let addr = list[next.fetch_add(1, Ordering::Relaxed) % list.len()].clone();
         Some(match protocol {
             TunnelProtocol::Http => Target::Http { authority: addr },
-            TunnelProtocol::Tcp | TunnelProtocol::Tls => Target::Tcp { addr },
+            TunnelProtocol::Tcp | TunnelProtocol::Tls => Target::Tcp { addr, proxy: routing.proxy },
         })
     })
 }
@@ -127,14 +160,14 @@ pub async fn run(client: Client, args: OperatorArgs, metrics: Metrics, shutdown:
         }
         for (uid, d) in want {
             if let Some(r) = running.get(&uid) {
-                let mut b = r.backends.write().expect("poisoned");
-                if *b != d.backends {
-                    info!(tunnel = %d.name, backends = ?d.backends, "backends changed; the tunnel stays connected");
-                    *b = d.backends;
+                let mut routing = r.routing.write().expect("poisoned");
+                if *routing != d.routing {
+                    info!(tunnel = %d.name, routing = ?d.routing, "routes or backends changed; the tunnel stays connected");
+                    *routing = d.routing;
                 }
                 continue;
             }
-            let backends = Arc::new(RwLock::new(d.backends));
+            let routing = Arc::new(RwLock::new(d.routing));
             let stop = shutdown.child_token();
             let protocol = match d.protocol {
                 TunnelProtocol::Http => crate::api::Protocol::Http,
@@ -157,11 +190,11 @@ pub async fn run(client: Client, args: OperatorArgs, metrics: Metrics, shutdown:
             };
             let span = tracing::info_span!("tunnel", tunnel = %d.name);
             tokio::spawn(
-                agent::run_tunnel(dialer, resolver(d.protocol, backends.clone()), options, stop.clone())
+                agent::run_tunnel(dialer, resolver(d.protocol, routing.clone()), options, stop.clone())
                     .instrument(span),
             );
             metrics.tunnels_connected.inc();
-            running.insert(uid, Running { key: d.key, backends, stop });
+            running.insert(uid, Running { key: d.key, routing, stop });
         }
         tokio::select! {
             e = events.next() => if e.is_none() { break },

@@ -9,8 +9,11 @@
 
 pub mod agents;
 pub mod edge;
+pub mod ingress;
 pub mod leader;
 pub mod reservation;
+pub mod routes;
+pub mod service;
 pub mod status;
 pub mod tunnel;
 
@@ -49,6 +52,47 @@ pub mod names {
     pub const LEASE: &str = "culvert-operator-leader";
     /// Reporter of events.
     pub const CONTROLLER: &str = "culvert-operator";
+
+    /// `spec.controller` of the IngressClasses culvert serves.
+    pub const INGRESS_CONTROLLER: &str = "culvert.dev/ingress-controller";
+    /// The IngressClass name the chart creates (also served when no
+    /// IngressClass object of that name exists).
+    pub const INGRESS_CLASS: &str = "culvert";
+    /// IngressClass annotation: this class serves Ingresses without a class.
+    pub const DEFAULT_CLASS_ANNOTATION: &str = "ingressclass.kubernetes.io/is-default-class";
+    /// The deprecated Ingress annotation that names a class.
+    pub const LEGACY_CLASS_ANNOTATION: &str = "kubernetes.io/ingress.class";
+    /// `spec.loadBalancerClass` of the Services culvert always manages.
+    pub const LOAD_BALANCER_CLASS: &str = "culvert.dev/tunnel";
+
+    /// Service annotation: `"0"` leaves a class-less LoadBalancer Service
+    /// alone; `"1"` opts it in under `--annotated-only`.
+    pub const ANNOTATION_MANAGE: &str = "culvert.dev/manage";
+    /// Service annotation written by the operator: `servicePort=publicPort,…`.
+    pub const ANNOTATION_PUBLIC_PORTS: &str = "culvert.dev/public-ports";
+    /// Service annotation: `v1` or `v2` sends a PROXY protocol header to the backend.
+    pub const ANNOTATION_PROXY_PROTOCOL: &str = "culvert.dev/proxy-protocol";
+    /// Ingress and Service annotation: `Delete` (default) or `Retain` for the
+    /// Domains and TcpPorts the operator creates for them.
+    pub const ANNOTATION_RECLAIM_POLICY: &str = "culvert.dev/reclaim-policy";
+    /// Ingress annotation asking for TLS passthrough (not supported yet: a Warning event).
+    pub const ANNOTATION_TLS_PASSTHROUGH: &str = "culvert.dev/tls-passthrough";
+    /// On Tunnels and Domains made for an Ingress: the host they serve.
+    pub const ANNOTATION_HOST: &str = "culvert.dev/host";
+    /// On objects the operator makes for an Ingress or a Service: `ingress` or `service`.
+    pub const LABEL_MANAGED_BY: &str = "culvert.dev/managed-by";
+    /// On objects made for a Service: the Service's uid.
+    pub const LABEL_OWNER_UID: &str = "culvert.dev/owner-uid";
+}
+
+/// What the operator does when an Ingress host has no Domain in its namespace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DomainPolicy {
+    /// Create a Domain owned by the Ingress (released with it, unless the
+    /// Ingress is annotated `culvert.dev/reclaim-policy: Retain`).
+    Auto,
+    /// The host is not published until a Domain of the namespace covers it.
+    Require,
 }
 
 /// How agents reach a Tunnel's Service.
@@ -95,6 +139,14 @@ pub struct OperatorArgs {
     /// Watch only this namespace (default: all namespaces).
     #[arg(long, env = "CULVERT_WATCH_NAMESPACE")]
     pub watch_namespace: Option<String>,
+    /// Manage only LoadBalancer Services annotated `culvert.dev/manage: "1"`
+    /// (and those of class `culvert.dev/tunnel`), not every class-less one.
+    #[arg(long, env = "CULVERT_ANNOTATED_ONLY")]
+    pub annotated_only: bool,
+    /// An Ingress host without a Domain in its namespace: create one (`auto`)
+    /// or wait for one (`require`).
+    #[arg(long, env = "CULVERT_DOMAIN_POLICY", value_enum, default_value_t = DomainPolicy::Auto)]
+    pub domain_policy: DomainPolicy,
 }
 
 /// Why a reconcile failed; the category labels metrics and event reasons.
@@ -141,8 +193,14 @@ pub struct Context {
     pub backend_address: BackendAddress,
     pub recorder: Recorder,
     pub metrics: status::Metrics,
+    /// The edge's base domain: the CNAME target of custom domains.
+    pub edge_domain: String,
     /// Only this namespace is watched, when set.
     pub watch_namespace: Option<String>,
+    /// What the edge said about itself at start (domain, TCP range, public host).
+    pub edge_info: crate::api::Info,
+    pub annotated_only: bool,
+    pub domain_policy: DomainPolicy,
 }
 
 impl Context {
@@ -227,7 +285,11 @@ pub async fn start(client: Client, args: OperatorArgs, shutdown: CancellationTok
         resync: Duration::from_secs(args.resync_seconds.max(1)),
         backend_address: args.backend_address,
         metrics: metrics.clone(),
+        edge_domain: info.domain.clone(),
         watch_namespace: args.watch_namespace.clone(),
+        edge_info: info.clone(),
+        annotated_only: args.annotated_only,
+        domain_policy: args.domain_policy,
     });
 
     let admin = tokio::net::TcpListener::bind(args.admin_addr).await?;
@@ -275,5 +337,7 @@ async fn controllers(ctx: Arc<Context>, stop: CancellationToken) {
         reservation::run_domains(ctx.clone(), stop.clone()),
         reservation::run_tcp_ports(ctx.clone(), stop.clone()),
         tunnel::run(ctx.clone(), stop.clone()),
+        ingress::run(ctx.clone(), stop.clone()),
+        service::run(ctx.clone(), stop.clone()),
     );
 }

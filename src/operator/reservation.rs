@@ -45,7 +45,7 @@ pub trait Reserved:
     fn conditions(&self) -> Vec<Condition>;
     fn reservation_id(&self) -> Option<String>;
     /// The status for a held reservation (`None`: not held).
-    fn status(&self, r: Option<&Reservation>, condition: Condition) -> Value;
+    fn status(&self, r: Option<&Reservation>, condition: Condition, edge_domain: &str) -> Value;
 }
 
 fn is_dns_label(s: &str) -> bool {
@@ -99,7 +99,7 @@ impl Reserved for Domain {
         self.status.as_ref().and_then(|s| s.reservation_id.clone())
     }
 
-    fn status(&self, r: Option<&Reservation>, condition: Condition) -> Value {
+    fn status(&self, r: Option<&Reservation>, condition: Condition, edge_domain: &str) -> Value {
         let custom = r.is_some_and(|r| r.kind == crate::api::ReservationKind::Custom);
         let status = DomainStatus {
             observed_generation: self.metadata.generation,
@@ -111,7 +111,7 @@ impl Reserved for Domain {
         };
         let mut v = serde_json::to_value(status).expect("serializable");
         if custom {
-            v["cnameTarget"] = json!("(the edge's domain; see `culvert admin info`)");
+            v["cnameTarget"] = json!(edge_domain);
         }
         v
     }
@@ -148,7 +148,7 @@ impl Reserved for TcpPort {
         self.status.as_ref().and_then(|s| s.reservation_id.clone())
     }
 
-    fn status(&self, r: Option<&Reservation>, condition: Condition) -> Value {
+    fn status(&self, r: Option<&Reservation>, condition: Condition, _edge_domain: &str) -> Value {
         let status = TcpPortStatus {
             observed_generation: self.metadata.generation,
             conditions: vec![condition],
@@ -242,14 +242,18 @@ async fn apply<K: Reserved>(obj: Arc<K>, ctx: &Context) -> Result<Action, Error>
         Ok((r, _)) => {
             let msg =
                 format!("{} is reserved at the edge: {}", r.target(), r.url.clone().unwrap_or_default());
-            (obj.status(Some(r), ready(true, "Reserved", msg, generation)), None)
+            (obj.status(Some(r), ready(true, "Reserved", msg, generation), &ctx.edge_domain), None)
         }
-        Err(e @ (Error::Invalid(_) | Error::Conflict(_))) => {
-            (obj.status(None, ready(false, e.category(), e.to_string(), generation)), Some(e.category()))
-        }
+        Err(e @ (Error::Invalid(_) | Error::Conflict(_))) => (
+            obj.status(None, ready(false, e.category(), e.to_string(), generation), &ctx.edge_domain),
+            Some(e.category()),
+        ),
         Err(e) => {
             let msg = format!("cannot reach the edge: {e}");
-            (obj.status(None, ready(false, "EdgeUnavailable", msg, generation)), Some("EdgeUnavailable"))
+            (
+                obj.status(None, ready(false, "EdgeUnavailable", msg, generation), &ctx.edge_domain),
+                Some("EdgeUnavailable"),
+            )
         }
     };
     let mut condition: Condition =

@@ -27,7 +27,7 @@ use super::reservation::owner_labels;
 use super::status::{apply_status, carry_transition, event, ready};
 use super::{BackendAddress, Context, Error};
 use crate::api::{CreatedTunnelKey, TunnelKey};
-use crate::crd::{Domain, TcpPort, Tunnel, TunnelProtocol, TunnelStatus};
+use crate::crd::{Domain, ResolvedRoute, ServiceRef, TcpPort, Tunnel, TunnelProtocol, TunnelStatus};
 
 /// Name of the Secret holding a Tunnel's key.
 pub fn secret_name(tunnel: &str) -> String {
@@ -38,6 +38,9 @@ pub fn secret_name(tunnel: &str) -> String {
 struct Resolved {
     url: String,
     backends: Vec<String>,
+    routes: Vec<ResolvedRoute>,
+    /// Routes (or the default backend of routes) that cannot be served.
+    problems: Vec<String>,
     agents: u32,
 }
 
@@ -51,18 +54,29 @@ fn dns_label(s: &str) -> bool {
 
 /// Validate: the spec alone, without a client.
 pub fn validate(t: &Tunnel) -> Result<(), Error> {
-    let svc = &t.spec.service.name;
-    if !dns_label(svc) {
-        return Err(Error::Invalid(format!(
-            "spec.service.name `{svc}` must be the name of a Service in this namespace: \
-             IP addresses, host names and other namespaces are not allowed"
-        )));
+    for svc in t.spec.services() {
+        if !dns_label(svc) {
+            return Err(Error::Invalid(format!(
+                "service `{svc}` must be the name of a Service in this namespace: \
+                 IP addresses, host names and other namespaces are not allowed"
+            )));
+        }
+    }
+    if t.spec.service.is_none() && t.spec.routes.is_empty() {
+        return Err(Error::Invalid("spec.service is required (or spec.routes, for http)".into()));
+    }
+    if !t.spec.routes.is_empty() && t.spec.protocol != TunnelProtocol::Http {
+        return Err(Error::Invalid("spec.routes apply to protocol http only".into()));
+    }
+    if let Some(r) = t.spec.routes.iter().find(|r| !r.path.starts_with('/')) {
+        return Err(Error::Invalid(format!("route path `{}` must start with /", r.path)));
     }
     match (t.spec.protocol, &t.spec.domain, &t.spec.tcp_port) {
+        (TunnelProtocol::Http | TunnelProtocol::Tls, Some(_), None)
+        | (TunnelProtocol::Tcp, None, Some(_)) => Ok(()),
         (TunnelProtocol::Tls, _, _) => Err(Error::Invalid(
-            "protocol tls (passthrough) is not supported by this version yet; use http or tcp".into(),
+            "protocol tls (passthrough) needs spec.domain (a Domain of this namespace) and no tcpPort".into(),
         )),
-        (TunnelProtocol::Http, Some(_), None) | (TunnelProtocol::Tcp, None, Some(_)) => Ok(()),
         (TunnelProtocol::Http, _, _) => Err(Error::Invalid(
             "protocol http needs spec.domain (a Domain of this namespace) and no tcpPort".into(),
         )),
@@ -91,7 +105,8 @@ async fn reservation(t: &Tunnel, ctx: &Context, ns: &str) -> Result<serde_json::
             Error::Waiting(format!("no Domain {name} in this namespace: create one (a Tunnel may only use its own namespace's Domains)"))
         })?;
         let host = d.status.and_then(|s| s.hostname).ok_or_else(|| not_ready("Domain", name))?;
-        return Ok(json!({ "domain": host, "protocol": "http" }));
+        let protocol = if t.spec.protocol == TunnelProtocol::Tls { "tls" } else { "http" };
+        return Ok(json!({ "domain": host, "protocol": protocol }));
     }
     let name = t.spec.tcp_port.clone().unwrap_or_default();
     let p = Api::<TcpPort>::namespaced(ctx.client.clone(), ns).get_opt(&name).await?.ok_or_else(|| {
@@ -101,9 +116,9 @@ async fn reservation(t: &Tunnel, ctx: &Context, ns: &str) -> Result<serde_json::
     Ok(json!({ "port": port, "protocol": "tcp" }))
 }
 
-/// The addresses agents dial for the Tunnel's Service port.
-async fn backends(t: &Tunnel, ctx: &Context, ns: &str) -> Result<Vec<String>, Error> {
-    let name = &t.spec.service.name;
+/// The addresses agents dial for a Service port.
+async fn backends(svc_ref: &ServiceRef, ctx: &Context, ns: &str) -> Result<Vec<String>, Error> {
+    let name = &svc_ref.name;
     let svc = Api::<Service>::namespaced(ctx.client.clone(), ns)
         .get_opt(name)
         .await?
@@ -117,11 +132,11 @@ async fn backends(t: &Tunnel, ctx: &Context, ns: &str) -> Result<Vec<String>, Er
     let ports = spec.ports.unwrap_or_default();
     let port = ports
         .iter()
-        .find(|p| match &t.spec.service.port {
+        .find(|p| match &svc_ref.port {
             IntOrString::Int(n) => p.port == *n,
             IntOrString::String(s) => p.name.as_deref() == Some(s.as_str()),
         })
-        .ok_or_else(|| Error::Invalid(format!("Service {name} has no port {:?}", t.spec.service.port)))?;
+        .ok_or_else(|| Error::Invalid(format!("Service {name} has no port {:?}", svc_ref.port)))?;
     let headless = spec.cluster_ip.as_deref().is_none_or(|ip| ip == "None" || ip.is_empty());
     if ctx.backend_address == BackendAddress::ClusterIp && !headless {
         let ip = spec.cluster_ip.unwrap_or_default();
@@ -184,7 +199,8 @@ async fn ensure_key(
             (_, Some(port)) => key.reservation.port.map(u64::from) == port.as_u64(),
             _ => false,
         };
-        if key.revoked_at.is_none() && same {
+        let same_protocol = want.get("protocol").and_then(|p| p.as_str()) == Some(key.protocol.as_str());
+        if key.revoked_at.is_none() && same && same_protocol {
             return Ok(key);
         }
         ctx.edge.delete(format!("tunnel-keys/{id}")).await?;
@@ -218,7 +234,25 @@ async fn resolve(t: &Tunnel, ctx: &Context) -> Result<Resolved, Error> {
     let ns = t.namespace().unwrap_or_default();
     validate(t)?;
     let want = reservation(t, ctx, &ns).await?;
-    let backends = backends(t, ctx, &ns).await?;
+    // With routes, one unusable Service degrades its path only.
+    let mut problems = Vec::new();
+    let mut degrade = |what: String, r: Result<Vec<String>, Error>| match r {
+        Err(e @ (Error::Invalid(_) | Error::Waiting(_))) => {
+            problems.push(format!("{what}: {e}"));
+            Ok(Vec::new())
+        }
+        r => r,
+    };
+    let mut routes = Vec::new();
+    for r in &t.spec.routes {
+        let b = degrade(format!("route {}", r.path), backends(&r.service, ctx, &ns).await)?;
+        routes.push(ResolvedRoute { path: r.path.clone(), path_type: r.path_type, backends: b });
+    }
+    let backends = match &t.spec.service {
+        Some(s) if t.spec.routes.is_empty() => backends(s, ctx, &ns).await?,
+        Some(s) => degrade("default backend".into(), backends(s, ctx, &ns).await)?,
+        None => Vec::new(),
+    };
     let key = ensure_key(t, ctx, &ns, &want).await?;
     let url = match (&key.reservation.hostname, key.reservation.port) {
         (Some(_), _) | (_, Some(_)) => ctx
@@ -237,7 +271,7 @@ async fn resolve(t: &Tunnel, ctx: &Context) -> Result<Resolved, Error> {
             .unwrap_or_default(),
         _ => String::new(),
     };
-    Ok(Resolved { url, backends, agents: key.connections as u32 })
+    Ok(Resolved { url, backends, routes, problems, agents: key.connections as u32 })
 }
 
 async fn apply(t: Arc<Tunnel>, ctx: &Context) -> Result<Action, Error> {
@@ -254,13 +288,20 @@ async fn apply(t: Arc<Tunnel>, ctx: &Context) -> Result<Action, Error> {
         Ok(r) => {
             status.url = Some(r.url.clone());
             status.backends = r.backends.clone();
+            status.routes = r.routes.clone();
             status.agents = r.agents;
-            ready(
-                true,
-                "Published",
-                format!("{} → {} ({} agent(s) connected)", r.url, r.backends.join(", "), r.agents),
-                generation,
-            )
+            let to = if r.routes.is_empty() {
+                r.backends.join(", ")
+            } else {
+                format!("{} route(s)", r.routes.len())
+            };
+            let published = format!("{} → {to} ({} agent(s) connected)", r.url, r.agents);
+            if r.problems.is_empty() {
+                ready(true, "Published", published, generation)
+            } else {
+                // Still serving the other paths.
+                ready(true, "Degraded", format!("{published}; {}", r.problems.join("; ")), generation)
+            }
         }
         Err(e @ (Error::Invalid(_) | Error::Conflict(_) | Error::Waiting(_))) => {
             ready(false, e.category(), e.to_string(), generation)
@@ -271,9 +312,10 @@ async fn apply(t: Arc<Tunnel>, ctx: &Context) -> Result<Action, Error> {
     if outcome.is_err() && matches!(outcome, Err(Error::Edge(_) | Error::Kube(_))) {
         status.url = old.url.clone();
         status.backends = old.backends.clone();
+        status.routes = old.routes.clone();
     }
     let changed = carry_transition(&mut condition, &old.conditions);
-    let failed = condition.status != "True";
+    let failed = condition.status != "True" || condition.reason == "Degraded";
     let (reason, message) = (condition.reason.clone(), condition.message.clone());
     status.conditions = vec![condition];
     apply_status(&api, &*t, &status).await?;
@@ -349,7 +391,7 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
             watcher::Config::default(),
             move |s: Service| {
                 let name = s.name_any();
-                r1(s.namespace(), Box::new(move |t| t.spec.service.name == name))
+                r1(s.namespace(), Box::new(move |t| t.spec.services().any(|s| s == name)))
             },
         )
         .watches(
@@ -357,7 +399,7 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
             watcher::Config::default().labels("kubernetes.io/service-name"),
             move |e: EndpointSlice| {
                 let svc = e.labels().get("kubernetes.io/service-name").cloned().unwrap_or_default();
-                r2(e.namespace(), Box::new(move |t| t.spec.service.name == svc))
+                r2(e.namespace(), Box::new(move |t| t.spec.services().any(|s| s == svc)))
             },
         )
         .watches(super::watched::<Domain>(&client, all(())), watcher::Config::default(), move |d: Domain| {
@@ -390,6 +432,9 @@ mod tests {
     fn validation_rejects_what_isolation_forbids() {
         let ok = tunnel(json!({"service": {"name": "web", "port": 80}, "domain": "web"}));
         assert!(validate(&ok).is_ok());
+        let routes_only = tunnel(json!({"routes": [{"path": "/api", "pathType": "Exact",
+            "service": {"name": "api", "port": "http"}}], "domain": "web"}));
+        assert!(validate(&routes_only).is_ok());
         for (spec, needle) in [
             (json!({"service": {"name": "10.0.0.1", "port": 80}, "domain": "d"}), "IP addresses"),
             (json!({"service": {"name": "web.other-ns", "port": 80}, "domain": "d"}), "other namespaces"),
@@ -402,6 +447,19 @@ mod tests {
             (
                 json!({"service": {"name": "web", "port": 80}, "domain": "d", "proxyProtocol": "v1"}),
                 "tcp and tls only",
+            ),
+            (json!({"domain": "d"}), "spec.service is required"),
+            (
+                json!({"routes": [{"path": "/", "service": {"name": "a.b", "port": 80}}], "domain": "d"}),
+                "other namespaces",
+            ),
+            (
+                json!({"routes": [{"path": "x", "service": {"name": "a", "port": 80}}], "domain": "d"}),
+                "must start with /",
+            ),
+            (
+                json!({"routes": [{"path": "/", "service": {"name": "a", "port": 80}}], "protocol": "tcp", "tcpPort": "p"}),
+                "http only",
             ),
         ] {
             let err = validate(&tunnel(spec.clone())).unwrap_err().to_string();

@@ -27,7 +27,9 @@ impl Refusal {
     pub fn status(&self) -> StatusCode {
         match self {
             Refusal::MissingKey | Refusal::UnknownKey => StatusCode::UNAUTHORIZED,
-            Refusal::RevokedKey | Refusal::NotATunnelKey | Refusal::WrongProtocol { .. } => StatusCode::FORBIDDEN,
+            Refusal::RevokedKey | Refusal::NotATunnelKey | Refusal::WrongProtocol { .. } => {
+                StatusCode::FORBIDDEN
+            }
             Refusal::MissingVersion | Refusal::VersionTooOld { .. } | Refusal::VersionTooNew { .. } => {
                 StatusCode::UPGRADE_REQUIRED
             }

@@ -68,20 +68,18 @@ impl Control {
 
     /// Waits until the edge acknowledged our goodbye.
     pub async fn acked(&self) {
-        loop {
-            let notified = self.changed.notified();
-            if self.acked.load(Ordering::Acquire) {
-                return;
-            }
-            notified.await;
-        }
+        self.wait_for(&self.acked).await
     }
 
     /// Waits until the edge said it routes streams here.
     pub async fn ready(&self) {
+        self.wait_for(&self.ready).await
+    }
+
+    async fn wait_for(&self, flag: &AtomicBool) {
         loop {
             let notified = self.changed.notified();
-            if self.ready.load(Ordering::Acquire) {
+            if flag.load(Ordering::Acquire) {
                 return;
             }
             notified.await;
@@ -313,5 +311,18 @@ mod tests {
         assert!(edge_ctl.peer_is_draining());
         edge_task.abort();
         agent_task.abort();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_silent_peer_is_detected_as_dead() {
+        // The peer never reads or answers pings: after DEAD_PEER_TIMEOUT reads fail.
+        let (a, _silent) = tokio::io::duplex(1 << 20);
+        let ws = WebSocketStream::from_raw_socket(a, Role::Client, Some(ws_config())).await;
+        let mut stream = WsStream::new(ws, Arc::default());
+        let started = tokio::time::Instant::now();
+        let mut buf = [0u8; 8];
+        let err = stream.read(&mut buf).await.unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::TimedOut);
+        assert!(started.elapsed() >= DEAD_PEER_TIMEOUT);
     }
 }

@@ -1,0 +1,931 @@
+//! Ingresses and LoadBalancer Services against a real kube-apiserver (the
+//! kube-env harness) and a real edge, each test in its own namespace with its
+//! own operator (`--watch-namespace`). Backends are real servers listening
+//! inside a network namespace the test creates (Service endpoints may not be
+//! loopback addresses).
+
+#[path = "support/kube.rs"]
+mod kube_env;
+#[path = "support/net.rs"]
+mod net;
+#[path = "support/netns.rs"]
+mod netns;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use culvert::crd::{Domain, TcpPort, Tunnel};
+use culvert::operator::{BackendAddress, DomainPolicy, OperatorArgs};
+use futures_util::{SinkExt, StreamExt};
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use k8s_openapi::api::core::v1::{Event, Secret, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::networking::v1::{Ingress, IngressClass};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
+use kube_env::{TestNamespace, wait_until};
+use net::TestEdge;
+use netns::NetnsHost;
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_tungstenite::tungstenite::Message;
+use tokio_util::sync::CancellationToken;
+
+const WAIT: Duration = Duration::from_secs(60);
+const CONTROLLER: &str = "culvert.dev/ingress-controller";
+
+async fn install_crds(client: &Client) {
+    let api = Api::<CustomResourceDefinition>::all(client.clone());
+    for doc in include_str!("../crds/culvert.yaml").split("---\n").filter(|d| !d.trim().is_empty()) {
+        let crd: CustomResourceDefinition = serde_saphyr::from_str(doc).unwrap();
+        api.patch(&crd.name_any(), &PatchParams::apply("culvert-tests").force(), &Patch::Apply(&crd))
+            .await
+            .unwrap();
+    }
+    for name in ["domains.culvert.dev", "tcpports.culvert.dev", "tunnels.culvert.dev"] {
+        wait_until("CRD established", WAIT, || async {
+            let c = api.get(name).await?;
+            Ok(c.status
+                .and_then(|s| s.conditions)
+                .unwrap_or_default()
+                .iter()
+                .any(|c| c.type_ == "Established" && c.status == "True")
+                .then_some(()))
+        })
+        .await
+        .unwrap();
+    }
+}
+
+struct Fixture {
+    client: Client,
+    ns: TestNamespace,
+    edge: TestEdge,
+    endpoints_key: String,
+    /// Cluster-scoped IngressClasses this test made (deleted at the end).
+    classes: std::sync::Mutex<Vec<String>>,
+}
+
+impl Fixture {
+    async fn new(prefix: &str) -> Option<Fixture> {
+        let env = kube_env::connect().await?;
+        install_crds(&env.client).await;
+        let ns = env.namespace(prefix).await.unwrap();
+        let edge = TestEdge::start().await;
+        let (s, k) =
+            edge.api("POST", "api-keys", Some(json!({"name": "operator", "scope": "endpoints"}))).await;
+        assert!(s.is_success(), "{k}");
+        Some(Fixture {
+            client: env.client.clone(),
+            ns,
+            edge,
+            endpoints_key: k["secret"].as_str().unwrap().into(),
+            classes: Default::default(),
+        })
+    }
+
+    fn suffix(&self) -> &str {
+        &self.ns.name[self.ns.name.len() - 8..]
+    }
+
+    fn args(&self, identity: &str) -> OperatorArgs {
+        OperatorArgs {
+            edge: self.edge.url(),
+            api_key: self.endpoints_key.clone(),
+            ca_file: Some(self.edge.ca_file.clone()),
+            namespace: self.ns.name.clone(),
+            identity: Some(identity.into()),
+            resync_seconds: 1,
+            lease_seconds: 2,
+            backend_address: BackendAddress::Endpoints,
+            admin_addr: "127.0.0.1:0".parse().unwrap(),
+            watch_namespace: Some(self.ns.name.clone()),
+            annotated_only: false,
+            domain_policy: DomainPolicy::Auto,
+        }
+    }
+
+    /// Starts an operator in this process; cancel the token to stop it.
+    fn operator_with(&self, args: OperatorArgs) -> (CancellationToken, tokio::task::JoinHandle<()>) {
+        let stop = CancellationToken::new();
+        let (client, s) = (self.client.clone(), stop.clone());
+        let task =
+            tokio::spawn(
+                async move { culvert::operator::start(client, args, s).await.expect("operator runs") },
+            );
+        (stop, task)
+    }
+
+    fn operator(&self) -> (CancellationToken, tokio::task::JoinHandle<()>) {
+        self.operator_with(self.args("solo"))
+    }
+
+    fn api<K>(&self) -> Api<K>
+    where
+        K: kube::Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>,
+    {
+        Api::namespaced(self.client.clone(), &self.ns.name)
+    }
+
+    async fn create<K>(&self, obj: Value) -> K
+    where
+        K: kube::Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+            + Clone
+            + serde::de::DeserializeOwned
+            + serde::Serialize
+            + std::fmt::Debug,
+    {
+        let obj: K = serde_json::from_value(obj).unwrap();
+        self.api::<K>().create(&PostParams::default(), &obj).await.unwrap()
+    }
+
+    /// Merge-patches a namespaced object.
+    async fn patch<K>(&self, name: &str, patch: Value)
+    where
+        K: kube::Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+            + Clone
+            + serde::de::DeserializeOwned
+            + std::fmt::Debug,
+    {
+        self.api::<K>().patch(name, &PatchParams::default(), &Patch::Merge(patch)).await.unwrap();
+    }
+
+    /// An IngressClass (cluster-scoped, removed by `finish`).
+    async fn ingress_class(&self, name: &str, controller: &str, default: bool) {
+        let mut obj = json!({"apiVersion": "networking.k8s.io/v1", "kind": "IngressClass",
+            "metadata": {"name": name, "labels": {"culvert.dev/test": "true"}}, "spec": {"controller": controller}});
+        if default {
+            obj["metadata"]["annotations"] = json!({"ingressclass.kubernetes.io/is-default-class": "true"});
+        }
+        let api = Api::<IngressClass>::all(self.client.clone());
+        api.patch(name, &PatchParams::apply("culvert-tests").force(), &Patch::Apply(&obj)).await.unwrap();
+        let mut classes = self.classes.lock().unwrap();
+        if !classes.iter().any(|c| c == name) {
+            classes.push(name.into());
+        }
+    }
+
+    async fn events_for(&self, name: &str) -> Vec<(String, String, String)> {
+        let events = self.api::<Event>().list(&Default::default()).await.unwrap();
+        events
+            .items
+            .into_iter()
+            .filter(|e| e.involved_object.name.as_deref() == Some(name))
+            .map(|e| {
+                (e.type_.unwrap_or_default(), e.reason.unwrap_or_default(), e.message.unwrap_or_default())
+            })
+            .collect()
+    }
+
+    async fn wait_event(&self, name: &str, kind: &str, reason: &str) -> String {
+        wait_until(&format!("{kind} event {reason} on {name}"), WAIT, || async {
+            Ok(self
+                .events_for(name)
+                .await
+                .into_iter()
+                .find(|(t, r, _)| t == kind && r == reason)
+                .map(|e| e.2))
+        })
+        .await
+        .unwrap()
+    }
+
+    /// Waits until the Ingress's status names `host`.
+    async fn wait_ingress_published(&self, name: &str, host: &str) {
+        let api = self.api::<Ingress>();
+        let r = wait_until(&format!("Ingress {name} status names {host}"), WAIT, || async {
+            let v = serde_json::to_value(api.get(name).await?)?;
+            let hosts: Vec<String> = v["status"]["loadBalancer"]["ingress"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|i| i["hostname"].as_str().map(String::from))
+                .collect();
+            Ok(hosts.iter().any(|h| h == host).then_some(()))
+        })
+        .await;
+        if let Err(e) = r {
+            let tunnels: Vec<Value> = self
+                .api::<Tunnel>()
+                .list(&Default::default())
+                .await
+                .unwrap()
+                .items
+                .into_iter()
+                .map(|t| json!({"name": t.name_any(), "spec": t.spec, "status": t.status}))
+                .collect();
+            panic!("{e}; tunnels: {tunnels:#?}; events: {:?}", self.events_for(name).await);
+        }
+    }
+
+    /// GET through the edge until `want(status, body)` holds; returns the last answer.
+    async fn get_until(
+        &self,
+        host: &str,
+        path: &str,
+        want: impl Fn(StatusCode, &str) -> bool,
+    ) -> (StatusCode, String) {
+        let mut last = (StatusCode::OK, String::new());
+        let deadline = std::time::Instant::now() + WAIT;
+        while std::time::Instant::now() < deadline {
+            last = self.edge.client().get(host, path).await;
+            if want(last.0, &last.1) {
+                return last;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        panic!("GET {host}{path}: still {} {:?} after {WAIT:?}", last.0, last.1);
+    }
+
+    /// Deletes what the test made (the operator still running, so the
+    /// finalizers complete), stops the operator and deletes the namespace.
+    async fn finish(self, stop: CancellationToken, task: tokio::task::JoinHandle<()>) {
+        let dp = DeleteParams::default();
+        let lp = Default::default();
+        self.api::<Ingress>().delete_collection(&dp, &lp).await.unwrap();
+        for s in self.api::<Service>().list(&lp).await.unwrap() {
+            self.api::<Service>().delete(&s.name_any(), &dp).await.unwrap();
+        }
+        self.api::<Tunnel>().delete_collection(&dp, &lp).await.unwrap();
+        self.api::<Domain>().delete_collection(&dp, &lp).await.unwrap();
+        self.api::<TcpPort>().delete_collection(&dp, &lp).await.unwrap();
+        wait_until("culvert objects finalized", WAIT, || async {
+            let left = self.api::<Tunnel>().list(&lp).await?.items.len()
+                + self.api::<Domain>().list(&lp).await?.items.len()
+                + self.api::<TcpPort>().list(&lp).await?.items.len();
+            Ok((left == 0).then_some(()))
+        })
+        .await
+        .unwrap();
+        stop.cancel();
+        tokio::time::timeout(Duration::from_secs(30), task).await.expect("operator stops").unwrap();
+        let classes = std::mem::take(&mut *self.classes.lock().unwrap());
+        for c in classes {
+            let _ = Api::<IngressClass>::all(self.client.clone()).delete(&c, &dp).await;
+        }
+        self.ns.delete_and_wait().await.unwrap();
+    }
+}
+
+/// A TCP listener on `ip:port` inside the network namespace `host`.
+fn listen_in(host: &NetnsHost, port: u16) -> TcpListener {
+    use std::os::fd::AsRawFd;
+    let (path, ip) = (format!("/run/netns/{}", host.name), host.ip.clone());
+    // setns(2) moves only the calling thread: a short-lived one binds, and the
+    // socket stays in the namespace it was made in.
+    let listener = std::thread::spawn(move || {
+        let ns = std::fs::File::open(&path).unwrap();
+        // SAFETY: setns on a valid descriptor of a network namespace, on this thread only.
+        let rc = unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) };
+        assert_eq!(rc, 0, "setns {path}: {}", std::io::Error::last_os_error());
+        let l = std::net::TcpListener::bind((ip.as_str(), port)).unwrap();
+        l.set_nonblocking(true).unwrap();
+        l
+    })
+    .join()
+    .unwrap();
+    TcpListener::from_std(listener).unwrap()
+}
+
+type TestBody = http_body_util::combinators::UnsyncBoxBody<Bytes, std::io::Error>;
+
+/// An HTTP backend named `label` in the network namespace: answers
+/// `<label> <path>`, and paths ending in `/ws` are a WebSocket echo.
+fn http_backend(host: &NetnsHost, port: u16, label: &'static str) {
+    let listener = listen_in(host, port);
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else { return };
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(move |req| handle(req, label));
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(tcp), service)
+                    .with_upgrades()
+                    .await;
+            });
+        }
+    });
+}
+
+async fn handle(
+    mut req: Request<Incoming>,
+    label: &'static str,
+) -> Result<Response<TestBody>, std::convert::Infallible> {
+    let full = |s: String| Full::new(Bytes::from(s)).map_err(|never| match never {}).boxed_unsync();
+    if !req.uri().path().ends_with("/ws") {
+        return Ok(Response::new(full(format!("{label} {}", req.uri().path()))));
+    }
+    let key = req.headers().get("sec-websocket-key").cloned().unwrap();
+    let on_upgrade = hyper::upgrade::on(&mut req);
+    tokio::spawn(async move {
+        let up = on_upgrade.await.unwrap();
+        let mut ws = tokio_tungstenite::WebSocketStream::from_raw_socket(
+            TokioIo::new(up),
+            tokio_tungstenite::tungstenite::protocol::Role::Server,
+            None,
+        )
+        .await;
+        while let Some(Ok(msg)) = ws.next().await {
+            if let Message::Text(t) = msg
+                && ws.send(Message::text(format!("{label} echoes {t}"))).await.is_err()
+            {
+                break;
+            }
+        }
+    });
+    let accept = tokio_tungstenite::tungstenite::handshake::derive_accept_key(key.as_bytes());
+    Ok(Response::builder()
+        .status(101)
+        .header("connection", "upgrade")
+        .header("upgrade", "websocket")
+        .header("sec-websocket-accept", accept)
+        .body(full(String::new()))
+        .unwrap())
+}
+
+/// What a PROXY protocol header said.
+#[derive(Debug, Clone, PartialEq)]
+enum Proxied {
+    None,
+    Tcp { version: u8, src: SocketAddr, dst: SocketAddr },
+    Other(String),
+}
+
+/// Reads a PROXY protocol v1 or v2 header if the stream starts with one
+/// (a parser written from the spec, independent of the agent's encoder).
+async fn read_proxy_header(r: &mut BufReader<tokio::net::tcp::OwnedReadHalf>) -> std::io::Result<Proxied> {
+    const V2: &[u8; 12] = b"\r\n\r\n\0\r\nQUIT\n";
+    let buf = r.fill_buf().await?;
+    if buf.starts_with(b"PROXY ") {
+        let mut line = String::new();
+        r.read_line(&mut line).await?;
+        let line = line.strip_suffix("\r\n").expect("v1 line ends with CRLF");
+        let f: Vec<&str> = line.split(' ').collect();
+        return Ok(match f.as_slice() {
+            ["PROXY", "TCP4" | "TCP6", src, dst, sport, dport] => Proxied::Tcp {
+                version: 1,
+                src: SocketAddr::new(src.parse().unwrap(), sport.parse().unwrap()),
+                dst: SocketAddr::new(dst.parse().unwrap(), dport.parse().unwrap()),
+            },
+            _ => Proxied::Other(line.to_string()),
+        });
+    }
+    if buf.len() >= 12 && &buf[..12] == V2 {
+        let mut head = [0u8; 16];
+        r.read_exact(&mut head).await?;
+        let len = u16::from_be_bytes([head[14], head[15]]) as usize;
+        let mut body = vec![0u8; len];
+        r.read_exact(&mut body).await?;
+        assert_eq!(head[12] >> 4, 2, "version 2");
+        return Ok(match (head[12] & 0x0f, head[13]) {
+            (1, 0x11) => {
+                let ip = |b: &[u8]| std::net::IpAddr::from([b[0], b[1], b[2], b[3]]);
+                let port = |b: &[u8]| u16::from_be_bytes([b[0], b[1]]);
+                Proxied::Tcp {
+                    version: 2,
+                    src: SocketAddr::new(ip(&body[0..4]), port(&body[8..10])),
+                    dst: SocketAddr::new(ip(&body[4..8]), port(&body[10..12])),
+                }
+            }
+            (cmd, fam) => Proxied::Other(format!("v2 command {cmd} family {fam:#x}")),
+        });
+    }
+    Ok(Proxied::None)
+}
+
+/// A TCP backend in the network namespace: parses a PROXY header if one
+/// comes, then answers each line: `whoami` with what the header said,
+/// anything else echoed.
+fn tcp_backend(host: &NetnsHost, port: u16) {
+    let listener = listen_in(host, port);
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else { return };
+            tokio::spawn(async move {
+                let (r, mut w) = tcp.into_split();
+                let mut r = BufReader::new(r);
+                let proxied = match read_proxy_header(&mut r).await {
+                    Ok(p) => p,
+                    Err(_) => return,
+                };
+                let mut line = String::new();
+                while r.read_line(&mut line).await.unwrap_or(0) > 0 {
+                    let answer = match line.trim_end() {
+                        "whoami" => match &proxied {
+                            Proxied::None => "proxy none\n".to_string(),
+                            Proxied::Tcp { version, src, dst } => format!("proxy v{version} {src} {dst}\n"),
+                            Proxied::Other(s) => format!("proxy other {s}\n"),
+                        },
+                        _ => line.clone(),
+                    };
+                    if w.write_all(answer.as_bytes()).await.is_err() {
+                        return;
+                    }
+                    line.clear();
+                }
+            });
+        }
+    });
+}
+
+/// A Service without selector whose EndpointSlice points at `ip` (ports:
+/// (name, service port, target port, protocol)).
+async fn service_with_endpoints(
+    f: &Fixture,
+    name: &str,
+    ip: &str,
+    spec: Value,
+    ports: &[(&str, u16, u16, &str)],
+) {
+    let mut spec = spec;
+    spec["ports"] = ports
+        .iter()
+        .map(|(n, p, t, proto)| json!({"name": n, "port": p, "targetPort": t, "protocol": proto}))
+        .collect();
+    f.create::<Service>(
+        json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": name}, "spec": spec}),
+    )
+    .await;
+    f.create::<EndpointSlice>(json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"name": format!("{name}-1"), "labels": {"kubernetes.io/service-name": name}},
+        "addressType": "IPv4",
+        "ports": ports.iter().map(|(n, _, t, proto)| json!({"name": n, "port": t, "protocol": proto})).collect::<Vec<_>>(),
+        "endpoints": [{"addresses": [ip], "conditions": {"ready": true}}]}))
+        .await;
+}
+
+fn ingress(name: &str, class: Option<&str>, host: &str, paths: &[(&str, &str, &str)]) -> Value {
+    let paths: Vec<Value> = paths
+        .iter()
+        .map(|(p, t, svc)| json!({"path": p, "pathType": t, "backend": {"service": {"name": svc, "port": {"number": 80}}}}))
+        .collect();
+    let mut v = json!({"apiVersion": "networking.k8s.io/v1", "kind": "Ingress", "metadata": {"name": name},
+        "spec": {"rules": [{"host": host, "http": {"paths": paths}}]}});
+    if let Some(c) = class {
+        v["spec"]["ingressClassName"] = json!(c);
+    }
+    v
+}
+
+async fn key_id(f: &Fixture, tunnel: &str) -> String {
+    let s = f.api::<Secret>().get(&format!("{tunnel}-culvert-key")).await.unwrap();
+    String::from_utf8(s.data.unwrap()["keyId"].0.clone()).unwrap()
+}
+
+/// Opens a WebSocket through the edge.
+async fn websocket(
+    f: &Fixture,
+    host: &str,
+    path: &str,
+) -> tokio_tungstenite::WebSocketStream<tokio_rustls::client::TlsStream<TcpStream>> {
+    let tls = f.edge.client().connect(host, false).await;
+    let (ws, resp) =
+        tokio_tungstenite::client_async(format!("ws://{host}{path}"), tls).await.expect("websocket");
+    assert_eq!(resp.status(), StatusCode::SWITCHING_PROTOCOLS);
+    ws
+}
+
+async fn ws_roundtrip<S>(ws: &mut tokio_tungstenite::WebSocketStream<S>, text: &str) -> String
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    ws.send(Message::text(text)).await.expect("websocket send");
+    match tokio::time::timeout(Duration::from_secs(10), ws.next()).await {
+        Ok(Some(Ok(Message::Text(t)))) => t.to_string(),
+        other => panic!("websocket: {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ingress_routes_paths_and_changes_them_live() {
+    let Some(f) = Fixture::new("ing-paths").await else { return };
+    let Some(backends) = NetnsHost::create() else { return };
+    http_backend(&backends, 8001, "A");
+    http_backend(&backends, 8002, "B");
+    service_with_endpoints(&f, "a", &backends.ip, json!({}), &[("http", 80, 8001, "TCP")]).await;
+    service_with_endpoints(&f, "b", &backends.ip, json!({}), &[("http", 80, 8002, "TCP")]).await;
+    f.create::<Service>(json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "ext"},
+        "spec": {"type": "ExternalName", "externalName": "example.com"}}))
+        .await;
+    let class = format!("culvert-{}", f.suffix());
+    f.ingress_class(&class, CONTROLLER, false).await;
+    let (stop, task) = f.operator();
+
+    let host = format!("p{}.edge.test", f.suffix());
+    let mut shop = ingress("shop", Some(&class), &host, &[("/a", "Prefix", "a"), ("/b", "Prefix", "b")]);
+    shop["spec"]["tls"] = json!([{"hosts": [host], "secretName": "unused"}]);
+    f.create::<Ingress>(shop).await;
+    f.wait_ingress_published("shop", &host).await;
+
+    // Two paths, two real backends; element-wise prefixes; unknown paths 404.
+    let ok = |want: &'static str| move |s: StatusCode, b: &str| s == StatusCode::OK && b == want;
+    f.get_until(&host, "/a/x", ok("A /a/x")).await;
+    assert_eq!(f.edge.client().get(&host, "/a").await, (StatusCode::OK, "A /a".into()));
+    assert_eq!(f.edge.client().get(&host, "/b/").await, (StatusCode::OK, "B /b/".into()));
+    assert_eq!(f.edge.client().get(&host, "/ab").await.0, StatusCode::NOT_FOUND, "/a is not a prefix of /ab");
+    assert_eq!(f.edge.client().get(&host, "/").await.0, StatusCode::NOT_FOUND, "no default backend");
+
+    // One Tunnel for the host on a Domain made for it, both owned by the Ingress.
+    let tunnels = f.api::<Tunnel>().list(&Default::default()).await.unwrap().items;
+    assert_eq!(tunnels.len(), 1);
+    let tunnel = tunnels[0].name_any();
+    assert_eq!(tunnels[0].owner_references()[0].name, "shop");
+    let domain = f.api::<Domain>().get(&tunnel).await.unwrap();
+    assert_eq!(domain.status.unwrap().hostname.as_deref(), Some(host.as_str()));
+    let key = key_id(&f, &tunnel).await;
+    f.wait_event("shop", "Normal", "TLSAtEdge").await;
+
+    // A WebSocket stays open while the paths change.
+    let mut ws = websocket(&f, &host, "/a/ws").await;
+    assert_eq!(ws_roundtrip(&mut ws, "one").await, "A echoes one");
+    f.patch::<Ingress>(
+        "shop",
+        json!({"spec": {"defaultBackend": {"service": {"name": "a", "port": {"number": 80}}},
+            "rules": [{"host": host, "http": {"paths": [
+                {"path": "/a", "pathType": "Prefix", "backend": {"service": {"name": "b", "port": {"number": 80}}}},
+                {"path": "/a/exact", "pathType": "Exact", "backend": {"service": {"name": "a", "port": {"number": 80}}}},
+                {"path": "/c", "pathType": "ImplementationSpecific", "backend": {"service": {"name": "b", "port": {"number": 80}}}},
+                {"path": "/ext", "pathType": "Prefix", "backend": {"service": {"name": "ext", "port": {"number": 80}}}}]}}]}}),
+    )
+    .await;
+    f.get_until(&host, "/a/x", ok("B /a/x")).await;
+    assert_eq!(f.edge.client().get(&host, "/a/exact").await.1, "A /a/exact", "Exact beats a shorter Prefix");
+    assert_eq!(f.edge.client().get(&host, "/a/exact/more").await.1, "B /a/exact/more");
+    assert_eq!(f.edge.client().get(&host, "/c/d").await.1, "B /c/d", "ImplementationSpecific is Prefix");
+    assert_eq!(f.edge.client().get(&host, "/b").await.1, "A /b", "removed path: the default backend");
+    assert_eq!(ws_roundtrip(&mut ws, "two").await, "A echoes two", "the WebSocket survived the change");
+    // A path to an ExternalName Service is refused (a Warning on the Ingress); the others still work.
+    let msg = f.wait_event("shop", "Warning", "Degraded").await;
+    assert!(msg.contains("route /ext") && msg.contains("ExternalName"), "{msg}");
+    assert_eq!(f.edge.client().get(&host, "/ext").await.0, StatusCode::NOT_FOUND);
+    assert_eq!(key_id(&f, &tunnel).await, key, "same tunnel key");
+    ws.close(None).await.unwrap();
+
+    // Deleting the Ingress removes the Tunnel and the Domain (garbage
+    // collector, then their finalizers) and releases the name at the edge.
+    f.api::<Ingress>().delete("shop", &DeleteParams::default()).await.unwrap();
+    wait_until("Tunnel and Domain gone", WAIT, || async {
+        let left = f.api::<Tunnel>().get_opt(&tunnel).await?.is_some()
+            || f.api::<Domain>().get_opt(&tunnel).await?.is_some();
+        Ok((!left).then_some(()))
+    })
+    .await
+    .unwrap();
+    assert_eq!(f.edge.api("GET", &format!("domains/{host}"), None).await.0, StatusCode::NOT_FOUND);
+    f.finish(stop, task).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_ingresses_share_a_host_and_conflicts_are_reported() {
+    let Some(f) = Fixture::new("ing-share").await else { return };
+    let Some(backends) = NetnsHost::create() else { return };
+    http_backend(&backends, 8001, "A");
+    http_backend(&backends, 8002, "B");
+    service_with_endpoints(&f, "a", &backends.ip, json!({}), &[("http", 80, 8001, "TCP")]).await;
+    service_with_endpoints(&f, "b", &backends.ip, json!({}), &[("http", 80, 8002, "TCP")]).await;
+    let class = format!("culvert-{}", f.suffix());
+    f.ingress_class(&class, CONTROLLER, false).await;
+    let (stop, task) = f.operator();
+    let host = format!("s{}.edge.test", f.suffix());
+
+    f.create::<Ingress>(ingress("first", Some(&class), &host, &[("/x", "Prefix", "a")])).await;
+    f.wait_ingress_published("first", &host).await;
+    // Creation timestamps have a one-second resolution: "second" must be younger.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    f.create::<Ingress>(ingress(
+        "second",
+        Some(&class),
+        &host,
+        &[("/y", "Prefix", "b"), ("/x", "Prefix", "b")],
+    ))
+    .await;
+    f.wait_ingress_published("second", &host).await;
+    f.get_until(&host, "/y", |s, b| s == StatusCode::OK && b == "B /y").await;
+    assert_eq!(f.edge.client().get(&host, "/x").await.1, "A /x", "the older Ingress keeps /x");
+    assert_eq!(
+        f.api::<Tunnel>().list(&Default::default()).await.unwrap().items.len(),
+        1,
+        "one tunnel per host"
+    );
+    let msg = f.wait_event("second", "Warning", "PathConflict").await;
+    assert!(msg.contains("Prefix /x") && msg.contains("/first was first"), "{msg}");
+    f.wait_event("first", "Warning", "PathConflict").await;
+
+    // The older one goes: its paths go, the younger one's /x is served.
+    f.api::<Ingress>().delete("first", &DeleteParams::default()).await.unwrap();
+    f.get_until(&host, "/x", |s, b| s == StatusCode::OK && b == "B /x").await;
+    let tunnels = f.api::<Tunnel>().list(&Default::default()).await.unwrap().items;
+    assert_eq!(tunnels.len(), 1);
+    assert_eq!(tunnels[0].owner_references().iter().map(|o| o.name.as_str()).collect::<Vec<_>>(), ["second"]);
+    f.finish(stop, task).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ingress_classes_and_the_default_class() {
+    let Some(f) = Fixture::new("ing-class").await else { return };
+    let Some(backends) = NetnsHost::create() else { return };
+    http_backend(&backends, 8001, "A");
+    service_with_endpoints(&f, "a", &backends.ip, json!({}), &[("http", 80, 8001, "TCP")]).await;
+    let ours = format!("culvert-{}", f.suffix());
+    let theirs = format!("nginx-{}", f.suffix());
+    f.ingress_class(&ours, CONTROLLER, false).await;
+    f.ingress_class(&theirs, "k8s.io/ingress-nginx", false).await;
+    let (stop, task) = f.operator();
+    let host = |n: &str| format!("{n}{}.edge.test", f.suffix());
+
+    // Made before any class is default: stays class-less.
+    f.create::<Ingress>(ingress("classless", None, &host("c"), &[("/", "Prefix", "a")])).await;
+    f.create::<Ingress>(ingress("other", Some(&theirs), &host("o"), &[("/", "Prefix", "a")])).await;
+    f.create::<Ingress>(ingress("mine", Some(&ours), &host("m"), &[("/", "Prefix", "a")])).await;
+    f.wait_ingress_published("mine", &host("m")).await;
+    f.get_until(&host("m"), "/", |s, b| s == StatusCode::OK && b == "A /").await;
+    // Reconciled by now (same operator, same namespace) and left alone.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(f.api::<Tunnel>().list(&Default::default()).await.unwrap().items.len(), 1, "only `mine`");
+    for name in ["classless", "other"] {
+        let i = f.api::<Ingress>().get(name).await.unwrap();
+        assert!(
+            i.status.and_then(|s| s.load_balancer).and_then(|l| l.ingress).unwrap_or_default().is_empty()
+        );
+    }
+
+    // Our class made default: the class-less Ingress is served, the other class still not.
+    f.ingress_class(&ours, CONTROLLER, true).await;
+    f.wait_ingress_published("classless", &host("c")).await;
+    f.get_until(&host("c"), "/", |s, b| s == StatusCode::OK && b == "A /").await;
+    assert_eq!(f.api::<Tunnel>().list(&Default::default()).await.unwrap().items.len(), 2);
+
+    // No longer default: withdrawn (Tunnel, Domain and status).
+    f.ingress_class(&ours, CONTROLLER, false).await;
+    wait_until("class-less Ingress withdrawn", WAIT, || async {
+        let i = serde_json::to_value(f.api::<Ingress>().get("classless").await?)?;
+        let tunnels = f.api::<Tunnel>().list(&Default::default()).await?.items.len();
+        Ok((i["status"]["loadBalancer"]["ingress"].as_array().is_none_or(|a| a.is_empty()) && tunnels == 1)
+            .then_some(()))
+    })
+    .await
+    .unwrap();
+    f.get_until(&host("c"), "/", |s, _| s != StatusCode::OK).await;
+    f.finish(stop, task).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn require_policy_waits_for_a_domain() {
+    let Some(f) = Fixture::new("ing-require").await else { return };
+    let Some(backends) = NetnsHost::create() else { return };
+    http_backend(&backends, 8001, "A");
+    service_with_endpoints(&f, "a", &backends.ip, json!({}), &[("http", 80, 8001, "TCP")]).await;
+    let class = format!("culvert-{}", f.suffix());
+    f.ingress_class(&class, CONTROLLER, false).await;
+    let mut args = f.args("solo");
+    args.domain_policy = DomainPolicy::Require;
+    let (stop, task) = f.operator_with(args);
+    let label = format!("r{}", f.suffix());
+    let host = format!("{label}.edge.test");
+    f.create::<Ingress>(ingress("web", Some(&class), &host, &[("/", "Prefix", "a")])).await;
+    let msg = f.wait_event("web", "Warning", "DomainRequired").await;
+    assert!(msg.contains(&host), "{msg}");
+    assert!(f.api::<Domain>().list(&Default::default()).await.unwrap().items.is_empty(), "none made");
+    // The user's Domain covers the host: published on it.
+    f.create::<Domain>(json!({"apiVersion": "culvert.dev/v1alpha1", "kind": "Domain", "metadata": {"name": "mine"}, "spec": {"name": label}})).await;
+    f.wait_ingress_published("web", &host).await;
+    f.get_until(&host, "/", |s, b| s == StatusCode::OK && b == "A /").await;
+    let t = &f.api::<Tunnel>().list(&Default::default()).await.unwrap().items[0];
+    assert_eq!(t.spec.domain.as_deref(), Some("mine"));
+    f.finish(stop, task).await;
+}
+
+fn lb_status(svc: &Service) -> Value {
+    serde_json::to_value(svc).unwrap()["status"]["loadBalancer"].clone()
+}
+
+async fn connect_echo(
+    port: u16,
+) -> (BufReader<tokio::net::tcp::OwnedReadHalf>, tokio::net::tcp::OwnedWriteHalf, SocketAddr) {
+    let tcp = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    let local = tcp.local_addr().unwrap();
+    let (r, w) = tcp.into_split();
+    (BufReader::new(r), w, local)
+}
+
+async fn ask(
+    r: &mut BufReader<tokio::net::tcp::OwnedReadHalf>,
+    w: &mut tokio::net::tcp::OwnedWriteHalf,
+    line: &str,
+) -> String {
+    w.write_all(format!("{line}\n").as_bytes()).await.unwrap();
+    let mut answer = String::new();
+    tokio::time::timeout(Duration::from_secs(10), r.read_line(&mut answer))
+        .await
+        .expect("answer in time")
+        .unwrap();
+    answer.trim_end().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_balancer_service_tcp_echo_proxy_protocol_and_release() {
+    let Some(f) = Fixture::new("lb-echo").await else { return };
+    let Some(backends) = NetnsHost::create() else { return };
+    tcp_backend(&backends, 9000);
+    let same = f.edge.tcp_ports.first;
+    service_with_endpoints(
+        &f,
+        "db",
+        &backends.ip,
+        json!({"type": "LoadBalancer"}),
+        &[("tcp", same, 9000, "TCP"), ("pg", 5432, 9000, "TCP"), ("dns", 53, 9000, "UDP")],
+    )
+    .await;
+    let (stop, task) = f.operator();
+
+    // Status: the edge's address with both public ports; the annotation maps them.
+    let svc = wait_until("Service status written", WAIT, || async {
+        let s = f.api::<Service>().get("db").await?;
+        Ok((lb_status(&s)["ingress"][0]["ports"].as_array().map(Vec::len) == Some(2)).then_some(s))
+    })
+    .await
+    .unwrap();
+    let lb = lb_status(&svc);
+    assert_eq!(lb["ingress"][0]["ip"], "127.0.0.1");
+    let public: Vec<u16> = lb["ingress"][0]["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["port"].as_u64().unwrap() as u16)
+        .collect();
+    assert_eq!(public[0], same, "the same port number when the edge's range has it free");
+    assert!(
+        f.edge.tcp_ports.contains(public[1]) && public[1] != same,
+        "5432 is outside the range: any free port"
+    );
+    assert_eq!(svc.annotations()["culvert.dev/public-ports"], format!("{same}={same},5432={}", public[1]));
+    // Owned TcpPort and Tunnel per TCP port, listed by `kubectl get tunnels`.
+    let mut names: Vec<String> = f
+        .api::<Tunnel>()
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .iter()
+        .map(|t| t.name_any())
+        .collect();
+    names.sort();
+    let mut want = vec!["lb-db-5432".to_string(), format!("lb-db-{same}")];
+    want.sort();
+    assert_eq!(names, want);
+    let msg = f.wait_event("db", "Warning", "UnsupportedProtocol").await;
+    assert!(msg.contains("UDP port 53"), "{msg}");
+
+    // TCP echo end to end, no PROXY header by default.
+    let wait_echo = |port: u16| async move {
+        wait_until("tcp echo through the edge", WAIT, || async {
+            let (mut r, mut w, _) = connect_echo(port).await;
+            w.write_all(b"hello\n").await?;
+            let mut line = String::new();
+            let n = tokio::time::timeout(Duration::from_secs(2), r.read_line(&mut line))
+                .await
+                .unwrap_or(Ok(0))?;
+            Ok((n > 0 && line == "hello\n").then_some(()))
+        })
+        .await
+        .unwrap()
+    };
+    wait_echo(public[0]).await;
+    wait_echo(public[1]).await;
+    let (mut r, mut w, _) = connect_echo(public[0]).await;
+    assert_eq!(ask(&mut r, &mut w, "whoami").await, "proxy none");
+    let (mut kept_r, mut kept_w, _) = connect_echo(public[0]).await;
+    assert_eq!(ask(&mut kept_r, &mut kept_w, "before").await, "before");
+
+    // PROXY protocol v1, then v2, without deleting the Service.
+    for (version, value) in [(1, "v1"), (2, "v2")] {
+        f.patch::<Service>("db", json!({"metadata": {"annotations": {"culvert.dev/proxy-protocol": value}}}))
+            .await;
+        let (src, answer) = wait_until(&format!("PROXY {value} reaches the backend"), WAIT, || async {
+            let (mut r, mut w, local) = connect_echo(public[0]).await;
+            let a = ask(&mut r, &mut w, "whoami").await;
+            Ok(a.starts_with(&format!("proxy v{version} ")).then_some((local, a)))
+        })
+        .await
+        .unwrap();
+        assert_eq!(
+            answer,
+            format!("proxy v{version} {src} 127.0.0.1:{}", public[0]),
+            "the real client address"
+        );
+    }
+    assert_eq!(
+        ask(&mut kept_r, &mut kept_w, "after").await,
+        "after",
+        "an open connection survived the changes"
+    );
+
+    // Switching the type releases the ports and withdraws the status.
+    let tcp_ports: Vec<u16> = public.clone();
+    f.patch::<Service>("db", json!({"spec": {"type": "ClusterIP"}})).await;
+    wait_until("ports released", WAIT, || async {
+        let mut released = true;
+        for p in &tcp_ports {
+            released &= f.edge.api("GET", &format!("ports/{p}"), None).await.0 == StatusCode::NOT_FOUND;
+        }
+        let left = f.api::<TcpPort>().list(&Default::default()).await?.items.len()
+            + f.api::<Tunnel>().list(&Default::default()).await?.items.len();
+        Ok((released && left == 0).then_some(()))
+    })
+    .await
+    .unwrap();
+    let svc = f.api::<Service>().get("db").await.unwrap();
+    assert!(lb_status(&svc)["ingress"].as_array().is_none_or(|a| a.is_empty()), "{}", lb_status(&svc));
+    assert!(!svc.annotations().contains_key("culvert.dev/public-ports"));
+    f.finish(stop, task).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn which_load_balancers_are_managed() {
+    let Some(f) = Fixture::new("lb-manage").await else { return };
+    let Some(backends) = NetnsHost::create() else { return };
+    tcp_backend(&backends, 9000);
+    let lb = |class: Option<&str>, manage: Option<&str>| {
+        let mut spec = json!({"type": "LoadBalancer"});
+        if let Some(c) = class {
+            spec["loadBalancerClass"] = json!(c);
+        }
+        (spec, manage.map(String::from))
+    };
+    let make = |name: &'static str, (spec, manage): (Value, Option<String>)| {
+        let f = &f;
+        let ip = backends.ip.clone();
+        async move {
+            service_with_endpoints(f, name, &ip, spec, &[("tcp", 7000, 9000, "TCP")]).await;
+            if let Some(m) = manage {
+                f.patch::<Service>(name, json!({"metadata": {"annotations": {"culvert.dev/manage": m}}}))
+                    .await;
+            }
+        }
+    };
+    let published = |name: &'static str| {
+        let f = &f;
+        async move {
+            let s = f.api::<Service>().get(name).await.unwrap();
+            lb_status(&s)["ingress"].as_array().is_some_and(|a| !a.is_empty())
+        }
+    };
+    make("plain", lb(None, None)).await;
+    make("optin", lb(None, Some("1"))).await;
+    make("optout", lb(None, Some("0"))).await;
+    make("classed", lb(Some("culvert.dev/tunnel"), None)).await;
+    make("foreign", lb(Some("example.com/other"), None)).await;
+
+    // --annotated-only: our class and the opted-in only.
+    let mut args = f.args("annotated");
+    args.annotated_only = true;
+    let (stop, task) = f.operator_with(args);
+    for name in ["optin", "classed"] {
+        wait_until(&format!("{name} published"), WAIT, || async { Ok(published(name).await.then_some(())) })
+            .await
+            .unwrap();
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    for name in ["plain", "optout", "foreign"] {
+        assert!(!published(name).await, "{name} is not managed with --annotated-only");
+        assert!(f.api::<Tunnel>().get_opt(&format!("lb-{name}-7000")).await.unwrap().is_none());
+    }
+    stop.cancel();
+    task.await.unwrap();
+
+    // Default: every class-less one unless opted out.
+    let (stop, task) = f.operator();
+    wait_until("plain published", WAIT, || async { Ok(published("plain").await.then_some(())) })
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    for name in ["optout", "foreign"] {
+        assert!(!published(name).await, "{name} is not managed");
+    }
+    for name in ["plain", "optin", "classed"] {
+        assert!(published(name).await, "{name} is managed");
+    }
+
+    // Opting out later withdraws; deleting a Service releases its port.
+    f.patch::<Service>("plain", json!({"metadata": {"annotations": {"culvert.dev/manage": "0"}}})).await;
+    wait_until("plain withdrawn", WAIT, || async {
+        Ok((!published("plain").await && f.api::<Tunnel>().get_opt("lb-plain-7000").await?.is_none())
+            .then_some(()))
+    })
+    .await
+    .unwrap();
+    let port = f.api::<TcpPort>().get("lb-optin-7000").await.unwrap().status.unwrap().port.unwrap();
+    f.api::<Service>().delete("optin", &DeleteParams::default()).await.unwrap();
+    wait_until("port of the deleted Service released", WAIT, || async {
+        Ok((f.edge.api("GET", &format!("ports/{port}"), None).await.0 == StatusCode::NOT_FOUND).then_some(()))
+    })
+    .await
+    .unwrap();
+    f.finish(stop, task).await;
+}
