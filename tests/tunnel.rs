@@ -548,3 +548,26 @@ async fn tls_passthrough_by_sni_reaches_a_backend_that_terminates_tls() {
     let _plain = TestAgent::start(&edge, &http_key, http_target(net::http_backend().await)).await;
     assert_eq!(edge.client().get(&host, "/").await, (StatusCode::OK, "hello from backend".into()));
 }
+
+#[tokio::test]
+async fn a_burst_of_small_frames_on_many_streams_keeps_the_tunnel_up() {
+    // Hundreds of streams sending one-byte DATA frames at once must not close
+    // the tunnel (the bench saw h2's too_many_data_frames teardown with 64 KiB
+    // windows; this test did not reproduce that in a quick check without the fix).
+    let edge = TestEdge::start().await;
+    let echo = net::tcp_echo().await;
+    let (port, key) = edge.tcp_tunnel_key().await;
+    let _agent = TestAgent::start(&edge, &key, Target::Tcp { addr: echo.to_string(), proxy: None }).await;
+    let mut conns = Vec::new();
+    for _ in 0..400 {
+        conns.push(tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap());
+    }
+    for c in &mut conns {
+        c.write_all(b"x").await.unwrap();
+    }
+    for c in &mut conns {
+        let mut b = [0u8; 1];
+        tokio::time::timeout(Duration::from_secs(20), c.read_exact(&mut b)).await.expect("echo").unwrap();
+        assert_eq!(&b, b"x");
+    }
+}

@@ -37,6 +37,8 @@ pub fn ws_config() -> WebSocketConfig {
         .max_message_size(Some(WS_MAX_MESSAGE))
         .max_frame_size(Some(WS_MAX_MESSAGE))
         .write_buffer_size(WS_MAX_BATCH)
+        // tungstenite zero-fills its whole read buffer before each socket read.
+        .read_buffer_size(16 * 1024)
 }
 
 /// Shared between a tunnel connection's adapter and whoever manages it: the
