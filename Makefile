@@ -14,6 +14,11 @@ build: ## Build the culvert binary (debug)
 release: ## Build the release binary (size-tuned, LTO) into target/release/culvert
 	$(CARGO) build -j2 --release --bin culvert
 
+bench: ## Benchmark vs the direct path and nginx (release build; BENCH_QUICK=1: ~2 min smoke)
+	bench/run
+
+.PHONY: bench
+
 demo: ## Edge + app + agent on this machine, ending with a curl through the edge
 	scripts/demo
 
@@ -38,3 +43,54 @@ kube-env-stop: ## Stop the control plane
 
 clean: ## Remove build outputs
 	$(CARGO) clean
+
+# --- Shipping: chart, manifests, static binaries, image, kind ----------------------------------
+TARGET ?= x86_64-unknown-linux-musl
+TARGETS := x86_64-unknown-linux-musl aarch64-unknown-linux-musl armv7-unknown-linux-musleabihf
+# zigbuild (no Docker) or cross (Docker) builds the binaries of `make image`.
+BUILDER ?= zigbuild
+IMAGE ?= culvert/culvert:$(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n1)
+PLATFORMS ?= linux/amd64,linux/arm64,linux/arm/v7
+# dist/linux-<arch>[-<variant>]/culvert, the layout Dockerfile.multiarch copies from.
+comma := ,
+dist_dir = dist/linux-$(if $(findstring x86_64,$(1)),amd64,$(if $(findstring aarch64,$(1)),arm64,arm-v7))
+
+.PHONY: crds chart k3s-manifests check-manifests check-hardened zigbuild check-cross cross image kind-demo kind-clean
+
+crds: ## Regenerate crds/culvert.yaml with `culvert crd` (then run `make chart k3s-manifests`)
+	$(CARGO) run -q -j2 --bin culvert -- crd > crds/culvert.yaml
+
+chart: ## Chart CRD template from crds/culvert.yaml, then helm lint (no Rust needed)
+	scripts/gen-manifests chart
+	"$$(scripts/kube-env tools)/helm" lint --strict charts/culvert
+
+k3s-manifests: chart ## Regenerate k3s-manifests/ (k3s HelmChart with the chart inline + plain render)
+	scripts/gen-manifests k3s
+
+check-manifests: ## Drift, helm lint, bad values, server dry-run of every manifest, helm install/uninstall
+	scripts/check-manifests
+
+check-hardened: ## Operator as uid 65532, read-only root (bwrap), chart RBAC only, publishes a Tunnel (root)
+	scripts/check-hardened
+
+zigbuild: ## Static musl release binary without Docker: make zigbuild TARGET=aarch64-unknown-linux-musl
+	scripts/zigbuild $(TARGET)
+	install -D -m 0755 target/zig/$(TARGET)/release/culvert $(call dist_dir,$(TARGET))/culvert
+
+check-cross: ## aarch64 + armv7 binaries (zigbuild) under qemu: --version and a tunnel through an x86_64 edge
+	scripts/check-cross
+
+cross: ## Static musl release binary with cross (needs Docker): make cross TARGET=armv7-unknown-linux-musleabihf
+	cross build --release --locked --bin culvert --target $(TARGET)
+	install -D -m 0755 target/$(TARGET)/release/culvert $(call dist_dir,$(TARGET))/culvert
+
+image: ## Multi-arch image with docker buildx (IMAGE=..., PUSH=1 to push; else an OCI tarball in target/)
+	for t in $(TARGETS); do $(MAKE) --no-print-directory $(BUILDER) TARGET=$$t || exit 1; done
+	docker buildx build -f Dockerfile.multiarch --platform $(PLATFORMS) -t $(IMAGE) \
+	  $(if $(PUSH),--push,--output type=oci$(comma)dest=target/culvert-image.oci.tar) .
+
+kind-demo: ## kind cluster + image + edge on the host + operator + podinfo Ingress, ends with a curl (Docker)
+	scripts/kind-demo
+
+kind-clean: ## Remove what kind-demo made
+	scripts/kind-demo clean

@@ -1,0 +1,90 @@
+{{/* Name of the chart, or nameOverride. */}}
+{{- define "culvert.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Full name: the release name, prefixed with the chart name unless it already contains it. */}}
+{{- define "culvert.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "culvert.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels on every object. */}}
+{{- define "culvert.labels" -}}
+helm.sh/chart: {{ include "culvert.chart" . }}
+{{ include "culvert.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: culvert
+{{- end }}
+
+{{/* Labels that select the operator's pods. */}}
+{{- define "culvert.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "culvert.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end }}
+
+{{- define "culvert.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "culvert.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* The Secret holding the API key (and, when edge.url is empty, the edge URL). */}}
+{{- define "culvert.credentialsSecret" -}}
+{{- default (printf "%s-credentials" (include "culvert.fullname" .)) .Values.credentials.existingSecret }}
+{{- end }}
+
+{{- define "culvert.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+{{- end }}
+
+{{/*
+Checks that a JSON schema cannot express; each failure says what to change.
+*/}}
+{{- define "culvert.validate" -}}
+{{- if and .Values.credentials.apiKey .Values.credentials.existingSecret }}
+{{- fail "credentials: set either credentials.apiKey (the chart creates the Secret) or credentials.existingSecret (you created it), not both" }}
+{{- end }}
+{{- with .Values.edge.url }}
+{{- if not (regexMatch "^https://[^/?#@\\s]+/?$" .) }}
+{{- fail (printf "edge.url %q: give the edge's base URL as https://HOST or https://HOST:PORT (TLS only, no path)" .) }}
+{{- end }}
+{{- end }}
+{{- with .Values.credentials.apiKey }}
+{{- if hasPrefix "culvert_a_" . }}
+{{- fail "credentials.apiKey is an admin key (culvert_a_...): never put it in a cluster; make an endpoints key with `culvert admin api-key create --name operator --scope endpoints`" }}
+{{- else if hasPrefix "culvert_t_" . }}
+{{- fail "credentials.apiKey is a tunnel key (culvert_t_...): the operator needs an endpoints key, made with `culvert admin api-key create --name operator --scope endpoints`; it mints tunnel keys itself" }}
+{{- else if not (regexMatch "^culvert_e_[A-Za-z0-9_-]+$" .) }}
+{{- fail "credentials.apiKey is not a culvert endpoints key (culvert_e_...): make one with `culvert admin api-key create --name operator --scope endpoints`" }}
+{{- end }}
+{{- end }}
+{{- with .Values.proxy.httpsProxy }}
+{{- if not (regexMatch "^https?://[^/\\s]+/?$" .) }}
+{{- fail (printf "proxy.httpsProxy %q: give the proxy as http://HOST:PORT (user:password@ allowed)" .) }}
+{{- end }}
+{{- end }}
+{{- if and .Values.edge.caBundle (not (contains "-----BEGIN CERTIFICATE-----" .Values.edge.caBundle)) }}
+{{- fail "edge.caBundle must be PEM text containing -----BEGIN CERTIFICATE----- (paste the edge's ca.pem, not a path to it)" }}
+{{- end }}
+{{- end }}
