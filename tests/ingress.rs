@@ -25,7 +25,6 @@ use hyper_util::rt::TokioIo;
 use k8s_openapi::api::core::v1::{Event, Secret, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::networking::v1::{Ingress, IngressClass};
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use kube_env::{TestNamespace, wait_until};
@@ -40,29 +39,6 @@ use tokio_util::sync::CancellationToken;
 const WAIT: Duration = Duration::from_secs(60);
 const CONTROLLER: &str = "culvert.dev/ingress-controller";
 
-async fn install_crds(client: &Client) {
-    let api = Api::<CustomResourceDefinition>::all(client.clone());
-    for doc in include_str!("../crds/culvert.yaml").split("---\n").filter(|d| !d.trim().is_empty()) {
-        let crd: CustomResourceDefinition = serde_saphyr::from_str(doc).unwrap();
-        api.patch(&crd.name_any(), &PatchParams::apply("culvert-tests").force(), &Patch::Apply(&crd))
-            .await
-            .unwrap();
-    }
-    for name in ["domains.culvert.dev", "tcpports.culvert.dev", "tunnels.culvert.dev"] {
-        wait_until("CRD established", WAIT, || async {
-            let c = api.get(name).await?;
-            Ok(c.status
-                .and_then(|s| s.conditions)
-                .unwrap_or_default()
-                .iter()
-                .any(|c| c.type_ == "Established" && c.status == "True")
-                .then_some(()))
-        })
-        .await
-        .unwrap();
-    }
-}
-
 struct Fixture {
     client: Client,
     ns: TestNamespace,
@@ -75,7 +51,7 @@ struct Fixture {
 impl Fixture {
     async fn new(prefix: &str) -> Option<Fixture> {
         let env = kube_env::connect().await?;
-        install_crds(&env.client).await;
+        kube_env::install_culvert_crds(&env.client).await;
         let ns = env.namespace(prefix).await.unwrap();
         let edge = TestEdge::start().await;
         let (s, k) =

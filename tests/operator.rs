@@ -16,7 +16,6 @@ use culvert::operator::{BackendAddress, OperatorArgs};
 use http::StatusCode;
 use k8s_openapi::api::core::v1::{Event, Secret, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use kube_env::{TestNamespace, wait_until};
@@ -25,29 +24,6 @@ use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
 const WAIT: Duration = Duration::from_secs(60);
-
-async fn install_crds(client: &Client) {
-    let api = Api::<CustomResourceDefinition>::all(client.clone());
-    for doc in include_str!("../crds/culvert.yaml").split("---\n").filter(|d| !d.trim().is_empty()) {
-        let crd: CustomResourceDefinition = serde_saphyr::from_str(doc).unwrap();
-        api.patch(&crd.name_any(), &PatchParams::apply("culvert-tests").force(), &Patch::Apply(&crd))
-            .await
-            .unwrap();
-    }
-    for name in ["domains.culvert.dev", "tcpports.culvert.dev", "tunnels.culvert.dev"] {
-        wait_until("CRD established", WAIT, || async {
-            let c = api.get(name).await?;
-            Ok(c.status
-                .and_then(|s| s.conditions)
-                .unwrap_or_default()
-                .iter()
-                .any(|c| c.type_ == "Established" && c.status == "True")
-                .then_some(()))
-        })
-        .await
-        .unwrap();
-    }
-}
 
 struct Fixture {
     client: Client,
@@ -59,7 +35,7 @@ struct Fixture {
 impl Fixture {
     async fn new(prefix: &str) -> Option<Fixture> {
         let env = kube_env::connect().await?;
-        install_crds(&env.client).await;
+        kube_env::install_culvert_crds(&env.client).await;
         let ns = env.namespace(prefix).await.unwrap();
         let edge = TestEdge::start().await;
         let (s, k) =

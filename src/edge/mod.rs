@@ -21,7 +21,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-use crate::api::{Reservation, ReservationKind};
+use crate::api::Reservation;
 use crate::cli::{EdgeArgs, PortRange};
 use crate::tls::{self, CertResolver, TlsError};
 use api::{ApiContext, EdgeHooks};
@@ -92,12 +92,7 @@ impl Edge {
 
     /// The public URL of a reservation.
     pub fn public_url(&self, r: &Reservation) -> String {
-        match (r.kind, &r.hostname, r.port) {
-            (ReservationKind::Tcp, _, Some(port)) => format!("tcp://{}:{port}", self.public_host),
-            (_, Some(host), _) if self.https_port == 443 => format!("https://{host}"),
-            (_, Some(host), _) => format!("https://{host}:{}", self.https_port),
-            _ => String::new(),
-        }
+        r.public_url(self.https_port, &self.public_host)
     }
 
     /// Reloads routes and TCP listeners from the store and closes

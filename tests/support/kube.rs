@@ -234,3 +234,26 @@ fn random_suffix() -> String {
         })
         .collect()
 }
+
+/// Applies `crds/culvert.yaml` (server-side) and waits until every CRD is Established.
+pub async fn install_culvert_crds(client: &Client) {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    use kube::ResourceExt;
+    use kube::api::{Patch, PatchParams};
+    let api = Api::<CustomResourceDefinition>::all(client.clone());
+    for doc in include_str!("../../crds/culvert.yaml").split("---\n").filter(|d| !d.trim().is_empty()) {
+        let crd: CustomResourceDefinition = serde_saphyr::from_str(doc).unwrap();
+        api.patch(&crd.name_any(), &PatchParams::apply("culvert-tests").force(), &Patch::Apply(&crd))
+            .await
+            .unwrap();
+    }
+    for name in ["domains.culvert.dev", "tcpports.culvert.dev", "tunnels.culvert.dev"] {
+        wait_until("CRD established", Duration::from_secs(60), || async {
+            let c = api.get(name).await?;
+            let conditions = c.status.and_then(|s| s.conditions).unwrap_or_default();
+            Ok(conditions.iter().any(|c| c.type_ == "Established" && c.status == "True").then_some(()))
+        })
+        .await
+        .unwrap();
+    }
+}
