@@ -52,10 +52,9 @@ BUILDER ?= zigbuild
 IMAGE ?= culvert/culvert:$(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n1)
 PLATFORMS ?= linux/amd64,linux/arm64,linux/arm/v7
 # dist/linux-<arch>[-<variant>]/culvert, the layout Dockerfile.multiarch copies from.
-comma := ,
 dist_dir = dist/linux-$(if $(findstring x86_64,$(1)),amd64,$(if $(findstring aarch64,$(1)),arm64,arm-v7))
 
-.PHONY: crds chart k3s-manifests check-manifests check-hardened zigbuild check-cross cross image kind-demo kind-clean
+.PHONY: crds chart k3s-manifests check-manifests check-hardened zigbuild check-cross cross image check-image kind-demo kind-clean
 
 crds: ## Regenerate crds/culvert.yaml with `culvert crd` (then run `make chart k3s-manifests`)
 	$(CARGO) run -q -j2 --bin culvert -- crd > crds/culvert.yaml
@@ -84,10 +83,12 @@ cross: ## Static musl release binary with cross (needs Docker): make cross TARGE
 	cross build --release --locked --bin culvert --target $(TARGET)
 	install -D -m 0755 target/$(TARGET)/release/culvert $(call dist_dir,$(TARGET))/culvert
 
-image: ## Multi-arch image with docker buildx (IMAGE=..., PUSH=1 to push; else an OCI tarball in target/)
+image: ## Multi-arch image: docker buildx, or buildah without Docker (IMAGE=..., PUSH=1; else target/culvert-image.oci.tar)
 	for t in $(TARGETS); do $(MAKE) --no-print-directory $(BUILDER) TARGET=$$t || exit 1; done
-	docker buildx build -f Dockerfile.multiarch --platform $(PLATFORMS) -t $(IMAGE) \
-	  $(if $(PUSH),--push,--output type=oci$(comma)dest=target/culvert-image.oci.tar) .
+	IMAGE=$(IMAGE) PLATFORMS=$(PLATFORMS) PUSH=$(PUSH) scripts/image
+
+check-image: ## The image built with buildah (no Docker) from dist/ or target/zig: config, files, runs as uid 65532 (root)
+	PLATFORMS=$(PLATFORMS) scripts/image check
 
 kind-demo: ## kind cluster + image + edge on the host + operator + podinfo Ingress, ends with a curl (Docker)
 	scripts/kind-demo
