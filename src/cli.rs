@@ -64,7 +64,7 @@ pub struct EdgeArgs {
     pub tls_key: Option<PathBuf>,
 
     /// Make a private CA and a certificate for the domain (kept in --data-dir); for trials.
-    #[arg(long, env = "CULVERT_SELF_SIGNED")]
+    #[arg(long, env = "CULVERT_SELF_SIGNED", value_parser = clap::builder::BoolishValueParser::new())]
     pub self_signed: bool,
 
     /// Public HTTPS and tunnel endpoint.

@@ -141,7 +141,7 @@ pub struct OperatorArgs {
     pub watch_namespace: Option<String>,
     /// Manage only LoadBalancer Services annotated `culvert.dev/manage: "1"`
     /// (and those of class `culvert.dev/tunnel`), not every class-less one.
-    #[arg(long, env = "CULVERT_ANNOTATED_ONLY")]
+    #[arg(long, env = "CULVERT_ANNOTATED_ONLY", value_parser = clap::builder::BoolishValueParser::new())]
     pub annotated_only: bool,
     /// An Ingress host without a Domain in its namespace: create one (`auto`)
     /// or wait for one (`require`).
