@@ -25,9 +25,10 @@ demo: ## Edge + app + agent on this machine, ending with a curl through the edge
 test: ## Run every test (starts the real Kubernetes control plane first)
 	scripts/test
 
-lint: ## rustfmt check and clippy with warnings as errors
+lint: ## rustfmt check, clippy with warnings as errors, shellcheck of the scripts
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy -j2 --all-targets -- -D warnings
+	shellcheck -S warning scripts/* .ci/run
 
 fmt: ## Format the code
 	$(CARGO) fmt --all
