@@ -2,6 +2,8 @@
 //! real edge, each test in its own namespace with its own operator
 //! (`--watch-namespace`), traffic to real backend processes.
 
+#[path = "support/operator.rs"]
+mod fixture;
 #[path = "support/kube.rs"]
 mod kube_env;
 #[path = "support/net.rs"]
@@ -12,151 +14,18 @@ mod netns;
 use std::time::Duration;
 
 use culvert::crd::{Domain, TcpPort, Tunnel};
-use culvert::operator::{BackendAddress, OperatorArgs};
+use fixture::{Fixture, WAIT, service_with_endpoints};
 use http::StatusCode;
-use k8s_openapi::api::core::v1::{Event, Secret, Service};
-use k8s_openapi::api::discovery::v1::EndpointSlice;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
-use kube::{Client, ResourceExt};
-use kube_env::{TestNamespace, wait_until};
-use net::TestEdge;
+use k8s_openapi::api::core::v1::{Secret, Service};
+use kube::ResourceExt;
+use kube::api::{DeleteParams, Patch, PatchParams};
+use kube_env::wait_until;
 use serde_json::{Value, json};
-use tokio_util::sync::CancellationToken;
-
-const WAIT: Duration = Duration::from_secs(60);
-
-struct Fixture {
-    client: Client,
-    ns: TestNamespace,
-    edge: TestEdge,
-    endpoints_key: String,
-}
-
-impl Fixture {
-    async fn new(prefix: &str) -> Option<Fixture> {
-        let env = kube_env::connect().await?;
-        kube_env::install_culvert_crds(&env.client).await;
-        let ns = env.namespace(prefix).await.unwrap();
-        let edge = TestEdge::start().await;
-        let (s, k) =
-            edge.api("POST", "api-keys", Some(json!({"name": "operator", "scope": "endpoints"}))).await;
-        assert!(s.is_success(), "{k}");
-        Some(Fixture {
-            client: env.client.clone(),
-            ns,
-            edge,
-            endpoints_key: k["secret"].as_str().unwrap().into(),
-        })
-    }
-
-    fn args(&self, identity: &str) -> OperatorArgs {
-        OperatorArgs {
-            edge: self.edge.url(),
-            api_key: self.endpoints_key.clone(),
-            ca_file: Some(self.edge.ca_file.clone()),
-            namespace: self.ns.name.clone(),
-            identity: Some(identity.into()),
-            resync_seconds: 1,
-            lease_seconds: 2,
-            backend_address: BackendAddress::Endpoints,
-            admin_addr: "127.0.0.1:0".parse().unwrap(),
-            watch_namespace: Some(self.ns.name.clone()),
-            annotated_only: false,
-            domain_policy: culvert::operator::DomainPolicy::Auto,
-        }
-    }
-
-    /// Starts an operator in this process; cancel the token to stop it.
-    fn operator(&self, identity: &str) -> (CancellationToken, tokio::task::JoinHandle<()>) {
-        let stop = CancellationToken::new();
-        let (client, args, s) = (self.client.clone(), self.args(identity), stop.clone());
-        let task =
-            tokio::spawn(
-                async move { culvert::operator::start(client, args, s).await.expect("operator runs") },
-            );
-        (stop, task)
-    }
-
-    fn api<K>(&self) -> Api<K>
-    where
-        K: kube::Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>,
-    {
-        Api::namespaced(self.client.clone(), &self.ns.name)
-    }
-
-    async fn create<K>(&self, obj: Value) -> K
-    where
-        K: kube::Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
-            + Clone
-            + serde::de::DeserializeOwned
-            + serde::Serialize
-            + std::fmt::Debug,
-    {
-        let obj: K = serde_json::from_value(obj).unwrap();
-        self.api::<K>().create(&PostParams::default(), &obj).await.unwrap()
-    }
-
-    /// Waits for the Ready condition's reason (any status).
-    async fn wait_reason<K>(&self, name: &str, reason: &str) -> Value
-    where
-        K: kube::Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
-            + Clone
-            + serde::de::DeserializeOwned
-            + serde::Serialize
-            + std::fmt::Debug,
-    {
-        let api = self.api::<K>();
-        let found = wait_until(&format!("{name} Ready reason {reason}"), WAIT, || async {
-            let v = serde_json::to_value(api.get(name).await?)?;
-            let got = v["status"]["conditions"][0]["reason"].as_str().unwrap_or("").to_string();
-            Ok((got == reason).then_some(v))
-        })
-        .await;
-        match found {
-            Ok(v) => v,
-            Err(e) => panic!(
-                "{e}; last seen: {:?}",
-                api.get(name).await.map(|o| serde_json::to_value(o).unwrap()["status"].clone())
-            ),
-        }
-    }
-
-    /// Deletes every culvert object (the operator still running, so the
-    /// finalizers complete), stops the operator and deletes the namespace.
-    async fn finish(self, stop: CancellationToken, task: tokio::task::JoinHandle<()>) {
-        let dp = DeleteParams::default();
-        let lp = Default::default();
-        self.api::<Tunnel>().delete_collection(&dp, &lp).await.unwrap();
-        self.api::<Domain>().delete_collection(&dp, &lp).await.unwrap();
-        self.api::<TcpPort>().delete_collection(&dp, &lp).await.unwrap();
-        wait_until("culvert objects finalized", WAIT, || async {
-            let left = self.api::<Tunnel>().list(&lp).await?.items.len()
-                + self.api::<Domain>().list(&lp).await?.items.len()
-                + self.api::<TcpPort>().list(&lp).await?.items.len();
-            Ok((left == 0).then_some(()))
-        })
-        .await
-        .unwrap();
-        stop.cancel();
-        tokio::time::timeout(Duration::from_secs(30), task).await.expect("operator stops").unwrap();
-        self.ns.delete_and_wait().await.unwrap();
-    }
-
-    async fn events_for(&self, name: &str) -> Vec<(String, String)> {
-        let events = self.api::<Event>().list(&Default::default()).await.unwrap();
-        events
-            .items
-            .into_iter()
-            .filter(|e| e.involved_object.name.as_deref() == Some(name))
-            .map(|e| (e.type_.unwrap_or_default(), e.reason.unwrap_or_default()))
-            .collect()
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn domains_reserve_release_retain_adopt_and_recreate() {
     let Some(f) = Fixture::new("op-domain").await else { return };
-    let (stop, task) = f.operator("solo");
+    let (stop, task) = f.operator();
     let name = format!("w{}", &f.ns.name[f.ns.name.len() - 8..]);
 
     // Reserve.
@@ -177,7 +46,7 @@ async fn domains_reserve_release_retain_adopt_and_recreate() {
     .await
     .unwrap();
     wait_until("Recreated event", WAIT, || async {
-        Ok(f.events_for("web").await.iter().any(|(t, r)| t == "Normal" && r == "Recreated").then_some(()))
+        Ok(f.events_for("web").await.iter().any(|(t, r, _)| t == "Normal" && r == "Recreated").then_some(()))
     })
     .await
     .unwrap();
@@ -206,7 +75,7 @@ async fn domains_reserve_release_retain_adopt_and_recreate() {
     f.create::<Domain>(retained).await;
     f.wait_reason::<Domain>("kept", "Reserved").await;
     wait_until("Adopted event", WAIT, || async {
-        Ok(f.events_for("kept").await.iter().any(|(t, r)| t == "Normal" && r == "Adopted").then_some(()))
+        Ok(f.events_for("kept").await.iter().any(|(t, r, _)| t == "Normal" && r == "Adopted").then_some(()))
     })
     .await
     .unwrap();
@@ -218,7 +87,11 @@ async fn domains_reserve_release_retain_adopt_and_recreate() {
     let d = f.wait_reason::<Domain>("taken", "Conflict").await;
     assert_eq!(d["status"]["conditions"][0]["status"], "False");
     wait_until("Warning event", WAIT, || async {
-        Ok(f.events_for("taken").await.iter().any(|(t, r)| t == "Warning" && r == "Conflict").then_some(()))
+        Ok(f.events_for("taken")
+            .await
+            .iter()
+            .any(|(t, r, _)| t == "Warning" && r == "Conflict")
+            .then_some(()))
     })
     .await
     .unwrap();
@@ -239,18 +112,6 @@ async fn domains_reserve_release_retain_adopt_and_recreate() {
     f.finish(stop, task).await;
 }
 
-/// A Service without selector whose EndpointSlice points at `ip:port`.
-async fn service_with_endpoint(f: &Fixture, name: &str, ip: &str, port: u16) {
-    f.create::<Service>(json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": name},
-        "spec": {"ports": [{"name": "http", "port": 80, "targetPort": port}]}}))
-        .await;
-    f.create::<EndpointSlice>(json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-        "metadata": {"name": format!("{name}-1"), "labels": {"kubernetes.io/service-name": name}},
-        "addressType": "IPv4", "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
-        "endpoints": [{"addresses": [ip], "conditions": {"ready": true}}]}))
-        .await;
-}
-
 async fn tunnel_keys(f: &Fixture, uid: &str) -> Vec<Value> {
     let (_, keys) =
         f.edge.api("GET", &format!("tunnel-keys?selector=culvert.dev/uid={uid}&revoked=true"), None).await;
@@ -264,9 +125,9 @@ async fn tunnel_end_to_end_and_keys_never_leak() {
     let site = tempfile::tempdir().unwrap();
     std::fs::write(site.path().join("index.html"), "hello from the cluster").unwrap();
     host.serve_http(site.path(), 8000);
-    service_with_endpoint(&f, "web", &host.ip, 8000).await;
+    service_with_endpoints(&f, "web", &host.ip, json!({}), &[("http", 80, 8000, "TCP")]).await;
 
-    let (stop, task) = f.operator("solo");
+    let (stop, task) = f.operator();
     let label = format!("t{}", &f.ns.name[f.ns.name.len() - 8..]);
     f.create::<Domain>(json!({"apiVersion": "culvert.dev/v1alpha1", "kind": "Domain", "metadata": {"name": "web"}, "spec": {"name": label}})).await;
     let t: Tunnel = f
@@ -337,7 +198,7 @@ async fn tunnel_end_to_end_and_keys_never_leak() {
         tunnel_keys(&f, &orphan_uid).await.iter().all(|k| k["revokedAt"].is_null()),
         "still live while no operator runs"
     );
-    let (stop, task) = f.operator("solo");
+    let (stop, task) = f.operator();
     wait_until("orphan key revoked at start", WAIT, || async {
         Ok(tunnel_keys(&f, &orphan_uid).await.iter().all(|k| !k["revokedAt"].is_null()).then_some(()))
     })
@@ -350,7 +211,7 @@ async fn tunnel_end_to_end_and_keys_never_leak() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn isolation_rejections_are_conditions_and_warnings() {
     let Some(f) = Fixture::new("op-isolation").await else { return };
-    let (stop, task) = f.operator("solo");
+    let (stop, task) = f.operator();
     f.create::<Service>(json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "ext"},
         "spec": {"type": "ExternalName", "externalName": "example.com"}}))
         .await;
@@ -374,7 +235,7 @@ async fn isolation_rejections_are_conditions_and_warnings() {
         let t = f.wait_reason::<Tunnel>(name, reason).await;
         assert_eq!(t["status"]["conditions"][0]["status"], "False", "{name}: {t}");
         wait_until("Warning event", WAIT, || async {
-            Ok(f.events_for(name).await.iter().any(|(t, r)| t == "Warning" && r == reason).then_some(()))
+            Ok(f.events_for(name).await.iter().any(|(t, r, _)| t == "Warning" && r == reason).then_some(()))
         })
         .await
         .unwrap();
@@ -386,7 +247,7 @@ async fn isolation_rejections_are_conditions_and_warnings() {
 async fn leader_hands_over_when_the_leader_dies() {
     use k8s_openapi::api::coordination::v1::Lease;
     let Some(f) = Fixture::new("op-leader").await else { return };
-    let (stop_a, task_a) = f.operator("replica-a");
+    let (stop_a, task_a) = f.operator_as("replica-a");
     let leases = f.api::<Lease>();
     let holder = || async {
         leases.get_opt("culvert-operator-leader").await.ok().flatten().and_then(|l| l.spec?.holder_identity)
@@ -396,7 +257,7 @@ async fn leader_hands_over_when_the_leader_dies() {
     })
     .await
     .unwrap();
-    let (stop_b, task_b) = f.operator("replica-b");
+    let (stop_b, task_b) = f.operator_as("replica-b");
     // Kill the leader without a goodbye: the lease (2 s) must run out.
     task_a.abort();
     let _ = task_a.await;

@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, info, warn};
 
 use super::names::{FINALIZER, LABEL_CLUSTER, LABEL_KIND, LABEL_NAME, LABEL_NAMESPACE, LABEL_UID};
-use super::status::{apply_status, carry_transition, event, ready};
+use super::status::{apply_status, carry_transition, event, fresh_for_finalizer, ready};
 use super::{Context, Error};
 use crate::admin::AdminError;
 use crate::api::{Reservation, TunnelKey};
@@ -306,15 +306,19 @@ async fn reconcile<K: Reserved>(obj: Arc<K>, ctx: Arc<Context>) -> Result<Action
     let started = Instant::now();
     let api: Api<K> = Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
     let span = tracing::info_span!("reconcile", kind = K::KIND, namespace = %obj.namespace().unwrap_or_default(), name = %obj.name_any());
-    let result = finalizer(&api, FINALIZER, obj, |ev| async {
-        match ev {
-            Finalizer::Apply(o) => apply(o, &ctx).await,
-            Finalizer::Cleanup(o) => cleanup(o, &ctx).await,
-        }
-    })
+    let result = async {
+        let Some(obj) = fresh_for_finalizer(&api, obj).await? else { return Ok(Action::await_change()) };
+        finalizer(&api, FINALIZER, obj, |ev| async {
+            match ev {
+                Finalizer::Apply(o) => apply(o, &ctx).await,
+                Finalizer::Cleanup(o) => cleanup(o, &ctx).await,
+            }
+        })
+        .await
+        .map_err(|e| Error::Finalizer(Box::new(e)))
+    }
     .instrument(span)
-    .await
-    .map_err(|e| Error::Finalizer(Box::new(e)));
+    .await;
     ctx.metrics.reconciled(
         K::KIND,
         started.elapsed().as_secs_f64(),

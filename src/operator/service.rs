@@ -163,37 +163,55 @@ fn touched(svc: &Service) -> bool {
     svc.managed_fields().iter().any(|m| m.manager.as_deref() == Some(FIELD_MANAGER))
 }
 
-async fn withdraw(svc: &Service, ctx: &Ctx, ns: &str) -> Result<(), Error> {
+/// Withdraws a Service that is no longer managed: its status first, then its
+/// TcpPorts and Tunnels, and, once their finalizers have released the ports
+/// and revoked the keys, the annotation `culvert.dev/public-ports` (while it
+/// is there, [`touched`] brings the Service back here). `false`: children are
+/// still being finalized (their deletion triggers the next reconcile).
+async fn withdraw(svc: &Service, ctx: &Ctx, ns: &str) -> Result<bool, Error> {
     let client = ctx.base.client.clone();
+    let api = Api::<Service>::namespaced(client.clone(), ns);
+    let pp = PatchParams::apply(FIELD_MANAGER).force();
+    let status = json!({ "apiVersion": "v1", "kind": "Service", "status": {} });
+    api.patch_status(&svc.name_any(), &pp, &Patch::Apply(&status)).await?;
+
     let children = ListParams::default().labels(&format!(
         "{LABEL_MANAGED_BY}={MANAGED_BY},{LABEL_OWNER_UID}={}",
         svc.uid().unwrap_or_default()
     ));
     let dp = DeleteParams::background();
     let tunnels = Api::<Tunnel>::namespaced(client.clone(), ns);
-    for t in tunnels.list(&children).await?.items {
-        tunnels.delete(&t.name_any(), &dp).await?;
-    }
     let ports = Api::<TcpPort>::namespaced(client.clone(), ns);
-    let mut released = Vec::new();
-    for p in ports.list(&children).await?.items {
-        ports.delete(&p.name_any(), &dp).await?;
-        released.extend(p.status.and_then(|s| s.port).map(|p| p.to_string()));
+    let mut left = 0;
+    for t in tunnels.list(&children).await?.items {
+        if t.metadata.deletion_timestamp.is_none() {
+            tunnels.delete(&t.name_any(), &dp).await?;
+        }
+        left += 1;
     }
-    let api = Api::<Service>::namespaced(client, ns);
-    let pp = PatchParams::apply(FIELD_MANAGER).force();
+    for p in ports.list(&children).await?.items {
+        if p.metadata.deletion_timestamp.is_none() {
+            ports.delete(&p.name_any(), &dp).await?;
+        }
+        left += 1;
+    }
+    if left > 0 {
+        return Ok(false);
+    }
+
+    let released = svc.annotations().get(ANNOTATION_PUBLIC_PORTS).cloned().unwrap_or_default();
     let empty = json!({ "apiVersion": "v1", "kind": "Service", "metadata": { "name": svc.name_any() } });
     api.patch(&svc.name_any(), &pp, &Patch::Apply(&empty)).await?;
-    let status = json!({ "apiVersion": "v1", "kind": "Service", "status": {} });
-    api.patch_status(&svc.name_any(), &pp, &Patch::Apply(&status)).await?;
     let note = if released.is_empty() {
         "no longer managed by culvert: its tunnels were removed".to_string()
     } else {
-        format!("no longer managed by culvert: removed its tunnels and TcpPorts ({})", released.join(", "))
+        format!(
+            "no longer managed by culvert: removed its tunnels and released its public ports ({released})"
+        )
     };
     info!(service = %svc.name_any(), "{note}");
     ctx.report(svc, "published", false, "Released", note).await;
-    Ok(())
+    Ok(true)
 }
 
 /// The edge's public address for `status.loadBalancer.ingress[]`.
@@ -215,8 +233,10 @@ async fn apply(svc: Arc<Service>, ctx: &Ctx, ns: &str) -> Result<Action, Error> 
         return Ok(Action::await_change());
     }
     if !is_managed(&svc, base.annotated_only) {
-        if touched(&svc) {
-            withdraw(&svc, ctx, ns).await?;
+        if touched(&svc) && !withdraw(&svc, ctx, ns).await? {
+            // Children still being finalized: their deletion brings us back,
+            // the requeue in case a watch event is missed.
+            return Ok(Action::requeue(base.resync.min(Duration::from_secs(5))));
         }
         return Ok(Action::await_change());
     }

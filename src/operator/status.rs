@@ -19,7 +19,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
 
-use super::names::FIELD_MANAGER;
+use super::names::{FIELD_MANAGER, FINALIZER};
 use super::{Context, Error};
 use crate::crd::Condition;
 use crate::tunnel::body;
@@ -165,6 +165,25 @@ where
     api.patch_status(&obj.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(patch))
         .await?;
     Ok(())
+}
+
+/// The object to hand to `kube::runtime::finalizer()`: the cached one when it
+/// already carries our finalizer (or is being deleted), else a fresh read.
+///
+/// `finalizer()` adds the finalizer with a JSON patch whose `test` operation
+/// compares against the list it was given. A reconcile may run on a cached
+/// copy older than its own previous write (the finalizer is on the server,
+/// not yet in the cache): the `test` fails with 422. Reading the object again
+/// costs one GET per object that lacks the finalizer, that is, once per new
+/// object. `None`: the object is gone.
+pub async fn fresh_for_finalizer<K>(api: &Api<K>, obj: Arc<K>) -> Result<Option<Arc<K>>, Error>
+where
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug,
+{
+    if obj.meta().deletion_timestamp.is_some() || obj.finalizers().iter().any(|f| f == FINALIZER) {
+        return Ok(Some(obj));
+    }
+    Ok(api.get_opt(&obj.name_any()).await?.map(Arc::new))
 }
 
 /// Publishes an event about `obj`; failures to publish are only logged.

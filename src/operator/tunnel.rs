@@ -24,7 +24,7 @@ use tracing::{Instrument, info, warn};
 
 use super::names::{FIELD_MANAGER, FINALIZER, LABEL_TUNNEL, LABEL_UID, SECRET_KEY, SECRET_KEY_ID};
 use super::reservation::owner_labels;
-use super::status::{apply_status, carry_transition, event, ready};
+use super::status::{apply_status, carry_transition, event, fresh_for_finalizer, ready};
 use super::{BackendAddress, Context, Error};
 use crate::api::{CreatedTunnelKey, TunnelKey};
 use crate::crd::{Domain, ResolvedRoute, ServiceRef, TcpPort, Tunnel, TunnelProtocol, TunnelStatus};
@@ -343,15 +343,19 @@ async fn reconcile(t: Arc<Tunnel>, ctx: Arc<Context>) -> Result<Action, Error> {
     let started = Instant::now();
     let api: Api<Tunnel> = Api::namespaced(ctx.client.clone(), &t.namespace().unwrap_or_default());
     let span = tracing::info_span!("reconcile", kind = "Tunnel", namespace = %t.namespace().unwrap_or_default(), name = %t.name_any());
-    let result = finalizer(&api, FINALIZER, t, |ev| async {
-        match ev {
-            Finalizer::Apply(t) => apply(t, &ctx).await,
-            Finalizer::Cleanup(t) => cleanup(t, &ctx).await,
-        }
-    })
+    let result = async {
+        let Some(t) = fresh_for_finalizer(&api, t).await? else { return Ok(Action::await_change()) };
+        finalizer(&api, FINALIZER, t, |ev| async {
+            match ev {
+                Finalizer::Apply(o) => apply(o, &ctx).await,
+                Finalizer::Cleanup(o) => cleanup(o, &ctx).await,
+            }
+        })
+        .await
+        .map_err(|e| Error::Finalizer(Box::new(e)))
+    }
     .instrument(span)
-    .await
-    .map_err(|e| Error::Finalizer(Box::new(e)));
+    .await;
     ctx.metrics.reconciled(
         "Tunnel",
         started.elapsed().as_secs_f64(),

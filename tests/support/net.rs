@@ -31,19 +31,33 @@ pub fn init() {
     culvert::telemetry::init(culvert::cli::LogFormat::Text);
 }
 
-/// A free contiguous range of `n` ports on 127.0.0.1 (checked by binding).
+/// A free contiguous range of `n` ports on 127.0.0.1 (checked by binding),
+/// below the kernel's ephemeral range: the edge binds a reserved port only
+/// when it is reserved, and a port of the ephemeral range may by then be the
+/// local port of any outgoing loopback connection (the apiserver client, the
+/// tunnel, the test's own requests), which makes that bind fail.
 pub fn free_port_range(n: u16) -> PortRange {
-    for _ in 0..50 {
-        let base = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        if base > 65000 {
-            continue;
-        }
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    // Random bases, so tests running in parallel rarely pick the same range.
+    let (low, high) = (10000u16, ephemeral_low.saturating_sub(n).max(10001));
+    for _ in 0..200 {
+        let base = low + random_u16() % (high - low);
         let ok = (base..base + n).all(|p| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok());
         if ok {
             return PortRange { first: base, last: base + n - 1 };
         }
     }
-    panic!("no free port range of {n}");
+    panic!("no free port range of {n} below {ephemeral_low}");
+}
+
+fn random_u16() -> u16 {
+    use ring::rand::SecureRandom;
+    let mut b = [0u8; 2];
+    ring::rand::SystemRandom::new().fill(&mut b).expect("system randomness");
+    u16::from_le_bytes(b)
 }
 
 pub fn edge_args(dir: &Path, https: SocketAddr, tcp_ports: PortRange) -> EdgeArgs {

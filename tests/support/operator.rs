@@ -1,0 +1,324 @@
+//! The operator test fixture, shared by the operator and Ingress suites: a
+//! real kube-apiserver (the kube-env harness), an in-process edge, one
+//! namespace per test and an in-process operator watching only it; helpers to
+//! create objects, wait for events and statuses, and clean up.
+//!
+//! Include it after the modules it builds on:
+//!
+//! ```ignore
+//! #[path = "support/kube.rs"]
+//! mod kube_env;
+//! #[path = "support/net.rs"]
+//! mod net;
+//! #[path = "support/netns.rs"]
+//! mod netns;
+//! #[path = "support/operator.rs"]
+//! mod fixture;
+//! ```
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+use culvert::crd::{Domain, TcpPort, Tunnel};
+use culvert::operator::{BackendAddress, DomainPolicy, OperatorArgs};
+use http::StatusCode;
+use k8s_openapi::api::core::v1::{Event, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::networking::v1::{Ingress, IngressClass};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::kube_env::{self, TestNamespace, wait_until};
+use crate::net::TestEdge;
+use crate::netns::NetnsHost;
+
+pub const WAIT: Duration = Duration::from_secs(60);
+
+pub struct Fixture {
+    pub client: Client,
+    pub ns: TestNamespace,
+    pub edge: TestEdge,
+    pub endpoints_key: String,
+    /// Cluster-scoped IngressClasses this test made (deleted at the end).
+    classes: std::sync::Mutex<Vec<String>>,
+}
+
+impl Fixture {
+    pub async fn new(prefix: &str) -> Option<Fixture> {
+        let env = kube_env::connect().await?;
+        kube_env::install_culvert_crds(&env.client).await;
+        let ns = env.namespace(prefix).await.unwrap();
+        let edge = TestEdge::start().await;
+        let (s, k) =
+            edge.api("POST", "api-keys", Some(json!({"name": "operator", "scope": "endpoints"}))).await;
+        assert!(s.is_success(), "{k}");
+        Some(Fixture {
+            client: env.client.clone(),
+            ns,
+            edge,
+            endpoints_key: k["secret"].as_str().unwrap().into(),
+            classes: Default::default(),
+        })
+    }
+
+    pub fn suffix(&self) -> &str {
+        &self.ns.name[self.ns.name.len() - 8..]
+    }
+
+    pub fn args(&self, identity: &str) -> OperatorArgs {
+        OperatorArgs {
+            edge: self.edge.url(),
+            api_key: self.endpoints_key.clone(),
+            ca_file: Some(self.edge.ca_file.clone()),
+            namespace: self.ns.name.clone(),
+            identity: Some(identity.into()),
+            resync_seconds: 1,
+            lease_seconds: 2,
+            backend_address: BackendAddress::Endpoints,
+            admin_addr: "127.0.0.1:0".parse().unwrap(),
+            watch_namespace: Some(self.ns.name.clone()),
+            annotated_only: false,
+            domain_policy: DomainPolicy::Auto,
+        }
+    }
+
+    /// Starts an operator in this process; cancel the token to stop it.
+    pub fn operator_with(&self, args: OperatorArgs) -> (CancellationToken, tokio::task::JoinHandle<()>) {
+        let stop = CancellationToken::new();
+        let (client, s) = (self.client.clone(), stop.clone());
+        let task =
+            tokio::spawn(
+                async move { culvert::operator::start(client, args, s).await.expect("operator runs") },
+            );
+        (stop, task)
+    }
+
+    pub fn operator(&self) -> (CancellationToken, tokio::task::JoinHandle<()>) {
+        self.operator_with(self.args("solo"))
+    }
+
+    /// An operator with its own identity (a replica, for leader election).
+    pub fn operator_as(&self, identity: &str) -> (CancellationToken, tokio::task::JoinHandle<()>) {
+        self.operator_with(self.args(identity))
+    }
+
+    pub fn api<K>(&self) -> Api<K>
+    where
+        K: kube::Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>,
+    {
+        Api::namespaced(self.client.clone(), &self.ns.name)
+    }
+
+    pub async fn create<K>(&self, obj: Value) -> K
+    where
+        K: kube::Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+            + Clone
+            + serde::de::DeserializeOwned
+            + serde::Serialize
+            + std::fmt::Debug,
+    {
+        let obj: K = serde_json::from_value(obj).unwrap();
+        self.api::<K>().create(&PostParams::default(), &obj).await.unwrap()
+    }
+
+    /// Merge-patches a namespaced object.
+    pub async fn patch<K>(&self, name: &str, patch: Value)
+    where
+        K: kube::Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+            + Clone
+            + serde::de::DeserializeOwned
+            + std::fmt::Debug,
+    {
+        self.api::<K>().patch(name, &PatchParams::default(), &Patch::Merge(patch)).await.unwrap();
+    }
+
+    /// An IngressClass (cluster-scoped, removed by `finish`).
+    pub async fn ingress_class(&self, name: &str, controller: &str, default: bool) {
+        let mut obj = json!({"apiVersion": "networking.k8s.io/v1", "kind": "IngressClass",
+            "metadata": {"name": name, "labels": {"culvert.dev/test": "true"}}, "spec": {"controller": controller}});
+        if default {
+            obj["metadata"]["annotations"] = json!({"ingressclass.kubernetes.io/is-default-class": "true"});
+        }
+        let api = Api::<IngressClass>::all(self.client.clone());
+        api.patch(name, &PatchParams::apply("culvert-tests").force(), &Patch::Apply(&obj)).await.unwrap();
+        let mut classes = self.classes.lock().unwrap();
+        if !classes.iter().any(|c| c == name) {
+            classes.push(name.into());
+        }
+    }
+
+    pub async fn events_for(&self, name: &str) -> Vec<(String, String, String)> {
+        let events = self.api::<Event>().list(&Default::default()).await.unwrap();
+        events
+            .items
+            .into_iter()
+            .filter(|e| e.involved_object.name.as_deref() == Some(name))
+            .map(|e| {
+                (e.type_.unwrap_or_default(), e.reason.unwrap_or_default(), e.message.unwrap_or_default())
+            })
+            .collect()
+    }
+
+    pub async fn wait_event(&self, name: &str, kind: &str, reason: &str) -> String {
+        wait_until(&format!("{kind} event {reason} on {name}"), WAIT, || async {
+            Ok(self
+                .events_for(name)
+                .await
+                .into_iter()
+                .find(|(t, r, _)| t == kind && r == reason)
+                .map(|e| e.2))
+        })
+        .await
+        .unwrap()
+    }
+
+    /// Waits until the Ingress's status names `host`.
+    pub async fn wait_ingress_published(&self, name: &str, host: &str) {
+        let api = self.api::<Ingress>();
+        let r = wait_until(&format!("Ingress {name} status names {host}"), WAIT, || async {
+            let v = serde_json::to_value(api.get(name).await?)?;
+            let hosts: Vec<String> = v["status"]["loadBalancer"]["ingress"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|i| i["hostname"].as_str().map(String::from))
+                .collect();
+            Ok(hosts.iter().any(|h| h == host).then_some(()))
+        })
+        .await;
+        if let Err(e) = r {
+            let tunnels: Vec<Value> = self
+                .api::<Tunnel>()
+                .list(&Default::default())
+                .await
+                .unwrap()
+                .items
+                .into_iter()
+                .map(|t| json!({"name": t.name_any(), "spec": t.spec, "status": t.status}))
+                .collect();
+            panic!("{e}; tunnels: {tunnels:#?}; events: {:?}", self.events_for(name).await);
+        }
+    }
+
+    /// GET through the edge until `want(status, body)` holds; returns the last answer.
+    pub async fn get_until(
+        &self,
+        host: &str,
+        path: &str,
+        want: impl Fn(StatusCode, &str) -> bool,
+    ) -> (StatusCode, String) {
+        let mut last = (StatusCode::OK, String::new());
+        let deadline = std::time::Instant::now() + WAIT;
+        while std::time::Instant::now() < deadline {
+            last = self.edge.client().get(host, path).await;
+            if want(last.0, &last.1) {
+                return last;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        panic!("GET {host}{path}: still {} {:?} after {WAIT:?}", last.0, last.1);
+    }
+
+    /// Waits for the Ready condition's reason (any status).
+    pub async fn wait_reason<K>(&self, name: &str, reason: &str) -> Value
+    where
+        K: kube::Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+            + Clone
+            + serde::de::DeserializeOwned
+            + serde::Serialize
+            + std::fmt::Debug,
+    {
+        let api = self.api::<K>();
+        let found = wait_until(&format!("{name} Ready reason {reason}"), WAIT, || async {
+            let v = serde_json::to_value(api.get(name).await?)?;
+            let got = v["status"]["conditions"][0]["reason"].as_str().unwrap_or("").to_string();
+            Ok((got == reason).then_some(v))
+        })
+        .await;
+        match found {
+            Ok(v) => v,
+            Err(e) => panic!(
+                "{e}; last seen: {:?}",
+                api.get(name).await.map(|o| serde_json::to_value(o).unwrap()["status"].clone())
+            ),
+        }
+    }
+
+    /// Deletes what the test made (the operator still running, so the
+    /// finalizers complete), stops the operator and deletes the namespace.
+    pub async fn finish(self, stop: CancellationToken, task: tokio::task::JoinHandle<()>) {
+        let dp = DeleteParams::default();
+        let lp = Default::default();
+        self.api::<Ingress>().delete_collection(&dp, &lp).await.unwrap();
+        for s in self.api::<Service>().list(&lp).await.unwrap() {
+            self.api::<Service>().delete(&s.name_any(), &dp).await.unwrap();
+        }
+        self.api::<Tunnel>().delete_collection(&dp, &lp).await.unwrap();
+        self.api::<Domain>().delete_collection(&dp, &lp).await.unwrap();
+        self.api::<TcpPort>().delete_collection(&dp, &lp).await.unwrap();
+        wait_until("culvert objects finalized", WAIT, || async {
+            let left = self.api::<Tunnel>().list(&lp).await?.items.len()
+                + self.api::<Domain>().list(&lp).await?.items.len()
+                + self.api::<TcpPort>().list(&lp).await?.items.len();
+            Ok((left == 0).then_some(()))
+        })
+        .await
+        .unwrap();
+        stop.cancel();
+        tokio::time::timeout(Duration::from_secs(30), task).await.expect("operator stops").unwrap();
+        let classes = std::mem::take(&mut *self.classes.lock().unwrap());
+        for c in classes {
+            let _ = Api::<IngressClass>::all(self.client.clone()).delete(&c, &dp).await;
+        }
+        self.ns.delete_and_wait().await.unwrap();
+    }
+}
+
+/// A TCP listener on `ip:port` inside the network namespace `host`.
+pub fn listen_in(host: &NetnsHost, port: u16) -> TcpListener {
+    use std::os::fd::AsRawFd;
+    let (path, ip) = (format!("/run/netns/{}", host.name), host.ip.clone());
+    // setns(2) moves only the calling thread: a short-lived one binds, and the
+    // socket stays in the namespace it was made in.
+    let listener = std::thread::spawn(move || {
+        let ns = std::fs::File::open(&path).unwrap();
+        // SAFETY: setns on a valid descriptor of a network namespace, on this thread only.
+        let rc = unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) };
+        assert_eq!(rc, 0, "setns {path}: {}", std::io::Error::last_os_error());
+        let l = std::net::TcpListener::bind((ip.as_str(), port)).unwrap();
+        l.set_nonblocking(true).unwrap();
+        l
+    })
+    .join()
+    .unwrap();
+    TcpListener::from_std(listener).unwrap()
+}
+
+/// A Service without selector whose EndpointSlice points at `ip` (ports:
+/// (name, service port, target port, protocol)).
+pub async fn service_with_endpoints(
+    f: &Fixture,
+    name: &str,
+    ip: &str,
+    spec: Value,
+    ports: &[(&str, u16, u16, &str)],
+) {
+    let mut spec = spec;
+    spec["ports"] = ports
+        .iter()
+        .map(|(n, p, t, proto)| json!({"name": n, "port": p, "targetPort": t, "protocol": proto}))
+        .collect();
+    f.create::<Service>(
+        json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": name}, "spec": spec}),
+    )
+    .await;
+    f.create::<EndpointSlice>(json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"name": format!("{name}-1"), "labels": {"kubernetes.io/service-name": name}},
+        "addressType": "IPv4",
+        "ports": ports.iter().map(|(n, _, t, proto)| json!({"name": n, "port": t, "protocol": proto})).collect::<Vec<_>>(),
+        "endpoints": [{"addresses": [ip], "conditions": {"ready": true}}]}))
+        .await;
+}
