@@ -372,7 +372,8 @@ async fn auth_credentials(t: &Tunnel, ctx: &Context, ns: &str) -> Result<Auth, E
 }
 
 /// Keeps the agents' copy of the credentials (a Secret owned by the Tunnel,
-/// labelled like its key Secret) equal to `data`; removes it when empty.
+/// labelled like its key Secret) equal to `data`, before the status that
+/// names them is written.
 async fn apply_auth_copy(
     t: &Tunnel,
     ctx: &Context,
@@ -382,18 +383,7 @@ async fn apply_auth_copy(
     let secrets = Api::<Secret>::namespaced(ctx.client.clone(), ns);
     let name = auth_secret_name(&t.name_any());
     if data.is_empty() {
-        // Only look when the last status says there might be one.
-        let old = t.status.as_ref();
-        let had = old.is_some_and(|s| {
-            s.options.auth_secret.is_some() || s.routes.iter().any(|r| r.options.auth_secret.is_some())
-        });
-        if had {
-            match secrets.delete(&name, &Default::default()).await {
-                Ok(_) => info!(secret = %name, "no route asks for credentials any more: deleted their copy"),
-                Err(kube::Error::Api(e)) if e.code == 404 => {}
-                Err(e) => return Err(e.into()),
-            }
-        }
+        // Removed after the status no longer names credentials (see `remove_auth_copy`).
         return Ok(());
     }
     let secret = Secret {
@@ -409,6 +399,31 @@ async fn apply_auth_copy(
         ..Default::default()
     };
     secrets.patch(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&secret)).await?;
+    Ok(())
+}
+
+/// Deletes the agents' copy of the credentials once the status written last
+/// (`old`) named some and the new one (`new`) names none, so agents never
+/// see a guarded route without its credentials.
+async fn remove_auth_copy(
+    t: &Tunnel,
+    ctx: &Context,
+    old: &TunnelStatus,
+    new: &TunnelStatus,
+) -> Result<(), Error> {
+    let guarded = |s: &TunnelStatus| {
+        s.options.auth_secret.is_some() || s.routes.iter().any(|r| r.options.auth_secret.is_some())
+    };
+    if !guarded(old) || guarded(new) {
+        return Ok(());
+    }
+    let name = auth_secret_name(&t.name_any());
+    let secrets = Api::<Secret>::namespaced(ctx.client.clone(), &t.namespace().unwrap_or_default());
+    match secrets.delete(&name, &Default::default()).await {
+        Ok(_) => info!(secret = %name, "no route asks for credentials any more: deleted their copy"),
+        Err(kube::Error::Api(e)) if e.code == 404 => {}
+        Err(e) => return Err(e.into()),
+    }
     Ok(())
 }
 
@@ -460,6 +475,7 @@ async fn apply(t: Arc<Tunnel>, ctx: &Context) -> Result<Action, Error> {
     let (reason, message) = (condition.reason.clone(), condition.message.clone());
     status.conditions = vec![condition];
     apply_status(&api, &*t, &status).await?;
+    remove_auth_copy(&t, ctx, &old, &status).await?;
     if changed {
         event(ctx, &*t, failed, &reason, message).await;
     }
