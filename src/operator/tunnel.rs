@@ -310,7 +310,7 @@ async fn resolve(t: &Tunnel, ctx: &Context) -> Result<Resolved, Error> {
         Some(found) => degrade("default backend".into(), found)?,
         None => Vec::new(),
     };
-    apply_auth_copy(t, ctx, &ns, &auth.copy).await?;
+    apply_auth_copy(t, ctx, &ns, &auth.copy, false).await?;
     let key = ensure_key(t, ctx, &ns, &want).await?;
     let url = match (&key.reservation.hostname, key.reservation.port) {
         (Some(_), _) | (_, Some(_)) => ctx
@@ -379,10 +379,11 @@ async fn apply_auth_copy(
     ctx: &Context,
     ns: &str,
     data: &BTreeMap<String, ByteString>,
+    even_empty: bool,
 ) -> Result<(), Error> {
     let secrets = Api::<Secret>::namespaced(ctx.client.clone(), ns);
     let name = auth_secret_name(&t.name_any());
-    if data.is_empty() {
+    if data.is_empty() && !even_empty {
         // Removed after the status no longer names credentials (see `remove_auth_copy`).
         return Ok(());
     }
@@ -402,9 +403,11 @@ async fn apply_auth_copy(
     Ok(())
 }
 
-/// Deletes the agents' copy of the credentials once the status written last
+/// Empties the agents' copy of the credentials once the status written last
 /// (`old`) named some and the new one (`new`) names none, so agents never
-/// see a guarded route without its credentials.
+/// see a guarded route without its credentials. (Emptied, not deleted: the
+/// operator has no `delete` on Secrets; the garbage collector removes it with
+/// the Tunnel.)
 async fn remove_auth_copy(
     t: &Tunnel,
     ctx: &Context,
@@ -417,13 +420,8 @@ async fn remove_auth_copy(
     if !guarded(old) || guarded(new) {
         return Ok(());
     }
-    let name = auth_secret_name(&t.name_any());
-    let secrets = Api::<Secret>::namespaced(ctx.client.clone(), &t.namespace().unwrap_or_default());
-    match secrets.delete(&name, &Default::default()).await {
-        Ok(_) => info!(secret = %name, "no route asks for credentials any more: deleted their copy"),
-        Err(kube::Error::Api(e)) if e.code == 404 => {}
-        Err(e) => return Err(e.into()),
-    }
+    apply_auth_copy(t, ctx, &t.namespace().unwrap_or_default(), &BTreeMap::new(), true).await?;
+    info!(secret = %auth_secret_name(&t.name_any()), "no route asks for credentials any more: emptied their copy");
     Ok(())
 }
 
