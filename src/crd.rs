@@ -192,6 +192,64 @@ pub enum PathType {
     Prefix,
 }
 
+/// How the agent speaks to an HTTP backend.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendProtocol {
+    /// HTTP/1.1 without TLS.
+    #[default]
+    Http,
+    /// HTTP/2 without TLS, with prior knowledge (gRPC servers and others
+    /// that speak HTTP/2 in clear text).
+    H2c,
+    /// HTTPS (HTTP/2 or HTTP/1.1 by ALPN); the certificate is verified
+    /// against the public host name unless `backendTlsVerify` is false.
+    Https,
+}
+
+/// Options of an HTTP route (or of the default backend), applied by the
+/// agent that forwards to the backend. Changing them never reconnects the
+/// tunnel.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct HttpOptions {
+    /// `http` (default), `h2c` or `https`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backend_protocol: Option<BackendProtocol>,
+    /// With `https`: `false` accepts any certificate (a self-signed one, for
+    /// example). Default `true`: verified against the Mozilla roots, for the
+    /// public host name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backend_tls_verify: Option<bool>,
+    /// Seconds to wait for a connection to the backend (default 10).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<i32>", range(min = 1, max = 3600))]
+    pub connect_timeout_seconds: Option<u32>,
+    /// Seconds the backend may take to send the response headers, and the
+    /// longest pause between two reads of the response body; slower answers
+    /// 504 (default: no limit).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<i32>", range(min = 1, max = 86400))]
+    pub read_timeout_seconds: Option<u32>,
+    /// Largest request body: bytes, or with a unit `k`, `m`, `g` (powers of
+    /// 1024; `10m` is 10 MiB); larger answers 413. `0` or unset: no limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = r"^[0-9]{1,15}[kKmMgG]?$"))]
+    pub max_body_size: Option<String>,
+    /// Name of a Secret of this namespace whose credentials every request
+    /// must present: `auth` holds htpasswd lines (`user:{SHA}...` from
+    /// `htpasswd -s`, or `user:plain-password`) for HTTP Basic auth, `token`
+    /// holds bearer tokens, one a line. Others get 401.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auth_secret: Option<String>,
+}
+
+impl HttpOptions {
+    pub fn is_default(&self) -> bool {
+        *self == HttpOptions::default()
+    }
+}
+
 /// One HTTP route of a Tunnel: a path to a Service of the Tunnel's namespace.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -203,6 +261,9 @@ pub struct TunnelRoute {
     pub path_type: PathType,
     /// The backend Service and port.
     pub service: ServiceRef,
+    /// How requests of this route are forwarded.
+    #[serde(default, skip_serializing_if = "HttpOptions::is_default")]
+    pub options: HttpOptions,
 }
 
 /// A route with the addresses the operator resolved for it.
@@ -217,6 +278,9 @@ pub struct ResolvedRoute {
     /// (the Ready condition says why) and the path answers 503.
     #[serde(default)]
     pub backends: Vec<String>,
+    /// The route's options, as the agents apply them.
+    #[serde(default, skip_serializing_if = "HttpOptions::is_default")]
+    pub options: HttpOptions,
 }
 
 /// Publishes one port of a Service on a Domain (http, tls) or a TcpPort
@@ -258,12 +322,23 @@ pub struct TunnelSpec {
     /// Send a PROXY protocol header (tcp, tls) with the public client address.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub proxy_protocol: Option<ProxyProtocol>,
+    /// How requests to `service` are forwarded (protocol http; each route
+    /// has its own `options`).
+    #[serde(default, skip_serializing_if = "HttpOptions::is_default")]
+    pub options: HttpOptions,
 }
 
 impl TunnelSpec {
     /// Names of every Service the Tunnel sends traffic to.
     pub fn services(&self) -> impl Iterator<Item = &str> {
         self.service.iter().chain(self.routes.iter().map(|r| &r.service)).map(|s| s.name.as_str())
+    }
+
+    /// Names of the Secrets the options name for auth.
+    pub fn auth_secrets(&self) -> impl Iterator<Item = &str> {
+        std::iter::once(&self.options)
+            .chain(self.routes.iter().map(|r| &r.options))
+            .filter_map(|o| o.auth_secret.as_deref())
     }
 }
 
@@ -291,6 +366,9 @@ pub struct TunnelStatus {
     /// The routes with their resolved backend addresses.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub routes: Vec<ResolvedRoute>,
+    /// The options of `backends`, as the agents apply them.
+    #[serde(default, skip_serializing_if = "HttpOptions::is_default")]
+    pub options: HttpOptions,
     /// The Secret holding this Tunnel's key.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key_secret: Option<String>,

@@ -650,3 +650,348 @@ async fn which_load_balancers_are_managed() {
     .unwrap();
     f.finish(stop, task).await;
 }
+
+/// `label path body=<bytes> auth=<whether an Authorization header came>`;
+/// paths ending in `/slow` answer after 3 s, `/ws` is a WebSocket echo.
+fn info_backend(host: &NetnsHost, port: u16, label: &'static str) {
+    let listener = listen_in(host, port);
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else { return };
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(move |req: Request<Incoming>| async move {
+                    if req.uri().path().ends_with("/ws") {
+                        return handle(req, label).await;
+                    }
+                    if req.uri().path().ends_with("/slow") {
+                        tokio::time::sleep(Duration::from_secs(3)).await;
+                    }
+                    let path = req.uri().path().to_string();
+                    let auth = req.headers().contains_key("authorization");
+                    let n = req.into_body().collect().await.map(|b| b.to_bytes().len()).unwrap_or(0);
+                    let text = format!("{label} {path} body={n} auth={auth}");
+                    Ok(Response::new(
+                        Full::new(Bytes::from(text)).map_err(|never| match never {}).boxed_unsync(),
+                    ))
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(tcp), service)
+                    .with_upgrades()
+                    .await;
+            });
+        }
+    });
+}
+
+/// An HTTP/2-only backend without TLS (h2c, prior knowledge).
+fn h2c_backend(host: &NetnsHost, port: u16) {
+    let listener = listen_in(host, port);
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else { return };
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(|req: Request<Incoming>| async move {
+                    let text = format!("h2c {:?} {}", req.version(), req.uri().path());
+                    Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::from(text))))
+                });
+                let _ = hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                    .serve_connection(TokioIo::new(tcp), service)
+                    .await;
+            });
+        }
+    });
+}
+
+/// An HTTPS backend (HTTP/1.1) with a certificate for `names` from a test CA;
+/// answers `tls <path> sni=<server name>`. Returns the CA (PEM).
+fn tls_backend(host: &NetnsHost, port: u16, names: &[String]) -> String {
+    use rustls_pki_types::pem::PemObject;
+    let pki = culvert::tls::generate_pki(names).unwrap();
+    let certs = rustls_pki_types::CertificateDer::pem_slice_iter(pki.cert_pem.as_bytes())
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap();
+    let key = rustls_pki_types::PrivateKeyDer::from_pem_slice(pki.key_pem.as_bytes()).unwrap();
+    let mut config =
+        rustls::ServerConfig::builder().with_no_client_auth().with_single_cert(certs, key).unwrap();
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let acceptor = tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config));
+    let listener = listen_in(host, port);
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else { return };
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let Ok(tls) = acceptor.accept(tcp).await else { return };
+                let sni = tls.get_ref().1.server_name().unwrap_or("none").to_string();
+                let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+                    let text = format!("tls {} sni={sni}", req.uri().path());
+                    async move { Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::from(text)))) }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(tls), service)
+                    .await;
+            });
+        }
+    });
+    pki.ca_pem
+}
+
+fn with_annotations(mut ing: Value, annotations: Value) -> Value {
+    ing["metadata"]["annotations"] = annotations;
+    ing
+}
+
+/// A request through the edge: (status, body, headers).
+async fn request(
+    f: &Fixture,
+    host: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<Vec<u8>>,
+    streamed: bool,
+) -> (StatusCode, String, http::HeaderMap) {
+    type Chunks =
+        futures_util::stream::Iter<std::vec::IntoIter<Result<hyper::body::Frame<Bytes>, std::io::Error>>>;
+    let body = body.unwrap_or_default();
+    let mut builder = Request::builder().method(method).uri(path);
+    for (k, v) in headers {
+        builder = builder.header(*k, *v);
+    }
+    let resp = if streamed {
+        // Two chunks and no Content-Length: the limit is found while streaming.
+        let half = body.len() / 2;
+        let frames = vec![
+            Ok(hyper::body::Frame::data(Bytes::copy_from_slice(&body[..half]))),
+            Ok(hyper::body::Frame::data(Bytes::copy_from_slice(&body[half..]))),
+        ];
+        let stream: Chunks = futures_util::stream::iter(frames);
+        f.edge.client().send(host, builder.body(http_body_util::StreamBody::new(stream)).unwrap(), true).await
+    } else {
+        f.edge.client().send(host, builder.body(Full::new(Bytes::from(body))).unwrap(), false).await
+    }
+    .expect("request through the edge");
+    let (parts, b) = resp.into_parts();
+    let b = b.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+    (parts.status, String::from_utf8_lossy(&b).into_owned(), parts.headers)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ingress_annotations_apply_per_path_and_change_live() {
+    use base64::Engine;
+    let Some(f) = Fixture::new("ing-annot").await else { return };
+    let Some(backends) = NetnsHost::create() else { return };
+    info_backend(&backends, 8001, "A");
+    h2c_backend(&backends, 8002);
+    let tls_host = format!("t{}.edge.test", f.suffix());
+    tls_backend(&backends, 8443, &["backend.test".to_string()]);
+    service_with_endpoints(&f, "a", &backends.ip, json!({}), &[("http", 80, 8001, "TCP")]).await;
+    service_with_endpoints(&f, "grpc", &backends.ip, json!({}), &[("http", 80, 8002, "TCP")]).await;
+    service_with_endpoints(&f, "secure", &backends.ip, json!({}), &[("https", 80, 8443, "TCP")]).await;
+    // alice:wonderland as `htpasswd -nbs` writes it, and a bearer token.
+    f.create::<Secret>(json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "users"},
+        "stringData": {"auth": "alice:{SHA}tiY7sUhYKUwI5L3866kDY+ENcrQ=\n", "token": "tok-1\n"}}))
+        .await;
+    let class = format!("culvert-{}", f.suffix());
+    f.ingress_class(&class, CONTROLLER, false).await;
+    let (stop, task) = f.operator();
+
+    // Two Ingresses share a host: the annotations of each apply to its own paths.
+    let host = format!("g{}.edge.test", f.suffix());
+    let guarded = |annotations: Value| {
+        with_annotations(ingress("guarded", Some(&class), &host, &[("/private", "Prefix", "a")]), annotations)
+    };
+    f.create::<Ingress>(guarded(json!({"culvert.dev/auth-secret": "users",
+        "culvert.dev/proxy-read-timeout": "1", "culvert.dev/proxy-body-size": "1k"})))
+        .await;
+    f.create::<Ingress>(ingress("open", Some(&class), &host, &[("/public", "Prefix", "a")])).await;
+    let h2c_host = format!("h{}.edge.test", f.suffix());
+    f.create::<Ingress>(with_annotations(
+        ingress("h2c", Some(&class), &h2c_host, &[("/", "Prefix", "grpc")]),
+        json!({"culvert.dev/backend-protocol": "h2c"}),
+    ))
+    .await;
+    let mut tls = ingress("tls", Some(&class), &tls_host, &[("/", "Prefix", "secure")]);
+    tls["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]["port"] = json!({"number": 80});
+    f.create::<Ingress>(with_annotations(
+        tls,
+        json!({"culvert.dev/backend-protocol": "https", "culvert.dev/backend-tls-verify": "false"}),
+    ))
+    .await;
+    f.create::<Ingress>(with_annotations(
+        ingress("verified", Some(&class), &tls_host, &[("/verified", "Prefix", "secure")]),
+        json!({"culvert.dev/backend-protocol": "https"}),
+    ))
+    .await;
+    for (name, h) in [("guarded", &host), ("open", &host), ("h2c", &h2c_host), ("tls", &tls_host)] {
+        f.wait_ingress_published(name, h).await;
+    }
+
+    let ok = |s: StatusCode, _: &str| s == StatusCode::OK;
+    f.get_until(&host, "/public/x", ok).await;
+    let alice = format!("Basic {}", base64::engine::general_purpose::STANDARD.encode("alice:wonderland"));
+    let wrong = format!("Basic {}", base64::engine::general_purpose::STANDARD.encode("alice:nope"));
+    f.get_until(&host, "/private/x", |s, _| s == StatusCode::UNAUTHORIZED).await;
+    let (s, body, h) = request(&f, &host, "GET", "/private/x", &[], None, false).await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED, "{body}");
+    let challenges: Vec<&str> = h.get_all("www-authenticate").iter().map(|v| v.to_str().unwrap()).collect();
+    assert!(challenges.iter().any(|c| c.starts_with("Basic realm=")), "{challenges:?}");
+    assert!(challenges.iter().any(|c| c.starts_with("Bearer realm=")), "{challenges:?}");
+    let (s, _, _) = request(&f, &host, "GET", "/private/x", &[("authorization", &wrong)], None, false).await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED, "a wrong password");
+    let (s, body, _) =
+        request(&f, &host, "GET", "/private/x", &[("authorization", &alice)], None, false).await;
+    assert_eq!(
+        (s, body.as_str()),
+        (StatusCode::OK, "A /private/x body=0 auth=false"),
+        "credentials not forwarded"
+    );
+    let (s, body, _) =
+        request(&f, &host, "GET", "/private/y", &[("authorization", "Bearer tok-1")], None, false).await;
+    assert_eq!((s, body.as_str()), (StatusCode::OK, "A /private/y body=0 auth=false"));
+    assert_eq!(
+        request(&f, &host, "GET", "/public/x", &[("authorization", "Bearer x")], None, false).await.1,
+        "A /public/x body=0 auth=true",
+        "the other Ingress's path is open and its headers untouched"
+    );
+
+    // Read timeout: a slower backend is a 504 that says why.
+    let (s, body, _) =
+        request(&f, &host, "GET", "/private/slow", &[("authorization", &alice)], None, false).await;
+    assert_eq!(s, StatusCode::GATEWAY_TIMEOUT, "{body}");
+    assert!(body.contains("did not answer within 1s"), "{body}");
+    let (s, body, _) = request(&f, &host, "GET", "/public/slow", &[], None, false).await;
+    assert_eq!((s, body.as_str()), (StatusCode::OK, "A /public/slow body=0 auth=false"), "no timeout there");
+
+    // Body size: 1k allowed; more is 413, by Content-Length and streamed.
+    let auth = [("authorization", alice.as_str())];
+    let (s, body, _) = request(&f, &host, "POST", "/private/up", &auth, Some(vec![b'x'; 1024]), false).await;
+    assert_eq!((s, body.as_str()), (StatusCode::OK, "A /private/up body=1024 auth=false"));
+    let (s, body, _) = request(&f, &host, "POST", "/private/up", &auth, Some(vec![b'x'; 1025]), false).await;
+    assert_eq!(s, StatusCode::PAYLOAD_TOO_LARGE, "{body}");
+    let (s, body, _) = request(&f, &host, "POST", "/private/up", &auth, Some(vec![b'x'; 4000]), true).await;
+    assert_eq!(s, StatusCode::PAYLOAD_TOO_LARGE, "streamed: {body}");
+    let (s, body, _) = request(&f, &host, "POST", "/private/up", &auth, Some(vec![b'x'; 1000]), true).await;
+    assert_eq!((s, body.as_str()), (StatusCode::OK, "A /private/up body=1000 auth=false"), "streamed");
+    let (s, _, _) = request(&f, &host, "POST", "/public/up", &[], Some(vec![b'x'; 4000]), false).await;
+    assert_eq!(s, StatusCode::OK, "no limit on the other Ingress's paths");
+
+    // h2c and https backends.
+    f.get_until(&h2c_host, "/x", |s, b| s == StatusCode::OK && b == "h2c HTTP/2.0 /x").await;
+    let (s, body) = f.get_until(&tls_host, "/x", ok).await;
+    assert_eq!(body, format!("tls /x sni={tls_host}"), "{s}: the public host is the TLS server name");
+    let (s, body) = f.get_until(&tls_host, "/verified", |s, _| s != StatusCode::NOT_FOUND).await;
+    assert_eq!(s, StatusCode::BAD_GATEWAY, "{body}");
+    assert!(body.contains("certificate") && body.contains("backend-tls-verify"), "{body}");
+
+    // Changes apply without reconnecting: a WebSocket stays open while the
+    // guard goes, a new token comes and the limit changes.
+    let tunnel = f.api::<Tunnel>().list(&Default::default()).await.unwrap().items;
+    let tunnel =
+        tunnel.iter().find(|t| t.annotations().get("culvert.dev/host") == Some(&host)).unwrap().name_any();
+    let key = key_id(&f, &tunnel).await;
+    let mut ws = websocket(&f, &host, "/public/ws").await;
+    assert_eq!(ws_roundtrip(&mut ws, "one").await, "A echoes one");
+    f.patch::<Secret>("users", json!({"stringData": {"token": "tok-2\n"}})).await;
+    wait_until("the new token is accepted", WAIT, || async {
+        let (s, _, _) =
+            request(&f, &host, "GET", "/private/x", &[("authorization", "Bearer tok-2")], None, false).await;
+        Ok((s == StatusCode::OK).then_some(()))
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        request(&f, &host, "GET", "/private/x", &[("authorization", "Bearer tok-1")], None, false).await.0,
+        StatusCode::UNAUTHORIZED,
+        "the old token is not"
+    );
+    f.api::<Ingress>()
+        .replace("guarded", &Default::default(), &{
+            let mut i = f.api::<Ingress>().get("guarded").await.unwrap();
+            i.metadata.annotations =
+                Some([("culvert.dev/proxy-body-size".to_string(), "2k".to_string())].into());
+            i
+        })
+        .await
+        .unwrap();
+    f.get_until(&host, "/private/x", |s, b| s == StatusCode::OK && b == "A /private/x body=0 auth=false")
+        .await;
+    let (s, _, _) = request(&f, &host, "POST", "/private/up", &[], Some(vec![b'x'; 2000]), false).await;
+    assert_eq!(s, StatusCode::OK, "the new limit");
+    let (s, body, _) = request(&f, &host, "GET", "/private/slow", &[], None, false).await;
+    assert_eq!((s, body.as_str()), (StatusCode::OK, "A /private/slow body=0 auth=false"), "no timeout now");
+    assert_eq!(ws_roundtrip(&mut ws, "two").await, "A echoes two", "the WebSocket survived");
+    assert_eq!(key_id(&f, &tunnel).await, key, "same tunnel key");
+    ws.close(None).await.unwrap();
+    f.finish(stop, task).await;
+}
+
+/// GET `/` over TLS to the edge with SNI `host`, trusting only `ca_pem`
+/// (the backend's CA): the answer comes from the backend itself.
+async fn get_passthrough(f: &Fixture, host: &str, ca_pem: &str) -> Result<String, String> {
+    use rustls_pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    for c in rustls_pki_types::CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let mut config = rustls::ClientConfig::builder().with_root_certificates(roots).with_no_client_auth();
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let tcp = TcpStream::connect(f.edge.https).await.map_err(|e| e.to_string())?;
+    let name = rustls_pki_types::ServerName::try_from(host.to_string()).unwrap();
+    let tls = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+        .connect(name, tcp)
+        .await
+        .map_err(|e| format!("TLS: {e}"))?;
+    let (mut s, conn) =
+        hyper::client::conn::http1::handshake(TokioIo::new(tls)).await.map_err(|e| e.to_string())?;
+    tokio::spawn(conn);
+    let req = Request::get("/").header("host", host).body(Full::new(Bytes::new())).unwrap();
+    let resp = s.send_request(req).await.map_err(|e| e.to_string())?;
+    let body = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
+    Ok(String::from_utf8_lossy(&body).into_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ingress_tls_passthrough_reaches_the_backend_by_sni() {
+    let Some(f) = Fixture::new("ing-pass").await else { return };
+    let Some(backends) = NetnsHost::create() else { return };
+    let host = format!("s{}.edge.test", f.suffix());
+    let ca = tls_backend(&backends, 8443, std::slice::from_ref(&host));
+    info_backend(&backends, 8001, "A");
+    service_with_endpoints(&f, "secure", &backends.ip, json!({}), &[("https", 443, 8443, "TCP")]).await;
+    service_with_endpoints(&f, "a", &backends.ip, json!({}), &[("http", 80, 8001, "TCP")]).await;
+    let class = format!("culvert-{}", f.suffix());
+    f.ingress_class(&class, CONTROLLER, false).await;
+    let (stop, task) = f.operator();
+
+    let mut pass = with_annotations(
+        ingress("pass", Some(&class), &host, &[("/", "Prefix", "secure")]),
+        json!({"culvert.dev/tls-passthrough": "true"}),
+    );
+    pass["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]["port"] = json!({"number": 443});
+    pass["spec"]["tls"] = json!([{"hosts": [host]}]);
+    f.create::<Ingress>(pass).await;
+    f.wait_ingress_published("pass", &host).await;
+    let t = &f.api::<Tunnel>().list(&Default::default()).await.unwrap().items[0];
+    assert_eq!(t.spec.protocol, culvert::crd::TunnelProtocol::Tls);
+    let body = wait_until("TLS passthrough to the backend", WAIT, || async {
+        Ok(get_passthrough(&f, &host, &ca).await.ok())
+    })
+    .await
+    .unwrap();
+    assert_eq!(body, format!("tls / sni={host}"), "the backend's certificate, the client's SNI");
+    let msg = f.wait_event("pass", "Normal", "TLSPassthrough").await;
+    assert!(msg.contains(&host), "{msg}");
+
+    // Paths to two Services cannot be one passthrough: a Warning, not published.
+    let two = format!("d{}.edge.test", f.suffix());
+    f.create::<Ingress>(with_annotations(
+        ingress("two", Some(&class), &two, &[("/", "Prefix", "secure"), ("/a", "Prefix", "a")]),
+        json!({"culvert.dev/tls-passthrough": "true"}),
+    ))
+    .await;
+    let msg = f.wait_event("two", "Warning", "TLSPassthrough").await;
+    assert!(msg.contains("several Services") && msg.contains(&two), "{msg}");
+    assert_eq!(f.api::<Tunnel>().list(&Default::default()).await.unwrap().items.len(), 1, "not published");
+    f.finish(stop, task).await;
+}

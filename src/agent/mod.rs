@@ -4,6 +4,9 @@
 //! [`run_tunnel`] is the reconnect loop shared by the standalone agent
 //! (`culvert http|tcp`) and, later, the operator; [`serve`] answers streams.
 
+pub mod backend;
+pub mod guard;
+pub mod route;
 pub mod serve;
 
 use std::sync::Arc;

@@ -15,6 +15,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::TcpStream;
 use tracing::{Instrument, debug, warn};
 
+use super::backend::RouteOptions;
 use crate::constants::{
     BACKEND_CONNECT_TIMEOUT, CLIENT_ADDR_HEADER, ERROR_HEADER, SERVER_ADDR_HEADER, STATUS_HEADER,
     UPGRADE_HEADER,
@@ -27,6 +28,9 @@ use crate::tunnel::body::{self, BoxBody, ReadBody};
 pub enum Target {
     /// An HTTP backend: `host:port`.
     Http { authority: String },
+    /// An HTTP backend of a route with options (scheme, timeouts, body
+    /// limit, credentials): see [`super::route`].
+    HttpRoute { authority: String, options: Arc<RouteOptions> },
     /// A TCP backend: `host:port`, optionally told the public client's
     /// address with a PROXY protocol header.
     Tcp { addr: String, proxy: Option<ProxyHeader> },
@@ -54,6 +58,7 @@ impl std::fmt::Display for Target {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Target::Http { authority } => write!(f, "http://{authority}"),
+            Target::HttpRoute { authority, options } => write!(f, "{}://{authority}", options.uri_scheme()),
             Target::Tcp { addr, .. } => write!(f, "tcp://{addr}"),
         }
     }
@@ -199,7 +204,17 @@ async fn handle(req: Request<Incoming>, kind: StreamKind, resolver: &Resolver) -
             tcp(addr, header, body).await
         }
         (StreamKind::Http, Target::Http { authority }) => http(parts, body, &authority).await,
-        (StreamKind::Upgrade, Target::Http { authority }) => upgrade(parts, body, &authority).await,
+        (StreamKind::Upgrade, Target::Http { authority }) => upgrade(parts, body, &authority, None).await,
+        (StreamKind::Http, Target::HttpRoute { authority, options }) => {
+            super::route::http(parts, body, &authority, &options).await
+        }
+        (StreamKind::Upgrade, Target::HttpRoute { authority, options }) => {
+            let mut parts = parts;
+            if let Err(refused) = super::route::admit(&mut parts.headers, &options) {
+                return refused;
+            }
+            upgrade(parts, body, &authority, Some(&options)).await
+        }
         (kind, target) => agent_error(
             StatusCode::BAD_GATEWAY,
             &format!("a {} stream cannot go to {target}", kind.header_value()),
@@ -208,7 +223,7 @@ async fn handle(req: Request<Incoming>, kind: StreamKind, resolver: &Resolver) -
 }
 
 /// A response the agent makes itself, marked so the edge can tell.
-fn agent_error(status: StatusCode, message: &str) -> Response<BoxBody> {
+pub(super) fn agent_error(status: StatusCode, message: &str) -> Response<BoxBody> {
     let mut resp = Response::new(body::full(format!("culvert agent: {message}\n")));
     *resp.status_mut() = status;
     let h = resp.headers_mut();
@@ -220,13 +235,17 @@ fn agent_error(status: StatusCode, message: &str) -> Response<BoxBody> {
 }
 
 async fn dial(addr: &str) -> Result<TcpStream, String> {
-    match tokio::time::timeout(BACKEND_CONNECT_TIMEOUT, TcpStream::connect(addr)).await {
+    dial_within(addr, BACKEND_CONNECT_TIMEOUT).await
+}
+
+async fn dial_within(addr: &str, limit: std::time::Duration) -> Result<TcpStream, String> {
+    match tokio::time::timeout(limit, TcpStream::connect(addr)).await {
         Ok(Ok(s)) => {
             let _ = s.set_nodelay(true);
             Ok(s)
         }
         Ok(Err(e)) => Err(format!("backend {addr} unreachable: {e}")),
-        Err(_) => Err(format!("backend {addr} did not accept within {BACKEND_CONNECT_TIMEOUT:?}")),
+        Err(_) => Err(format!("backend {addr} did not accept within {limit:?}")),
     }
 }
 
@@ -292,7 +311,10 @@ pub fn strip_culvert_headers(headers: &mut HeaderMap) {
 }
 
 /// The request head as the backend sees it: origin-form URI, the public Host.
-fn backend_request(mut parts: http::request::Parts, authority: &str) -> Result<http::request::Parts, String> {
+pub(super) fn backend_request(
+    mut parts: http::request::Parts,
+    authority: &str,
+) -> Result<http::request::Parts, String> {
     let host = parts.uri.authority().map(|a| a.as_str().to_string());
     let pq = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
     parts.uri = Uri::try_from(format!("http://{authority}{pq}")).map_err(|e| e.to_string())?;
@@ -326,7 +348,13 @@ async fn http(parts: http::request::Parts, body: Incoming, authority: &str) -> R
     }
 }
 
-async fn upgrade(parts: http::request::Parts, body: Incoming, authority: &str) -> Response<BoxBody> {
+async fn upgrade(
+    parts: http::request::Parts,
+    body: Incoming,
+    authority: &str,
+    options: Option<&RouteOptions>,
+) -> Response<BoxBody> {
+    let server_name = parts.uri.host().map(str::to_string);
     let upgrade_to = parts.headers.get(UPGRADE_HEADER).cloned();
     let mut parts = match backend_request(parts, authority) {
         Ok(p) => p,
@@ -339,17 +367,24 @@ async fn upgrade(parts: http::request::Parts, body: Incoming, authority: &str) -
     parts.headers.insert(header::UPGRADE, upgrade_to);
     // Origin-form on a dedicated connection.
     parts.uri = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/").parse().unwrap_or_default();
-    let stream = match dial(authority).await {
+    let limit = options.map_or(BACKEND_CONNECT_TIMEOUT, |o| o.connect_timeout);
+    let stream = match dial_within(authority, limit).await {
         Ok(s) => s,
         Err(e) => return agent_error(StatusCode::BAD_GATEWAY, &e),
     };
-    let (mut sender, conn) = match hyper::client::conn::http1::handshake(TokioIo::new(stream)).await {
-        Ok(x) => x,
+    let handshake = match options.map(|o| o.scheme) {
+        Some(super::backend::Scheme::Https { verify }) => {
+            match super::route::tls_connect(stream, verify, server_name.as_deref(), authority).await {
+                Ok(tls) => http1_handshake(tls).await,
+                Err(e) => return agent_error(StatusCode::BAD_GATEWAY, &e),
+            }
+        }
+        _ => http1_handshake(stream).await,
+    };
+    let mut sender = match handshake {
+        Ok(s) => s,
         Err(e) => return agent_error(StatusCode::BAD_GATEWAY, &format!("backend {authority}: {e}")),
     };
-    tokio::spawn(async move {
-        let _ = conn.with_upgrades().await;
-    });
     let resp = match sender.send_request(Request::from_parts(parts, body::empty())).await {
         Ok(r) => r,
         Err(e) => return agent_error(StatusCode::BAD_GATEWAY, &format!("backend {authority}: {e}")),
@@ -382,6 +417,18 @@ async fn upgrade(parts: http::request::Parts, body: Incoming, authority: &str) -
         out.headers_mut().insert(UPGRADE_HEADER, v);
     }
     out
+}
+
+/// An HTTP/1.1 client connection (with upgrades) over `io`, driven by its own task.
+async fn http1_handshake<T>(io: T) -> Result<hyper::client::conn::http1::SendRequest<BoxBody>, hyper::Error>
+where
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+{
+    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(io)).await?;
+    tokio::spawn(async move {
+        let _ = conn.with_upgrades().await;
+    });
+    Ok(sender)
 }
 
 /// An error and its sources on one line.

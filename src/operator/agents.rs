@@ -3,11 +3,13 @@
 //! to the backends the leader resolved into the Tunnel's status. Backend
 //! changes apply without reconnecting; a new key reconnects.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
+use std::time::Duration;
 
 use futures_util::StreamExt;
+use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -19,9 +21,13 @@ use super::OperatorArgs;
 use super::names::{LABEL_TUNNEL, SECRET_KEY};
 use super::routes::{Rule, Table};
 use super::status::Metrics;
+use super::tunnel::{auth_copy_key, auth_secret_name};
+use crate::agent::backend::{Access, RouteOptions, Scheme};
+use crate::agent::guard;
 use crate::agent::serve::ProxyHeader;
 use crate::agent::{self, Resolver, Target, TunnelOptions};
-use crate::crd::{ProxyProtocol, Tunnel, TunnelProtocol, TunnelStatus};
+use crate::constants::BACKEND_CONNECT_TIMEOUT;
+use crate::crd::{BackendProtocol, HttpOptions, ProxyProtocol, Tunnel, TunnelProtocol, TunnelStatus};
 use crate::tunnel::connect::{Dialer, EdgeUrl};
 
 struct Running {
@@ -30,24 +36,72 @@ struct Running {
     stop: CancellationToken,
 }
 
+/// The backends of a route and how to forward to them.
+#[derive(Debug, Clone, PartialEq)]
+struct Backends {
+    addrs: Vec<String>,
+    options: Arc<RouteOptions>,
+}
+
 /// How the streams of one Tunnel are routed; behind a lock, so changes apply
 /// without reconnecting.
 #[derive(Debug, Clone, Default, PartialEq)]
 struct Routing {
     /// HTTP: paths to backends; TCP: only the default backends.
-    table: Table<Vec<String>>,
+    table: Table<Backends>,
     /// PROXY protocol header for TCP streams.
     proxy: Option<ProxyHeader>,
 }
 
+/// The agent's form of a route's options; credentials come from the
+/// Tunnel's auth copy (`auth`: its data), and are refused (503) when missing.
+fn route_options(o: &HttpOptions, auth: Option<&BTreeMap<String, ByteString>>) -> RouteOptions {
+    let scheme = match o.backend_protocol.unwrap_or_default() {
+        BackendProtocol::Http => Scheme::Http,
+        BackendProtocol::H2c => Scheme::H2c,
+        BackendProtocol::Https => Scheme::Https { verify: o.backend_tls_verify.unwrap_or(true) },
+    };
+    let access = match &o.auth_secret {
+        None => Access::Open,
+        Some(name) => {
+            let text = |key: &str| {
+                auth.and_then(|d| d.get(&auth_copy_key(name, key)))
+                    .map(|b| String::from_utf8_lossy(&b.0).into_owned())
+            };
+            let (a, t) = (text(guard::AUTH_KEY), text(guard::TOKEN_KEY));
+            if a.is_none() && t.is_none() {
+                Access::Unavailable(format!("the credentials of Secret {name} are not loaded yet"))
+            } else {
+                match guard::Credentials::parse(a.as_deref(), t.as_deref()) {
+                    Ok(c) => Access::Credentials(Arc::new(c)),
+                    Err(e) => Access::Unavailable(format!("the credentials of Secret {name}: {e}")),
+                }
+            }
+        }
+    };
+    RouteOptions {
+        scheme,
+        connect_timeout: o
+            .connect_timeout_seconds
+            .map_or(BACKEND_CONNECT_TIMEOUT, |s| Duration::from_secs(s.into())),
+        read_timeout: o.read_timeout_seconds.map(|s| Duration::from_secs(s.into())),
+        max_body: o.max_body_size.as_deref().and_then(|s| guard::parse_size(s).ok().flatten()),
+        access,
+    }
+}
+
 impl Routing {
-    fn of(t: &Tunnel, status: &TunnelStatus) -> Routing {
+    fn of(t: &Tunnel, status: &TunnelStatus, auth: Option<&BTreeMap<String, ByteString>>) -> Routing {
+        let backends = |addrs: &Vec<String>, o: &HttpOptions| Backends {
+            addrs: addrs.clone(),
+            options: Arc::new(route_options(o, auth)),
+        };
         let rules = status
             .routes
             .iter()
-            .map(|r| Rule::new(r.path.clone(), r.path_type, r.backends.clone()))
+            .map(|r| Rule::new(r.path.clone(), r.path_type, backends(&r.backends, &r.options)))
             .collect();
-        let default = (!status.backends.is_empty()).then(|| status.backends.clone());
+        let default = (!status.backends.is_empty()).then(|| backends(&status.backends, &status.options));
         let proxy = t.spec.proxy_protocol.map(|p| match p {
             ProxyProtocol::V1 => ProxyHeader::V1,
             ProxyProtocol::V2 => ProxyHeader::V2,
@@ -77,13 +131,16 @@ fn desired(tunnels: &Store<Tunnel>, secrets: &Store<Secret>) -> HashMap<String, 
             reflector::ObjectRef::<Secret>::new(secret_name).within(&t.namespace().unwrap_or_default());
         let Some(secret) = secrets.get(&secret_ref) else { continue };
         let Some(key) = secret.data.as_ref().and_then(|d| d.get(SECRET_KEY)) else { continue };
+        let auth_ref = reflector::ObjectRef::<Secret>::new(&auth_secret_name(&t.name_any()))
+            .within(&t.namespace().unwrap_or_default());
+        let auth = secrets.get(&auth_ref);
         out.insert(
             t.uid().unwrap_or_default(),
             Desired {
                 name: format!("{}/{}", t.namespace().unwrap_or_default(), t.name_any()),
                 key: String::from_utf8_lossy(&key.0).into_owned(),
                 protocol: t.spec.protocol,
-                routing: Routing::of(&t, status),
+                routing: Routing::of(&t, status, auth.as_ref().and_then(|s| s.data.as_ref())),
             },
         );
     }
@@ -95,16 +152,20 @@ fn resolver(protocol: TunnelProtocol, routing: Arc<RwLock<Routing>>) -> Resolver
     let next = AtomicUsize::new(0);
     Arc::new(move |parts| {
         let routing = routing.read().expect("poisoned");
-        let list = match protocol {
+        let backends = match protocol {
             TunnelProtocol::Http => routing.table.lookup(parts.uri.path())?,
             TunnelProtocol::Tcp | TunnelProtocol::Tls => routing.table.default_backend()?,
         };
+        let list = &backends.addrs;
         if list.is_empty() {
             return None;
         }
         let addr = list[next.fetch_add(1, Ordering::Relaxed) % list.len()].clone();
         Some(match protocol {
-            TunnelProtocol::Http => Target::Http { authority: addr },
+            TunnelProtocol::Http if *backends.options == RouteOptions::default() => {
+                Target::Http { authority: addr }
+            }
+            TunnelProtocol::Http => Target::HttpRoute { authority: addr, options: backends.options.clone() },
             TunnelProtocol::Tcp | TunnelProtocol::Tls => Target::Tcp { addr, proxy: routing.proxy },
         })
     })

@@ -37,13 +37,18 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, info, warn};
 
 use super::names::{
-    ANNOTATION_HOST, ANNOTATION_RECLAIM_POLICY, ANNOTATION_TLS_PASSTHROUGH, DEFAULT_CLASS_ANNOTATION,
-    FIELD_MANAGER, INGRESS_CLASS, INGRESS_CONTROLLER, LABEL_MANAGED_BY, LEGACY_CLASS_ANNOTATION,
+    ANNOTATION_AUTH_SECRET, ANNOTATION_BACKEND_PROTOCOL, ANNOTATION_BACKEND_TLS_VERIFY, ANNOTATION_BODY_SIZE,
+    ANNOTATION_CONNECT_TIMEOUT, ANNOTATION_HOST, ANNOTATION_READ_TIMEOUT, ANNOTATION_RECLAIM_POLICY,
+    ANNOTATION_TLS_PASSTHROUGH, DEFAULT_CLASS_ANNOTATION, FIELD_MANAGER, INGRESS_CLASS, INGRESS_CONTROLLER,
+    LABEL_MANAGED_BY, LEGACY_CLASS_ANNOTATION,
 };
 use super::routes::{self, Contribution, Merged, Rule};
 use super::status::event;
 use super::{Context, DomainPolicy, Error};
-use crate::crd::{Condition, Domain, PathType, ReclaimPolicy, ServiceRef, Tunnel, TunnelRoute, TunnelSpec};
+use crate::crd::{
+    BackendProtocol, Condition, Domain, HttpOptions, PathType, ReclaimPolicy, ServiceRef, Tunnel,
+    TunnelProtocol, TunnelRoute, TunnelSpec,
+};
 
 /// Value of [`LABEL_MANAGED_BY`] on what this controller makes.
 const MANAGED_BY: &str = "ingress";
@@ -81,10 +86,77 @@ pub fn is_ours(ing: &Ingress, classes: &[IngressClass]) -> bool {
     }
 }
 
+/// Where a path of an Ingress goes: a Service, with the options the
+/// Ingress's annotations give its paths.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Backend {
+    pub service: ServiceRef,
+    pub options: HttpOptions,
+}
+
+impl std::fmt::Display for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.service)?;
+        if !self.options.is_default() {
+            let o = serde_json::to_string(&self.options).unwrap_or_default();
+            write!(f, " with options {o}")?;
+        }
+        Ok(())
+    }
+}
+
+/// The options the annotations give every path of an Ingress, and messages
+/// about values that are not understood (those are left out, except the
+/// auth Secret: a bad name keeps the host unpublished rather than open).
+pub fn options_of(ing: &Ingress) -> (HttpOptions, Vec<String>) {
+    let a = ing.annotations();
+    let mut o = HttpOptions::default();
+    let mut problems = Vec::new();
+    let get = |k: &str| a.get(k).map(|v| v.trim()).filter(|v| !v.is_empty());
+    match get(ANNOTATION_BACKEND_PROTOCOL).map(str::to_ascii_lowercase).as_deref() {
+        None => {}
+        Some("http") => o.backend_protocol = Some(BackendProtocol::Http),
+        Some("h2c") => o.backend_protocol = Some(BackendProtocol::H2c),
+        Some("https") => o.backend_protocol = Some(BackendProtocol::Https),
+        Some(v) => problems.push(format!("{ANNOTATION_BACKEND_PROTOCOL}: `{v}` is not http, h2c or https")),
+    }
+    match get(ANNOTATION_BACKEND_TLS_VERIFY).map(str::to_ascii_lowercase).as_deref() {
+        None => {}
+        Some("true") => o.backend_tls_verify = Some(true),
+        Some("false") => o.backend_tls_verify = Some(false),
+        Some(v) => {
+            problems.push(format!("{ANNOTATION_BACKEND_TLS_VERIFY}: `{v}` is not \"true\" or \"false\""))
+        }
+    }
+    for (key, field, max) in [
+        (ANNOTATION_CONNECT_TIMEOUT, &mut o.connect_timeout_seconds, 3600),
+        (ANNOTATION_READ_TIMEOUT, &mut o.read_timeout_seconds, 86400),
+    ] {
+        if let Some(v) = get(key) {
+            match v.trim_end_matches('s').parse::<u32>() {
+                Ok(n) if (1..=max).contains(&n) => *field = Some(n),
+                _ => problems.push(format!("{key}: `{v}` is not a number of seconds (1-{max})")),
+            }
+        }
+    }
+    if let Some(v) = get(ANNOTATION_BODY_SIZE) {
+        match crate::agent::guard::parse_size(v) {
+            Ok(_) => o.max_body_size = Some(v.to_string()),
+            Err(e) => problems.push(format!("{ANNOTATION_BODY_SIZE}: {e}")),
+        }
+    }
+    if let Some(v) = get(ANNOTATION_AUTH_SECRET) {
+        o.auth_secret = Some(v.to_string());
+    }
+    (o, problems)
+}
+
 /// What one Ingress gives each of its hosts, and what of it cannot be served.
 #[derive(Debug, Default, PartialEq)]
 pub struct Translated {
-    pub hosts: BTreeMap<String, Contribution<ServiceRef>>,
+    pub hosts: BTreeMap<String, Contribution<Backend>>,
+    /// `culvert.dev/tls-passthrough: "true"`: its hosts are TLS passthrough.
+    pub passthrough: bool,
     /// Messages for a Warning event.
     pub problems: Vec<String>,
     /// Hosts listed under `spec.tls`.
@@ -109,7 +181,12 @@ pub fn translate(ing: &Ingress) -> Translated {
     let mut out = Translated::default();
     let source = format!("{}/{}", ing.namespace().unwrap_or_default(), ing.name_any());
     let Some(spec) = &ing.spec else { return out };
-    let default = match spec.default_backend.as_ref().map(service_ref) {
+    let (options, problems) = options_of(ing);
+    out.problems.extend(problems);
+    out.passthrough = is_true(ing.annotations().get(ANNOTATION_TLS_PASSTHROUGH));
+    let backend =
+        |b: &IngressBackend| service_ref(b).map(|service| Backend { service, options: options.clone() });
+    let default = match spec.default_backend.as_ref().map(backend) {
         Some(Ok(s)) => Some(s),
         Some(Err(e)) => {
             out.problems.push(format!("spec.defaultBackend: {e}"));
@@ -145,7 +222,7 @@ pub fn translate(ing: &Ingress) -> Translated {
                 out.problems.push(format!("host {host}: path `{path}` does not start with /"));
                 continue;
             }
-            match service_ref(&p.backend) {
+            match backend(&p.backend) {
                 Ok(s) => entry.rules.push(Rule::new(path, path_type, s)),
                 Err(e) => out.problems.push(format!("host {host} path {path}: {e}")),
             }
@@ -157,12 +234,6 @@ pub fn translate(ing: &Ingress) -> Translated {
         );
     }
     out.tls_hosts = spec.tls.iter().flatten().flat_map(|t| t.hosts.iter().flatten().cloned()).collect();
-    if ing.annotations().contains_key(ANNOTATION_TLS_PASSTHROUGH) {
-        out.problems.push(format!(
-            "{ANNOTATION_TLS_PASSTHROUGH}: TLS passthrough is not supported by this version yet; \
-             the hosts are published as HTTPS terminated at the edge"
-        ));
-    }
     out
 }
 
@@ -220,6 +291,8 @@ struct HostState {
     /// (warning, reason, message) to report on the Ingresses of the host.
     report: Option<(bool, String, String)>,
     conflicts: Vec<routes::Conflict>,
+    /// Warnings about TLS passthrough, for one Ingress (`namespace/name`) or all.
+    problems: Vec<(Option<String>, String)>,
 }
 
 /// A controller's context: the operator's, and what was last reported, so
@@ -276,8 +349,29 @@ async fn sync_host(
     let made_by_us = |labels: &BTreeMap<String, String>| {
         labels.get(LABEL_MANAGED_BY).map(String::as_str) == Some(MANAGED_BY)
     };
-    let contributors: Vec<(&Ingress, &Contribution<ServiceRef>)> =
-        ours.iter().filter_map(|(i, t)| t.hosts.get(host).map(|c| (&**i, c))).collect();
+    // The oldest Ingress decides whether the host is TLS passthrough; those
+    // that disagree are left out.
+    let all: Vec<(&Ingress, bool, &Contribution<Backend>)> =
+        ours.iter().filter_map(|(i, t)| t.hosts.get(host).map(|c| (&**i, t.passthrough, c))).collect();
+    let passthrough = all.first().is_some_and(|(_, p, _)| *p);
+    let mut problems: Vec<(Option<String>, String)> = Vec::new();
+    let mut contributors: Vec<(&Ingress, &Contribution<Backend>)> = Vec::new();
+    for (i, p, c) in &all {
+        if *p == passthrough {
+            contributors.push((i, c));
+        } else {
+            let (mode, first) =
+                (if passthrough { "TLS passthrough" } else { "HTTPS at the edge" }, &all[0].2.source);
+            problems.push((
+                Some(c.source.clone()),
+                format!(
+                    "host {host} is published as {mode} by {first} (the oldest Ingress of the host); \
+                     the paths of {} are not served: give both the same {ANNOTATION_TLS_PASSTHROUGH}",
+                    c.source
+                ),
+            ));
+        }
+    }
     let existing_tunnel = tunnels.iter().find(|t| t.name_any() == name);
     let edge_domain = &ctx.edge_info.domain;
     let auto_domain = domains.iter().find(|d| d.name_any() == name && made_by_us(d.labels()));
@@ -291,10 +385,10 @@ async fn sync_host(
             domain_api.delete(&name, &DeleteParams::background()).await?;
             info!(host, domain = %name, "deleted the Domain made for the host");
         }
-        return Ok(HostState { public: None, report: None, conflicts: Vec::new() });
+        return Ok(HostState { public: None, report: None, conflicts: Vec::new(), problems });
     }
 
-    let merged: Merged<ServiceRef> =
+    let merged: Merged<Backend> =
         routes::merge(&contributors.iter().map(|(_, c)| (*c).clone()).collect::<Vec<_>>());
     let owners: Vec<OwnerReference> = contributors.iter().map(|(i, _)| owner_ref(i)).collect();
     let pp = PatchParams::apply(FIELD_MANAGER).force();
@@ -318,6 +412,7 @@ async fn sync_host(
                 public: None,
                 report: Some((true, "DomainRequired".into(), msg)),
                 conflicts: merged.conflicts,
+                problems,
             });
         }
         _ => {
@@ -347,17 +442,40 @@ async fn sync_host(
         }
     };
 
-    let spec = TunnelSpec {
-        service: merged.default.clone(),
-        routes: merged
-            .rules
-            .iter()
-            .map(|r| TunnelRoute { path: r.path.clone(), path_type: r.path_type, service: r.backend.clone() })
-            .collect(),
-        protocol: Default::default(),
-        domain: Some(domain.name_any()),
-        tcp_port: None,
-        proxy_protocol: None,
+    let spec = if passthrough {
+        match passthrough_backend(host, &merged, &mut problems) {
+            Some(service) => TunnelSpec {
+                service: Some(service),
+                routes: Vec::new(),
+                protocol: TunnelProtocol::Tls,
+                domain: Some(domain.name_any()),
+                tcp_port: None,
+                proxy_protocol: None,
+                options: HttpOptions::default(),
+            },
+            None => {
+                return Ok(HostState { public: None, report: None, conflicts: merged.conflicts, problems });
+            }
+        }
+    } else {
+        TunnelSpec {
+            service: merged.default.as_ref().map(|b| b.service.clone()),
+            routes: merged
+                .rules
+                .iter()
+                .map(|r| TunnelRoute {
+                    path: r.path.clone(),
+                    path_type: r.path_type,
+                    service: r.backend.service.clone(),
+                    options: r.backend.options.clone(),
+                })
+                .collect(),
+            protocol: TunnelProtocol::Http,
+            domain: Some(domain.name_any()),
+            tcp_port: None,
+            proxy_protocol: None,
+            options: merged.default.as_ref().map(|b| b.options.clone()).unwrap_or_default(),
+        }
     };
     let body = json!({
         "apiVersion": "culvert.dev/v1alpha1",
@@ -389,7 +507,74 @@ async fn sync_host(
     // Not `fresh`: the status keeps the name while a route change is reconciled.
     let published = tunnel_cond.as_ref().is_some_and(|c| c.status == "True");
     let public = published.then(|| domain.status.as_ref().and_then(|s| s.hostname.clone())).flatten();
-    Ok(HostState { public, report, conflicts: merged.conflicts })
+    Ok(HostState { public, report, conflicts: merged.conflicts, problems })
+}
+
+/// The one Service a TLS passthrough host goes to: the default backend, or
+/// the only Service its paths name. Path rules cannot apply (the edge never
+/// sees the requests), nor can the HTTP options; what cannot be honoured is
+/// added to `problems`, and `None` keeps the host unpublished.
+fn passthrough_backend(
+    host: &str,
+    merged: &Merged<Backend>,
+    problems: &mut Vec<(Option<String>, String)>,
+) -> Option<ServiceRef> {
+    let mut services: Vec<&ServiceRef> = Vec::new();
+    for s in merged.rules.iter().map(|r| &r.backend.service) {
+        if !services.contains(&s) {
+            services.push(s);
+        }
+    }
+    let options =
+        merged.rules.iter().map(|r| &r.backend.options).chain(merged.default.iter().map(|b| &b.options));
+    let guarded = options.clone().any(|o| o.auth_secret.is_some());
+    let other = options.clone().any(|o| !o.is_default());
+    let what = format!("host {host} is TLS passthrough ({ANNOTATION_TLS_PASSTHROUGH})");
+    if guarded {
+        problems.push((
+            None,
+            format!(
+                "{what}: {ANNOTATION_AUTH_SECRET} cannot be enforced on traffic culvert does not decrypt; \
+                 the host is not published"
+            ),
+        ));
+        return None;
+    }
+    if other {
+        problems
+            .push((None, format!("{what}: the HTTP annotations of its paths do not apply and are ignored")));
+    }
+    match (&merged.default, services.as_slice()) {
+        (Some(d), rest) => {
+            if rest.iter().any(|s| **s != d.service) {
+                problems.push((
+                    None,
+                    format!(
+                        "{what}: all its traffic goes to the default backend {}; paths to other Services are ignored",
+                        d.service
+                    ),
+                ));
+            }
+            Some(d.service.clone())
+        }
+        (None, [one]) => Some((*one).clone()),
+        (None, []) => {
+            problems.push((None, format!("{what} but names no backend Service")));
+            None
+        }
+        (None, several) => {
+            let names: Vec<String> = several.iter().map(|s| s.to_string()).collect();
+            problems.push((
+                None,
+                format!(
+                    "{what}: its paths name several Services ({}), but passthrough sends a host's traffic \
+                     to one; give a defaultBackend or one Service. The host is not published",
+                    names.join(", ")
+                ),
+            ));
+            None
+        }
+    }
 }
 
 async fn reconcile(ing: Arc<Ingress>, ctx: Arc<Ctx>) -> Result<Action, Error> {
@@ -465,6 +650,18 @@ async fn apply(ing: Arc<Ingress>, ctx: &Ctx, ns: &str) -> Result<Action, Error> 
         } else {
             ctx.report(&*ing, &topic, true, "PathConflict", conflicts.join("; ")).await;
         }
+        let problems: Vec<&str> = state
+            .problems
+            .iter()
+            .filter(|(who, _)| who.as_ref().is_none_or(|w| *w == me))
+            .map(|(_, m)| m.as_str())
+            .collect();
+        let topic = format!("passthrough {host}");
+        if problems.is_empty() {
+            ctx.forget(&*ing, &topic);
+        } else {
+            ctx.report(&*ing, &topic, true, "TLSPassthrough", problems.join("; ")).await;
+        }
     }
 
     // Status and events of this Ingress.
@@ -484,7 +681,14 @@ async fn apply(ing: Arc<Ingress>, ctx: &Ctx, ns: &str) -> Result<Action, Error> 
             } else {
                 ctx.report(&*ing, "problems", true, "Unsupported", t.problems.join("; ")).await;
             }
-            if !t.tls_hosts.is_empty() {
+            if t.passthrough {
+                let hosts: Vec<&str> = t.hosts.keys().map(String::as_str).collect();
+                let msg = format!(
+                    "{} published as TLS passthrough: the edge routes by SNI and the backend terminates TLS",
+                    hosts.join(", ")
+                );
+                ctx.report(&*ing, "tls", false, "TLSPassthrough", msg).await;
+            } else if !t.tls_hosts.is_empty() {
                 let msg = format!(
                     "TLS for {} is terminated at the edge with the edge's certificate; the Secrets in spec.tls are not used",
                     t.tls_hosts.join(", ")
@@ -670,14 +874,73 @@ spec:
         let c = &t.hosts["shop.edge.test"];
         assert_eq!(c.source, "demo/shop");
         let table = Table::new(c.rules.clone(), c.default.clone());
-        let to = |path: &str| table.lookup(path).map(|s| s.name.clone());
+        let to = |path: &str| table.lookup(path).map(|b| b.service.name.clone());
         assert_eq!(to("/api/v1").as_deref(), Some("api"));
-        assert_eq!(table.lookup("/api").unwrap().port, IntOrString::String("http".into()));
+        assert_eq!(table.lookup("/api").unwrap().service.port, IntOrString::String("http".into()));
         assert_eq!(to("/api/health").as_deref(), Some("health"));
         assert_eq!(to("/api/health/x").as_deref(), Some("api"));
         assert_eq!(to("/static/app.js").as_deref(), Some("cdn"), "ImplementationSpecific is Prefix");
         assert_eq!(to("/apiary").as_deref(), Some("web"), "the default backend");
         assert_eq!(to("/bucket").as_deref(), Some("web"), "an unsupported backend is not routed");
+    }
+
+    #[test]
+    fn annotations_become_the_options_of_the_ingress_paths() {
+        let ing = ingress(json!({"metadata": {"name": "i", "namespace": "n", "annotations": {
+            ANNOTATION_BACKEND_PROTOCOL: "HTTPS", ANNOTATION_BACKEND_TLS_VERIFY: "false",
+            ANNOTATION_CONNECT_TIMEOUT: "5", ANNOTATION_READ_TIMEOUT: "30s", ANNOTATION_BODY_SIZE: "10m",
+            ANNOTATION_AUTH_SECRET: "users"}},
+            "spec": {"defaultBackend": {"service": {"name": "web", "port": {"number": 443}}},
+                "rules": [{"host": "h.edge.test", "http": {"paths": [{"path": "/", "pathType": "Prefix",
+                "backend": {"service": {"name": "web", "port": {"number": 443}}}}]}}]}}));
+        let t = translate(&ing);
+        assert!(t.problems.is_empty(), "{:?}", t.problems);
+        let want = HttpOptions {
+            backend_protocol: Some(BackendProtocol::Https),
+            backend_tls_verify: Some(false),
+            connect_timeout_seconds: Some(5),
+            read_timeout_seconds: Some(30),
+            max_body_size: Some("10m".into()),
+            auth_secret: Some("users".into()),
+        };
+        let c = &t.hosts["h.edge.test"];
+        assert_eq!(c.rules[0].backend.options, want);
+        assert_eq!(c.default.as_ref().unwrap().options, want);
+        let bad = ingress(json!({"metadata": {"name": "i", "namespace": "n", "annotations": {
+            ANNOTATION_BACKEND_PROTOCOL: "grpc", ANNOTATION_READ_TIMEOUT: "0", ANNOTATION_BODY_SIZE: "10q",
+            ANNOTATION_BACKEND_TLS_VERIFY: "no"}}}));
+        let (o, problems) = options_of(&bad);
+        assert!(o.is_default());
+        assert_eq!(problems.len(), 4, "{problems:?}");
+    }
+
+    #[test]
+    fn tls_passthrough_goes_to_one_service() {
+        let b = |name: &str| Backend {
+            service: ServiceRef { name: name.into(), port: IntOrString::Int(443) },
+            options: HttpOptions::default(),
+        };
+        let merged = |rules: Vec<(&str, &str)>, default: Option<&str>| Merged {
+            rules: rules.into_iter().map(|(p, s)| Rule::new(p, PathType::Prefix, b(s))).collect(),
+            default: default.map(b),
+            conflicts: Vec::new(),
+        };
+        let mut problems = Vec::new();
+        let one = passthrough_backend("h", &merged(vec![("/", "a"), ("/x", "a")], None), &mut problems);
+        assert_eq!(one.unwrap().name, "a");
+        assert!(problems.is_empty());
+        let default = passthrough_backend("h", &merged(vec![("/x", "b")], Some("a")), &mut problems);
+        assert_eq!(default.unwrap().name, "a", "the default backend");
+        assert!(problems[0].1.contains("paths to other Services are ignored"), "{problems:?}");
+        problems.clear();
+        assert!(
+            passthrough_backend("h", &merged(vec![("/", "a"), ("/x", "b")], None), &mut problems).is_none()
+        );
+        assert!(problems[0].1.contains("several Services"), "{problems:?}");
+        problems.clear();
+        let mut guarded = merged(vec![("/", "a")], None);
+        guarded.rules[0].backend.options.auth_secret = Some("s".into());
+        assert!(passthrough_backend("h", &guarded, &mut problems).is_none(), "never published unguarded");
     }
 
     #[test]
@@ -697,8 +960,8 @@ spec:
             translate(&b).hosts["h.edge.test"].clone(),
         ]);
         let table = Table::new(merged.rules, merged.default);
-        assert_eq!(table.lookup("/blog/post").unwrap().name, "blog");
-        assert_eq!(table.lookup("/").unwrap().name, "web");
+        assert_eq!(table.lookup("/blog/post").unwrap().service.name, "blog");
+        assert_eq!(table.lookup("/").unwrap().service.name, "web");
         assert_eq!(merged.conflicts.len(), 1);
         assert_eq!(merged.conflicts[0].loser, "n/b");
     }

@@ -75,8 +75,16 @@ pub mod names {
     /// Ingress and Service annotation: `Delete` (default) or `Retain` for the
     /// Domains and TcpPorts the operator creates for them.
     pub const ANNOTATION_RECLAIM_POLICY: &str = "culvert.dev/reclaim-policy";
-    /// Ingress annotation asking for TLS passthrough (not supported yet: a Warning event).
+    /// Ingress annotation `"true"`: the hosts are published as TLS passthrough
+    /// (by SNI) to one backend that terminates TLS itself.
     pub const ANNOTATION_TLS_PASSTHROUGH: &str = "culvert.dev/tls-passthrough";
+    /// Ingress annotations: options of the Ingress's paths (see `HttpOptions`).
+    pub const ANNOTATION_BACKEND_PROTOCOL: &str = "culvert.dev/backend-protocol";
+    pub const ANNOTATION_BACKEND_TLS_VERIFY: &str = "culvert.dev/backend-tls-verify";
+    pub const ANNOTATION_CONNECT_TIMEOUT: &str = "culvert.dev/proxy-connect-timeout";
+    pub const ANNOTATION_READ_TIMEOUT: &str = "culvert.dev/proxy-read-timeout";
+    pub const ANNOTATION_BODY_SIZE: &str = "culvert.dev/proxy-body-size";
+    pub const ANNOTATION_AUTH_SECRET: &str = "culvert.dev/auth-secret";
     /// On Tunnels and Domains made for an Ingress: the host they serve.
     pub const ANNOTATION_HOST: &str = "culvert.dev/host";
     /// On objects the operator makes for an Ingress or a Service: `ingress` or `service`.

@@ -26,12 +26,26 @@ use super::names::{FIELD_MANAGER, FINALIZER, LABEL_TUNNEL, LABEL_UID, SECRET_KEY
 use super::reservation::owner_labels;
 use super::status::{apply_status, carry_transition, event, fresh_for_finalizer, ready};
 use super::{BackendAddress, Context, Error};
+use crate::agent::guard;
 use crate::api::{CreatedTunnelKey, TunnelKey};
-use crate::crd::{Domain, ResolvedRoute, ServiceRef, TcpPort, Tunnel, TunnelProtocol, TunnelStatus};
+use crate::crd::{
+    Domain, HttpOptions, ResolvedRoute, ServiceRef, TcpPort, Tunnel, TunnelProtocol, TunnelStatus,
+};
 
 /// Name of the Secret holding a Tunnel's key.
 pub fn secret_name(tunnel: &str) -> String {
     format!("{tunnel}-culvert-key")
+}
+
+/// Name of the Secret holding a copy of the credentials the Tunnel's routes
+/// ask for (`culvert.dev/auth-secret`), where the agents read them.
+pub fn auth_secret_name(tunnel: &str) -> String {
+    format!("{tunnel}-culvert-auth")
+}
+
+/// Keys of an auth copy: `<secret>.auth` and `<secret>.token`.
+pub fn auth_copy_key(secret: &str, key: &str) -> String {
+    format!("{secret}.{key}")
 }
 
 /// What a ready Tunnel resolved to.
@@ -42,6 +56,10 @@ struct Resolved {
     /// Routes (or the default backend of routes) that cannot be served.
     problems: Vec<String>,
     agents: u32,
+}
+
+fn dns_subdomain(s: &str) -> bool {
+    s.len() <= 253 && s.split('.').all(dns_label)
 }
 
 fn dns_label(s: &str) -> bool {
@@ -70,6 +88,23 @@ pub fn validate(t: &Tunnel) -> Result<(), Error> {
     }
     if let Some(r) = t.spec.routes.iter().find(|r| !r.path.starts_with('/')) {
         return Err(Error::Invalid(format!("route path `{}` must start with /", r.path)));
+    }
+    let options = std::iter::once(("spec.options".to_string(), &t.spec.options))
+        .chain(t.spec.routes.iter().map(|r| (format!("route {} options", r.path), &r.options)));
+    for (what, o) in options {
+        if !o.is_default() && t.spec.protocol != TunnelProtocol::Http {
+            return Err(Error::Invalid(format!("{what} apply to protocol http only")));
+        }
+        if let Some(size) = &o.max_body_size {
+            guard::parse_size(size).map_err(|e| Error::Invalid(format!("{what}: maxBodySize {e}")))?;
+        }
+        if let Some(name) = &o.auth_secret
+            && !dns_subdomain(name)
+        {
+            return Err(Error::Invalid(format!(
+                "{what}: authSecret `{name}` must be the name of a Secret in this namespace"
+            )));
+        }
     }
     match (t.spec.protocol, &t.spec.domain, &t.spec.tcp_port) {
         (TunnelProtocol::Http | TunnelProtocol::Tls, Some(_), None)
@@ -243,16 +278,39 @@ async fn resolve(t: &Tunnel, ctx: &Context) -> Result<Resolved, Error> {
         }
         r => r,
     };
+    let auth = auth_credentials(t, ctx, &ns).await?;
+    // A route whose credentials cannot be had is not served (never open).
+    let guarded = |o: &HttpOptions| match o.auth_secret.as_ref().and_then(|n| auth.failed.get(n)) {
+        Some(why) => Err(Error::Invalid(why.clone())),
+        None => Ok(()),
+    };
     let mut routes = Vec::new();
     for r in &t.spec.routes {
-        let b = degrade(format!("route {}", r.path), backends(&r.service, ctx, &ns).await)?;
-        routes.push(ResolvedRoute { path: r.path.clone(), path_type: r.path_type, backends: b });
+        let found = match guarded(&r.options) {
+            Ok(()) => backends(&r.service, ctx, &ns).await,
+            Err(e) => Err(e),
+        };
+        let b = degrade(format!("route {}", r.path), found)?;
+        routes.push(ResolvedRoute {
+            path: r.path.clone(),
+            path_type: r.path_type,
+            backends: b,
+            options: r.options.clone(),
+        });
     }
-    let backends = match &t.spec.service {
-        Some(s) if t.spec.routes.is_empty() => backends(s, ctx, &ns).await?,
-        Some(s) => degrade("default backend".into(), backends(s, ctx, &ns).await)?,
+    let default = match &t.spec.service {
+        Some(s) => Some(match guarded(&t.spec.options) {
+            Ok(()) => backends(s, ctx, &ns).await,
+            Err(e) => Err(e),
+        }),
+        None => None,
+    };
+    let backends = match default {
+        Some(found) if t.spec.routes.is_empty() => found?,
+        Some(found) => degrade("default backend".into(), found)?,
         None => Vec::new(),
     };
+    apply_auth_copy(t, ctx, &ns, &auth.copy, false).await?;
     let key = ensure_key(t, ctx, &ns, &want).await?;
     let url = match (&key.reservation.hostname, key.reservation.port) {
         (Some(_), _) | (_, Some(_)) => ctx
@@ -274,6 +332,99 @@ async fn resolve(t: &Tunnel, ctx: &Context) -> Result<Resolved, Error> {
     Ok(Resolved { url, backends, routes, problems, agents: key.connections as u32 })
 }
 
+/// The credentials the Tunnel's options ask for: the data to copy for the
+/// agents, and why the others cannot be used.
+#[derive(Default)]
+struct Auth {
+    copy: BTreeMap<String, ByteString>,
+    failed: BTreeMap<String, String>,
+}
+
+async fn auth_credentials(t: &Tunnel, ctx: &Context, ns: &str) -> Result<Auth, Error> {
+    let mut out = Auth::default();
+    let secrets = Api::<Secret>::namespaced(ctx.client.clone(), ns);
+    let names: std::collections::BTreeSet<&str> = t.spec.auth_secrets().collect();
+    for name in names {
+        let Some(secret) = secrets.get_opt(name).await? else {
+            out.failed.insert(
+                name.into(),
+                format!("auth Secret {name} not found in this namespace: create it with `{}` (htpasswd lines) or `{}` (bearer tokens)", guard::AUTH_KEY, guard::TOKEN_KEY),
+            );
+            continue;
+        };
+        let data = secret.data.unwrap_or_default();
+        let text = |k: &str| data.get(k).map(|b| String::from_utf8_lossy(&b.0).into_owned());
+        let (auth, token) = (text(guard::AUTH_KEY), text(guard::TOKEN_KEY));
+        match guard::Credentials::parse(auth.as_deref(), token.as_deref()) {
+            Ok(_) => {
+                for (key, value) in [(guard::AUTH_KEY, auth), (guard::TOKEN_KEY, token)] {
+                    if let Some(v) = value {
+                        out.copy.insert(auth_copy_key(name, key), ByteString(v.into_bytes()));
+                    }
+                }
+            }
+            Err(e) => {
+                out.failed.insert(name.into(), format!("auth Secret {name}: {e}"));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Keeps the agents' copy of the credentials (a Secret owned by the Tunnel,
+/// labelled like its key Secret) equal to `data`, before the status that
+/// names them is written.
+async fn apply_auth_copy(
+    t: &Tunnel,
+    ctx: &Context,
+    ns: &str,
+    data: &BTreeMap<String, ByteString>,
+    even_empty: bool,
+) -> Result<(), Error> {
+    let secrets = Api::<Secret>::namespaced(ctx.client.clone(), ns);
+    let name = auth_secret_name(&t.name_any());
+    if data.is_empty() && !even_empty {
+        // Removed after the status no longer names credentials (see `remove_auth_copy`).
+        return Ok(());
+    }
+    let secret = Secret {
+        metadata: ObjectMeta {
+            name: Some(name.clone()),
+            namespace: Some(ns.into()),
+            labels: Some(BTreeMap::from([(LABEL_TUNNEL.into(), t.name_any())])),
+            owner_references: t.controller_owner_ref(&()).map(|o| vec![o]),
+            ..Default::default()
+        },
+        type_: Some("Opaque".into()),
+        data: Some(data.clone()),
+        ..Default::default()
+    };
+    secrets.patch(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&secret)).await?;
+    Ok(())
+}
+
+/// Empties the agents' copy of the credentials once the status written last
+/// (`old`) named some and the new one (`new`) names none, so agents never
+/// see a guarded route without its credentials. (Emptied, not deleted: the
+/// operator has no `delete` on Secrets; the garbage collector removes it with
+/// the Tunnel.)
+async fn remove_auth_copy(
+    t: &Tunnel,
+    ctx: &Context,
+    old: &TunnelStatus,
+    new: &TunnelStatus,
+) -> Result<(), Error> {
+    let guarded = |s: &TunnelStatus| {
+        s.options.auth_secret.is_some() || s.routes.iter().any(|r| r.options.auth_secret.is_some())
+    };
+    if !guarded(old) || guarded(new) {
+        return Ok(());
+    }
+    apply_auth_copy(t, ctx, &t.namespace().unwrap_or_default(), &BTreeMap::new(), true).await?;
+    info!(secret = %auth_secret_name(&t.name_any()), "no route asks for credentials any more: emptied their copy");
+    Ok(())
+}
+
 async fn apply(t: Arc<Tunnel>, ctx: &Context) -> Result<Action, Error> {
     let api: Api<Tunnel> = Api::namespaced(ctx.client.clone(), &t.namespace().unwrap_or_default());
     let outcome = resolve(&t, ctx).await;
@@ -289,6 +440,8 @@ async fn apply(t: Arc<Tunnel>, ctx: &Context) -> Result<Action, Error> {
             status.url = Some(r.url.clone());
             status.backends = r.backends.clone();
             status.routes = r.routes.clone();
+            status.options =
+                if t.spec.service.is_some() { t.spec.options.clone() } else { Default::default() };
             status.agents = r.agents;
             let to = if r.routes.is_empty() {
                 r.backends.join(", ")
@@ -313,12 +466,14 @@ async fn apply(t: Arc<Tunnel>, ctx: &Context) -> Result<Action, Error> {
         status.url = old.url.clone();
         status.backends = old.backends.clone();
         status.routes = old.routes.clone();
+        status.options = old.options.clone();
     }
     let changed = carry_transition(&mut condition, &old.conditions);
     let failed = condition.status != "True" || condition.reason == "Degraded";
     let (reason, message) = (condition.reason.clone(), condition.message.clone());
     status.conditions = vec![condition];
     apply_status(&api, &*t, &status).await?;
+    remove_auth_copy(&t, ctx, &old, &status).await?;
     if changed {
         event(ctx, &*t, failed, &reason, message).await;
     }
@@ -387,7 +542,7 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
             .map(|t| ObjectRef::from_obj(&*t))
             .collect::<Vec<_>>()
     };
-    let (r1, r2, r3, r4) = (refs.clone(), refs.clone(), refs.clone(), refs);
+    let (r1, r2, r3, r4, r5) = (refs.clone(), refs.clone(), refs.clone(), refs.clone(), refs);
     controller
         .owns(super::watched::<Secret>(&client, all(())), watcher::Config::default().labels(LABEL_TUNNEL))
         .watches(
@@ -418,6 +573,11 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
                 r4(p.namespace(), Box::new(move |t| t.spec.tcp_port.as_deref() == Some(&name)))
             },
         )
+        // An auth Secret a route names changed.
+        .watches(super::watched::<Secret>(&client, all(())), watcher::Config::default(), move |s: Secret| {
+            let name = s.name_any();
+            r5(s.namespace(), Box::new(move |t| t.spec.auth_secrets().any(|a| a == name)))
+        })
         .graceful_shutdown_on(async move { stop.cancelled().await })
         .run(reconcile, error_policy, ctx)
         .for_each(|_| async {})
@@ -464,6 +624,20 @@ mod tests {
             (
                 json!({"routes": [{"path": "/", "service": {"name": "a", "port": 80}}], "protocol": "tcp", "tcpPort": "p"}),
                 "http only",
+            ),
+            (
+                json!({"service": {"name": "a", "port": 80}, "protocol": "tcp", "tcpPort": "p",
+                    "options": {"readTimeoutSeconds": 5}}),
+                "apply to protocol http only",
+            ),
+            (
+                json!({"routes": [{"path": "/", "service": {"name": "a", "port": 80},
+                    "options": {"authSecret": "Other/Ns"}}], "domain": "d"}),
+                "must be the name of a Secret",
+            ),
+            (
+                json!({"service": {"name": "a", "port": 80}, "domain": "d", "options": {"maxBodySize": "10x"}}),
+                "maxBodySize",
             ),
         ] {
             let err = validate(&tunnel(spec.clone())).unwrap_err().to_string();

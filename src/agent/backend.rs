@@ -1,0 +1,187 @@
+//! The options of one HTTP route as the agent applies them, and the pooled
+//! clients that speak to its backends: HTTP/1.1, h2c (HTTP/2 with prior
+//! knowledge) or HTTPS (verified, or not).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use hyper_rustls::{FixedServerNameResolver, HttpsConnector};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::crypto::{CryptoProvider, ring as provider};
+use rustls::{DigitallySignedStruct, SignatureScheme};
+use rustls_pki_types::{CertificateDer, ServerName, UnixTime};
+
+use super::guard::Credentials;
+use crate::constants::BACKEND_CONNECT_TIMEOUT;
+use crate::tunnel::body::BoxBody;
+
+/// How the agent speaks to an HTTP backend.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum Scheme {
+    #[default]
+    Http,
+    /// HTTP/2 in clear text, with prior knowledge.
+    H2c,
+    /// TLS; `verify: false` accepts any certificate.
+    Https { verify: bool },
+}
+
+/// Who may use a route.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Access {
+    #[default]
+    Open,
+    /// Only requests with these credentials.
+    Credentials(Arc<Credentials>),
+    /// The route asks for credentials the agent does not have (yet): every
+    /// request is refused with 503 and this reason.
+    Unavailable(String),
+}
+
+/// The options of one HTTP route.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RouteOptions {
+    pub scheme: Scheme,
+    pub connect_timeout: Duration,
+    /// How long the backend may take to send the response head, and the
+    /// longest pause in the response body.
+    pub read_timeout: Option<Duration>,
+    /// Largest request body in bytes.
+    pub max_body: Option<u64>,
+    pub access: Access,
+}
+
+impl Default for RouteOptions {
+    fn default() -> Self {
+        RouteOptions {
+            scheme: Scheme::Http,
+            connect_timeout: BACKEND_CONNECT_TIMEOUT,
+            read_timeout: None,
+            max_body: None,
+            access: Access::Open,
+        }
+    }
+}
+
+impl RouteOptions {
+    /// The URI scheme of requests to the backend.
+    pub fn uri_scheme(&self) -> &'static str {
+        match self.scheme {
+            Scheme::Https { .. } => "https",
+            Scheme::Http | Scheme::H2c => "http",
+        }
+    }
+}
+
+pub type BackendClient = Client<HttpsConnector<HttpConnector>, BoxBody>;
+
+/// What a pooled client is made for.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct ClientKey {
+    scheme: Scheme,
+    connect_timeout: Duration,
+    /// The TLS server name (https): the public host name.
+    server_name: Option<String>,
+}
+
+/// A client for `options` (one per scheme, connect timeout and TLS server
+/// name, kept for the life of the process; few distinct ones exist).
+pub fn client(options: &RouteOptions, server_name: Option<&str>) -> BackendClient {
+    static CLIENTS: OnceLock<Mutex<HashMap<ClientKey, BackendClient>>> = OnceLock::new();
+    let key = ClientKey {
+        scheme: options.scheme,
+        connect_timeout: options.connect_timeout,
+        server_name: matches!(options.scheme, Scheme::Https { .. })
+            .then(|| server_name.map(str::to_string))
+            .flatten(),
+    };
+    let mut clients = CLIENTS.get_or_init(Mutex::default).lock().expect("poisoned");
+    clients.entry(key.clone()).or_insert_with(|| build(&key)).clone()
+}
+
+fn build(key: &ClientKey) -> BackendClient {
+    let mut http = HttpConnector::new();
+    http.set_nodelay(true);
+    http.set_connect_timeout(Some(key.connect_timeout));
+    http.enforce_http(false);
+    let verify = !matches!(key.scheme, Scheme::Https { verify: false });
+    let builder = hyper_rustls::HttpsConnectorBuilder::new().with_tls_config((*tls_config(verify)).clone());
+    let builder = builder.https_or_http();
+    let builder = match key.server_name.as_deref().map(|n| ServerName::try_from(n.to_string())) {
+        Some(Ok(name)) => builder.with_server_name_resolver(FixedServerNameResolver::new(name)),
+        _ => builder,
+    };
+    let connector = builder.enable_all_versions().wrap_connector(http);
+    Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(60))
+        .http2_only(key.scheme == Scheme::H2c)
+        .build(connector)
+}
+
+/// The TLS client configuration for HTTPS backends: the Mozilla roots, or
+/// (`verify: false`) any certificate, the handshake signature still checked.
+pub fn tls_config(verify: bool) -> Arc<rustls::ClientConfig> {
+    static VERIFIED: OnceLock<Arc<rustls::ClientConfig>> = OnceLock::new();
+    static UNVERIFIED: OnceLock<Arc<rustls::ClientConfig>> = OnceLock::new();
+    let make = || {
+        let provider = Arc::new(provider::default_provider());
+        let builder = rustls::ClientConfig::builder_with_provider(provider.clone())
+            .with_safe_default_protocol_versions()
+            .expect("the ring provider supports the default versions");
+        let config = if verify {
+            builder
+                .with_root_certificates(crate::tls::root_store(None).expect("the built-in roots load"))
+                .with_no_client_auth()
+        } else {
+            builder
+                .dangerous()
+                .with_custom_certificate_verifier(Arc::new(AnyCertificate(provider)))
+                .with_no_client_auth()
+        };
+        Arc::new(config)
+    };
+    if verify { VERIFIED.get_or_init(make).clone() } else { UNVERIFIED.get_or_init(make).clone() }
+}
+
+/// Accepts any server certificate (`culvert.dev/backend-tls-verify: "false"`).
+#[derive(Debug)]
+struct AnyCertificate(Arc<CryptoProvider>);
+
+impl ServerCertVerifier for AnyCertificate {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.0.signature_verification_algorithms)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.0.signature_verification_algorithms)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}

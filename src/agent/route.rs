@@ -1,0 +1,148 @@
+//! Forwarding an HTTP request of a route with options: who may pass
+//! ([`admit`]), the body size limit (413), the scheme of the backend (HTTP,
+//! h2c, HTTPS) and the read timeout (504).
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use http::header::{self, HeaderMap};
+use http::{Request, Response, StatusCode, Uri};
+use hyper::body::Incoming;
+use tokio::net::TcpStream;
+use tracing::warn;
+
+use super::backend::{self, Access, RouteOptions, Scheme};
+use super::guard::{IdleTimeoutBody, LimitedBody};
+use super::serve::{agent_error, backend_request, error_chain, strip_hop_by_hop};
+use crate::tunnel::body::{self, BoxBody};
+
+/// Checks the request's credentials (removing them, so the backend never
+/// sees them): `Err` is the answer to send instead.
+#[allow(clippy::result_large_err)]
+pub fn admit(headers: &mut HeaderMap, options: &RouteOptions) -> Result<(), Response<BoxBody>> {
+    match &options.access {
+        Access::Open => Ok(()),
+        Access::Unavailable(why) => Err(agent_error(StatusCode::SERVICE_UNAVAILABLE, why)),
+        Access::Credentials(c) if c.allows(headers) => {
+            headers.remove(header::AUTHORIZATION);
+            Ok(())
+        }
+        Access::Credentials(c) => {
+            let mut resp = agent_error(StatusCode::UNAUTHORIZED, "authentication required");
+            for v in c.challenges() {
+                resp.headers_mut().append(header::WWW_AUTHENTICATE, v);
+            }
+            Err(resp)
+        }
+    }
+}
+
+fn content_length(headers: &HeaderMap) -> Option<u64> {
+    headers.get(header::CONTENT_LENGTH)?.to_str().ok()?.trim().parse().ok()
+}
+
+fn too_large(max: u64) -> Response<BoxBody> {
+    agent_error(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        &format!("the request body is larger than this route allows ({max} bytes)"),
+    )
+}
+
+/// Forwards one request to `authority` as `options` say.
+pub async fn http(
+    mut parts: http::request::Parts,
+    body: Incoming,
+    authority: &str,
+    options: &Arc<RouteOptions>,
+) -> Response<BoxBody> {
+    if let Err(refused) = admit(&mut parts.headers, options) {
+        return refused;
+    }
+    if let Some(max) = options.max_body
+        && content_length(&parts.headers).is_some_and(|n| n > max)
+    {
+        return too_large(max);
+    }
+    // The public host: the TLS server name of an HTTPS backend.
+    let server_name = parts.uri.host().map(str::to_string);
+    let mut parts = match backend_request(parts, authority) {
+        Ok(p) => p,
+        Err(e) => return agent_error(StatusCode::BAD_REQUEST, &e),
+    };
+    if options.uri_scheme() != "http" {
+        let pq = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
+        match Uri::try_from(format!("{}://{authority}{pq}", options.uri_scheme())) {
+            Ok(uri) => parts.uri = uri,
+            Err(e) => return agent_error(StatusCode::BAD_REQUEST, &e.to_string()),
+        }
+    }
+    let (body, tripped) = match options.max_body {
+        Some(max) => {
+            let (limited, tripped) = LimitedBody::new(body, max);
+            (body::boxed(limited), Some(tripped))
+        }
+        None => (body::boxed(body), None),
+    };
+    let client = backend::client(options, server_name.as_deref());
+    let sent = client.request(Request::from_parts(parts, body));
+    let answer = match options.read_timeout {
+        Some(limit) => match tokio::time::timeout(limit, sent).await {
+            Ok(r) => r,
+            Err(_) => {
+                let msg =
+                    format!("backend {authority} did not answer within {limit:?} (the route's read timeout)");
+                warn!(error = %msg, "http request timed out");
+                return agent_error(StatusCode::GATEWAY_TIMEOUT, &msg);
+            }
+        },
+        None => sent.await,
+    };
+    match answer {
+        Ok(resp) => {
+            let (mut parts, b) = resp.into_parts();
+            strip_hop_by_hop(&mut parts.headers);
+            let b = match options.read_timeout {
+                Some(idle) => body::boxed(IdleTimeoutBody::new(b, idle)),
+                None => body::boxed(b),
+            };
+            Response::from_parts(parts, b)
+        }
+        Err(_) if tripped.is_some_and(|t| t.load(Ordering::Relaxed)) => {
+            too_large(options.max_body.unwrap_or_default())
+        }
+        Err(e) => {
+            let chain = error_chain(&e);
+            let hint = match options.scheme {
+                Scheme::Https { verify: true } if chain.contains("certificate") => {
+                    "; if the backend's certificate is self-signed, set culvert.dev/backend-tls-verify: \"false\""
+                }
+                Scheme::H2c => "; h2c needs a backend that speaks HTTP/2 in clear text",
+                _ => "",
+            };
+            let what = if e.is_connect() { "unreachable" } else { "failed" };
+            let msg = format!("backend {authority} {what}: {chain}{hint}");
+            warn!(error = %msg, "http request failed");
+            agent_error(StatusCode::BAD_GATEWAY, &msg)
+        }
+    }
+}
+
+/// TLS to an HTTPS backend for an upgraded (WebSocket) stream: HTTP/1.1 by
+/// ALPN, the public host as the server name.
+pub async fn tls_connect(
+    tcp: TcpStream,
+    verify: bool,
+    server_name: Option<&str>,
+    authority: &str,
+) -> Result<tokio_rustls::client::TlsStream<TcpStream>, String> {
+    let mut config = (*backend::tls_config(verify)).clone();
+    config.alpn_protocols = vec![crate::tls::ALPN_HTTP11.to_vec()];
+    let name = server_name.or_else(|| authority.rsplit_once(':').map(|(h, _)| h)).unwrap_or(authority);
+    let name = name.trim_start_matches('[').trim_end_matches(']');
+    let name = rustls_pki_types::ServerName::try_from(name.to_string())
+        .map_err(|e| format!("backend {authority}: bad TLS server name {name}: {e}"))?;
+    tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect(name, tcp)
+        .await
+        .map_err(|e| format!("backend {authority}: TLS handshake failed: {e}"))
+}
