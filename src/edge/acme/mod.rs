@@ -291,7 +291,7 @@ impl Acme {
             Err(_) => Err(AcmeError::Timeout),
         };
         let now = unix_now();
-        let result = match outcome {
+        match outcome {
             Ok(issued) => {
                 record.status = StoredCertificateStatus::Ready;
                 record.chain_pem = Some(issued.chain_pem);
@@ -301,6 +301,7 @@ impl Acme {
                 record.last_error = None;
                 record.failures = 0;
                 record.next_attempt = 0;
+                self.count("issued");
                 match self.store.put_certificate(&record) {
                     Ok(true) => {
                         self.serve(host, issued.key);
@@ -309,7 +310,6 @@ impl Acme {
                     Ok(false) => info!("released while ordering: certificate discarded"),
                     Err(e) => warn!(error = %e, "failed to store the certificate"),
                 }
-                "issued"
             }
             Err(e) => {
                 let dns = matches!(e, AcmeError::DnsMismatch(_));
@@ -331,12 +331,16 @@ impl Acme {
                     };
                 }
                 warn!(error = %record.last_error.as_deref().unwrap_or_default(), category = e.category(), retry_in_s = delay.as_secs(), "certificate not obtained");
+                self.count(if dns { "dns_mismatch" } else { "failed" });
                 if let Err(e) = self.store.put_certificate(&record) {
                     warn!(error = %e, "failed to store the certificate state");
                 }
-                if dns { "dns_mismatch" } else { "failed" }
             }
-        };
+        }
+    }
+
+    /// Counts a finished job (before its outcome is stored and visible).
+    fn count(&self, result: &'static str) {
         self.results.get_or_create(&vec![("result", result.to_string())]).inc();
     }
 
