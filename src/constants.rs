@@ -113,7 +113,8 @@ pub const DEFAULT_ACME_CONCURRENT_ORDERS: usize = 2;
 /// ACME: one order (challenge, validation, finalization, download) must finish within this.
 pub const ACME_ORDER_TIMEOUT: Duration = Duration::from_secs(180);
 /// ACME: backoff after a failed order: first delay and cap (doubling in between).
-pub const ACME_ORDER_BACKOFF_INITIAL: Duration = Duration::from_secs(60);
+/// Five minutes keeps a name under Let's Encrypt's 5 failed validations per hour.
+pub const ACME_ORDER_BACKOFF_INITIAL: Duration = Duration::from_secs(300);
 pub const ACME_ORDER_BACKOFF_MAX: Duration = Duration::from_secs(6 * 3600);
 /// ACME: a name whose DNS does not point at the edge is checked again after
 /// this (doubling up to the cap). DNS checks cost the CA nothing.
