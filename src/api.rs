@@ -118,7 +118,7 @@ pub struct Reservation {
     /// The ACME certificate of a custom domain (edges with `--acme`); filled
     /// in by the API.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub certificate: Option<CertificateState>,
+    pub certificate: Option<Box<CertificateState>>,
 }
 
 /// Where a custom domain's certificate stands.

@@ -520,7 +520,7 @@ fn with_url(ctx: &ApiContext, mut r: Reservation) -> Reservation {
         };
         // Not scanned yet: about to be ordered.
         let record = record.unwrap_or_else(|| CertificateRecord::pending(host));
-        r.certificate = Some(record.state(unix_now()));
+        r.certificate = Some(Box::new(record.state(unix_now())));
     }
     r
 }

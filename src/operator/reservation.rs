@@ -105,7 +105,7 @@ impl Reserved for Domain {
         let mut certificate_expiry = None;
         // A custom domain (spec.fqdn under another domain than the edge's).
         if custom || (r.is_none() && self.spec.fqdn.is_some()) {
-            let state = r.and_then(|r| r.certificate.as_ref());
+            let state = r.and_then(|r| r.certificate.as_deref());
             conditions.push(certificate_condition(r.is_some(), state, self.metadata.generation));
             certificate_expiry = state.and_then(|c| c.not_after.clone());
         }
@@ -510,7 +510,7 @@ mod tests {
             "createdAt": "2029-01-01T00:00:00Z", "url": "https://app.example.org"
         }))
         .unwrap();
-        r.certificate = Some(state(CertificateStatus::Ready, None));
+        r.certificate = Some(Box::new(state(CertificateStatus::Ready, None)));
         let ready = super::super::status::ready(true, "Reserved", "ok", Some(2));
         let v = domain.status(Some(&r), ready.clone(), "edge.example.com");
         assert_eq!(v["certificateExpiry"], "2030-01-01T00:00:00Z");
