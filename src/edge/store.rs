@@ -1349,6 +1349,63 @@ mod tests {
     }
 
     #[test]
+    fn certificates_live_and_die_with_their_custom_domain() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        store.ensure_admin_key().unwrap();
+        let owner = admin(&store).id;
+        let none = Labels::new();
+        // Only a reserved custom domain gets a record.
+        assert!(!store.put_certificate(&CertificateRecord::pending("app.example.org")).unwrap());
+        let (sub, _) =
+            store.reserve_domain(ReservationKind::Subdomain, "x.edge.test", &owner, &none).unwrap();
+        assert!(!store.put_certificate(&CertificateRecord::pending("x.edge.test")).unwrap());
+        let (app, _) =
+            store.reserve_domain(ReservationKind::Custom, "app.example.org", &owner, &none).unwrap();
+        let mut record = CertificateRecord::pending("app.example.org");
+        assert!(store.put_certificate(&record).unwrap());
+        assert_eq!(
+            store.certificate("app.example.org").unwrap().unwrap().state(0).status,
+            CertificateStatus::Pending
+        );
+
+        record.status = StoredCertificateStatus::Ready;
+        record.chain_pem = Some("chain".into());
+        record.key_pem = Some("key".into());
+        (record.not_before, record.not_after) = (Some(1_000), Some(1_090));
+        record.last_error = Some("renewal failed".into());
+        record.next_attempt = 1_070;
+        assert!(store.put_certificate(&record).unwrap());
+        // Like kill -9: the record survives without a clean shutdown.
+        std::mem::forget(store);
+        let store = Store::open(dir.path()).unwrap();
+        let stored = store.certificate("app.example.org").unwrap().unwrap();
+        assert!(stored == CertificateRecord { updated_at: stored.updated_at.clone(), ..record.clone() });
+        let state = stored.state(1_050);
+        assert_eq!(state.status, CertificateStatus::Ready, "a failed renewal still serves");
+        assert_eq!(state.not_after.as_deref(), Some("1970-01-01T00:18:10Z"));
+        assert_eq!(state.renew_at.as_deref(), Some("1970-01-01T00:17:40Z"));
+        assert_eq!(state.next_attempt_at.as_deref(), Some("1970-01-01T00:17:50Z"));
+        assert_eq!(stored.state(1_090).status, CertificateStatus::Expired);
+        assert!(!format!("{stored:?}").contains("key"), "Debug never shows the private key");
+
+        // Releasing deletes the certificate in the same transaction; others stay.
+        store.release_reservation(&sub.id).unwrap();
+        assert_eq!(store.certificates().unwrap().len(), 1);
+        store.release_reservation(&app.id).unwrap();
+        assert!(store.certificate("app.example.org").unwrap().is_none());
+        assert!(
+            !store.put_certificate(&record).unwrap(),
+            "an order finishing after the release stores nothing"
+        );
+
+        assert_eq!(store.acme_account("https://ca/dir").unwrap(), None);
+        store.put_acme_account("https://ca/dir", "{\"id\":1}").unwrap();
+        store.put_acme_account("https://ca/dir", "{\"id\":2}").unwrap();
+        assert_eq!(store.acme_account("https://ca/dir").unwrap().as_deref(), Some("{\"id\":2}"));
+    }
+
+    #[test]
     fn api_keys_and_the_last_admin() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(dir.path()).unwrap();
