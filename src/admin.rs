@@ -682,20 +682,34 @@ fn info_table(info: &Info) -> String {
     render_table(&["FIELD", "VALUE"], &rows)
 }
 
+/// Domains; with certificate status, expiry and last error when the edge
+/// orders certificates (`--acme`).
 fn domains_table(items: &[Reservation]) -> String {
+    let certificates = items.iter().any(|r| r.certificate.is_some());
     let rows: Vec<Vec<String>> = items
         .iter()
         .map(|r| {
-            vec![
+            let mut row = vec![
                 r.hostname.clone().unwrap_or_default(),
                 r.kind.to_string(),
                 r.owner.clone(),
                 labels_cell(&r.labels),
                 r.created_at.clone(),
-            ]
+            ];
+            if certificates {
+                let c = r.certificate.as_ref();
+                row.push(c.map_or("-".into(), |c| c.status.to_string()));
+                row.push(c.and_then(|c| c.not_after.clone()).unwrap_or_else(|| "-".into()));
+                row.push(c.and_then(|c| c.last_error.clone()).unwrap_or_else(|| "-".into()));
+            }
+            row
         })
         .collect();
-    render_table(&["HOSTNAME", "KIND", "OWNER", "LABELS", "CREATED"], &rows)
+    let mut headers = vec!["HOSTNAME", "KIND", "OWNER", "LABELS", "CREATED"];
+    if certificates {
+        headers.extend(["CERTIFICATE", "EXPIRES", "LAST ERROR"]);
+    }
+    render_table(&headers, &rows)
 }
 
 fn ports_table(items: &[Reservation]) -> String {
@@ -824,6 +838,7 @@ mod tests {
                 owner: "ak_1".into(),
                 created_at: "x".into(),
                 url: None,
+                certificate: None,
             },
             revoked_tunnel_keys: vec!["tk_1".into()],
         });
@@ -887,6 +902,7 @@ mod tests {
             public_host: "edge.test".into(),
             public_https_port: 443,
             tcp_ports: PortRange { first: 20000, last: 20009 },
+            acme: true,
             hooks: Arc::new(Hooks),
         };
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -961,6 +977,19 @@ mod tests {
             "blog.edge.test\n"
         );
         assert_eq!(run(&admin_client, &["domain", "reserve", "blog"]).unwrap(), "blog.edge.test\n");
+        // This edge runs with ACME: custom domains show their certificate.
+        assert_eq!(
+            run(&admin_client, &["domain", "reserve", "--fqdn", "app.example.org"]).unwrap(),
+            "app.example.org\n"
+        );
+        let list = run(&admin_client, &["domain", "list"]).unwrap();
+        let lines: Vec<&str> = list.lines().collect();
+        let cells = |l: &str| l.split_whitespace().map(str::to_string).collect::<Vec<_>>();
+        assert_eq!(cells(lines[0])[5..], ["CERTIFICATE", "EXPIRES", "LAST", "ERROR"], "{list}");
+        let app = cells(lines.iter().find(|l| l.starts_with("app.example.org")).expect("listed"));
+        assert_eq!((app[1].as_str(), &app[5..]), ("custom", &["pending", "-", "-"].map(String::from)[..]));
+        let blog = cells(lines.iter().find(|l| l.starts_with("blog.edge.test")).expect("listed"));
+        assert_eq!(blog[5..], ["-", "-", "-"], "{list}");
         assert_eq!(run(&admin_client, &["port", "reserve"]).unwrap(), "20000\n");
         let secret =
             run(&admin_client, &["tunnel-key", "create", "--domain", "blog", "--protocol", "http"]).unwrap();

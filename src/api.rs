@@ -115,6 +115,75 @@ pub struct Reservation {
     /// Filled in by the API (the store does not know the edge's addresses).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub url: Option<String>,
+    /// The ACME certificate of a custom domain (edges with `--acme`); filled
+    /// in by the API.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub certificate: Option<Box<CertificateState>>,
+}
+
+/// Where a custom domain's certificate stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CertificateStatus {
+    /// No certificate yet: the edge is checking DNS or ordering one.
+    Pending,
+    /// A valid certificate is served (a failed renewal shows in `lastError`).
+    Ready,
+    /// The name does not resolve to the edge: point a CNAME at the edge's
+    /// domain; the edge checks again on its own (nothing is asked of the CA).
+    DnsMismatch,
+    /// Ordering failed; the edge retries with backoff (`nextAttemptAt`).
+    Failed,
+    /// The certificate expired and could not be renewed.
+    Expired,
+}
+
+impl CertificateStatus {
+    /// The JSON spelling (`pending`, `ready`, `dns_mismatch`, `failed`, `expired`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CertificateStatus::Pending => "pending",
+            CertificateStatus::Ready => "ready",
+            CertificateStatus::DnsMismatch => "dns_mismatch",
+            CertificateStatus::Failed => "failed",
+            CertificateStatus::Expired => "expired",
+        }
+    }
+
+    /// Parses the JSON spelling.
+    pub fn parse(s: &str) -> Option<CertificateStatus> {
+        [Self::Pending, Self::Ready, Self::DnsMismatch, Self::Failed, Self::Expired]
+            .into_iter()
+            .find(|c| c.as_str() == s)
+    }
+}
+
+impl std::fmt::Display for CertificateStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The certificate state of a custom domain, as the edge reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CertificateState {
+    /// Where it stands.
+    pub status: CertificateStatus,
+    /// RFC 3339 UTC expiry of the certificate served, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub not_after: Option<String>,
+    /// RFC 3339 UTC time the edge renews the certificate (status `ready`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub renew_at: Option<String>,
+    /// RFC 3339 UTC time of the next check or order after a failure.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_attempt_at: Option<String>,
+    /// What went wrong last (cleared by a successful order).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+    /// RFC 3339 UTC time of the last change.
+    pub updated_at: String,
 }
 
 impl Reservation {
@@ -541,6 +610,7 @@ mod tests {
             owner: "ak_0123456789ab".into(),
             created_at: "2025-01-01T00:00:00Z".into(),
             url: None,
+            certificate: None,
         };
         let v = serde_json::to_value(&r).unwrap();
         assert_eq!(v["createdAt"], "2025-01-01T00:00:00Z");

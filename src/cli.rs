@@ -94,6 +94,67 @@ pub struct EdgeArgs {
     /// Agents that may be connected at once with one tunnel key.
     #[arg(long, env = "CULVERT_MAX_AGENTS_PER_KEY", default_value_t = constants::DEFAULT_MAX_AGENTS_PER_KEY)]
     pub max_agents_per_key: usize,
+
+    #[command(flatten)]
+    pub acme: AcmeArgs,
+}
+
+/// Certificates for custom domains from an ACME CA (Let's Encrypt by default).
+#[derive(Debug, Clone, Args)]
+pub struct AcmeArgs {
+    /// Order certificates for custom domains by ACME (RFC 8555).
+    #[arg(long = "acme", env = "CULVERT_ACME")]
+    pub enabled: bool,
+
+    /// ACME directory URL.
+    #[arg(long = "acme-directory", env = "CULVERT_ACME_DIRECTORY", default_value = constants::DEFAULT_ACME_DIRECTORY)]
+    pub directory: String,
+
+    /// Contact e-mail for the ACME account (expiry notices from the CA).
+    #[arg(long = "acme-email", env = "CULVERT_ACME_EMAIL")]
+    pub email: Option<String>,
+
+    /// Trust this PEM CA for the ACME directory instead of the built-in roots (test CAs).
+    #[arg(long = "acme-ca-file", env = "CULVERT_ACME_CA_FILE")]
+    pub ca_file: Option<PathBuf>,
+
+    /// How the CA validates a name: `tls-alpn-01` on the HTTPS port, or `http-01` on the HTTP port.
+    #[arg(long = "acme-challenge", env = "CULVERT_ACME_CHALLENGE", value_enum, default_value_t = AcmeChallenge::TlsAlpn01)]
+    pub challenge: AcmeChallenge,
+
+    /// Certificate orders that may run at once.
+    #[arg(long = "acme-max-concurrent-orders", env = "CULVERT_ACME_MAX_CONCURRENT_ORDERS", default_value_t = constants::DEFAULT_ACME_CONCURRENT_ORDERS)]
+    pub max_concurrent_orders: usize,
+
+    /// DNS server (`IP:PORT`) for the check that a custom domain points at the
+    /// edge, instead of the system resolver.
+    #[arg(long = "acme-dns-server", env = "CULVERT_ACME_DNS_SERVER")]
+    pub dns_server: Option<SocketAddr>,
+}
+
+impl Default for AcmeArgs {
+    fn default() -> Self {
+        AcmeArgs {
+            enabled: false,
+            directory: constants::DEFAULT_ACME_DIRECTORY.into(),
+            email: None,
+            ca_file: None,
+            challenge: AcmeChallenge::TlsAlpn01,
+            max_concurrent_orders: constants::DEFAULT_ACME_CONCURRENT_ORDERS,
+            dns_server: None,
+        }
+    }
+}
+
+/// The ACME challenge type the edge answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum AcmeChallenge {
+    /// TLS-ALPN-01 (RFC 8737) on the HTTPS port: works with only 443 open.
+    #[value(name = "tls-alpn-01")]
+    TlsAlpn01,
+    /// HTTP-01 on the HTTP port (80).
+    #[value(name = "http-01")]
+    Http01,
 }
 
 #[derive(Debug, Clone, Args)]

@@ -104,3 +104,25 @@ pub const DEFAULT_TCP_PORTS: &str = "20000-20999";
 pub const API_MAX_BODY: usize = 64 * 1024;
 /// A control API request body must arrive completely within this.
 pub const API_BODY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// ACME: a certificate is renewed this long before it expires (or a third of
+/// its lifetime before, for short-lived certificates).
+pub const RENEW_BEFORE_EXPIRY: Duration = Duration::from_secs(30 * 24 * 3600);
+/// ACME: certificate orders running at once (default of `--acme-max-concurrent-orders`).
+pub const DEFAULT_ACME_CONCURRENT_ORDERS: usize = 2;
+/// ACME: one order (challenge, validation, finalization, download) must finish within this.
+pub const ACME_ORDER_TIMEOUT: Duration = Duration::from_secs(180);
+/// ACME: backoff after a failed order: first delay and cap (doubling in between).
+/// Five minutes keeps a name under Let's Encrypt's 5 failed validations per hour.
+pub const ACME_ORDER_BACKOFF_INITIAL: Duration = Duration::from_secs(300);
+pub const ACME_ORDER_BACKOFF_MAX: Duration = Duration::from_secs(6 * 3600);
+/// ACME: a name whose DNS does not point at the edge is checked again after
+/// this (doubling up to the cap). DNS checks cost the CA nothing.
+pub const ACME_DNS_RECHECK_INITIAL: Duration = Duration::from_secs(5);
+pub const ACME_DNS_RECHECK_MAX: Duration = Duration::from_secs(60);
+/// ACME: one DNS query (with `--acme-dns-server`) waits this long for an answer.
+pub const DNS_QUERY_TIMEOUT: Duration = Duration::from_secs(3);
+/// ACME: the certificate scan runs at least this often (it also runs on every change).
+pub const ACME_SCAN_INTERVAL: Duration = Duration::from_secs(3600);
+/// Default ACME directory: Let's Encrypt production.
+pub const DEFAULT_ACME_DIRECTORY: &str = "https://acme-v02.api.letsencrypt.org/directory";

@@ -52,6 +52,7 @@ pub struct Condition {
     printcolumn = r#"{"name":"Host","type":"string","jsonPath":".status.hostname"}"#,
     printcolumn = r#"{"name":"Reclaim","type":"string","jsonPath":".spec.reclaimPolicy"}"#,
     printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Certificate","type":"string","jsonPath":".status.conditions[?(@.type==\"CertificateReady\")].reason"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
@@ -77,9 +78,13 @@ pub struct DomainStatus {
     /// The generation last reconciled.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// `Ready` with reason and message.
+    /// `Ready` with reason and message; for a custom domain also
+    /// `CertificateReady` (the edge's ACME certificate for it).
     #[serde(default)]
     pub conditions: Vec<Condition>,
+    /// For a custom domain: when the certificate the edge serves expires (RFC 3339).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub certificate_expiry: Option<String>,
     /// The reserved public host name.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hostname: Option<String>,

@@ -14,6 +14,8 @@ use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 /// ALPN protocols the edge offers to public clients.
 pub const ALPN_H2: &[u8] = b"h2";
 pub const ALPN_HTTP11: &[u8] = b"http/1.1";
+/// ALPN of ACME TLS-ALPN-01 validation (RFC 8737): the CA's only protocol.
+pub const ALPN_ACME_TLS: &[u8] = b"acme-tls/1";
 
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
@@ -90,16 +92,22 @@ pub fn certified_key(
 
 /// Picks the certificate by SNI: exact names first (custom domains), then
 /// the default (the edge's own `<domain>` and `*.<domain>` certificate).
-/// Certificates can be swapped without a restart.
+/// Certificates can be swapped without a restart. A ClientHello offering
+/// ALPN `acme-tls/1` gets only a TLS-ALPN-01 challenge certificate.
 #[derive(Debug)]
 pub struct CertResolver {
     default: RwLock<Arc<CertifiedKey>>,
     by_name: RwLock<HashMap<String, Arc<CertifiedKey>>>,
+    acme_challenges: RwLock<HashMap<String, Arc<CertifiedKey>>>,
 }
 
 impl CertResolver {
     pub fn new(default: Arc<CertifiedKey>) -> Self {
-        CertResolver { default: RwLock::new(default), by_name: RwLock::default() }
+        CertResolver {
+            default: RwLock::new(default),
+            by_name: RwLock::default(),
+            acme_challenges: RwLock::default(),
+        }
     }
 
     /// Serves `key` for the exact host name `name` (lower case).
@@ -114,10 +122,29 @@ impl CertResolver {
     pub fn set_default(&self, key: Arc<CertifiedKey>) {
         *self.default.write().expect("poisoned") = key;
     }
+
+    /// The certificate served for `name` by SNI (tests, diagnostics).
+    pub fn get(&self, name: &str) -> Option<Arc<CertifiedKey>> {
+        self.by_name.read().expect("poisoned").get(&name.to_ascii_lowercase()).cloned()
+    }
+
+    /// Answers TLS-ALPN-01 validation of `name` with `key` (until removed).
+    pub fn set_acme_challenge(&self, name: &str, key: Arc<CertifiedKey>) {
+        self.acme_challenges.write().expect("poisoned").insert(name.to_ascii_lowercase(), key);
+    }
+
+    pub fn remove_acme_challenge(&self, name: &str) {
+        self.acme_challenges.write().expect("poisoned").remove(&name.to_ascii_lowercase());
+    }
 }
 
 impl ResolvesServerCert for CertResolver {
     fn resolve(&self, hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        if hello.alpn().is_some_and(|mut offered| offered.any(|p| p == ALPN_ACME_TLS)) {
+            // TLS-ALPN-01: a challenge certificate or no handshake at all.
+            let name = hello.server_name()?.to_ascii_lowercase();
+            return self.acme_challenges.read().expect("poisoned").get(&name).cloned();
+        }
         if let Some(name) = hello.server_name() {
             let by_name = self.by_name.read().expect("poisoned");
             if let Some(key) = by_name.get(&name.to_ascii_lowercase()) {
@@ -128,14 +155,15 @@ impl ResolvesServerCert for CertResolver {
     }
 }
 
-/// The edge's TLS server configuration: TLS 1.2 and 1.3, ALPN h2 and http/1.1.
+/// The edge's TLS server configuration: TLS 1.2 and 1.3, ALPN h2 and
+/// http/1.1 (and `acme-tls/1`, which only ACME validation offers).
 pub fn server_config(resolver: Arc<CertResolver>) -> Result<Arc<rustls::ServerConfig>, TlsError> {
     let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(provider::default_provider()))
         .with_safe_default_protocol_versions()
         .map_err(TlsError::Config)?
         .with_no_client_auth()
         .with_cert_resolver(resolver);
-    config.alpn_protocols = vec![ALPN_H2.to_vec(), ALPN_HTTP11.to_vec()];
+    config.alpn_protocols = vec![ALPN_H2.to_vec(), ALPN_HTTP11.to_vec(), ALPN_ACME_TLS.to_vec()];
     Ok(Arc::new(config))
 }
 

@@ -276,3 +276,80 @@ async fn leader_hands_over_when_the_leader_dies() {
     stop_a.cancel();
     f.finish(stop_b, task_b).await;
 }
+
+/// A DNS server on 127.0.0.1:0 that knows no name (NXDOMAIN to everything).
+async fn empty_dns() -> std::net::SocketAddr {
+    let socket = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    let addr = socket.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut buf = [0u8; 1500];
+        while let Ok((n, peer)) = socket.recv_from(&mut buf).await {
+            if n >= 12 {
+                let mut m = buf[..n].to_vec();
+                m[2] |= 0x80; // a response
+                m[3] = 0x80 | 3; // NXDOMAIN
+                let _ = socket.send_to(&m, peer).await;
+            }
+        }
+    });
+    addr
+}
+
+/// A custom domain's certificate state reaches the Domain: the edge (with
+/// ACME) finds that the name does not point at it, which the operator shows
+/// as `CertificateReady=False, DnsMismatch` with a Warning event. No CA is
+/// contacted: the DNS check comes first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn custom_domain_certificate_condition() {
+    let dns = empty_dns().await;
+    let Some(f) = Fixture::new_with("op-cert", |args| {
+        args.acme.enabled = true;
+        args.acme.directory = "https://127.0.0.1:9/directory".into();
+        args.acme.dns_server = Some(dns);
+    })
+    .await
+    else {
+        return;
+    };
+    let (stop, task) = f.operator();
+    let fqdn = format!("app-{}.example.org", &f.ns.name[f.ns.name.len() - 8..]);
+    f.create::<Domain>(json!({"apiVersion": "culvert.dev/v1alpha1", "kind": "Domain", "metadata": {"name": "app"}, "spec": {"fqdn": fqdn}})).await;
+    f.create::<Domain>(json!({"apiVersion": "culvert.dev/v1alpha1", "kind": "Domain", "metadata": {"name": "sub"}, "spec": {"name": format!("s{}", &f.ns.name[f.ns.name.len() - 8..])}})).await;
+    f.wait_reason::<Domain>("app", "Reserved").await;
+    let api = f.api::<Domain>();
+    let d = wait_until("CertificateReady DnsMismatch", WAIT, || async {
+        let v = serde_json::to_value(api.get("app").await?)?;
+        let c = v["status"]["conditions"]
+            .as_array()
+            .and_then(|c| c.iter().find(|c| c["type"] == "CertificateReady"))
+            .cloned();
+        Ok(c.filter(|c| c["reason"] == "DnsMismatch").map(|_| v))
+    })
+    .await
+    .unwrap();
+    let c = &d["status"]["conditions"][1];
+    assert_eq!(c["status"], "False", "{d}");
+    let message = c["message"].as_str().unwrap();
+    assert!(
+        message.contains(&format!("{fqdn} has no A/AAAA record")) && message.contains("CNAME"),
+        "{message}"
+    );
+    assert_eq!(d["status"]["cnameTarget"], "edge.test");
+    assert!(d["status"].get("certificateExpiry").is_none(), "{d}");
+    wait_until("Warning event", WAIT, || async {
+        Ok(f.events_for("app")
+            .await
+            .iter()
+            .any(|(t, r, _)| t == "Warning" && r == "CertificateDnsMismatch")
+            .then_some(()))
+    })
+    .await
+    .unwrap();
+    // The edge reports the same to `culvert admin domain list`.
+    let (_, r) = f.edge.api("GET", &format!("domains/{fqdn}"), None).await;
+    assert_eq!(r["certificate"]["status"], "dns_mismatch", "{r}");
+    // A subdomain has no certificate condition (the edge's own certificate covers it).
+    let sub = f.wait_reason::<Domain>("sub", "Reserved").await;
+    assert_eq!(sub["status"]["conditions"].as_array().unwrap().len(), 1, "{sub}");
+    f.finish(stop, task).await;
+}

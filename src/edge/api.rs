@@ -28,7 +28,7 @@ use hyper::{Request, Response};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::store::{ApiKeyAuth, Store, StoreError};
+use super::store::{ApiKeyAuth, CertificateRecord, Store, StoreError, unix_now};
 use crate::api::{
     ApiKey, ApiKeyScope, CreateApiKeyRequest, CreateTunnelKeyRequest, CreatedApiKey, CreatedTunnelKey,
     ErrorBody, Info, List, Protocol, ReleaseResponse, Reservation, ReservationKind, ReserveDomainRequest,
@@ -60,6 +60,8 @@ pub struct ApiContext {
     pub public_https_port: u16,
     /// Ports handed out to TCP reservations.
     pub tcp_ports: PortRange,
+    /// The edge orders certificates for custom domains (`--acme`).
+    pub acme: bool,
     /// Callbacks into the running edge.
     pub hooks: Arc<dyn EdgeHooks>,
 }
@@ -505,6 +507,21 @@ fn info(ctx: &ApiContext, caller: ApiKey) -> Info {
 
 fn with_url(ctx: &ApiContext, mut r: Reservation) -> Reservation {
     r.url = Some(r.public_url(ctx.public_https_port, &ctx.public_host));
+    if ctx.acme
+        && r.kind == ReservationKind::Custom
+        && let Some(host) = &r.hostname
+    {
+        let record = match ctx.store.certificate(host) {
+            Ok(record) => record,
+            Err(e) => {
+                tracing::warn!(error = %e, host = %host, "failed to read the certificate state");
+                None
+            }
+        };
+        // Not scanned yet: about to be ordered.
+        let record = record.unwrap_or_else(|| CertificateRecord::pending(host));
+        r.certificate = Some(Box::new(record.state(unix_now())));
+    }
     r
 }
 
@@ -972,6 +989,7 @@ mod tests {
             public_host: "edge.example.com".into(),
             public_https_port: 443,
             tcp_ports: PortRange { first: 20000, last: 20002 },
+            acme: false,
             hooks: hooks.clone(),
         };
         Edge { ctx, hooks, admin, _dir: dir }

@@ -6,7 +6,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-type Labels = Vec<(&'static str, String)>;
+pub type Labels = Vec<(&'static str, String)>;
 
 pub struct Metrics {
     registry: Registry,
@@ -15,6 +15,8 @@ pub struct Metrics {
     bytes: Family<Labels, Counter>,
     handshake_failures: Family<Labels, Counter>,
     pub public_connections_rejected: Counter,
+    /// ACME certificate jobs by result (`issued`, `failed`, `dns_mismatch`).
+    pub acme_orders: Family<Labels, Counter>,
 }
 
 impl Default for Metrics {
@@ -42,8 +44,15 @@ impl Default for Metrics {
             "Public connections closed on accept because the limit was reached",
             public_connections_rejected.clone(),
         );
+        let acme_orders = Family::<Labels, Counter>::default();
+        registry.register(
+            "acme_orders",
+            "ACME certificate jobs (DNS check and order) by result: issued, failed, dns_mismatch",
+            acme_orders.clone(),
+        );
         Metrics {
             registry,
+            acme_orders,
             tunnels_connected,
             streams_open,
             bytes,

@@ -2,6 +2,7 @@
 //! HTTP redirect port, TCP reservation listeners, the control API and the
 //! admin port, all state in an SQLite store.
 
+pub mod acme;
 pub mod agents;
 pub mod api;
 pub mod idle;
@@ -80,6 +81,8 @@ pub struct Edge {
     pub metrics: Metrics,
     pub api: ApiContext,
     pub certs: Arc<CertResolver>,
+    /// ACME for custom domains (`--acme`).
+    pub acme: Option<Arc<acme::Acme>>,
     routes: RwLock<Arc<RouteIndex>>,
     tcp: tcp::TcpListeners,
     pub shutdown: CancellationToken,
@@ -111,6 +114,9 @@ impl Edge {
         match self.store.live_tunnel_key_ids() {
             Ok(live) => self.registry.close_invalid(&live, |id| index.contains_id(id)),
             Err(e) => error!(error = %e, "failed to list tunnel keys"),
+        }
+        if let Some(acme) = &self.acme {
+            acme.wake();
         }
     }
 }
@@ -190,6 +196,17 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
 
     let public_host = args.public_host.clone().unwrap_or_else(|| domain.clone());
     let metrics = Metrics::default();
+    let shutdown = CancellationToken::new();
+    let acme = match args.acme.enabled {
+        true => Some(acme::Acme::new(
+            acme::AcmeConfig::new(&args.acme, &domain, &public_host),
+            store.clone(),
+            certs.clone(),
+            metrics.acme_orders.clone(),
+            shutdown.clone(),
+        )?),
+        false => None,
+    };
     let edge = Arc::new_cyclic(|weak: &Weak<Edge>| Edge {
         api: ApiContext {
             store: store.clone(),
@@ -197,6 +214,7 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
             public_host: public_host.clone(),
             public_https_port: https_addr.port(),
             tcp_ports: args.tcp_ports,
+            acme: args.acme.enabled,
             hooks: Arc::new(Hooks(weak.clone())),
         },
         domain,
@@ -208,9 +226,10 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
         registry: Registry::new(metrics.streams_open.clone()),
         metrics,
         certs,
+        acme: acme.clone(),
         routes: RwLock::default(),
         tcp: tcp::TcpListeners::default(),
-        shutdown: CancellationToken::new(),
+        shutdown,
     });
     edge.reload();
 
@@ -218,6 +237,9 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
     tasks.spawn(public::serve_https(edge.clone(), https, tls_config));
     tasks.spawn(public::serve_redirect(edge.clone(), http));
     tasks.spawn(public::serve_admin(edge.clone(), admin));
+    if let Some(acme) = acme {
+        tasks.spawn(acme.run());
+    }
     Ok(EdgeHandle { edge, https_addr, http_addr, admin_addr, new_admin_key, admin_key_file, ca_file, tasks })
 }
 

@@ -93,6 +93,10 @@ pub async fn serve_https(edge: Arc<Edge>, listener: TcpListener, tls: Arc<rustls
                     Ok(Err(e)) => return debug!(error = %e, "TLS handshake failed"),
                     Err(_) => return debug!("TLS handshake timed out"),
                 };
+                if tls.get_ref().1.alpn_protocol() == Some(crate::tls::ALPN_ACME_TLS) {
+                    // TLS-ALPN-01: the handshake itself was the answer.
+                    return debug!("answered an ACME TLS-ALPN-01 validation");
+                }
                 let h2 = tls.get_ref().1.alpn_protocol() == Some(crate::tls::ALPN_H2);
                 let builder = if h2 { http_builder().http2_only() } else { http_builder().http1_only() };
                 let service = service_fn(move |req| {
@@ -110,9 +114,16 @@ pub async fn serve_https(edge: Arc<Edge>, listener: TcpListener, tls: Arc<rustls
     }
 }
 
-/// The plain HTTP port: redirects to HTTPS.
+/// The plain HTTP port: ACME HTTP-01 answers, and redirects to HTTPS.
 pub async fn serve_redirect(edge: Arc<Edge>, listener: TcpListener) {
-    serve_plain(edge, listener, |edge, req| async move { Ok(redirect(&edge, &req)) }).await
+    serve_plain(edge, listener, |edge, req| async move {
+        if let Some(key_authorization) = edge.acme.as_ref().and_then(|a| a.http01_response(req.uri().path()))
+        {
+            return Ok(text(StatusCode::OK, &key_authorization));
+        }
+        Ok(redirect(&edge, &req))
+    })
+    .await
 }
 
 /// The admin port: `/metrics`, `/healthz`, `/readyz`.

@@ -75,6 +75,7 @@ mod tests {
             owner: String::new(),
             created_at: String::new(),
             url: None,
+            certificate: None,
         }
     }
 

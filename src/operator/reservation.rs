@@ -20,7 +20,7 @@ use super::names::{FINALIZER, LABEL_CLUSTER, LABEL_KIND, LABEL_NAME, LABEL_NAMES
 use super::status::{apply_status, carry_transition, event, fresh_for_finalizer, ready};
 use super::{Context, Error};
 use crate::admin::AdminError;
-use crate::api::{Reservation, TunnelKey};
+use crate::api::{CertificateState, CertificateStatus, Reservation, TunnelKey};
 use crate::crd::{Condition, Domain, DomainStatus, ReclaimPolicy, TcpPort, TcpPortStatus, Tunnel};
 
 /// What differs between Domain and TcpPort.
@@ -101,9 +101,18 @@ impl Reserved for Domain {
 
     fn status(&self, r: Option<&Reservation>, condition: Condition, edge_domain: &str) -> Value {
         let custom = r.is_some_and(|r| r.kind == crate::api::ReservationKind::Custom);
+        let mut conditions = vec![condition];
+        let mut certificate_expiry = None;
+        // A custom domain (spec.fqdn under another domain than the edge's).
+        if custom || (r.is_none() && self.spec.fqdn.is_some()) {
+            let state = r.and_then(|r| r.certificate.as_deref());
+            conditions.push(certificate_condition(r.is_some(), state, self.metadata.generation));
+            certificate_expiry = state.and_then(|c| c.not_after.clone());
+        }
         let status = DomainStatus {
             observed_generation: self.metadata.generation,
-            conditions: vec![condition],
+            conditions,
+            certificate_expiry,
             hostname: r.and_then(|r| r.hostname.clone()),
             url: r.and_then(|r| r.url.clone()),
             cname_target: None,
@@ -157,6 +166,61 @@ impl Reserved for TcpPort {
             reservation_id: r.map(|r| r.id.clone()),
         };
         serde_json::to_value(status).expect("serializable")
+    }
+}
+
+/// Type of the condition that carries a custom domain's certificate state.
+pub const CERTIFICATE_READY: &str = "CertificateReady";
+
+/// The `CertificateReady` condition of a custom domain from the edge's
+/// certificate state (`None`: the edge does not run ACME).
+pub fn certificate_condition(
+    reserved: bool,
+    state: Option<&CertificateState>,
+    generation: Option<i64>,
+) -> Condition {
+    let (status, reason, message) = match state {
+        _ if !reserved => ("Unknown", "NotReserved", "the domain is not reserved at the edge".to_string()),
+        None => (
+            "False",
+            "AcmeDisabled",
+            "the edge does not order certificates: start it with --acme, or give it a certificate for this name"
+                .to_string(),
+        ),
+        Some(c) => {
+            let error = c.last_error.as_deref().unwrap_or("no details");
+            let retry = c.next_attempt_at.as_deref().map(|t| format!("; next try at {t}")).unwrap_or_default();
+            match c.status {
+                CertificateStatus::Ready => {
+                    let until = c.not_after.as_deref().unwrap_or("unknown");
+                    let renew = c.renew_at.as_deref().map(|t| format!(", renewed from {t}")).unwrap_or_default();
+                    let last = c
+                        .last_error
+                        .as_deref()
+                        .map(|e| format!("; the last renewal failed: {e}{retry}"))
+                        .unwrap_or_default();
+                    ("True", "Issued", format!("the certificate is valid until {until}{renew}{last}"))
+                }
+                CertificateStatus::Pending => {
+                    ("False", "Pending", "the edge is ordering a certificate".to_string())
+                }
+                CertificateStatus::DnsMismatch => ("False", "DnsMismatch", format!("{error}{retry}")),
+                CertificateStatus::Failed => {
+                    ("False", "OrderFailed", format!("ordering the certificate failed: {error}{retry}"))
+                }
+                CertificateStatus::Expired => {
+                    ("False", "Expired", format!("the certificate expired and was not renewed: {error}{retry}"))
+                }
+            }
+        }
+    };
+    Condition {
+        type_: CERTIFICATE_READY.into(),
+        status: status.into(),
+        reason: reason.into(),
+        message,
+        last_transition_time: Some(k8s_openapi::jiff::Timestamp::now().to_string()),
+        observed_generation: generation,
     }
 }
 
@@ -256,12 +320,27 @@ async fn apply<K: Reserved>(obj: Arc<K>, ctx: &Context) -> Result<Action, Error>
             )
         }
     };
-    let mut condition: Condition =
-        serde_json::from_value(status["conditions"][0].clone()).expect("condition");
-    let changed = carry_transition(&mut condition, &obj.conditions());
+    let mut conditions: Vec<Condition> =
+        serde_json::from_value(status["conditions"].clone()).expect("conditions");
+    let changes: Vec<bool> = conditions.iter_mut().map(|c| carry_transition(c, &obj.conditions())).collect();
+    let (condition, changed) = (conditions[0].clone(), changes[0]);
+    let certificate = conditions.iter().zip(&changes).find(|(c, _)| c.type_ == CERTIFICATE_READY);
+    let certificate_pending = certificate.is_some_and(|(c, _)| {
+        c.status != "True" && !matches!(c.reason.as_str(), "NotReserved" | "AcmeDisabled")
+    });
+    let certificate_event = certificate.filter(|(_, changed)| **changed).map(|(c, _)| c.clone());
     let mut status = status;
-    status["conditions"] = json!([condition]);
+    status["conditions"] = json!(conditions);
     apply_status(&api, &*obj, &status).await?;
+    if let Some(c) = certificate_event {
+        match c.reason.as_str() {
+            "Issued" => event(ctx, &*obj, false, "CertificateIssued", c.message).await,
+            "DnsMismatch" | "OrderFailed" | "Expired" | "AcmeDisabled" => {
+                event(ctx, &*obj, true, &format!("Certificate{}", c.reason), c.message).await
+            }
+            _ => {}
+        }
+    }
     match (&outcome, warn_reason) {
         // Adopting and re-creating are events whenever they happen.
         (Ok((_, "Recreated")), _) => {
@@ -278,10 +357,15 @@ async fn apply<K: Reserved>(obj: Arc<K>, ctx: &Context) -> Result<Action, Error>
         _ => {}
     }
     match outcome {
+        // The edge works on the certificate on its own: look again soon.
+        Ok(_) if certificate_pending => Ok(Action::requeue(ctx.resync.min(CERTIFICATE_RECHECK))),
         Ok(_) | Err(Error::Invalid(_) | Error::Conflict(_)) => Ok(Action::requeue(ctx.resync)),
         Err(e) => Err(e),
     }
 }
+
+/// How often a custom domain whose certificate is not ready is looked at again.
+const CERTIFICATE_RECHECK: std::time::Duration = std::time::Duration::from_secs(10);
 
 async fn cleanup<K: Reserved>(obj: Arc<K>, ctx: &Context) -> Result<Action, Error> {
     if obj.reclaim() == ReclaimPolicy::Retain {
@@ -366,4 +450,89 @@ pub async fn revoke_orphans(ctx: &Context) -> Result<(), Error> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(status: CertificateStatus, error: Option<&str>) -> CertificateState {
+        CertificateState {
+            status,
+            not_after: Some("2030-01-01T00:00:00Z".into()),
+            renew_at: Some("2029-12-02T00:00:00Z".into()),
+            next_attempt_at: error.map(|_| "2029-12-02T01:00:00Z".into()),
+            last_error: error.map(str::to_string),
+            updated_at: "2029-12-02T00:00:00Z".into(),
+        }
+    }
+
+    #[test]
+    fn certificate_conditions() {
+        let c = |reserved, s: Option<CertificateState>| {
+            let c = certificate_condition(reserved, s.as_ref(), Some(3));
+            assert_eq!((c.type_.as_str(), c.observed_generation), (CERTIFICATE_READY, Some(3)));
+            (c.status, c.reason, c.message)
+        };
+        let (status, reason, message) = c(true, Some(state(CertificateStatus::Ready, None)));
+        assert_eq!((status.as_str(), reason.as_str()), ("True", "Issued"));
+        assert_eq!(
+            message,
+            "the certificate is valid until 2030-01-01T00:00:00Z, renewed from 2029-12-02T00:00:00Z"
+        );
+        let (status, reason, message) = c(true, Some(state(CertificateStatus::Ready, Some("CA down"))));
+        assert_eq!((status.as_str(), reason.as_str()), ("True", "Issued"));
+        assert!(
+            message.ends_with("; the last renewal failed: CA down; next try at 2029-12-02T01:00:00Z"),
+            "{message}"
+        );
+        let wrong = "app.example.org resolves to 192.0.2.1, not to this edge";
+        let (status, reason, message) = c(true, Some(state(CertificateStatus::DnsMismatch, Some(wrong))));
+        assert_eq!((status.as_str(), reason.as_str()), ("False", "DnsMismatch"));
+        assert!(message.starts_with(wrong), "{message}");
+        let (_, reason, message) = c(true, Some(state(CertificateStatus::Failed, Some("rate limited"))));
+        assert_eq!(reason, "OrderFailed");
+        assert!(message.contains("rate limited") && message.contains("next try at"), "{message}");
+        assert_eq!(c(true, Some(state(CertificateStatus::Pending, None))).1, "Pending");
+        assert_eq!(c(true, Some(state(CertificateStatus::Expired, Some("x")))).1, "Expired");
+        let (status, reason, message) = c(true, None);
+        assert_eq!((status.as_str(), reason.as_str()), ("False", "AcmeDisabled"));
+        assert!(message.contains("--acme"), "{message}");
+        assert_eq!(c(false, None).0, "Unknown");
+    }
+
+    #[test]
+    fn domain_status_carries_the_certificate() {
+        let domain: Domain = serde_json::from_value(json!({
+            "apiVersion": "culvert.dev/v1alpha1", "kind": "Domain",
+            "metadata": {"name": "app", "namespace": "web", "generation": 2},
+            "spec": {"fqdn": "app.example.org"}
+        }))
+        .unwrap();
+        let mut r: Reservation = serde_json::from_value(json!({
+            "id": "rs_0123456789ab", "kind": "custom", "hostname": "app.example.org",
+            "createdAt": "2029-01-01T00:00:00Z", "url": "https://app.example.org"
+        }))
+        .unwrap();
+        r.certificate = Some(Box::new(state(CertificateStatus::Ready, None)));
+        let ready = super::super::status::ready(true, "Reserved", "ok", Some(2));
+        let v = domain.status(Some(&r), ready.clone(), "edge.example.com");
+        assert_eq!(v["certificateExpiry"], "2030-01-01T00:00:00Z");
+        assert_eq!(v["cnameTarget"], "edge.example.com");
+        assert_eq!(v["conditions"][0]["type"], "Ready");
+        assert_eq!(v["conditions"][1]["type"], "CertificateReady");
+        assert_eq!(v["conditions"][1]["status"], "True");
+
+        // A subdomain has no certificate condition.
+        let sub: Domain = serde_json::from_value(json!({
+            "apiVersion": "culvert.dev/v1alpha1", "kind": "Domain",
+            "metadata": {"name": "blog", "namespace": "web"}, "spec": {"name": "blog"}
+        }))
+        .unwrap();
+        r.kind = crate::api::ReservationKind::Subdomain;
+        r.certificate = None;
+        let v = sub.status(Some(&r), ready, "edge.example.com");
+        assert_eq!(v["conditions"].as_array().unwrap().len(), 1);
+        assert!(v.get("certificateExpiry").is_none());
+    }
 }

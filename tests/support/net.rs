@@ -74,6 +74,7 @@ pub fn edge_args(dir: &Path, https: SocketAddr, tcp_ports: PortRange) -> EdgeArg
         tcp_bind: "127.0.0.1".parse().unwrap(),
         public_host: Some("127.0.0.1".into()),
         max_agents_per_key: 4,
+        acme: Default::default(),
     }
 }
 
@@ -85,16 +86,23 @@ pub struct TestEdge {
     pub ca_file: PathBuf,
     pub admin_key: String,
     pub tcp_ports: PortRange,
+    /// The arguments of the first start (a restart binds the same ports).
+    pub args: EdgeArgs,
 }
 
 impl TestEdge {
     pub async fn start() -> TestEdge {
+        Self::start_with(|_| {}).await
+    }
+
+    /// Starts with the test arguments changed by `configure`.
+    pub async fn start_with(configure: impl FnOnce(&mut EdgeArgs)) -> TestEdge {
         init();
         let dir = tempfile::tempdir().unwrap();
         let tcp_ports = free_port_range(4);
-        let handle = edge::start(edge_args(dir.path(), "127.0.0.1:0".parse().unwrap(), tcp_ports))
-            .await
-            .expect("edge starts");
+        let mut args = edge_args(dir.path(), "127.0.0.1:0".parse().unwrap(), tcp_ports);
+        configure(&mut args);
+        let handle = edge::start(args.clone()).await.expect("edge starts");
         let admin_key = handle.new_admin_key.clone().expect("first start creates the admin key");
         TestEdge {
             https: handle.https_addr,
@@ -103,6 +111,7 @@ impl TestEdge {
             dir,
             admin_key,
             tcp_ports,
+            args,
         }
     }
 
@@ -175,11 +184,15 @@ impl TestEdge {
         }
     }
 
-    /// Starts again on the same data dir and HTTPS port.
+    /// Starts again on the same data dir, HTTPS and HTTP ports.
     pub async fn restart(&mut self) {
+        let mut args = self.args.clone();
+        args.https_addr = self.https;
+        if let Some(h) = &self.handle {
+            args.http_addr = h.http_addr;
+        }
         self.stop().await;
-        let handle =
-            edge::start(edge_args(self.dir.path(), self.https, self.tcp_ports)).await.expect("edge restarts");
+        let handle = edge::start(args).await.expect("edge restarts");
         assert!(handle.new_admin_key.is_none(), "the admin key survives a restart");
         self.handle = Some(handle);
     }

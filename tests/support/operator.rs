@@ -48,10 +48,18 @@ pub struct Fixture {
 
 impl Fixture {
     pub async fn new(prefix: &str) -> Option<Fixture> {
+        Self::new_with(prefix, |_| {}).await
+    }
+
+    /// A fixture whose edge runs with changed arguments.
+    pub async fn new_with(
+        prefix: &str,
+        configure: impl FnOnce(&mut culvert::cli::EdgeArgs),
+    ) -> Option<Fixture> {
         let env = kube_env::connect().await?;
         kube_env::install_culvert_crds(&env.client).await;
         let ns = env.namespace(prefix).await.unwrap();
-        let edge = TestEdge::start().await;
+        let edge = TestEdge::start_with(configure).await;
         let (s, k) =
             edge.api("POST", "api-keys", Some(json!({"name": "operator", "scope": "endpoints"}))).await;
         assert!(s.is_success(), "{k}");

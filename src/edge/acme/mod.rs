@@ -1,0 +1,662 @@
+//! Certificates for custom domains by ACME (RFC 8555), off the request path.
+//!
+//! One background task ([`Acme::run`]) scans the reserved custom domains on
+//! every change and on a timer, and starts a job for each name that is due:
+//! never ordered, up for renewal (30 days before expiry, or a third of the
+//! lifetime for short-lived certificates), or due again after a failure.
+//! Jobs run under a semaphore (`--acme-max-concurrent-orders`). Each job
+//! first checks that the name resolves to the edge, so a wrong CNAME is
+//! reported (`dns_mismatch`) and checked again cheaply instead of being
+//! retried into the CA's rate limits; then it orders the certificate,
+//! answering the CA's TLS-ALPN-01 (on the HTTPS port, see
+//! [`crate::tls::CertResolver`]) or HTTP-01 challenge (on the HTTP port, see
+//! [`Acme::http01_response`]). Failures back off exponentially.
+//!
+//! The account (one per directory URL), the certificates and their state
+//! live in the edge's store, so a restart serves the stored certificates at
+//! once and orders nothing new. Issued certificates are served by SNI
+//! without a restart. Releasing a custom domain deletes its certificate
+//! (in the store's release transaction) and the next scan stops serving it.
+
+pub mod dns;
+pub mod x509;
+
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use bytes::Bytes;
+use hyper_util::client::legacy::Client as HyperClient;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use instant_acme::{
+    Account, AccountCredentials, AuthorizationStatus, BodyWrapper, BytesResponse, ChallengeType, HttpClient,
+    Identifier, NewAccount, NewOrder, OrderStatus, RetryPolicy,
+};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use rustls::sign::CertifiedKey;
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+use tokio::sync::{Notify, Semaphore};
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, debug, info, warn};
+
+use super::store::{CertificateRecord, Store, StoreError, StoredCertificateStatus, unix_now};
+use crate::api::ReservationKind;
+use crate::cli::{AcmeArgs, AcmeChallenge};
+use crate::constants::{
+    ACME_DNS_RECHECK_INITIAL, ACME_DNS_RECHECK_MAX, ACME_ORDER_BACKOFF_INITIAL, ACME_ORDER_BACKOFF_MAX,
+    ACME_ORDER_TIMEOUT, ACME_SCAN_INTERVAL, API_CLIENT_TIMEOUT,
+};
+use crate::tls::{self, CertResolver, TlsError};
+
+/// Path prefix of HTTP-01 challenge responses on the HTTP port.
+pub const HTTP01_PREFIX: &str = "/.well-known/acme-challenge/";
+
+/// Why a certificate job failed.
+#[derive(Debug, thiserror::Error)]
+pub enum AcmeError {
+    /// The name does not resolve to the edge (or cannot be resolved).
+    #[error("{0}")]
+    DnsMismatch(String),
+    #[error("failed to register or load the ACME account")]
+    Account(#[source] instant_acme::Error),
+    #[error("the ACME order failed")]
+    Protocol(#[from] instant_acme::Error),
+    #[error("the CA did not validate {host}: {detail}")]
+    Invalid { host: String, detail: String },
+    #[error("the CA offers no {challenge} challenge for {host}; try --acme-challenge {other}")]
+    NoChallenge { host: String, challenge: &'static str, other: &'static str },
+    #[error("the order did not finish within {}s", ACME_ORDER_TIMEOUT.as_secs())]
+    Timeout,
+    #[error("the CA issued an unusable certificate: {0}")]
+    BadCertificate(String),
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl AcmeError {
+    /// Static category for metrics and logs.
+    pub fn category(&self) -> &'static str {
+        match self {
+            AcmeError::DnsMismatch(_) => "dns_mismatch",
+            AcmeError::Account(_) => "account",
+            AcmeError::Protocol(_) => "protocol",
+            AcmeError::Invalid { .. } => "invalid",
+            AcmeError::NoChallenge { .. } => "no_challenge",
+            AcmeError::Timeout => "timeout",
+            AcmeError::BadCertificate(_) => "bad_certificate",
+            AcmeError::Tls(_) => "tls",
+            AcmeError::Store(_) => "store",
+        }
+    }
+}
+
+/// What the ACME task needs to know about the edge.
+#[derive(Debug, Clone)]
+pub struct AcmeConfig {
+    pub directory: String,
+    pub email: Option<String>,
+    pub ca_file: Option<PathBuf>,
+    pub challenge: AcmeChallenge,
+    pub max_concurrent_orders: usize,
+    pub resolver: dns::Resolver,
+    /// Names (or IPs) whose addresses are the edge's: its domain and public host.
+    pub edge_names: Vec<String>,
+}
+
+impl AcmeConfig {
+    pub fn new(args: &AcmeArgs, domain: &str, public_host: &str) -> AcmeConfig {
+        let mut edge_names = vec![domain.to_string()];
+        if public_host != domain {
+            edge_names.push(public_host.to_string());
+        }
+        AcmeConfig {
+            directory: args.directory.clone(),
+            email: args.email.clone().filter(|e| !e.trim().is_empty()),
+            ca_file: args.ca_file.clone(),
+            challenge: args.challenge,
+            max_concurrent_orders: args.max_concurrent_orders.max(1),
+            resolver: args.dns_server.map_or(dns::Resolver::System, dns::Resolver::Server),
+            edge_names,
+        }
+    }
+}
+
+type Labels = Vec<(&'static str, String)>;
+
+/// The edge's ACME state: challenge responses, the account, the job set.
+pub struct Acme {
+    config: AcmeConfig,
+    store: Store,
+    certs: Arc<CertResolver>,
+    /// HTTP-01: token to key authorization.
+    http01: RwLock<HashMap<String, String>>,
+    account: tokio::sync::Mutex<Option<Account>>,
+    orders: Semaphore,
+    in_flight: Mutex<HashSet<String>>,
+    /// Names whose certificate the resolver serves now.
+    served: Mutex<HashSet<String>>,
+    wake: Notify,
+    results: Family<Labels, Counter>,
+    shutdown: CancellationToken,
+}
+
+impl Acme {
+    /// Loads the stored certificates into `certs` (served at once, nothing is
+    /// ordered for them) and returns the ACME state; [`Acme::run`] starts the work.
+    pub fn new(
+        config: AcmeConfig,
+        store: Store,
+        certs: Arc<CertResolver>,
+        results: Family<Labels, Counter>,
+        shutdown: CancellationToken,
+    ) -> Result<Arc<Acme>, StoreError> {
+        let acme = Arc::new(Acme {
+            orders: Semaphore::new(config.max_concurrent_orders),
+            config,
+            store,
+            certs,
+            http01: RwLock::default(),
+            account: tokio::sync::Mutex::new(None),
+            in_flight: Mutex::default(),
+            served: Mutex::default(),
+            wake: Notify::new(),
+            results,
+            shutdown,
+        });
+        let mut loaded = 0;
+        for record in acme.store.certificates()? {
+            match serving_key(&record) {
+                Some(Ok(key)) => {
+                    acme.serve(&record.hostname, key);
+                    loaded += 1;
+                }
+                Some(Err(e)) => {
+                    warn!(host = %record.hostname, error = %e, "stored certificate unusable; ordering again")
+                }
+                None => {}
+            }
+        }
+        info!(certificates = loaded, directory = %acme.config.directory, challenge = ?acme.config.challenge, "ACME enabled");
+        Ok(acme)
+    }
+
+    /// Something changed (a reservation was made or released): scan now.
+    pub fn wake(&self) {
+        self.wake.notify_one();
+    }
+
+    /// The HTTP-01 key authorization for a request path on the HTTP port.
+    pub fn http01_response(&self, path: &str) -> Option<String> {
+        let token = path.strip_prefix(HTTP01_PREFIX)?;
+        self.http01.read().expect("poisoned").get(token).cloned()
+    }
+
+    /// The background task: scan, start due jobs, sleep until the next is due.
+    pub async fn run(self: Arc<Self>) {
+        loop {
+            let next = match self.scan() {
+                Ok(next) => next,
+                Err(e) => {
+                    warn!(error = %e, "certificate scan failed");
+                    Some(unix_now() + 30)
+                }
+            };
+            let wait = next.map_or(ACME_SCAN_INTERVAL, |at| {
+                Duration::from_secs(at.saturating_sub(unix_now())).min(ACME_SCAN_INTERVAL)
+            });
+            tokio::select! {
+                _ = self.wake.notified() => {}
+                _ = tokio::time::sleep(wait.max(Duration::from_millis(200))) => {}
+                _ = self.shutdown.cancelled() => return,
+            }
+        }
+    }
+
+    /// One pass: forget released names, start jobs for due ones. Returns
+    /// when the next one is due (Unix seconds).
+    fn scan(self: &Arc<Self>) -> Result<Option<u64>, StoreError> {
+        let now = unix_now();
+        let custom: HashSet<String> = self
+            .store
+            .reservations()?
+            .into_iter()
+            .filter(|r| r.kind == ReservationKind::Custom)
+            .filter_map(|r| r.hostname)
+            .collect();
+        let records: HashMap<String, CertificateRecord> =
+            self.store.certificates()?.into_iter().map(|c| (c.hostname.clone(), c)).collect();
+
+        // Released: stop serving, forget (the release already deleted the row).
+        let stale: Vec<String> =
+            self.served.lock().expect("poisoned").iter().filter(|h| !custom.contains(*h)).cloned().collect();
+        for host in stale {
+            self.certs.remove(&host);
+            self.served.lock().expect("poisoned").remove(&host);
+            info!(host = %host, "custom domain released: certificate removed");
+        }
+        for host in records.keys().filter(|h| !custom.contains(*h)) {
+            self.store.delete_certificate(host)?;
+        }
+
+        let mut next: Option<u64> = None;
+        for host in &custom {
+            let due = match records.get(host) {
+                None => {
+                    self.store.put_certificate(&CertificateRecord::pending(host))?;
+                    now
+                }
+                Some(r) => due_at(r),
+            };
+            if due > now {
+                next = Some(next.map_or(due, |n| n.min(due)));
+                continue;
+            }
+            if !self.in_flight.lock().expect("poisoned").insert(host.clone()) {
+                continue; // already running; it wakes the scan when done
+            }
+            let (acme, host) = (self.clone(), host.clone());
+            let span = tracing::info_span!("certificate", host = %host);
+            tokio::spawn(
+                async move {
+                    tokio::select! {
+                        _ = acme.job(&host) => {}
+                        _ = acme.shutdown.cancelled() => {}
+                    }
+                    acme.in_flight.lock().expect("poisoned").remove(&host);
+                    acme.wake();
+                }
+                .instrument(span),
+            );
+        }
+        Ok(next)
+    }
+
+    /// Checks DNS and orders (or renews) one name's certificate; records the outcome.
+    async fn job(&self, host: &str) {
+        let Ok(_permit) = self.orders.acquire().await else { return };
+        let Ok(Some(mut record)) = self.store.certificate(host) else { return };
+        if due_at(&record) > unix_now() {
+            return; // done meanwhile
+        }
+        let outcome = match tokio::time::timeout(ACME_ORDER_TIMEOUT, self.order(host)).await {
+            Ok(r) => r,
+            Err(_) => Err(AcmeError::Timeout),
+        };
+        let now = unix_now();
+        match outcome {
+            Ok(issued) => {
+                record.status = StoredCertificateStatus::Ready;
+                record.chain_pem = Some(issued.chain_pem);
+                record.key_pem = Some(issued.key_pem);
+                record.not_before = Some(issued.not_before);
+                record.not_after = Some(issued.not_after);
+                record.last_error = None;
+                record.failures = 0;
+                record.next_attempt = 0;
+                self.count("issued");
+                match self.store.put_certificate(&record) {
+                    Ok(true) => {
+                        self.serve(host, issued.key);
+                        info!(not_after = %super::store::rfc3339(issued.not_after), "certificate issued");
+                    }
+                    Ok(false) => info!("released while ordering: certificate discarded"),
+                    Err(e) => warn!(error = %e, "failed to store the certificate"),
+                }
+            }
+            Err(e) => {
+                let dns = matches!(e, AcmeError::DnsMismatch(_));
+                record.failures = record.failures.saturating_add(1);
+                let (initial, max) = if dns {
+                    (ACME_DNS_RECHECK_INITIAL, ACME_DNS_RECHECK_MAX)
+                } else {
+                    (ACME_ORDER_BACKOFF_INITIAL, ACME_ORDER_BACKOFF_MAX)
+                };
+                let delay = backoff(record.failures, initial, max);
+                record.next_attempt = now + delay.as_secs();
+                record.last_error = Some(crate::agent::serve::error_chain(&e));
+                // A name that still has a valid certificate keeps serving it.
+                if record.chain_pem.is_none() {
+                    record.status = if dns {
+                        StoredCertificateStatus::DnsMismatch
+                    } else {
+                        StoredCertificateStatus::Failed
+                    };
+                }
+                warn!(error = %record.last_error.as_deref().unwrap_or_default(), category = e.category(), retry_in_s = delay.as_secs(), "certificate not obtained");
+                self.count(if dns { "dns_mismatch" } else { "failed" });
+                if let Err(e) = self.store.put_certificate(&record) {
+                    warn!(error = %e, "failed to store the certificate state");
+                }
+            }
+        }
+    }
+
+    /// Counts a finished job (before its outcome is stored and visible).
+    fn count(&self, result: &'static str) {
+        self.results.get_or_create(&vec![("result", result.to_string())]).inc();
+    }
+
+    fn serve(&self, host: &str, key: Arc<CertifiedKey>) {
+        self.certs.set(host, key);
+        self.served.lock().expect("poisoned").insert(host.to_string());
+    }
+
+    /// The name must resolve to (one of) the edge's addresses.
+    async fn check_dns(&self, host: &str) -> Result<(), AcmeError> {
+        let resolver = self.config.resolver;
+        let mut mine = std::collections::BTreeSet::new();
+        for name in &self.config.edge_names {
+            match resolver.lookup(name).await {
+                Ok(ips) => mine.extend(ips),
+                Err(e) => debug!(name = %name, error = %e, "the edge's own name does not resolve"),
+            }
+        }
+        let edge = &self.config.edge_names[0];
+        if mine.is_empty() {
+            return Err(AcmeError::DnsMismatch(format!(
+                "the edge's own name {} does not resolve, so it cannot tell whether {host} points at it: fix the DNS of {edge}",
+                self.config.edge_names.join(" / ")
+            )));
+        }
+        let theirs = resolver.lookup(host).await.map_err(|e| {
+            AcmeError::DnsMismatch(format!("{e}: add a CNAME record {host} -> {edge} at your DNS provider"))
+        })?;
+        if theirs.is_empty() {
+            return Err(AcmeError::DnsMismatch(format!(
+                "{host} has no A/AAAA record: add a CNAME record {host} -> {edge} at your DNS provider"
+            )));
+        }
+        if theirs.is_disjoint(&mine) {
+            let list = |s: &std::collections::BTreeSet<std::net::IpAddr>| {
+                s.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+            };
+            return Err(AcmeError::DnsMismatch(format!(
+                "{host} resolves to {}, not to this edge ({edge}: {}): set a CNAME record {host} -> {edge}",
+                list(&theirs),
+                list(&mine)
+            )));
+        }
+        Ok(())
+    }
+
+    /// The account for the directory: from the store, or registered once.
+    async fn account(&self) -> Result<Account, AcmeError> {
+        let mut slot = self.account.lock().await;
+        if let Some(account) = &*slot {
+            return Ok(account.clone());
+        }
+        let http =
+            || -> Result<Box<dyn HttpClient>, AcmeError> { Ok(Box::new(AcmeHttp::new(&self.config)?)) };
+        let directory = &self.config.directory;
+        let account = match self.store.acme_account(directory)? {
+            Some(json) => {
+                let credentials: AccountCredentials = serde_json::from_str(&json)
+                    .map_err(|e| AcmeError::Account(instant_acme::Error::Json(e)))?;
+                Account::builder_with_http(http()?)
+                    .from_credentials(credentials)
+                    .await
+                    .map_err(AcmeError::Account)?
+            }
+            None => {
+                let contact = self.config.email.as_ref().map(|e| format!("mailto:{e}"));
+                let contacts: Vec<&str> = contact.iter().map(String::as_str).collect();
+                let new = NewAccount {
+                    contact: &contacts,
+                    terms_of_service_agreed: true,
+                    only_return_existing: false,
+                };
+                let (account, credentials) = Account::builder_with_http(http()?)
+                    .create(&new, directory.clone(), None)
+                    .await
+                    .map_err(AcmeError::Account)?;
+                let json = serde_json::to_string(&credentials)
+                    .map_err(|e| AcmeError::Account(instant_acme::Error::Json(e)))?;
+                self.store.put_acme_account(directory, &json)?;
+                info!(account = %account.id(), directory = %directory, "ACME account registered");
+                account
+            }
+        };
+        *slot = Some(account.clone());
+        Ok(account)
+    }
+
+    /// One order: DNS check, challenge, finalize, download.
+    async fn order(&self, host: &str) -> Result<Issued, AcmeError> {
+        self.check_dns(host).await?;
+        let account = self.account().await?;
+        let identifiers = [Identifier::Dns(host.to_string())];
+        let mut order = account.new_order(&NewOrder::new(&identifiers)).await?;
+        let (kind, name, other) = match self.config.challenge {
+            AcmeChallenge::TlsAlpn01 => (ChallengeType::TlsAlpn01, "tls-alpn-01", "http-01"),
+            AcmeChallenge::Http01 => (ChallengeType::Http01, "http-01", "tls-alpn-01"),
+        };
+        let mut published = Published { acme: self, tokens: Vec::new(), alpn: Vec::new() };
+        {
+            let mut authorizations = order.authorizations();
+            while let Some(authorization) = authorizations.next().await {
+                let mut authorization = authorization?;
+                match authorization.status {
+                    AuthorizationStatus::Pending => {}
+                    AuthorizationStatus::Valid => continue,
+                    status => {
+                        return Err(AcmeError::Invalid {
+                            host: host.into(),
+                            detail: format!("the authorization is {status:?}"),
+                        });
+                    }
+                }
+                let mut challenge = authorization
+                    .challenge(kind.clone())
+                    .ok_or_else(|| AcmeError::NoChallenge { host: host.into(), challenge: name, other })?;
+                let key_authorization = challenge.key_authorization();
+                match self.config.challenge {
+                    AcmeChallenge::Http01 => {
+                        published.token(&challenge.token, key_authorization.as_str());
+                    }
+                    AcmeChallenge::TlsAlpn01 => {
+                        published.alpn(host, alpn_challenge_key(host, key_authorization.digest().as_ref())?);
+                    }
+                }
+                debug!(challenge = name, "challenge published");
+                challenge.set_ready().await?;
+            }
+        }
+        let retries = RetryPolicy::new().timeout(ACME_ORDER_TIMEOUT / 2);
+        let status = order.poll_ready(&retries).await?;
+        if status != OrderStatus::Ready {
+            let mut detail = format!("the order is {status:?}");
+            let mut authorizations = order.authorizations();
+            while let Some(Ok(mut authorization)) = authorizations.next().await {
+                if let Ok(state) = authorization.refresh().await
+                    && let Some(problem) = state.challenges.iter().find_map(|c| c.error.as_ref())
+                {
+                    detail = problem.to_string();
+                }
+            }
+            return Err(AcmeError::Invalid { host: host.into(), detail });
+        }
+        let key_pem = order.finalize().await?;
+        let chain_pem = order.poll_certificate(&retries).await?;
+        drop(published);
+        Issued::parse(chain_pem, key_pem)
+    }
+}
+
+/// When a record is due for work (Unix seconds).
+fn due_at(r: &CertificateRecord) -> u64 {
+    match r.renew_at() {
+        Some(renew) if r.chain_pem.is_some() => renew.max(r.next_attempt),
+        _ => r.next_attempt,
+    }
+}
+
+/// `initial * 2^(failures-1)`, capped.
+pub fn backoff(failures: u32, initial: Duration, max: Duration) -> Duration {
+    let factor = 2u32.saturating_pow(failures.saturating_sub(1).min(20));
+    initial.saturating_mul(factor).min(max)
+}
+
+/// The served key of a stored record, if it has a certificate.
+fn serving_key(r: &CertificateRecord) -> Option<Result<Arc<CertifiedKey>, AcmeError>> {
+    let (chain, key) = (r.chain_pem.as_deref()?, r.key_pem.as_deref()?);
+    Some(Issued::parse(chain.to_string(), key.to_string()).map(|i| i.key))
+}
+
+/// An issued certificate, ready to serve and to store.
+struct Issued {
+    chain_pem: String,
+    key_pem: String,
+    not_before: u64,
+    not_after: u64,
+    key: Arc<CertifiedKey>,
+}
+
+impl Issued {
+    fn parse(chain_pem: String, key_pem: String) -> Result<Issued, AcmeError> {
+        let bad = |m: String| AcmeError::BadCertificate(m);
+        let chain = CertificateDer::pem_slice_iter(chain_pem.as_bytes())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| bad(format!("certificate chain: {e}")))?;
+        let leaf = chain.first().ok_or_else(|| bad("empty certificate chain".into()))?;
+        let (not_before, not_after) =
+            x509::validity(leaf).ok_or_else(|| bad("cannot read the certificate's validity".into()))?;
+        let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes())
+            .map_err(|e| bad(format!("private key: {e}")))?;
+        let key = tls::certified_key(chain, key)?;
+        Ok(Issued { chain_pem, key_pem, not_before, not_after, key })
+    }
+}
+
+/// A self-signed certificate for `host` with the acmeIdentifier extension
+/// (RFC 8737): the TLS-ALPN-01 answer.
+fn alpn_challenge_key(host: &str, digest: &[u8]) -> Result<Arc<CertifiedKey>, AcmeError> {
+    let mut params = rcgen::CertificateParams::new(vec![host.to_string()]).map_err(TlsError::from)?;
+    params.custom_extensions = vec![rcgen::CustomExtension::new_acme_identifier(digest)];
+    let key = rcgen::KeyPair::generate().map_err(TlsError::from)?;
+    let cert = params.self_signed(&key).map_err(TlsError::from)?;
+    let der = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
+    // Not `CertifiedKey::from_der`: its key check parses the certificate,
+    // and the critical acmeIdentifier extension is unknown to the parser.
+    let signer =
+        rustls::crypto::ring::default_provider().key_provider.load_private_key(der).map_err(TlsError::Key)?;
+    Ok(Arc::new(CertifiedKey::new(vec![cert.der().clone()], signer)))
+}
+
+/// Challenge responses of one order; withdrawn when dropped.
+struct Published<'a> {
+    acme: &'a Acme,
+    tokens: Vec<String>,
+    alpn: Vec<String>,
+}
+
+impl Published<'_> {
+    fn token(&mut self, token: &str, key_authorization: &str) {
+        self.acme.http01.write().expect("poisoned").insert(token.to_string(), key_authorization.to_string());
+        self.tokens.push(token.to_string());
+    }
+
+    fn alpn(&mut self, host: &str, key: Arc<CertifiedKey>) {
+        self.acme.certs.set_acme_challenge(host, key);
+        self.alpn.push(host.to_string());
+    }
+}
+
+impl Drop for Published<'_> {
+    fn drop(&mut self) {
+        let mut tokens = self.acme.http01.write().expect("poisoned");
+        for t in &self.tokens {
+            tokens.remove(t);
+        }
+        for host in &self.alpn {
+            self.acme.certs.remove_acme_challenge(host);
+        }
+    }
+}
+
+/// instant-acme's HTTP client: hyper over rustls (ring), trusting the
+/// built-in roots or `--acme-ca-file`, every call under a timeout.
+struct AcmeHttp(HyperClient<hyper_rustls::HttpsConnector<HttpConnector>, BodyWrapper<Bytes>>);
+
+impl AcmeHttp {
+    fn new(config: &AcmeConfig) -> Result<AcmeHttp, AcmeError> {
+        let tls =
+            rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+                .with_safe_default_protocol_versions()
+                .map_err(TlsError::Config)?
+                .with_root_certificates(tls::root_store(config.ca_file.as_deref())?)
+                .with_no_client_auth();
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_only()
+            .enable_http1()
+            .enable_http2()
+            .build();
+        Ok(AcmeHttp(HyperClient::builder(TokioExecutor::new()).build(connector)))
+    }
+}
+
+impl HttpClient for AcmeHttp {
+    fn request(
+        &self,
+        req: http::Request<BodyWrapper<Bytes>>,
+    ) -> Pin<Box<dyn Future<Output = Result<BytesResponse, instant_acme::Error>> + Send>> {
+        let fut = self.0.request(req);
+        Box::pin(async move {
+            match tokio::time::timeout(API_CLIENT_TIMEOUT, fut).await {
+                Ok(Ok(response)) => Ok(BytesResponse::from(response)),
+                Ok(Err(e)) => Err(instant_acme::Error::Other(Box::new(e))),
+                Err(_) => Err(instant_acme::Error::Str("the ACME server did not answer in time")),
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_and_caps() {
+        let (i, m) = (Duration::from_secs(60), Duration::from_secs(3600));
+        assert_eq!(backoff(1, i, m), Duration::from_secs(60));
+        assert_eq!(backoff(2, i, m), Duration::from_secs(120));
+        assert_eq!(backoff(4, i, m), Duration::from_secs(480));
+        assert_eq!(backoff(7, i, m), m);
+        assert_eq!(backoff(u32::MAX, i, m), m);
+    }
+
+    #[test]
+    fn renewal_is_due_30_days_before_expiry_or_a_third_of_short_lifetimes() {
+        let mut r = CertificateRecord::pending("a.example");
+        assert_eq!(due_at(&r), 0, "never ordered: due now");
+        let day = 86_400;
+        r.chain_pem = Some(String::new());
+        r.key_pem = Some(String::new());
+        r.not_before = Some(1_000 * day);
+        r.not_after = Some(1_090 * day);
+        assert_eq!(due_at(&r), 1_060 * day, "90-day certificate: 30 days before");
+        r.not_after = Some(1_000 * day + 60);
+        assert_eq!(due_at(&r), 1_000 * day + 40, "60 s certificate: after 40 s");
+        r.next_attempt = 1_000 * day + 100;
+        assert_eq!(due_at(&r), 1_000 * day + 100, "a failed renewal waits for its backoff");
+    }
+
+    #[test]
+    fn challenge_certificate_carries_the_acme_identifier() {
+        let digest = [7u8; 32];
+        let key = alpn_challenge_key("app.example.org", &digest).unwrap();
+        let der = key.cert[0].as_ref();
+        // id-pe-acmeIdentifier 1.3.6.1.5.5.7.1.31, critical, OCTET STRING { OCTET STRING (32) }.
+        let oid = [0x06, 0x08, 0x2b, 0x06, 0x01, 0x05, 0x05, 0x07, 0x01, 0x1f];
+        let at = der.windows(oid.len()).position(|w| w == oid).expect("extension present");
+        assert!(der[at..].windows(34).any(|w| w[0] == 0x04 && w[1] == 32 && w[2..] == digest));
+    }
+}

@@ -1,0 +1,447 @@
+//! Custom domain certificates by ACME against a real ACME server: Debian's
+//! `pebble` (scripts/deps installs it), everything on 127.0.0.1.
+//!
+//! The test runs a tiny DNS server (UDP, port 0) that answers the test's
+//! names; pebble validates through it (`-dnsserver`) and the edge checks
+//! "does this name point at me" with it (`--acme-dns-server`). The edge is
+//! started first (port 0) so pebble can be told the edge's HTTP and HTTPS
+//! ports; pebble itself listens on port 0 and its ports are read from
+//! /proc; the edge reaches pebble's directory through a forwarder the test
+//! bound before the edge started.
+
+#[path = "support/net.rs"]
+mod net;
+
+use std::collections::{HashMap, HashSet};
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use culvert::agent::Target;
+use culvert::cli::AcmeChallenge;
+use net::{HttpsClient, TestAgent, TestEdge};
+use rustls_pki_types::CertificateDer;
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::net::{TcpListener, TcpStream, UdpSocket};
+
+/// Longest wait for an issued certificate (pebble validates at once).
+const ISSUE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A DNS server on 127.0.0.1:0 answering A queries from a table the test
+/// can change; AAAA and other types get an empty answer, unknown names NXDOMAIN.
+struct Dns {
+    addr: SocketAddr,
+    names: Arc<Mutex<HashMap<String, Ipv4Addr>>>,
+}
+
+impl Dns {
+    async fn start() -> Dns {
+        let socket = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let addr = socket.local_addr().unwrap();
+        let names: Arc<Mutex<HashMap<String, Ipv4Addr>>> = Arc::default();
+        names.lock().unwrap().insert(net::DOMAIN.into(), Ipv4Addr::LOCALHOST);
+        let table = names.clone();
+        tokio::spawn(async move {
+            let mut buf = [0u8; 1500];
+            loop {
+                let Ok((n, peer)) = socket.recv_from(&mut buf).await else { return };
+                let reply = answer(&buf[..n], &table.lock().unwrap());
+                if let Some(answer) = reply {
+                    let _ = socket.send_to(&answer, peer).await;
+                }
+            }
+        });
+        Dns { addr, names }
+    }
+
+    fn set(&self, name: &str, ip: Ipv4Addr) {
+        self.names.lock().unwrap().insert(name.into(), ip);
+    }
+}
+
+fn answer(q: &[u8], names: &HashMap<String, Ipv4Addr>) -> Option<Vec<u8>> {
+    if q.len() < 12 {
+        return None;
+    }
+    let mut at = 12;
+    let mut labels = Vec::new();
+    loop {
+        let len = *q.get(at)? as usize;
+        at += 1;
+        if len == 0 {
+            break;
+        }
+        labels.push(String::from_utf8_lossy(q.get(at..at + len)?).to_ascii_lowercase());
+        at += len;
+    }
+    let qtype = u16::from_be_bytes([*q.get(at)?, *q.get(at + 1)?]);
+    let question_end = at + 4;
+    let name = labels.join(".");
+    let mut m = q[..question_end].to_vec();
+    m[2] = 0x84 | (q[2] & 0x01); // response, authoritative, RD copied
+    m[3] = 0x80; // RA, NOERROR
+    m[4..12].copy_from_slice(&[0, 1, 0, 0, 0, 0, 0, 0]);
+    match names.get(&name) {
+        None => m[3] |= 3, // NXDOMAIN
+        Some(ip) if qtype == 1 => {
+            m[7] = 1;
+            m.extend_from_slice(&[0xc0, 12, 0, 1, 0, 1, 0, 0, 0, 5, 0, 4]);
+            m.extend_from_slice(&ip.octets());
+        }
+        Some(_) => {}
+    }
+    Some(m)
+}
+
+/// A running pebble and what the edge and the test need of it.
+struct Pebble {
+    _child: tokio::process::Child,
+    /// The directory URL the edge uses (through the forwarder).
+    directory: String,
+    /// CA of pebble's own HTTPS listeners (the edge's `--acme-ca-file`).
+    listener_ca: PathBuf,
+    /// Pebble's issuing root, PEM (what public clients trust in the test).
+    root_pem: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Pebble {
+    /// Starts pebble validating against the edge's ports, with certificates
+    /// valid for `validity`; `forwarder` was bound before the edge started
+    /// and now forwards to pebble's ACME port.
+    async fn start(edge: &TestEdge, dns: &Dns, forwarder: TcpListener, validity: Duration) -> Pebble {
+        let dir = tempfile::tempdir().unwrap();
+        let pki = culvert::tls::generate_pki(&["127.0.0.1".into(), "localhost".into()]).unwrap();
+        let write = |name: &str, body: &str| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, body).unwrap();
+            path
+        };
+        let listener_ca = write("ca.pem", &pki.ca_pem);
+        let cert = write("cert.pem", &pki.cert_pem);
+        let key = write("key.pem", &pki.key_pem);
+        let http_addr = edge.handle.as_ref().unwrap().http_addr;
+        let config = json!({"pebble": {
+            "listenAddress": "127.0.0.1:0",
+            "managementListenAddress": "127.0.0.1:0",
+            "certificate": cert,
+            "privateKey": key,
+            "httpPort": http_addr.port(),
+            "tlsPort": edge.https.port(),
+            "ocspResponderURL": "",
+            "externalAccountBindingRequired": false,
+            "certificateValidityPeriod": validity.as_secs(),
+        }});
+        let config_file = write("pebble.json", &config.to_string());
+        let mut child = tokio::process::Command::new("pebble")
+            .arg("-config")
+            .arg(&config_file)
+            .arg("-dnsserver")
+            .arg(dns.addr.to_string())
+            .env("PEBBLE_VA_NOSLEEP", "1")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("pebble runs (scripts/deps installs it)");
+        let pid = child.id().unwrap();
+        // Pebble logs to stdout.
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        tokio::time::timeout(Duration::from_secs(20), async {
+            while let Some(line) = lines.next_line().await.unwrap() {
+                if line.contains("ACME directory available") {
+                    return;
+                }
+            }
+            panic!("pebble exited before listening");
+        })
+        .await
+        .expect("pebble starts");
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+
+        // Pebble logs before it binds: wait for both listening sockets.
+        let ports = wait_for(Duration::from_secs(10), || {
+            let ports = listening_ports(pid);
+            (ports.len() >= 2).then_some(ports)
+        })
+        .await;
+        let mut acme_port = None;
+        let mut management_port = None;
+        for port in ports {
+            let client = HttpsClient { addr: ([127, 0, 0, 1], port).into(), ca_file: listener_ca.clone() };
+            match client.get("127.0.0.1", "/dir").await.0.as_u16() {
+                200 => acme_port = Some(port),
+                _ => management_port = Some(port),
+            }
+        }
+        let (acme_port, management_port) = (acme_port.unwrap(), management_port.unwrap());
+        let directory = format!("https://127.0.0.1:{}/dir", forwarder.local_addr().unwrap().port());
+        tokio::spawn(forward(forwarder, ([127, 0, 0, 1], acme_port).into()));
+
+        let management =
+            HttpsClient { addr: ([127, 0, 0, 1], management_port).into(), ca_file: listener_ca.clone() };
+        let (status, root_pem) = management.get("127.0.0.1", "/roots/0").await;
+        assert_eq!(status, 200, "{root_pem}");
+        Pebble { _child: child, directory, listener_ca, root_pem, _dir: dir }
+    }
+}
+
+/// TCP ports `pid` listens on (its socket inodes in /proc/net/tcp).
+fn listening_ports(pid: u32) -> Vec<u16> {
+    let inodes: HashSet<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| {
+            d.filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+                .filter_map(|l| Some(l.to_str()?.strip_prefix("socket:[")?.strip_suffix(']')?.to_string()))
+                .collect()
+        })
+        .unwrap_or_default();
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let listening = f.get(3) == Some(&"0A") && inodes.contains(*f.get(9)?);
+            let port = u16::from_str_radix(f.get(1)?.rsplit(':').next()?, 16).ok()?;
+            listening.then_some(port)
+        })
+        .collect()
+}
+
+async fn forward(listener: TcpListener, to: SocketAddr) {
+    loop {
+        let Ok((mut inbound, _)) = listener.accept().await else { return };
+        tokio::spawn(async move {
+            if let Ok(mut outbound) = TcpStream::connect(to).await {
+                let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+            }
+        });
+    }
+}
+
+/// Polls `probe` every 50 ms until it yields, failing the test after `limit`.
+async fn wait_for<T>(limit: Duration, mut probe: impl FnMut() -> Option<T>) -> T {
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        if let Some(v) = probe() {
+            return v;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "condition not met within {limit:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// An edge with ACME against a fresh pebble, and the DNS both use.
+struct World {
+    edge: TestEdge,
+    pebble: Pebble,
+    dns: Dns,
+    _ca_dir: tempfile::TempDir,
+}
+
+impl World {
+    async fn start(challenge: AcmeChallenge, validity: Duration) -> World {
+        net::init();
+        let dns = Dns::start().await;
+        let forwarder = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let directory = format!("https://127.0.0.1:{}/dir", forwarder.local_addr().unwrap().port());
+        // The CA file is only read when the first order starts, after pebble is up.
+        let ca_dir = tempfile::tempdir().unwrap();
+        let ca_file = ca_dir.path().join("pebble-listener-ca.pem");
+        let edge = TestEdge::start_with(|args| {
+            args.acme.enabled = true;
+            args.acme.directory = directory;
+            args.acme.ca_file = Some(ca_file.clone());
+            args.acme.challenge = challenge;
+            args.acme.dns_server = Some(dns.addr);
+            args.acme.email = Some("ops@example.org".into());
+        })
+        .await;
+        let pebble = Pebble::start(&edge, &dns, forwarder, validity).await;
+        std::fs::copy(&pebble.listener_ca, &ca_file).unwrap();
+        assert_eq!(pebble.directory, edge.args.acme.directory);
+        World { edge, pebble, dns, _ca_dir: ca_dir }
+    }
+
+    async fn reserve(&self, fqdn: &str) -> Value {
+        let (status, r) = self.edge.api("POST", "domains", Some(json!({"fqdn": fqdn}))).await;
+        assert_eq!(status, 201, "{r}");
+        assert_eq!(r["kind"], "custom", "{r}");
+        r
+    }
+
+    async fn certificate(&self, fqdn: &str) -> Value {
+        let (status, r) = self.edge.api("GET", &format!("domains/{fqdn}"), None).await;
+        assert_eq!(status, 200, "{r}");
+        r["certificate"].clone()
+    }
+
+    /// Waits until the edge reports `status` for the domain's certificate.
+    async fn wait_status(&self, fqdn: &str, status: &str) -> Value {
+        let deadline = tokio::time::Instant::now() + ISSUE_TIMEOUT;
+        loop {
+            let c = self.certificate(fqdn).await;
+            if c["status"] == status {
+                return c;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "{fqdn}: still {c} after {ISSUE_TIMEOUT:?}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// TLS to the edge with SNI `host`, trusting only pebble's root: the
+    /// served leaf, or the handshake error.
+    async fn served_leaf(&self, host: &str) -> Result<CertificateDer<'static>, std::io::Error> {
+        let tls = self.public_tls(host).await?;
+        Ok(tls.get_ref().1.peer_certificates().unwrap()[0].clone().into_owned())
+    }
+
+    async fn public_tls(
+        &self,
+        host: &str,
+    ) -> Result<tokio_rustls::client::TlsStream<TcpStream>, std::io::Error> {
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in rustls_pki_types::pem::PemObject::pem_slice_iter(self.pebble.root_pem.as_bytes()) {
+            roots.add(cert.unwrap()).unwrap();
+        }
+        let mut config = rustls::ClientConfig::builder().with_root_certificates(roots).with_no_client_auth();
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        let tcp = TcpStream::connect(self.edge.https).await?;
+        let name = rustls_pki_types::ServerName::try_from(host.to_string()).unwrap();
+        tokio_rustls::TlsConnector::from(Arc::new(config)).connect(name, tcp).await
+    }
+
+    /// The edge's ACME job counter for `result`.
+    fn jobs(&self, result: &str) -> u64 {
+        let metrics = self.edge.edge().metrics.encode();
+        let prefix = format!("culvert_edge_acme_orders_total{{result=\"{result}\"}} ");
+        metrics.lines().find_map(|l| l.strip_prefix(&prefix)?.parse().ok()).unwrap_or(0)
+    }
+}
+
+/// A GET over `tls` (HTTP/1.1): status and body.
+async fn get(tls: tokio_rustls::client::TlsStream<TcpStream>, host: &str) -> (u16, String) {
+    use http_body_util::BodyExt;
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls)).await.unwrap();
+    tokio::spawn(conn);
+    let req = http::Request::get("/")
+        .header("host", host)
+        .body(http_body_util::Empty::<bytes::Bytes>::new())
+        .unwrap();
+    let resp = sender.send_request(req).await.unwrap();
+    let status = resp.status().as_u16();
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    (status, String::from_utf8_lossy(&body).into_owned())
+}
+
+/// HTTP-01 on the edge's HTTP port; a public HTTPS request through a tunnel
+/// validates against pebble's root; a restart serves the stored certificate
+/// and orders nothing for it; releasing removes the certificate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http01_issue_serve_restart_release() {
+    let mut w = World::start(AcmeChallenge::Http01, Duration::from_secs(90 * 86_400)).await;
+    let host = "app.http01.test";
+    w.dns.set(host, Ipv4Addr::LOCALHOST);
+    let r = w.reserve(host).await;
+    assert!(r["certificate"]["status"] == "pending", "{r}");
+    let c = w.wait_status(host, "ready").await;
+    assert!(c["notAfter"].is_string() && c["renewAt"].is_string() && c.get("lastError").is_none(), "{c}");
+
+    // The user's app, through a tunnel, over HTTPS with the issued chain.
+    let backend = net::http_backend().await;
+    let (s, k) = w.edge.api("POST", "tunnel-keys", Some(json!({"domain": host, "protocol": "http"}))).await;
+    assert!(s.is_success(), "{k}");
+    let agent = TestAgent::start(
+        &w.edge,
+        k["secret"].as_str().unwrap(),
+        Target::Http { authority: backend.to_string() },
+    )
+    .await;
+    let tls = w.public_tls(host).await.expect("the issued chain validates against pebble's root");
+    assert_eq!(get(tls, host).await, (200, "hello from backend".to_string()));
+    // The edge's own name still gets the edge's certificate (not pebble's).
+    assert!(w.served_leaf(net::DOMAIN).await.is_err());
+    let issued = w.served_leaf(host).await.unwrap();
+    assert_eq!(w.jobs("issued"), 1);
+    agent.stop().await;
+
+    // Restart: the stored certificate is served at once, nothing is ordered for it.
+    w.edge.restart().await;
+    assert_eq!(w.served_leaf(host).await.unwrap(), issued, "served from the store right after the restart");
+    let second = "two.http01.test";
+    w.dns.set(second, Ipv4Addr::LOCALHOST);
+    w.reserve(second).await;
+    w.wait_status(second, "ready").await;
+    assert_eq!(w.jobs("issued"), 1, "only the new domain was ordered after the restart");
+    assert_eq!(w.served_leaf(host).await.unwrap(), issued);
+    assert_eq!(w.certificate(host).await["notAfter"], c["notAfter"]);
+
+    // Release: the certificate is no longer served, and not kept.
+    let (s, v) = w.edge.api("DELETE", &format!("domains/{host}"), None).await;
+    assert_eq!(s, 200, "{v}");
+    wait_for(Duration::from_secs(10), || w.edge.edge().certs.get(host).is_none().then_some(())).await;
+    assert!(w.served_leaf(host).await.is_err(), "the default certificate is not pebble's");
+    assert!(w.edge.edge().store.certificate(host).unwrap().is_none());
+    assert!(w.edge.edge().store.certificate(second).unwrap().is_some());
+}
+
+/// TLS-ALPN-01 on the HTTPS port (no HTTP port needed), and renewal of
+/// short-lived certificates without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_alpn01_issue_and_renew() {
+    let w = World::start(AcmeChallenge::TlsAlpn01, Duration::from_secs(24)).await;
+    let host = "app.alpn.test";
+    w.dns.set(host, Ipv4Addr::LOCALHOST);
+    w.reserve(host).await;
+    let first = w.wait_status(host, "ready").await;
+    let leaf = w.served_leaf(host).await.expect("valid against pebble's root");
+
+    // 24 s certificates renew a third of their lifetime before expiry.
+    let deadline = tokio::time::Instant::now() + ISSUE_TIMEOUT;
+    let renewed = loop {
+        let now = w.served_leaf(host).await.expect("always a valid certificate");
+        if now != leaf {
+            break now;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "not renewed within {ISSUE_TIMEOUT:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_ne!(renewed, leaf);
+    let after = w.certificate(host).await;
+    assert_eq!(after["status"], "ready", "{after}");
+    assert!(after["notAfter"].as_str() > first["notAfter"].as_str(), "{first} -> {after}");
+    assert!(w.jobs("issued") >= 2);
+    assert_eq!(w.jobs("failed"), 0);
+}
+
+/// A name whose DNS does not point at the edge is reported, nothing is
+/// asked of the CA; once DNS is fixed the certificate follows on its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_dns_is_reported_then_fixed() {
+    let w = World::start(AcmeChallenge::TlsAlpn01, Duration::from_secs(90 * 86_400)).await;
+    let host = "app.wrong.test";
+    w.dns.set(host, Ipv4Addr::new(127, 0, 0, 2));
+    w.reserve(host).await;
+    let c = w.wait_status(host, "dns_mismatch").await;
+    let error = c["lastError"].as_str().unwrap();
+    assert!(error.contains("resolves to 127.0.0.2") && error.contains("CNAME"), "{error}");
+    assert!(c["nextAttemptAt"].is_string(), "{c}");
+    assert!(w.jobs("dns_mismatch") >= 1);
+    assert_eq!(w.jobs("issued") + w.jobs("failed"), 0, "nothing was ordered");
+
+    // Unknown names are reported the same way.
+    let missing = "nothing.wrong.test";
+    w.reserve(missing).await;
+    let c = w.wait_status(missing, "dns_mismatch").await;
+    assert!(c["lastError"].as_str().unwrap().contains("no A/AAAA record"), "{c}");
+
+    // The user fixes the CNAME: the next check (seconds later) orders.
+    w.dns.set(host, Ipv4Addr::LOCALHOST);
+    let c = w.wait_status(host, "ready").await;
+    assert!(c.get("lastError").is_none(), "{c}");
+    w.served_leaf(host).await.expect("valid against pebble's root");
+}
