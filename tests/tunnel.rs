@@ -113,6 +113,58 @@ async fn tcp_reservation_echoes() {
     assert!(rest.is_empty());
 }
 
+/// A port of the edge's range that another program listens on is refused
+/// when asked for (with what to do) and skipped when any port will do.
+#[tokio::test]
+async fn a_port_held_by_another_program_is_refused_and_skipped() {
+    let edge = TestEdge::start().await;
+    let first = edge.tcp_ports.first;
+    let _squatter = std::net::TcpListener::bind(("127.0.0.1", first)).unwrap();
+    let (s, r) = edge.api("POST", "ports", Some(serde_json::json!({"port": first}))).await;
+    assert_eq!(s, StatusCode::CONFLICT, "{r}");
+    assert_eq!(r["error"]["code"], "port_in_use", "{r}");
+    assert!(r["error"]["message"].as_str().unwrap().contains("omit the port to get a free one"), "{r}");
+    let (port, key) = edge.tcp_tunnel_key().await;
+    assert_eq!(port, first + 1, "the free port after the held one");
+    let echo = net::tcp_echo().await;
+    let _agent = TestAgent::start(&edge, &key, Target::Tcp { addr: echo.to_string(), proxy: None }).await;
+    let mut c = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    c.write_all(b"ping").await.unwrap();
+    let mut got = [0u8; 4];
+    c.read_exact(&mut got).await.unwrap();
+    assert_eq!(&got, b"ping");
+}
+
+/// A reserved port that another program took while the edge was down is
+/// listened on again (within the retry interval) once it is free.
+#[tokio::test]
+async fn a_reserved_port_taken_while_the_edge_was_down_is_retried() {
+    let mut edge = TestEdge::start().await;
+    let echo = net::tcp_echo().await;
+    let (port, key) = edge.tcp_tunnel_key().await;
+    edge.stop().await;
+    let squatter = std::net::TcpListener::bind(("127.0.0.1", port)).unwrap();
+    edge.restart().await;
+    let _agent = TestAgent::start(&edge, &key, Target::Tcp { addr: echo.to_string(), proxy: None }).await;
+    drop(squatter);
+    let t0 = Instant::now();
+    let mut c = loop {
+        // Refused until the edge's retry binds the port (every 10 s).
+        match tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
+            Ok(c) => break c,
+            Err(e) if t0.elapsed() < Duration::from_secs(30) => {
+                assert_eq!(e.kind(), std::io::ErrorKind::ConnectionRefused, "{e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("the edge did not listen on port {port} again: {e}"),
+        }
+    };
+    c.write_all(b"back").await.unwrap();
+    let mut got = [0u8; 4];
+    c.read_exact(&mut got).await.unwrap();
+    assert_eq!(&got, b"back");
+}
+
 #[tokio::test]
 async fn two_hundred_concurrent_streams_on_one_tunnel() {
     let (edge, host, _agent) = published().await;

@@ -45,6 +45,10 @@ pub trait EdgeHooks: Send + Sync + 'static {
     fn state_changed(&self);
     /// Agents connected now with this tunnel key.
     fn connections_for_key(&self, key_id: &str) -> usize;
+    /// Can the edge listen on this TCP port (no other program holds it)?
+    fn port_usable(&self, _port: u16) -> bool {
+        true
+    }
 }
 
 /// Everything the API handler needs.
@@ -220,6 +224,12 @@ impl From<StoreError> for ApiError {
                     "port {port} is outside the edge's TCP port range {range}; pick a port inside it, or omit the port to get a free one"
                 ),
             ),
+            StoreError::PortInUse { port } => ApiError::Conflict {
+                code: "port_in_use",
+                message: format!(
+                    "port {port} is in use on the edge's host by another program; reserve another port, or omit the port to get a free one"
+                ),
+            },
             StoreError::NoFreePort { range } => ApiError::Conflict {
                 code: "no_free_port",
                 message: format!(
@@ -590,7 +600,9 @@ fn reserve_port(
         ));
     }
     let (reservation, created) =
-        ctx.store.reserve_port(request.port, ctx.tcp_ports, &caller.id, &request.labels)?;
+        ctx.store.reserve_usable_port(request.port, ctx.tcp_ports, &caller.id, &request.labels, |p| {
+            ctx.hooks.port_usable(p)
+        })?;
     if created {
         tracing::info!(port = ?reservation.port, by = %caller.id, "port reserved");
         ctx.hooks.state_changed();

@@ -134,6 +134,10 @@ impl EdgeHooks for Hooks {
     fn connections_for_key(&self, key_id: &str) -> usize {
         self.0.upgrade().map_or(0, |e| e.registry.count_for_key(key_id))
     }
+
+    fn port_usable(&self, port: u16) -> bool {
+        self.0.upgrade().is_none_or(|e| tcp::can_listen(SocketAddr::new(e.tcp_bind, port)))
+    }
 }
 
 /// A started edge: where it listens and how to stop it.

@@ -170,6 +170,12 @@ pub enum StoreError {
         /// The edge's range.
         range: PortRange,
     },
+    /// Another program of the edge's host listens on the port.
+    #[error("port {port} is in use on the edge's host by another program")]
+    PortInUse {
+        /// The port asked for.
+        port: u16,
+    },
     /// Every port of the range is reserved.
     #[error("every port of the edge's TCP port range {range} is reserved")]
     NoFreePort {
@@ -201,6 +207,7 @@ impl StoreError {
             StoreError::Corrupt(_) => "corrupt",
             StoreError::AlreadyReserved { .. } => "already_reserved",
             StoreError::PortOutOfRange { .. } => "port_out_of_range",
+            StoreError::PortInUse { .. } => "port_in_use",
             StoreError::NoFreePort { .. } => "no_free_port",
             StoreError::NotFound { .. } => "not_found",
             StoreError::LastAdminKey { .. } => "last_admin_key",
@@ -476,6 +483,20 @@ impl Store {
         owner: &str,
         labels: &Labels,
     ) -> Result<(Reservation, bool), StoreError> {
+        self.reserve_usable_port(port, range, owner, labels, |_| true)
+    }
+
+    /// [`Store::reserve_port`] among the ports `usable` accepts (those the
+    /// edge can listen on): a new reservation of an unusable port is
+    /// `PortInUse`; a free port is taken only if it is usable.
+    pub fn reserve_usable_port(
+        &self,
+        port: Option<u16>,
+        range: PortRange,
+        owner: &str,
+        labels: &Labels,
+        usable: impl Fn(u16) -> bool,
+    ) -> Result<(Reservation, bool), StoreError> {
         let mut conn = self.lock();
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
         let port = match port {
@@ -486,9 +507,12 @@ impl Store {
                 if let Some(existing) = select_reservation(&tx, "port = ?1", &i64::from(port))? {
                     return held_by(existing, owner);
                 }
+                if !usable(port) {
+                    return Err(StoreError::PortInUse { port });
+                }
                 port
             }
-            None => lowest_free_port(&tx, range)?.ok_or(StoreError::NoFreePort { range })?,
+            None => lowest_free_port(&tx, range, usable)?.ok_or(StoreError::NoFreePort { range })?,
         };
         let reservation = insert_reservation(&tx, ReservationKind::Tcp, None, Some(port), owner, labels)?;
         tx.commit()?;
@@ -862,20 +886,17 @@ fn held_by(existing: Reservation, owner: &str) -> Result<(Reservation, bool), St
     }
 }
 
-fn lowest_free_port(conn: &Connection, range: PortRange) -> Result<Option<u16>, StoreError> {
+fn lowest_free_port(
+    conn: &Connection,
+    range: PortRange,
+    usable: impl Fn(u16) -> bool,
+) -> Result<Option<u16>, StoreError> {
     let mut stmt =
         conn.prepare("SELECT port FROM reservations WHERE port BETWEEN ?1 AND ?2 ORDER BY port")?;
-    let taken =
-        stmt.query_map(params![i64::from(range.first), i64::from(range.last)], |r| r.get::<_, i64>(0))?;
-    let mut candidate = i64::from(range.first);
-    for port in taken {
-        let port = port?;
-        if port > candidate {
-            break;
-        }
-        candidate = port + 1;
-    }
-    Ok(if candidate <= i64::from(range.last) { u16::try_from(candidate).ok() } else { None })
+    let taken = stmt
+        .query_map(params![i64::from(range.first), i64::from(range.last)], |r| r.get::<_, i64>(0))?
+        .collect::<Result<std::collections::HashSet<i64>, _>>()?;
+    Ok((range.first..=range.last).find(|&p| !taken.contains(&i64::from(p)) && usable(p)))
 }
 
 fn insert_reservation(
@@ -1309,6 +1330,14 @@ mod tests {
         assert_eq!(store.reserve_port(None, r, &a.id, &none).unwrap().0.port, Some(30002));
         // Ports reserved outside a (since narrowed) range do not block allocation.
         assert_eq!(store.reserve_port(None, range(30003, 30005), &a.id, &none).unwrap().0.port, Some(30004));
+        // Ports the edge cannot listen on: skipped when free ones are picked, refused when asked for.
+        let busy = |p: u16| p != 30005 && p != 30006;
+        let r = range(30003, 30008);
+        assert_eq!(store.reserve_usable_port(None, r, &a.id, &none, busy).unwrap().0.port, Some(30007));
+        let err = store.reserve_usable_port(Some(30006), r, &a.id, &none, busy).unwrap_err();
+        assert!(matches!(err, StoreError::PortInUse { port: 30006 }), "{err:?}");
+        // A port already held answers the reservation whatever the check says.
+        assert!(!store.reserve_usable_port(Some(30007), r, &a.id, &none, |_| false).unwrap().1);
     }
 
     #[test]

@@ -18,9 +18,14 @@ use crate::tunnel::StreamKind;
 use crate::tunnel::body::{self, Counted, ReadBody};
 use tokio::io::{AsyncRead, AsyncWrite};
 
+/// How often a reserved port the edge could not listen on is tried again.
+const LISTEN_RETRY: std::time::Duration = std::time::Duration::from_secs(10);
+
 #[derive(Default)]
 pub struct TcpListeners {
     running: Mutex<HashMap<u16, CancellationToken>>,
+    /// A retry of ports that failed to bind is scheduled.
+    retrying: std::sync::atomic::AtomicBool,
 }
 
 impl TcpListeners {
@@ -46,7 +51,12 @@ impl TcpListeners {
             {
                 Ok(l) => l,
                 Err(e) => {
-                    error!(%addr, error = %e, "cannot listen for a TCP reservation; is the port in use?");
+                    error!(
+                        %addr, error = %e, retry_in = ?LISTEN_RETRY,
+                        "cannot listen for a TCP reservation: another program holds the port? \
+                         Stop it, or release the reservation and reserve another port"
+                    );
+                    self.retry_later(edge);
                     continue;
                 }
             };
@@ -56,6 +66,32 @@ impl TcpListeners {
             tokio::spawn(accept_loop(edge.clone(), listener, port, token));
         }
     }
+}
+
+impl TcpListeners {
+    /// Tries the reserved ports again in a while (one retry at a time).
+    fn retry_later(&self, edge: &Arc<Edge>) {
+        use std::sync::atomic::Ordering;
+        if self.retrying.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let edge = edge.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = tokio::time::sleep(LISTEN_RETRY) => {}
+                _ = edge.shutdown.cancelled() => return,
+            }
+            edge.tcp.retrying.store(false, Ordering::Release);
+            edge.tcp.reconcile(&edge, edge.routes().ports().collect());
+        });
+    }
+}
+
+/// Is `addr` free to listen on? (The edge binds it for real once the
+/// reservation is stored; a program that takes it in between is reported
+/// then, and the listener retried.)
+pub fn can_listen(addr: SocketAddr) -> bool {
+    std::net::TcpListener::bind(addr).is_ok()
 }
 
 async fn accept_loop(edge: Arc<Edge>, listener: TcpListener, port: u16, token: CancellationToken) {
