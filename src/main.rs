@@ -1,9 +1,30 @@
 //! `culvert`: parse the command line, set up TLS and logging, start a role.
 
+use std::process::ExitCode;
+
 use clap::Parser;
 use culvert::cli::{Cli, Command};
 
-fn main() -> anyhow::Result<()> {
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // The message, then each cause that it does not already say.
+            eprintln!("error: {e}");
+            let mut said = e.to_string();
+            for cause in e.chain().skip(1) {
+                let cause = cause.to_string();
+                if !said.contains(&cause) {
+                    eprintln!("  caused by: {cause}");
+                    said.push_str(&cause);
+                }
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let _ = rustls::crypto::ring::default_provider().install_default();
     culvert::telemetry::init(cli.log_format);

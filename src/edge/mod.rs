@@ -170,6 +170,12 @@ async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, EdgeE
 /// Starts every listener and returns once they are bound.
 pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
     let domain = args.domain.trim().trim_end_matches('.').to_ascii_lowercase();
+    // The certificate first: a missing or bad one is reported before anything is created.
+    let given = match (&args.tls_cert, &args.tls_key, args.self_signed) {
+        (Some(c), Some(k), _) => Some(tls::certified_key(tls::load_pem_certs(c)?, tls::load_pem_key(k)?)?),
+        (_, _, true) => None,
+        _ => return Err(EdgeError::NoCertificate),
+    };
     create_private_dir(&args.data_dir)?;
     let store = Store::open(&args.data_dir)?;
     let admin_key_file = args.data_dir.join("admin.key");
@@ -179,16 +185,16 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
         info!(file = %admin_key_file.display(), "created the admin key (shown once; keep the file safe)");
     }
 
-    let (cert_file, key_file, ca_file) = match (&args.tls_cert, &args.tls_key, args.self_signed) {
-        (Some(c), Some(k), _) => (c.clone(), k.clone(), None),
-        (_, _, true) => {
+    let (certified, ca_file) = match given {
+        Some(certified) => (certified, None),
+        None => {
             let files = tls::self_signed(&args.data_dir, &domain)?;
             info!(ca = %files.ca_cert.display(), "serving a self-signed certificate; agents need --ca-file with this CA");
-            (files.cert, files.key, Some(files.ca_cert))
+            let certified =
+                tls::certified_key(tls::load_pem_certs(&files.cert)?, tls::load_pem_key(&files.key)?)?;
+            (certified, Some(files.ca_cert))
         }
-        _ => return Err(EdgeError::NoCertificate),
     };
-    let certified = tls::certified_key(tls::load_pem_certs(&cert_file)?, tls::load_pem_key(&key_file)?)?;
     let certs = Arc::new(CertResolver::new(certified));
     let tls_config = tls::server_config(certs.clone())?;
 
