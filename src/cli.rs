@@ -95,6 +95,11 @@ pub struct EdgeArgs {
     #[arg(long, env = "CULVERT_MAX_AGENTS_PER_KEY", default_value_t = constants::DEFAULT_MAX_AGENTS_PER_KEY)]
     pub max_agents_per_key: usize,
 
+    /// On SIGTERM: seconds to let open public connections finish (new ones
+    /// are refused) before the tunnels are closed.
+    #[arg(long, env = "CULVERT_DRAIN_SECONDS", default_value_t = constants::DEFAULT_DRAIN_SECONDS)]
+    pub drain_seconds: u64,
+
     #[command(flatten)]
     pub acme: AcmeArgs,
 }

@@ -126,3 +126,7 @@ pub const DNS_QUERY_TIMEOUT: Duration = Duration::from_secs(3);
 pub const ACME_SCAN_INTERVAL: Duration = Duration::from_secs(3600);
 /// Default ACME directory: Let's Encrypt production.
 pub const DEFAULT_ACME_DIRECTORY: &str = "https://acme-v02.api.letsencrypt.org/directory";
+
+/// How long the edge lets open public connections finish on SIGTERM (under
+/// Kubernetes' default 30 s termination grace period).
+pub const DEFAULT_DRAIN_SECONDS: u64 = 25;

@@ -623,3 +623,76 @@ async fn a_burst_of_small_frames_on_many_streams_keeps_the_tunnel_up() {
         assert_eq!(&b, b"x");
     }
 }
+
+/// A request whose body is still on its way when the edge starts draining.
+/// Returns the body sender, the response, and the edge to drain.
+async fn request_in_flight() -> (
+    TestEdge,
+    TestAgent,
+    tokio::sync::mpsc::Sender<Bytes>,
+    tokio::task::JoinHandle<hyper::Result<http::Response<hyper::body::Incoming>>>,
+) {
+    let (edge, host, agent) = published().await;
+    let tls = edge.client().connect(&host, false).await;
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls)).await.unwrap();
+    tokio::spawn(conn);
+    let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(4);
+    let body = http_body_util::StreamBody::new(futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|b| (Ok::<_, std::io::Error>(hyper::body::Frame::data(b)), rx))
+    }));
+    let req = Request::post("/echo").header("host", &host).header("content-length", "8").body(body).unwrap();
+    let response = tokio::spawn(sender.send_request(req));
+    tx.send(Bytes::from_static(b"half")).await.unwrap();
+    // Ready once the request is a stream on the tunnel.
+    let streams = edge.handle.as_ref().unwrap().edge.metrics.streams_open.clone();
+    let t0 = Instant::now();
+    while streams.get() < 1 {
+        assert!(t0.elapsed() < Duration::from_secs(10), "the request never reached the tunnel");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    (edge, agent, tx, response)
+}
+
+/// SIGTERM's drain: new connections are refused at once, a request in flight
+/// finishes, and the edge stops as soon as it has (not at the end of the grace).
+#[tokio::test]
+async fn draining_edge_finishes_requests_in_flight_and_refuses_new_connections() {
+    let (mut edge, _agent, tx, response) = request_in_flight().await;
+    let drain = tokio::spawn(edge.handle.take().unwrap().drain(Duration::from_secs(60)));
+    let t0 = Instant::now();
+    loop {
+        match tokio::net::TcpStream::connect(edge.https).await {
+            Err(e) => {
+                use std::io::ErrorKind::{ConnectionRefused, ConnectionReset};
+                break assert!(matches!(e.kind(), ConnectionRefused | ConnectionReset), "{e}");
+            }
+            Ok(_) => assert!(t0.elapsed() < Duration::from_secs(10), "still accepting while draining"),
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tx.send(Bytes::from_static(b"rest")).await.unwrap();
+    drop(tx);
+    let resp = response.await.unwrap().unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let body: Value = serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    assert_eq!(body["bodyLength"], 8, "{body}");
+    tokio::time::timeout(Duration::from_secs(10), drain)
+        .await
+        .expect("the drain ends with the last request")
+        .unwrap();
+}
+
+/// A request that does not finish within the grace is cut when it is up.
+#[tokio::test]
+async fn draining_edge_cuts_what_outlives_the_grace() {
+    let (mut edge, _agent, _tx, response) = request_in_flight().await;
+    let t0 = Instant::now();
+    edge.handle.take().unwrap().drain(Duration::from_millis(300)).await;
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    let outcome = tokio::time::timeout(Duration::from_secs(10), response).await.unwrap().unwrap();
+    match outcome {
+        Err(_) => {}
+        Ok(r) => assert_ne!(r.status(), StatusCode::OK, "a cut request cannot succeed"),
+    }
+}

@@ -17,9 +17,11 @@ pub mod tcp;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::{Arc, RwLock, Weak};
+use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tracing::{error, info, warn};
 
 use crate::api::Reservation;
@@ -85,7 +87,13 @@ pub struct Edge {
     pub acme: Option<Arc<acme::Acme>>,
     routes: RwLock<Arc<RouteIndex>>,
     tcp: tcp::TcpListeners,
+    /// Cancelled when the edge stops accepting public connections (SIGTERM:
+    /// the drain begins).
     pub shutdown: CancellationToken,
+    /// Cancelled when the edge has stopped (after the drain).
+    pub stopped: CancellationToken,
+    /// Public connections (HTTP and TCP), waited for while draining.
+    pub connections: TaskTracker,
 }
 
 impl Edge {
@@ -155,10 +163,27 @@ pub struct EdgeHandle {
 }
 
 impl EdgeHandle {
-    /// Stops accepting, closes tunnels and waits for the listeners to end.
-    pub async fn stop(mut self) {
-        self.edge.shutdown.cancel();
-        self.edge.registry.close_all();
+    /// Stops at once: stops accepting, closes tunnels and waits for the
+    /// listeners to end.
+    pub async fn stop(self) {
+        self.drain(Duration::ZERO).await;
+    }
+
+    /// Stops gracefully: refuses new public connections, lets open ones
+    /// finish their requests for up to `grace`, then closes the tunnels
+    /// (which ends what is still open) and waits for the listeners to end.
+    pub async fn drain(mut self, grace: Duration) {
+        let edge = &self.edge;
+        edge.shutdown.cancel();
+        edge.connections.close();
+        if !grace.is_zero() && !edge.connections.is_empty() {
+            info!(connections = edge.connections.len(), grace = ?grace, "draining public connections");
+            if tokio::time::timeout(grace, edge.connections.wait()).await.is_err() {
+                warn!(connections = edge.connections.len(), "drain time is up; closing what is still open");
+            }
+        }
+        edge.stopped.cancel();
+        edge.registry.close_all();
         while self.tasks.join_next().await.is_some() {}
     }
 }
@@ -240,6 +265,8 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
         routes: RwLock::default(),
         tcp: tcp::TcpListeners::default(),
         shutdown,
+        stopped: CancellationToken::new(),
+        connections: TaskTracker::new(),
     });
     edge.reload();
 
@@ -264,7 +291,7 @@ fn create_private_dir(path: &std::path::Path) -> Result<(), EdgeError> {
 
 /// `culvert edge`: runs until SIGINT/SIGTERM.
 pub async fn run(args: EdgeArgs) -> Result<(), EdgeError> {
-    let tcp_ports: PortRange = args.tcp_ports;
+    let (tcp_ports, drain_seconds): (PortRange, u64) = (args.tcp_ports, args.drain_seconds);
     let handle = start(args).await?;
     info!(
         https = %handle.https_addr, http = %handle.http_addr, admin = %handle.admin_addr,
@@ -279,9 +306,14 @@ pub async fn run(args: EdgeArgs) -> Result<(), EdgeError> {
         handle.admin_key_file.display(),
         handle.ca_file.as_ref().map(|c| format!(" ca_file={}", c.display())).unwrap_or_default()
     );
-    let shutdown = CancellationToken::new();
-    crate::shutdown_on_signal(shutdown.clone()).await;
-    warn!("shutting down");
-    handle.stop().await;
+    let signal = CancellationToken::new();
+    crate::shutdown_on_signal(signal.clone()).await;
+    warn!(drain_seconds, "shutting down: new connections are refused, open ones may finish");
+    // A second SIGINT/SIGTERM ends the drain at once.
+    let again = CancellationToken::new();
+    tokio::select! {
+        _ = handle.drain(Duration::from_secs(drain_seconds)) => {}
+        _ = crate::shutdown_on_signal(again) => warn!("second signal: stopping now"),
+    }
     Ok(())
 }

@@ -20,6 +20,7 @@ use tokio_rustls::TlsAcceptor;
 use tracing::{Instrument, debug, warn};
 
 use super::{Edge, sni};
+use crate::BoxError;
 use crate::agent::serve::{error_chain, strip_culvert_headers, strip_hop_by_hop};
 use crate::api::{Protocol, Reservation, ReservationKind};
 use crate::constants::{
@@ -67,7 +68,8 @@ pub async fn serve_https(edge: Arc<Edge>, listener: TcpListener, tls: Arc<rustls
         let _ = tcp.set_nodelay(true);
         let (edge, acceptor) = (edge.clone(), acceptor.clone());
         let span = tracing::debug_span!("public", %peer);
-        tokio::spawn(
+        let tracker = edge.connections.clone();
+        tracker.spawn(
             async move {
                 let _permit = permit;
                 let mut tcp = tcp;
@@ -99,13 +101,16 @@ pub async fn serve_https(edge: Arc<Edge>, listener: TcpListener, tls: Arc<rustls
                 }
                 let h2 = tls.get_ref().1.alpn_protocol() == Some(crate::tls::ALPN_H2);
                 let builder = if h2 { http_builder().http2_only() } else { http_builder().http1_only() };
-                let service = service_fn(move |req| {
+                let service = service_fn({
                     let edge = edge.clone();
-                    async move { Ok::<_, Infallible>(handle(edge, req, peer).await) }
+                    move |req| {
+                        let edge = edge.clone();
+                        async move { Ok::<_, Infallible>(handle(edge, req, peer).await) }
+                    }
                 });
                 let io = super::idle::IdleTimeout::new(tls);
                 let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
-                if let Err(e) = conn.await {
+                if let Err(e) = drain_on_shutdown(&edge, conn).await {
                     debug!(error = %e, "public connection ended");
                 }
             }
@@ -114,9 +119,59 @@ pub async fn serve_https(edge: Arc<Edge>, listener: TcpListener, tls: Arc<rustls
     }
 }
 
+/// Serves one public HTTP connection; when the edge starts draining, it
+/// finishes the requests in flight and closes (HTTP/1.1: after the current
+/// response; HTTP/2: GOAWAY), or is dropped when the drain time is up.
+async fn drain_on_shutdown<C>(edge: &Edge, conn: C) -> Result<(), BoxError>
+where
+    C: Future<Output = Result<(), BoxError>> + GracefulConnection,
+{
+    let mut conn = std::pin::pin!(conn);
+    tokio::select! {
+        r = conn.as_mut() => return r,
+        _ = edge.shutdown.cancelled() => {}
+    }
+    conn.as_mut().graceful_shutdown();
+    tokio::select! {
+        r = conn => r,
+        // The drain time is up: drop the connection.
+        _ = edge.stopped.cancelled() => Ok(()),
+    }
+}
+
+/// hyper-util's connections that can finish gracefully.
+trait GracefulConnection {
+    fn graceful_shutdown(self: std::pin::Pin<&mut Self>);
+}
+
+impl<I, S, E> GracefulConnection for auto::UpgradeableConnection<'_, I, S, E>
+where
+    S: hyper::service::HttpService<Incoming, ResBody = BoxBody>,
+    S::Error: Into<BoxError>,
+    S::Future: 'static,
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+    E: hyper::rt::bounds::Http2ServerConnExec<S::Future, BoxBody>,
+{
+    fn graceful_shutdown(self: std::pin::Pin<&mut Self>) {
+        auto::UpgradeableConnection::graceful_shutdown(self)
+    }
+}
+
+impl<I, S, E> GracefulConnection for auto::Connection<'_, I, S, E>
+where
+    S: hyper::service::HttpService<Incoming, ResBody = BoxBody>,
+    S::Error: Into<BoxError>,
+    I: hyper::rt::Read + hyper::rt::Write + Unpin,
+    E: hyper::rt::bounds::Http2ServerConnExec<S::Future, BoxBody>,
+{
+    fn graceful_shutdown(self: std::pin::Pin<&mut Self>) {
+        auto::Connection::graceful_shutdown(self)
+    }
+}
+
 /// The plain HTTP port: ACME HTTP-01 answers, and redirects to HTTPS.
 pub async fn serve_redirect(edge: Arc<Edge>, listener: TcpListener) {
-    serve_plain(edge, listener, |edge, req| async move {
+    serve_plain(edge, listener, true, |edge, req| async move {
         if let Some(key_authorization) = edge.acme.as_ref().and_then(|a| a.http01_response(req.uri().path()))
         {
             return Ok(text(StatusCode::OK, &key_authorization));
@@ -126,9 +181,10 @@ pub async fn serve_redirect(edge: Arc<Edge>, listener: TcpListener) {
     .await
 }
 
-/// The admin port: `/metrics`, `/healthz`, `/readyz`.
+/// The admin port: `/metrics`, `/healthz`, `/readyz` (503 while draining).
+/// It serves until the edge has stopped, draining included.
 pub async fn serve_admin(edge: Arc<Edge>, listener: TcpListener) {
-    serve_plain(edge, listener, |edge, req| async move {
+    serve_plain(edge, listener, false, |edge, req| async move {
         Ok(match req.uri().path() {
             "/metrics" => {
                 let mut r = Response::new(body::full(edge.metrics.encode()));
@@ -139,6 +195,9 @@ pub async fn serve_admin(edge: Arc<Edge>, listener: TcpListener) {
                 r
             }
             "/healthz" => text(StatusCode::OK, "ok\n"),
+            "/readyz" if edge.shutdown.is_cancelled() => {
+                text(StatusCode::SERVICE_UNAVAILABLE, "draining: shutting down\n")
+            }
             "/readyz" => match edge.store.reservations() {
                 Ok(_) => text(StatusCode::OK, "ok\n"),
                 Err(e) => text(StatusCode::SERVICE_UNAVAILABLE, &format!("store: {e}\n")),
@@ -149,11 +208,15 @@ pub async fn serve_admin(edge: Arc<Edge>, listener: TcpListener) {
     .await
 }
 
-async fn serve_plain<F, Fut>(edge: Arc<Edge>, listener: TcpListener, f: F)
+/// Serves plain HTTP/1.1 on `listener`: `public` connections stop with the
+/// edge's public listeners and are drained; the others (the admin port)
+/// serve until the edge has stopped.
+async fn serve_plain<F, Fut>(edge: Arc<Edge>, listener: TcpListener, public: bool, f: F)
 where
     F: Fn(Arc<Edge>, Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Result<Response<BoxBody>, Infallible>> + Send + 'static,
 {
+    let stop = if public { edge.shutdown.clone() } else { edge.stopped.clone() };
     loop {
         let (tcp, _) = tokio::select! {
             r = listener.accept() => match r {
@@ -164,14 +227,26 @@ where
                     continue;
                 }
             },
-            _ = edge.shutdown.cancelled() => return,
+            _ = stop.cancelled() => return,
         };
         let (edge, f) = (edge.clone(), f.clone());
-        tokio::spawn(async move {
-            let service = service_fn(move |req| f(edge.clone(), req));
+        let tracker = edge.connections.clone();
+        let serve = async move {
+            let service = service_fn({
+                let edge = edge.clone();
+                move |req| f(edge.clone(), req)
+            });
             let io = super::idle::IdleTimeout::new(tcp);
-            let _ = http_builder().http1_only().serve_connection(TokioIo::new(io), service).await;
-        });
+            let builder = http_builder().http1_only();
+            let conn = builder.serve_connection(TokioIo::new(io), service);
+            // Public connections finish when the edge drains; the admin port's keep serving.
+            let _ = if public { drain_on_shutdown(&edge, conn).await } else { conn.await };
+        };
+        if public {
+            tracker.spawn(serve);
+        } else {
+            tokio::spawn(serve);
+        }
     }
 }
 

@@ -108,7 +108,7 @@ async fn accept_loop(edge: Arc<Edge>, listener: TcpListener, port: u16, token: C
             _ = token.cancelled() => return,
         };
         let span = tracing::debug_span!("tcp", port, %peer);
-        tokio::spawn(serve(edge.clone(), tcp, port, peer).instrument(span));
+        edge.connections.spawn(serve(edge.clone(), tcp, port, peer).instrument(span));
     }
 }
 

@@ -74,6 +74,7 @@ pub fn edge_args(dir: &Path, https: SocketAddr, tcp_ports: PortRange) -> EdgeArg
         tcp_bind: "127.0.0.1".parse().unwrap(),
         public_host: Some("127.0.0.1".into()),
         max_agents_per_key: 4,
+        drain_seconds: 0,
         acme: Default::default(),
     }
 }
