@@ -245,21 +245,15 @@ async fn ensure_key(
     let mut body = want.clone();
     body["labels"] = serde_json::to_value(&labels).expect("labels");
     let created: CreatedTunnelKey = ctx.edge.post("tunnel-keys", body).await?;
-    let secret = Secret {
-        metadata: ObjectMeta {
-            name: Some(name.clone()),
-            namespace: Some(ns.into()),
-            labels: Some(BTreeMap::from([(LABEL_TUNNEL.into(), t.name_any())])),
-            owner_references: t.controller_owner_ref(&()).map(|o| vec![o]),
-            ..Default::default()
-        },
-        type_: Some("Opaque".into()),
-        data: Some(BTreeMap::from([
+    let secret = tunnel_secret(
+        t,
+        &name,
+        ns,
+        BTreeMap::from([
             (SECRET_KEY.into(), ByteString(created.secret.into_bytes())),
             (SECRET_KEY_ID.into(), ByteString(created.key.id.clone().into_bytes())),
-        ])),
-        ..Default::default()
-    };
+        ]),
+    );
     secrets.patch(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&secret)).await?;
     info!(key = %created.key.id, secret = %name, "minted a tunnel key");
     Ok(created.key)
@@ -387,18 +381,7 @@ async fn apply_auth_copy(
         // Removed after the status no longer names credentials (see `remove_auth_copy`).
         return Ok(());
     }
-    let secret = Secret {
-        metadata: ObjectMeta {
-            name: Some(name.clone()),
-            namespace: Some(ns.into()),
-            labels: Some(BTreeMap::from([(LABEL_TUNNEL.into(), t.name_any())])),
-            owner_references: t.controller_owner_ref(&()).map(|o| vec![o]),
-            ..Default::default()
-        },
-        type_: Some("Opaque".into()),
-        data: Some(data.clone()),
-        ..Default::default()
-    };
+    let secret = tunnel_secret(t, &name, ns, data.clone());
     secrets.patch(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&secret)).await?;
     Ok(())
 }
@@ -582,6 +565,23 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
         .run(reconcile, error_policy, ctx)
         .for_each(|_| async {})
         .await;
+}
+
+/// A Secret of the Tunnel's own: owned by it (garbage-collected with it) and
+/// labelled with its name, which is what the agents watch.
+fn tunnel_secret(t: &Tunnel, name: &str, ns: &str, data: BTreeMap<String, ByteString>) -> Secret {
+    Secret {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some(ns.into()),
+            labels: Some(BTreeMap::from([(LABEL_TUNNEL.into(), t.name_any())])),
+            owner_references: t.controller_owner_ref(&()).map(|o| vec![o]),
+            ..Default::default()
+        },
+        type_: Some("Opaque".into()),
+        data: Some(data),
+        ..Default::default()
+    }
 }
 
 #[cfg(test)]

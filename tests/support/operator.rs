@@ -37,6 +37,25 @@ use crate::netns::NetnsHost;
 
 pub const WAIT: Duration = Duration::from_secs(60);
 
+/// A namespaced Kubernetes object type the fixture can create, read and wait on.
+pub trait NamespacedObject:
+    kube::Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+    + Clone
+    + serde::de::DeserializeOwned
+    + serde::Serialize
+    + std::fmt::Debug
+{
+}
+
+impl<K> NamespacedObject for K where
+    K: kube::Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+        + Clone
+        + serde::de::DeserializeOwned
+        + serde::Serialize
+        + std::fmt::Debug
+{
+}
+
 pub struct Fixture {
     pub client: Client,
     pub ns: TestNamespace,
@@ -122,11 +141,7 @@ impl Fixture {
 
     pub async fn create<K>(&self, obj: Value) -> K
     where
-        K: kube::Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
-            + Clone
-            + serde::de::DeserializeOwned
-            + serde::Serialize
-            + std::fmt::Debug,
+        K: NamespacedObject,
     {
         let obj: K = serde_json::from_value(obj).unwrap();
         self.api::<K>().create(&PostParams::default(), &obj).await.unwrap()
@@ -233,11 +248,7 @@ impl Fixture {
     /// Waits for the Ready condition's reason (any status).
     pub async fn wait_reason<K>(&self, name: &str, reason: &str) -> Value
     where
-        K: kube::Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
-            + Clone
-            + serde::de::DeserializeOwned
-            + serde::Serialize
-            + std::fmt::Debug,
+        K: NamespacedObject,
     {
         let api = self.api::<K>();
         let found = wait_until(&format!("{name} Ready reason {reason}"), WAIT, || async {
