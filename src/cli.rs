@@ -94,6 +94,11 @@ pub struct EdgeArgs {
     /// Agents that may be connected at once with one tunnel key.
     #[arg(long, env = "CULVERT_MAX_AGENTS_PER_KEY", default_value_t = constants::DEFAULT_MAX_AGENTS_PER_KEY)]
     pub max_agents_per_key: usize,
+
+    /// Also serve published HTTP hosts over plain HTTP on --http-addr, instead
+    /// of redirecting them to HTTPS (other hosts are still redirected).
+    #[arg(long, env = "CULVERT_PLAIN_HTTP")]
+    pub plain_http: bool,
 }
 
 #[derive(Debug, Clone, Args)]

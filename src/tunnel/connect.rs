@@ -11,6 +11,7 @@ use tokio_tungstenite::tungstenite::Error as WsError;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 
 use super::proxy::{self, Proxy};
+use super::readahead::ReadAhead;
 use super::ws::{self, Control, WsStream};
 use crate::api::{ErrorBody, Protocol};
 use crate::constants::{
@@ -116,7 +117,7 @@ pub struct TunnelInfo {
 
 /// An open tunnel connection, before HTTP/2 starts.
 pub struct Connected {
-    pub stream: WsStream<TlsStream<TcpStream>>,
+    pub stream: WsStream<TlsStream<ReadAhead<TcpStream>>>,
     pub control: Arc<Control>,
     pub info: TunnelInfo,
 }
@@ -150,7 +151,7 @@ impl Dialer {
         let server_name = rustls_pki_types::ServerName::try_from(self.edge.host.clone())
             .map_err(|_| ConnectError::BadUrl { url: addr.clone(), why: "invalid host name".into() })?;
         let tls = TlsConnector::from(self.tls.clone())
-            .connect(server_name, tcp)
+            .connect(server_name, ReadAhead::new(tcp))
             .await
             .map_err(|source| ConnectError::Tls { addr: addr.clone(), source })?;
 

@@ -15,6 +15,7 @@ pub mod body;
 pub mod connect;
 pub mod handshake;
 pub mod proxy;
+pub mod readahead;
 pub mod ws;
 
 use hyper_util::rt::TokioExecutor;

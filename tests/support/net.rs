@@ -60,6 +60,7 @@ pub fn edge_args(dir: &Path, https: SocketAddr, tcp_ports: PortRange) -> EdgeArg
         tcp_bind: "127.0.0.1".parse().unwrap(),
         public_host: Some("127.0.0.1".into()),
         max_agents_per_key: 4,
+        plain_http: false,
     }
 }
 
@@ -75,12 +76,17 @@ pub struct TestEdge {
 
 impl TestEdge {
     pub async fn start() -> TestEdge {
+        Self::start_with(|_| {}).await
+    }
+
+    /// Starts an edge with the test defaults changed by `configure`.
+    pub async fn start_with(configure: impl FnOnce(&mut EdgeArgs)) -> TestEdge {
         init();
         let dir = tempfile::tempdir().unwrap();
         let tcp_ports = free_port_range(4);
-        let handle = edge::start(edge_args(dir.path(), "127.0.0.1:0".parse().unwrap(), tcp_ports))
-            .await
-            .expect("edge starts");
+        let mut args = edge_args(dir.path(), "127.0.0.1:0".parse().unwrap(), tcp_ports);
+        configure(&mut args);
+        let handle = edge::start(args).await.expect("edge starts");
         let admin_key = handle.new_admin_key.clone().expect("first start creates the admin key");
         TestEdge {
             https: handle.https_addr,
