@@ -13,23 +13,24 @@ use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
+use bytes::{Buf, BytesMut};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio_util::io::poll_read_buf;
 
 /// Size of one read from the socket.
 pub const READ_AHEAD: usize = 64 * 1024;
 
 pub struct ReadAhead<S> {
     inner: S,
-    buf: Option<Box<[u8]>>,
-    pos: usize,
-    end: usize,
+    /// Bytes read and not yet served; no capacity while idle.
+    buf: BytesMut,
     /// The last read from the socket filled a good part of the buffer.
     busy: bool,
 }
 
 impl<S> ReadAhead<S> {
     pub fn new(inner: S) -> Self {
-        ReadAhead { inner, buf: None, pos: 0, end: 0, busy: false }
+        ReadAhead { inner, buf: BytesMut::new(), busy: false }
     }
 
     pub fn get_ref(&self) -> &S {
@@ -40,38 +41,34 @@ impl<S> ReadAhead<S> {
 impl<S: AsyncRead + Unpin> AsyncRead for ReadAhead<S> {
     fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, out: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        if this.pos == this.end {
+        if this.buf.is_empty() {
             if out.remaining() >= READ_AHEAD {
                 // A large read gains nothing from the buffer.
-                this.buf = None;
+                this.buf = BytesMut::new();
                 return Pin::new(&mut this.inner).poll_read(cx, out);
             }
-            let buf = this.buf.get_or_insert_with(|| vec![0u8; READ_AHEAD].into_boxed_slice());
-            let mut rb = ReadBuf::new(buf);
-            match Pin::new(&mut this.inner).poll_read(cx, &mut rb) {
-                Poll::Ready(Ok(())) => {
-                    (this.pos, this.end) = (0, rb.filled().len());
-                    this.busy = this.end >= READ_AHEAD / 4;
-                    if this.end == 0 {
-                        this.buf = None;
-                        return Poll::Ready(Ok(())); // EOF
-                    }
+            // Reuses the allocation when it is still there (no zero-filling).
+            this.buf.reserve(READ_AHEAD);
+            match poll_read_buf(Pin::new(&mut this.inner), cx, &mut this.buf) {
+                Poll::Ready(Ok(0)) => {
+                    this.buf = BytesMut::new();
+                    return Poll::Ready(Ok(())); // EOF
                 }
+                Poll::Ready(Ok(n)) => this.busy = n >= READ_AHEAD / 4,
                 Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
                 Poll::Pending => {
                     // Nothing to read. Unless bulk data is flowing (then
                     // more comes soon), the connection may stay idle for long.
                     if !this.busy {
-                        this.buf = None;
+                        this.buf = BytesMut::new();
                     }
                     return Poll::Pending;
                 }
             }
         }
-        let buf = this.buf.as_ref().expect("buffered bytes have a buffer");
-        let n = out.remaining().min(this.end - this.pos);
-        out.put_slice(&buf[this.pos..this.pos + n]);
-        this.pos += n;
+        let n = out.remaining().min(this.buf.len());
+        out.put_slice(&this.buf[..n]);
+        this.buf.advance(n);
         Poll::Ready(Ok(()))
     }
 }
@@ -124,11 +121,11 @@ mod tests {
             got.extend_from_slice(&chunk[..n]);
             if got.len() == 4096 {
                 // The first small read pulled a whole buffer's worth.
-                assert_eq!(r.end, READ_AHEAD);
+                assert_eq!(r.buf.len(), READ_AHEAD - 4096);
             }
         }
         assert!(got == data);
-        assert!(r.buf.is_none(), "the buffer is dropped at EOF");
+        assert_eq!(r.buf.capacity(), 0, "the buffer is dropped at EOF");
     }
 
     #[tokio::test]
@@ -143,6 +140,6 @@ mod tests {
         let mut one = [0u8; 1];
         let pending = tokio::time::timeout(std::time::Duration::from_millis(20), r.read(&mut one)).await;
         assert!(pending.is_err());
-        assert!(r.buf.is_none());
+        assert_eq!(r.buf.capacity(), 0);
     }
 }
