@@ -274,7 +274,7 @@ async fn proxy(
 ) -> Response<BoxBody> {
     let host = reservation.hostname.as_deref().unwrap_or_default();
     if reservation.kind == ReservationKind::Tcp {
-        return error_page(StatusCode::BAD_GATEWAY, &host, "this reservation is a TCP port");
+        return error_page(StatusCode::BAD_GATEWAY, host, "this reservation is a TCP port");
     }
     let upgrade = upgrade_of(&req);
     let on_upgrade = upgrade.is_some().then(|| hyper::upgrade::on(&mut req));
@@ -282,7 +282,7 @@ async fn proxy(
 
     let pq = parts.uri.path_and_query().map(|p| p.as_str().to_string()).unwrap_or_else(|| "/".into());
     let Ok(uri) = Uri::try_from(format!("https://{host}{pq}")) else {
-        return error_page(StatusCode::BAD_REQUEST, &host, "invalid request target");
+        return error_page(StatusCode::BAD_REQUEST, host, "invalid request target");
     };
     strip_hop_by_hop(&mut parts.headers);
     strip_culvert_headers(&mut parts.headers);
@@ -294,7 +294,7 @@ async fn proxy(
     h.remove(header::HOST);
     h.insert("x-forwarded-for", HeaderValue::from_str(&peer.ip().to_string()).expect("ip is ascii"));
     h.insert("x-forwarded-proto", HeaderValue::from_static(scheme));
-    if let Ok(v) = HeaderValue::from_str(&host) {
+    if let Ok(v) = HeaderValue::from_str(host) {
         h.insert("x-forwarded-host", v);
     }
     let kind = if upgrade.is_some() { StreamKind::Upgrade } else { StreamKind::Http };
@@ -329,7 +329,7 @@ async fn proxy(
             } else {
                 "every agent connection of this tunnel failed"
             };
-            return error_page(StatusCode::BAD_GATEWAY, &host, reason);
+            return error_page(StatusCode::BAD_GATEWAY, host, reason);
         };
         tried.push(guard.conn().id);
         let mut sender = guard.conn().sender.clone();
@@ -351,7 +351,7 @@ async fn proxy(
                     Some(r) if tried.len() < MAX_ATTEMPTS => request = r,
                     _ => {
                         let reason = format!("the tunnel failed: {}", error_chain(e.error()));
-                        return error_page(StatusCode::BAD_GATEWAY, &host, &reason);
+                        return error_page(StatusCode::BAD_GATEWAY, host, &reason);
                     }
                 }
             }

@@ -516,7 +516,7 @@ where
                 if buf.remaining() == 0 {
                     return Poll::Ready(Ok(()));
                 }
-                let n = if buf.remaining() as u64 <= frame.left {
+                if buf.remaining() as u64 <= frame.left {
                     // The whole space fits in the frame: read straight into it.
                     let before = buf.filled().len();
                     match Pin::new(&mut this.io).poll_read(cx, buf) {
@@ -542,8 +542,7 @@ where
                         }
                         other => other.map_ok(|()| 0),
                     }
-                };
-                n
+                }
             } else {
                 let start = this.collected.len();
                 this.collected.resize(start + frame.left as usize, 0);
