@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, ready};
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use futures_util::task::AtomicWaker;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::Notify;
@@ -145,11 +145,14 @@ struct Frame {
     offset: usize,
 }
 
-/// A binary frame on its way out: header, payload, how much was written.
+/// Room kept in front of a batch for its frame header (the longest: 8-byte
+/// length and a mask), so that header and payload go out as one write and
+/// one TLS record.
+const HEAD_ROOM: usize = 14;
+
+/// A binary frame on its way out, and how much of it was written.
 struct Outgoing {
-    head: [u8; 14],
-    head_len: usize,
-    payload: Bytes,
+    frame: Bytes,
     written: usize,
 }
 
@@ -170,6 +173,7 @@ pub struct WsStream<S> {
     text: Vec<u8>,
     eof: bool,
     // Writing.
+    /// [`HEAD_ROOM`] bytes, then the payload of the next binary frame.
     batch: BytesMut,
     out: Option<Outgoing>,
     /// Encoded control frames, sent between binary frames.
@@ -267,16 +271,8 @@ where
             if let Some(out) = &mut self.out
                 && (out.written > 0 || self.control_out.is_empty())
             {
-                let total = out.head_len + out.payload.len();
-                while out.written < total {
-                    let n = if out.written < out.head_len {
-                        let bufs =
-                            [IoSlice::new(&out.head[out.written..out.head_len]), IoSlice::new(&out.payload)];
-                        ready!(Pin::new(&mut self.io).poll_write_vectored(cx, &bufs))?
-                    } else {
-                        let from = out.written - out.head_len;
-                        ready!(Pin::new(&mut self.io).poll_write(cx, &out.payload[from..]))?
-                    };
+                while out.written < out.frame.len() {
+                    let n = ready!(Pin::new(&mut self.io).poll_write(cx, &out.frame[out.written..]))?;
                     if n == 0 {
                         return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
                     }
@@ -306,12 +302,14 @@ where
         if self.out.is_some() {
             ready!(self.poll_write_out(cx))?;
         }
-        let (head, head_len, mask) = self.frame_head(OP_BINARY, self.batch.len());
+        let (head, head_len, mask) = self.frame_head(OP_BINARY, self.batch.len() - HEAD_ROOM);
         if let Some(m) = mask {
-            apply_mask(&mut self.batch, m, 0);
+            apply_mask(&mut self.batch[HEAD_ROOM..], m, 0);
         }
-        let payload = self.batch.split().freeze();
-        self.out = Some(Outgoing { head, head_len, payload, written: 0 });
+        self.batch[HEAD_ROOM - head_len..HEAD_ROOM].copy_from_slice(&head[..head_len]);
+        let mut frame = self.batch.split().freeze();
+        frame.advance(HEAD_ROOM - head_len);
+        self.out = Some(Outgoing { frame, written: 0 });
         if let Poll::Ready(Err(e)) = self.poll_write_out(cx) {
             return Poll::Ready(Err(e));
         }
@@ -593,11 +591,19 @@ where
         bufs: &[IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        if this.batch.len() >= WS_MAX_BATCH {
+        if this.batch.len() >= HEAD_ROOM + WS_MAX_BATCH {
             ready!(this.poll_send_batch(cx))?;
         }
-        let room = WS_MAX_BATCH - this.batch.len();
-        let len = bufs.iter().map(|b| b.len()).sum::<usize>().min(room);
+        let wanted = bufs.iter().map(|b| b.len()).sum::<usize>();
+        if wanted == 0 {
+            return Poll::Ready(Ok(0));
+        }
+        if this.batch.is_empty() {
+            this.batch.reserve(HEAD_ROOM + wanted.min(WS_MAX_BATCH));
+            this.batch.put_bytes(0, HEAD_ROOM);
+        }
+        let room = HEAD_ROOM + WS_MAX_BATCH - this.batch.len();
+        let len = wanted.min(room);
         this.batch.reserve(len);
         let mut left = len;
         for b in bufs {
