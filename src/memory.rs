@@ -12,7 +12,7 @@ use std::time::Duration;
 /// How often the allocator's free memory is looked at.
 pub const CHECK_EVERY: Duration = Duration::from_secs(2);
 /// Free heap memory below this is kept for reuse.
-pub const TRIM_ABOVE: usize = 4 * 1024 * 1024;
+pub const TRIM_ABOVE: usize = 1024 * 1024;
 
 /// Starts the background trimmer on the current runtime (a no-op where the
 /// allocator is not glibc's).
