@@ -100,6 +100,11 @@ pub struct EdgeArgs {
     #[arg(long, env = "CULVERT_DRAIN_SECONDS", default_value_t = constants::DEFAULT_DRAIN_SECONDS)]
     pub drain_seconds: u64,
 
+    /// Also serve published HTTP hosts over plain HTTP on --http-addr, instead
+    /// of redirecting them to HTTPS (other hosts are still redirected).
+    #[arg(long, env = "CULVERT_PLAIN_HTTP", value_parser = clap::builder::BoolishValueParser::new())]
+    pub plain_http: bool,
+
     #[command(flatten)]
     pub acme: AcmeArgs,
 }

@@ -65,8 +65,6 @@ pub const DEAD_PEER_TIMEOUT: Duration = Duration::from_secs(30);
 /// Largest WebSocket message the byte-stream adapter writes: pending bytes are
 /// coalesced up to this, so a small response is never stuck behind a bulk one.
 pub const WS_MAX_BATCH: usize = 64 * 1024;
-/// Largest WebSocket message accepted from the peer.
-pub const WS_MAX_MESSAGE: usize = 1024 * 1024;
 
 /// HTTP/2 initial stream window on the tunnel (adaptive windows grow it).
 pub const H2_STREAM_WINDOW: u32 = 1024 * 1024;

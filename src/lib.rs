@@ -12,6 +12,7 @@ pub mod cli;
 pub mod constants;
 pub mod crd;
 pub mod edge;
+pub mod memory;
 pub mod operator;
 pub mod telemetry;
 pub mod tls;

@@ -34,6 +34,7 @@ fn run() -> anyhow::Result<()> {
         command => {
             let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
             runtime.block_on(async move {
+                culvert::memory::spawn_trimmer();
                 match command {
                     Command::Edge(args) => culvert::edge::run(args).await.map_err(anyhow::Error::from),
                     Command::Http(args) => {

@@ -513,6 +513,38 @@ async fn http_port_redirects_and_admin_port_serves_metrics() {
 }
 
 #[tokio::test]
+async fn plain_http_serves_published_hosts_when_enabled() {
+    let edge = TestEdge::start_with(|args| args.plain_http = true).await;
+    let (host, key) = edge.http_tunnel_key("app").await;
+    let _agent = TestAgent::start(&edge, &key, http_target(net::http_backend().await)).await;
+    let http_addr = edge.handle.as_ref().unwrap().http_addr;
+    let curl = |host: String, path: &'static str| {
+        let url = format!("http://{http_addr}{path}");
+        async move {
+            let out = tokio::process::Command::new("curl")
+                .args(["-sS", "-w", "\n%{http_code}", "-H"])
+                .arg(format!("Host: {host}"))
+                .arg(url)
+                .output()
+                .await
+                .unwrap();
+            String::from_utf8_lossy(&out.stdout).to_string()
+        }
+    };
+    // A published host is proxied over plain HTTP, and says so to the backend.
+    let out = curl(host.clone(), "/echo?x=1").await;
+    let (body, status) = out.rsplit_once('\n').unwrap();
+    assert_eq!(status, "200", "{out}");
+    let body: Value = serde_json::from_str(body).unwrap();
+    assert_eq!(body["path"], "/echo?x=1");
+    assert_eq!(body["headers"]["x-forwarded-proto"], "http");
+    assert_eq!(body["headers"]["x-forwarded-host"], host.as_str());
+    // Anything else is still redirected to HTTPS.
+    let out = curl(format!("nothing.{}", net::DOMAIN), "/").await;
+    assert!(out.ends_with("\n308"), "{out}");
+}
+
+#[tokio::test]
 async fn an_agent_of_the_wrong_protocol_and_agents_over_the_limit_are_refused() {
     let edge = TestEdge::start().await;
     let (_host, key) = edge.http_tunnel_key("limits").await;

@@ -191,6 +191,10 @@ pub async fn run_standalone(args: AgentArgs, tcp: bool) -> Result<(), AgentError
         println!("Forwarding {url} -> {shown}");
     });
     let options = TunnelOptions { stop_on_permanent_error: true, on_ready: Some(on_ready) };
-    run_tunnel(dialer, serve::fixed(target), options, shutdown).await?;
+    // On a worker thread, not in `block_on`: the connection's task then runs
+    // where its streams' tasks and the I/O driver run, instead of waking the
+    // main thread (a futex round trip) for every frame.
+    let tunnel = tokio::spawn(run_tunnel(dialer, serve::fixed(target), options, shutdown));
+    tunnel.await.unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))?;
     Ok(())
 }

@@ -8,9 +8,7 @@ use http::header::{self, HeaderValue};
 use http::{Request, Response, StatusCode};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
-use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
-use tokio_tungstenite::tungstenite::protocol::Role;
 use tracing::{Instrument, info, warn};
 
 use super::Edge;
@@ -94,11 +92,8 @@ pub async fn accept(edge: Arc<Edge>, mut req: Request<Incoming>, peer: SocketAdd
                 Ok(u) => u,
                 Err(e) => return warn!(error = %e, "agent upgrade failed"),
             };
-            let ws =
-                WebSocketStream::from_raw_socket(TokioIo::new(upgraded), Role::Server, Some(ws::ws_config()))
-                    .await;
             let control = Arc::new(Control::default());
-            let stream = WsStream::new(ws, control.clone());
+            let stream = WsStream::new(TokioIo::new(upgraded), ws::Role::Server, control.clone());
             let (sender, conn) = match crate::tunnel::h2_client().handshake(TokioIo::new(stream)).await {
                 Ok(x) => x,
                 Err(e) => return warn!(error = %e, "HTTP/2 handshake with the agent failed"),

@@ -1,5 +1,8 @@
 //! The edge's Prometheus metrics, one registry.
 
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -17,6 +20,18 @@ pub struct Metrics {
     pub public_connections_rejected: Counter,
     /// ACME certificate jobs by result (`issued`, `failed`, `dns_mismatch`).
     pub acme_orders: Family<Labels, Counter>,
+    /// The `bytes` counters by reservation name: looked up on every stream,
+    /// without building the label set each time.
+    byte_counters: RwLock<HashMap<Arc<str>, ByteCounters>>,
+}
+
+/// The two `bytes` counters of one reservation.
+#[derive(Clone)]
+pub struct ByteCounters {
+    /// Public to agent.
+    pub inbound: Counter,
+    /// Agent to public.
+    pub outbound: Counter,
 }
 
 impl Default for Metrics {
@@ -58,16 +73,28 @@ impl Default for Metrics {
             bytes,
             handshake_failures,
             public_connections_rejected,
+            byte_counters: RwLock::default(),
         }
     }
 }
 
 impl Metrics {
-    /// The byte counter of one reservation (by its public name) and direction.
-    pub fn bytes(&self, reservation: &str, direction: &'static str) -> Counter {
-        self.bytes
-            .get_or_create(&vec![("reservation", reservation.to_string()), ("direction", direction.into())])
-            .clone()
+    /// The byte counters of one reservation (by its public name).
+    pub fn bytes(&self, reservation: &str) -> ByteCounters {
+        if let Some(c) = self.byte_counters.read().expect("poisoned").get(reservation) {
+            return c.clone();
+        }
+        let family = |direction: &str| {
+            self.bytes
+                .get_or_create(&vec![
+                    ("reservation", reservation.to_string()),
+                    ("direction", direction.into()),
+                ])
+                .clone()
+        };
+        let counters = ByteCounters { inbound: family("in"), outbound: family("out") };
+        let mut map = self.byte_counters.write().expect("poisoned");
+        map.entry(Arc::from(reservation)).or_insert(counters).clone()
     }
 
     pub fn handshake_failed(&self, reason: &'static str) {

@@ -78,6 +78,8 @@ pub struct Edge {
     pub https_port: u16,
     pub tcp_bind: IpAddr,
     pub max_agents_per_key: usize,
+    /// Published HTTP hosts are also served on the plain HTTP port.
+    pub plain_http: bool,
     pub store: Store,
     pub registry: Registry,
     pub metrics: Metrics,
@@ -257,6 +259,7 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
         https_port: https_addr.port(),
         tcp_bind: args.tcp_bind,
         max_agents_per_key: args.max_agents_per_key.max(1),
+        plain_http: args.plain_http,
         store,
         registry: Registry::new(metrics.streams_open.clone()),
         metrics,

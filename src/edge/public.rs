@@ -29,6 +29,7 @@ use crate::constants::{
 };
 use crate::tunnel::StreamKind;
 use crate::tunnel::body::{self, BoxBody, ChannelBody, Counted};
+use crate::tunnel::readahead::ReadAhead;
 
 /// Attempts to place one request on a connection before answering 502.
 const MAX_ATTEMPTS: usize = 3;
@@ -89,7 +90,7 @@ pub async fn serve_https(edge: Arc<Edge>, listener: TcpListener, tls: Arc<rustls
                     return super::tcp::forward(&edge, io, &reservation, Protocol::Tls, &name, peer, local)
                         .await;
                 }
-                let tcp = sni::Prefixed::new(hello, tcp);
+                let tcp = ReadAhead::new(sni::Prefixed::new(hello, tcp));
                 let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                     Ok(Ok(tls)) => tls,
                     Ok(Err(e)) => return debug!(error = %e, "TLS handshake failed"),
@@ -169,12 +170,22 @@ where
     }
 }
 
-/// The plain HTTP port: ACME HTTP-01 answers, and redirects to HTTPS.
+/// The plain HTTP port: ACME HTTP-01 answers, and redirects to HTTPS; with
+/// `--plain-http`, published HTTP hosts are proxied here too.
 pub async fn serve_redirect(edge: Arc<Edge>, listener: TcpListener) {
-    serve_plain(edge, listener, true, |edge, req| async move {
+    serve_plain(edge, listener, true, |edge, req, peer| async move {
         if let Some(key_authorization) = edge.acme.as_ref().and_then(|a| a.http01_response(req.uri().path()))
         {
             return Ok(text(StatusCode::OK, &key_authorization));
+        }
+        if edge.plain_http {
+            let host = request_host(&req).unwrap_or_default();
+            let routes = edge.routes();
+            if let Some(reservation) = routes.host(&host)
+                && reservation.kind != ReservationKind::Tcp
+            {
+                return Ok(proxy(edge.clone(), req, peer, reservation, "http").await);
+            }
         }
         Ok(redirect(&edge, &req))
     })
@@ -184,7 +195,7 @@ pub async fn serve_redirect(edge: Arc<Edge>, listener: TcpListener) {
 /// The admin port: `/metrics`, `/healthz`, `/readyz` (503 while draining).
 /// It serves until the edge has stopped, draining included.
 pub async fn serve_admin(edge: Arc<Edge>, listener: TcpListener) {
-    serve_plain(edge, listener, false, |edge, req| async move {
+    serve_plain(edge, listener, false, |edge, req, _| async move {
         Ok(match req.uri().path() {
             "/metrics" => {
                 let mut r = Response::new(body::full(edge.metrics.encode()));
@@ -213,12 +224,12 @@ pub async fn serve_admin(edge: Arc<Edge>, listener: TcpListener) {
 /// serve until the edge has stopped.
 async fn serve_plain<F, Fut>(edge: Arc<Edge>, listener: TcpListener, public: bool, f: F)
 where
-    F: Fn(Arc<Edge>, Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    F: Fn(Arc<Edge>, Request<Incoming>, SocketAddr) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Result<Response<BoxBody>, Infallible>> + Send + 'static,
 {
     let stop = if public { edge.shutdown.clone() } else { edge.stopped.clone() };
     loop {
-        let (tcp, _) = tokio::select! {
+        let (tcp, peer) = tokio::select! {
             r = listener.accept() => match r {
                 Ok(x) => x,
                 Err(e) => {
@@ -229,16 +240,17 @@ where
             },
             _ = stop.cancelled() => return,
         };
+        let _ = tcp.set_nodelay(true);
         let (edge, f) = (edge.clone(), f.clone());
         let tracker = edge.connections.clone();
         let serve = async move {
             let service = service_fn({
                 let edge = edge.clone();
-                move |req| f(edge.clone(), req)
+                move |req| f(edge.clone(), req, peer)
             });
             let io = super::idle::IdleTimeout::new(tcp);
             let builder = http_builder().http1_only();
-            let conn = builder.serve_connection(TokioIo::new(io), service);
+            let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
             // Public connections finish when the edge drains; the admin port's keep serving.
             let _ = if public { drain_on_shutdown(&edge, conn).await } else { conn.await };
         };
@@ -304,8 +316,7 @@ async fn handle(edge: Arc<Edge>, req: Request<Incoming>, peer: SocketAddr) -> Re
     if let Some(reservation) = routes.host(&host)
         && reservation.kind != ReservationKind::Tcp
     {
-        let reservation = reservation.clone();
-        return proxy(edge, req, peer, reservation).await;
+        return proxy(edge, req, peer, reservation, "https").await;
     }
     let path = req.uri().path();
     if path == CONNECT_PATH {
@@ -334,16 +345,18 @@ fn upgrade_of<B>(req: &Request<B>) -> Option<HeaderValue> {
     if connection_upgrade { req.headers().get(header::UPGRADE).cloned() } else { None }
 }
 
-#[tracing::instrument(skip_all, fields(host = reservation.hostname.as_deref().unwrap_or(""), method = %req.method()))]
+// Debug level: an enabled span costs a few allocations per request.
+#[tracing::instrument(level = "debug", skip_all, fields(host = reservation.hostname.as_deref().unwrap_or(""), method = %req.method()))]
 async fn proxy(
     edge: Arc<Edge>,
     mut req: Request<Incoming>,
     peer: SocketAddr,
-    reservation: Reservation,
+    reservation: &Reservation,
+    scheme: &'static str,
 ) -> Response<BoxBody> {
-    let host = reservation.hostname.clone().unwrap_or_default();
+    let host = reservation.hostname.as_deref().unwrap_or_default();
     if reservation.kind == ReservationKind::Tcp {
-        return error_page(StatusCode::BAD_GATEWAY, &host, "this reservation is a TCP port");
+        return error_page(StatusCode::BAD_GATEWAY, host, "this reservation is a TCP port");
     }
     let upgrade = upgrade_of(&req);
     let on_upgrade = upgrade.is_some().then(|| hyper::upgrade::on(&mut req));
@@ -351,7 +364,7 @@ async fn proxy(
 
     let pq = parts.uri.path_and_query().map(|p| p.as_str().to_string()).unwrap_or_else(|| "/".into());
     let Ok(uri) = Uri::try_from(format!("https://{host}{pq}")) else {
-        return error_page(StatusCode::BAD_REQUEST, &host, "invalid request target");
+        return error_page(StatusCode::BAD_REQUEST, host, "invalid request target");
     };
     strip_hop_by_hop(&mut parts.headers);
     strip_culvert_headers(&mut parts.headers);
@@ -362,8 +375,8 @@ async fn proxy(
     }
     h.remove(header::HOST);
     h.insert("x-forwarded-for", HeaderValue::from_str(&peer.ip().to_string()).expect("ip is ascii"));
-    h.insert("x-forwarded-proto", HeaderValue::from_static("https"));
-    if let Ok(v) = HeaderValue::from_str(&host) {
+    h.insert("x-forwarded-proto", HeaderValue::from_static(scheme));
+    if let Ok(v) = HeaderValue::from_str(host) {
         h.insert("x-forwarded-host", v);
     }
     let kind = if upgrade.is_some() { StreamKind::Upgrade } else { StreamKind::Http };
@@ -374,12 +387,13 @@ async fn proxy(
     parts.uri = uri;
     parts.version = http::Version::HTTP_2;
 
-    let bytes_in = edge.metrics.bytes(&host, "in");
-    let bytes_out = edge.metrics.bytes(&host, "out");
+    let counters = edge.metrics.bytes(host);
+    let (bytes_in, bytes_out) = (counters.inbound, counters.outbound);
     // A request without a body can be placed again on another connection if
-    // the first one refused it (an agent draining at that very moment).
-    let replayable = upgrade.is_some() || incoming.is_end_stream();
-    let head = (parts.method.clone(), parts.uri.clone(), parts.headers.clone());
+    // the first one refused it (an agent draining at that very moment); an
+    // upgrade gets its request back from a refusal (its body is fed later).
+    let head = (upgrade.is_none() && incoming.is_end_stream())
+        .then(|| (parts.method.clone(), parts.uri.clone(), parts.headers.clone()));
     let (tunnel_body, upgrade_tx) = if upgrade.is_some() {
         // The request body is fed later, from the upgraded public connection.
         let (tx, rx) = mpsc::channel::<Bytes>(8);
@@ -397,7 +411,7 @@ async fn proxy(
             } else {
                 "every agent connection of this tunnel failed"
             };
-            return error_page(StatusCode::BAD_GATEWAY, &host, reason);
+            return error_page(StatusCode::BAD_GATEWAY, host, reason);
         };
         tried.push(guard.conn().id);
         let mut sender = guard.conn().sender.clone();
@@ -405,21 +419,21 @@ async fn proxy(
             Ok(resp) => break (resp, guard),
             Err(mut e) => {
                 debug!(error = %error_chain(e.error()), conn = guard.conn().id, "stream failed");
-                let again = match e.take_message() {
-                    Some(r) => Some(r),
-                    None if replayable && upgrade.is_none() => {
+                let again = match (e.take_message(), &head) {
+                    (Some(r), _) => Some(r),
+                    (None, Some(head)) => {
                         let mut r = Request::new(body::empty());
                         (*r.method_mut(), *r.uri_mut(), *r.headers_mut()) = head.clone();
                         *r.version_mut() = http::Version::HTTP_2;
                         Some(r)
                     }
-                    None => None,
+                    (None, None) => None,
                 };
                 match again {
                     Some(r) if tried.len() < MAX_ATTEMPTS => request = r,
                     _ => {
                         let reason = format!("the tunnel failed: {}", error_chain(e.error()));
-                        return error_page(StatusCode::BAD_GATEWAY, &host, &reason);
+                        return error_page(StatusCode::BAD_GATEWAY, host, &reason);
                     }
                 }
             }

@@ -43,6 +43,20 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Prefixed<S> {
         Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
     }
 
+    // rustls writes its records with one vectored write: without this, one
+    // system call per record.
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.get_mut().inner).poll_flush(cx)
     }

@@ -136,7 +136,8 @@ pub async fn forward<S>(
 {
     let (read, write) = tokio::io::split(io);
     let mut tried = Vec::new();
-    let mut body = Some(body::boxed(Counted::new(ReadBody::new(read), edge.metrics.bytes(name, "in"))));
+    let counters = edge.metrics.bytes(name);
+    let mut body = Some(body::boxed(Counted::new(ReadBody::new(read), counters.inbound)));
     while let Some(guard) = edge.registry.pick(&reservation.id, protocol, &tried) {
         tried.push(guard.conn().id);
         let mut req = Request::new(body.take().expect("body is put back on retry"));
@@ -152,7 +153,7 @@ pub async fn forward<S>(
         let mut sender = guard.conn().sender.clone();
         match sender.try_send_request(req).await {
             Ok(resp) if resp.status() == StatusCode::OK => {
-                let down = Counted::new(resp.into_body(), edge.metrics.bytes(name, "out"));
+                let down = Counted::new(resp.into_body(), counters.outbound);
                 let r = body::copy_body(down, write).await;
                 drop(guard);
                 return debug!(result = ?r, "stream ended");

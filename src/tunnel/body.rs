@@ -38,16 +38,25 @@ where
     body.map_err(Into::into).boxed_unsync()
 }
 
+/// First read size of a [`ReadBody`]; doubled up to [`READ_CHUNK`] while
+/// reads fill it.
+const FIRST_READ: usize = 4 * 1024;
+
 /// A body that reads a socket (or any `AsyncRead`) until EOF.
+///
+/// It holds no buffer while it waits for the socket (a thousand idle TCP
+/// streams cost a thousand sockets, not a thousand 64 KiB buffers), and reads
+/// in chunks that grow while data keeps coming.
 pub struct ReadBody<R> {
     reader: R,
     buf: BytesMut,
+    chunk: usize,
     done: bool,
 }
 
 impl<R> ReadBody<R> {
     pub fn new(reader: R) -> Self {
-        ReadBody { reader, buf: BytesMut::new(), done: false }
+        ReadBody { reader, buf: BytesMut::new(), chunk: FIRST_READ, done: false }
     }
 }
 
@@ -63,20 +72,29 @@ impl<R: AsyncRead + Unpin> Body for ReadBody<R> {
         if this.done {
             return Poll::Ready(None);
         }
-        if this.buf.capacity() < READ_CHUNK {
-            this.buf.reserve(READ_CHUNK);
+        if this.buf.capacity() < this.chunk {
+            this.buf.reserve(this.chunk);
         }
         match poll_read_buf(Pin::new(&mut this.reader), cx, &mut this.buf) {
             Poll::Ready(Ok(0)) => {
                 this.done = true;
                 Poll::Ready(None)
             }
-            Poll::Ready(Ok(_)) => Poll::Ready(Some(Ok(Frame::data(this.buf.split().freeze())))),
+            Poll::Ready(Ok(n)) => {
+                if n >= this.chunk {
+                    this.chunk = (this.chunk * 2).min(READ_CHUNK);
+                }
+                Poll::Ready(Some(Ok(Frame::data(this.buf.split().freeze()))))
+            }
             Poll::Ready(Err(e)) => {
                 this.done = true;
                 Poll::Ready(Some(Err(e.into())))
             }
-            Poll::Pending => Poll::Pending,
+            Poll::Pending => {
+                // Idle: give the buffer back rather than hold it while waiting.
+                this.buf = BytesMut::new();
+                Poll::Pending
+            }
         }
     }
 
@@ -187,5 +205,32 @@ where
         if tx.send(buf.freeze()).await.is_err() {
             return Ok(total);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[tokio::test]
+    async fn an_idle_body_holds_no_buffer_and_bulk_reads_grow() {
+        let (mut w, r) = tokio::io::duplex(1 << 20);
+        let mut body = ReadBody::new(r);
+        w.write_all(&[7u8; 100]).await.unwrap();
+        let data = body.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(&data[..], &[7u8; 100][..]);
+        // Nothing more to read: the buffer is given back while waiting.
+        assert!(tokio::time::timeout(Duration::from_millis(20), body.frame()).await.is_err());
+        assert_eq!(body.buf.capacity(), 0);
+
+        w.write_all(&vec![1u8; 512 * 1024]).await.unwrap();
+        let (mut got, mut largest) = (0, 0);
+        while got < 512 * 1024 {
+            let data = body.frame().await.unwrap().unwrap().into_data().unwrap();
+            got += data.len();
+            largest = largest.max(data.len());
+        }
+        assert!(largest >= READ_CHUNK, "reads grow while data keeps coming: {largest}");
     }
 }

@@ -3,14 +3,16 @@
 
 use std::sync::Arc;
 
-use http::{HeaderValue, Request};
-use tokio::net::TcpStream;
+use base64::Engine;
+use http::{HeaderValue, Request, StatusCode, header};
+use http_body_util::{BodyExt, Empty, Limited};
+use hyper::upgrade::Upgraded;
+use hyper_util::rt::TokioIo;
 use tokio_rustls::TlsConnector;
-use tokio_rustls::client::TlsStream;
-use tokio_tungstenite::tungstenite::Error as WsError;
-use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
 
 use super::proxy::{self, Proxy};
+use super::readahead::ReadAhead;
 use super::ws::{self, Control, WsStream};
 use crate::api::{ErrorBody, Protocol};
 use crate::constants::{
@@ -77,7 +79,7 @@ pub enum ConnectError {
     #[error("the edge refused the tunnel ({status}, {code}): {message}")]
     Refused { status: u16, code: String, message: String },
     #[error("WebSocket upgrade failed: {0}")]
-    WebSocket(#[source] Box<WsError>),
+    WebSocket(#[source] crate::BoxError),
     #[error("handshake timed out after {0:?}")]
     Timeout(std::time::Duration),
 }
@@ -116,7 +118,7 @@ pub struct TunnelInfo {
 
 /// An open tunnel connection, before HTTP/2 starts.
 pub struct Connected {
-    pub stream: WsStream<TlsStream<TcpStream>>,
+    pub stream: WsStream<TokioIo<Upgraded>>,
     pub control: Arc<Control>,
     pub info: TunnelInfo,
 }
@@ -150,31 +152,53 @@ impl Dialer {
         let server_name = rustls_pki_types::ServerName::try_from(self.edge.host.clone())
             .map_err(|_| ConnectError::BadUrl { url: addr.clone(), why: "invalid host name".into() })?;
         let tls = TlsConnector::from(self.tls.clone())
-            .connect(server_name, tcp)
+            .connect(server_name, ReadAhead::new(tcp))
             .await
             .map_err(|source| ConnectError::Tls { addr: addr.clone(), source })?;
 
-        let mut req: Request<()> = format!("wss://{addr}{CONNECT_PATH}")
-            .into_client_request()
-            .map_err(|e| ConnectError::WebSocket(Box::new(e)))?;
-        let headers = req.headers_mut();
+        // The WebSocket upgrade, as an HTTP/1.1 request on the TLS stream.
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+            .await
+            .map_err(|e| ConnectError::WebSocket(e.into()))?;
+        tokio::spawn(async move {
+            let _ = conn.with_upgrades().await;
+        });
+        let mut ws_key = [0u8; 16];
+        let _ = ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut ws_key);
+        let ws_key = base64::engine::general_purpose::STANDARD.encode(ws_key);
         let bearer =
             HeaderValue::from_str(&format!("Bearer {}", self.key)).map_err(|_| ConnectError::Refused {
                 status: 401,
                 code: "bad_key".into(),
                 message: "the tunnel key has characters a header cannot carry".into(),
             })?;
-        headers.insert(http::header::AUTHORIZATION, bearer);
-        headers.insert(VERSION_HEADER, HeaderValue::from(PROTOCOL_VERSION));
+        let mut req = Request::get(CONNECT_PATH)
+            .header(header::HOST, &addr)
+            .header(header::CONNECTION, "Upgrade")
+            .header(header::UPGRADE, "websocket")
+            .header(header::SEC_WEBSOCKET_VERSION, "13")
+            .header(header::SEC_WEBSOCKET_KEY, &ws_key)
+            .header(header::AUTHORIZATION, bearer)
+            .header(VERSION_HEADER, HeaderValue::from(PROTOCOL_VERSION))
+            .body(Empty::<bytes::Bytes>::new())
+            .map_err(|e| ConnectError::WebSocket(e.into()))?;
+        let headers = req.headers_mut();
         if let Some(p) = self.protocol {
             headers.insert(TUNNEL_PROTOCOL_HEADER, HeaderValue::from_static(p.as_str()));
         }
         if let Ok(id) = HeaderValue::from_str(&self.agent_id) {
             headers.insert(AGENT_ID_HEADER, id);
         }
-        let (ws, resp) = tokio_tungstenite::client_async_with_config(req, tls, Some(ws::ws_config()))
-            .await
-            .map_err(refusal)?;
+        let resp = sender.send_request(req).await.map_err(|e| ConnectError::WebSocket(e.into()))?;
+        if resp.status() != StatusCode::SWITCHING_PROTOCOLS {
+            return Err(refusal(resp).await);
+        }
+        let accept = resp.headers().get(header::SEC_WEBSOCKET_ACCEPT).and_then(|v| v.to_str().ok());
+        if accept != Some(derive_accept_key(ws_key.as_bytes()).as_str()) {
+            return Err(ConnectError::WebSocket(
+                "the edge answered with a wrong Sec-WebSocket-Accept".into(),
+            ));
+        }
         let header = |name: &str| resp.headers().get(name).and_then(|v| v.to_str().ok());
         let info = TunnelInfo {
             protocol: header(TUNNEL_PROTOCOL_HEADER).and_then(|p| match p {
@@ -185,31 +209,29 @@ impl Dialer {
             }),
             public_url: header(PUBLIC_URL_HEADER).map(str::to_string),
         };
+        let upgraded = hyper::upgrade::on(resp).await.map_err(|e| ConnectError::WebSocket(e.into()))?;
         let control = Arc::new(Control::default());
-        Ok(Connected { stream: WsStream::new(ws, control.clone()), control, info })
+        let stream = WsStream::new(TokioIo::new(upgraded), ws::Role::Client, control.clone());
+        Ok(Connected { stream, control, info })
     }
 }
 
 /// Turns a non-101 upgrade response into a [`ConnectError::Refused`] with the
 /// edge's reason.
-fn refusal(e: WsError) -> ConnectError {
-    match e {
-        WsError::Http(resp) => {
-            let status = resp.status().as_u16();
-            let body = resp.body().as_deref().unwrap_or_default();
-            match serde_json::from_slice::<ErrorBody>(body) {
-                Ok(b) => ConnectError::Refused { status, code: b.error.code, message: b.error.message },
-                Err(_) => ConnectError::Refused {
-                    status,
-                    code: "http".into(),
-                    message: format!(
-                        "unexpected HTTP {status} (is this a culvert edge?): {}",
-                        String::from_utf8_lossy(&body[..body.len().min(200)])
-                    ),
-                },
-            }
-        }
-        e => ConnectError::WebSocket(Box::new(e)),
+async fn refusal(resp: http::Response<hyper::body::Incoming>) -> ConnectError {
+    let status = resp.status().as_u16();
+    let body =
+        Limited::new(resp.into_body(), 64 * 1024).collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+    match serde_json::from_slice::<ErrorBody>(&body) {
+        Ok(b) => ConnectError::Refused { status, code: b.error.code, message: b.error.message },
+        Err(_) => ConnectError::Refused {
+            status,
+            code: "http".into(),
+            message: format!(
+                "unexpected HTTP {status} (is this a culvert edge?): {}",
+                String::from_utf8_lossy(&body[..body.len().min(200)])
+            ),
+        },
     }
 }
 

@@ -15,6 +15,7 @@ pub mod body;
 pub mod connect;
 pub mod handshake;
 pub mod proxy;
+pub mod readahead;
 pub mod ws;
 
 use hyper_util::rt::TokioExecutor;
@@ -41,7 +42,13 @@ pub fn h2_server() -> hyper::server::conn::http2::Builder<TokioExecutor> {
     b.initial_stream_window_size(H2_STREAM_WINDOW)
         .initial_connection_window_size(H2_CONN_WINDOW)
         .max_frame_size(H2_MAX_FRAME)
-        .max_concurrent_streams(H2_MAX_STREAMS);
+        .max_concurrent_streams(H2_MAX_STREAMS)
+        // The edge cancels a tunnel stream whenever a public client goes away
+        // or resets its request, possibly before this end accepted it. hyper's
+        // default (20 such resets, the rapid-reset guard meant for untrusted
+        // clients) would let public clients tear the tunnel down; the edge
+        // keeps that guard on its public side.
+        .max_pending_accept_reset_streams(H2_MAX_STREAMS as usize);
     b
 }
 

@@ -1,51 +1,65 @@
 //! The byte-stream adapter: one tunnel connection's HTTP/2 bytes carried in
-//! binary WebSocket messages.
+//! binary WebSocket messages (RFC 6455 framing, written here rather than
+//! with a general WebSocket library so that the bytes are copied as little as
+//! possible).
+//!
+//! Reads go straight from the TLS stream into HTTP/2's buffer: a frame
+//! header is parsed, then its payload is read (and unmasked) in place; no
+//! intermediate message buffer, no zero-filled read buffer.
 //!
 //! Writes are coalesced: bytes accumulate until HTTP/2 flushes or
-//! [`WS_MAX_BATCH`] is reached, then go out as one message. Small messages
+//! [`WS_MAX_BATCH`] is reached, then go out as one binary frame. Small frames
 //! flushed one by one cap a connection near 1 Gbit/s; batches reach several
 //! times that. The cap keeps a small response from waiting behind a bulk one.
 //!
 //! The adapter also keeps the tunnel alive (WebSocket pings every
-//! [`PING_INTERVAL`], a peer silent for [`DEAD_PEER_TIMEOUT`] is dead) and
-//! carries the drain handshake as text messages ([`Control`]).
+//! [`PING_INTERVAL`], a peer silent for [`DEAD_PEER_TIMEOUT`] is dead),
+//! answers pings and close frames, and carries the drain handshake as text
+//! messages ([`Control`]).
 
 use std::collections::VecDeque;
-use std::io;
+use std::io::{self, IoSlice};
 use std::pin::Pin;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, ready};
 
-use bytes::{Bytes, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use futures_util::task::AtomicWaker;
-use futures_util::{Sink, Stream};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::Notify;
 use tokio::time::{Instant, Interval, Sleep};
-use tokio_tungstenite::WebSocketStream;
-use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
-use tokio_tungstenite::tungstenite::{Error as WsError, Message};
 
 use crate::constants::{
-    DEAD_PEER_TIMEOUT, MSG_GOODBYE, MSG_GOODBYE_ACK, MSG_READY, PING_INTERVAL, WS_MAX_BATCH, WS_MAX_MESSAGE,
+    DEAD_PEER_TIMEOUT, MSG_GOODBYE, MSG_GOODBYE_ACK, MSG_READY, PING_INTERVAL, WS_MAX_BATCH,
 };
 
-/// WebSocket settings of both tunnel ends.
-pub fn ws_config() -> WebSocketConfig {
-    WebSocketConfig::default()
-        .max_message_size(Some(WS_MAX_MESSAGE))
-        .max_frame_size(Some(WS_MAX_MESSAGE))
-        .write_buffer_size(WS_MAX_BATCH)
-        // tungstenite zero-fills its whole read buffer before each socket read.
-        .read_buffer_size(16 * 1024)
+/// Which end of the WebSocket connection this is: clients mask what they send.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    Client,
+    Server,
 }
+
+/// Largest text message (control messages are a few bytes).
+const MAX_TEXT: usize = 4096;
+/// Largest control frame payload (RFC 6455 5.5).
+const MAX_CONTROL: u64 = 125;
+
+const OP_CONTINUATION: u8 = 0x0;
+const OP_TEXT: u8 = 0x1;
+const OP_BINARY: u8 = 0x2;
+const OP_CLOSE: u8 = 0x8;
+const OP_PING: u8 = 0x9;
+const OP_PONG: u8 = 0xA;
 
 /// Shared between a tunnel connection's adapter and whoever manages it: the
 /// drain handshake and out-of-band text messages.
 #[derive(Default)]
 pub struct Control {
     outgoing: Mutex<VecDeque<&'static str>>,
+    /// Something is in `outgoing` (checked without the lock on every read).
+    queued: AtomicBool,
     waker: AtomicWaker,
     /// The peer said goodbye (edge side: stop routing new streams here).
     peer_goodbye: AtomicBool,
@@ -60,6 +74,7 @@ impl Control {
     /// Queues a text message; the connection's task sends it promptly.
     pub fn send(&self, msg: &'static str) {
         self.outgoing.lock().expect("poisoned").push_back(msg);
+        self.queued.store(true, Ordering::Release);
         self.waker.wake();
     }
 
@@ -88,6 +103,13 @@ impl Control {
         }
     }
 
+    fn take_outgoing(&self) -> Vec<&'static str> {
+        if !self.queued.swap(false, Ordering::AcqRel) {
+            return Vec::new();
+        }
+        self.outgoing.lock().expect("poisoned").drain(..).collect()
+    }
+
     fn on_text(&self, text: &str) {
         match text {
             MSG_GOODBYE => {
@@ -102,87 +124,356 @@ impl Control {
     }
 }
 
+/// What the frame being read carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Payload {
+    /// Tunnel bytes: handed to the reader as they arrive.
+    Data,
+    /// A text message (fragment): collected.
+    Text,
+    /// A control frame: collected, then acted on.
+    Control(u8),
+}
+
+/// The frame being read.
+struct Frame {
+    payload: Payload,
+    fin: bool,
+    left: u64,
+    mask: Option<[u8; 4]>,
+    /// Payload bytes already read (the mask's phase).
+    offset: usize,
+}
+
+/// Room kept in front of a batch for its frame header (the longest: 8-byte
+/// length and a mask), so that header and payload go out as one write and
+/// one TLS record.
+const HEAD_ROOM: usize = 14;
+
+/// A binary frame on its way out, and how much of it was written.
+struct Outgoing {
+    frame: Bytes,
+    written: usize,
+}
+
 /// `AsyncRead + AsyncWrite` over a WebSocket: see the module docs.
 pub struct WsStream<S> {
-    ws: WebSocketStream<S>,
-    control: std::sync::Arc<Control>,
-    read_buf: Bytes,
-    write_buf: BytesMut,
+    io: S,
+    role: Role,
+    control: Arc<Control>,
+    // Reading.
+    head: [u8; 14],
+    head_len: usize,
+    frame: Option<Frame>,
+    /// The message being continued by continuation frames is text.
+    in_text: bool,
+    /// A binary message is being continued by continuation frames.
+    binary_open: bool,
+    collected: Vec<u8>,
+    text: Vec<u8>,
+    eof: bool,
+    // Writing.
+    /// [`HEAD_ROOM`] bytes, then the payload of the next binary frame.
+    batch: BytesMut,
+    out: Option<Outgoing>,
+    /// Encoded control frames, sent between binary frames.
+    control_out: BytesMut,
+    close_sent: bool,
+    mask_seed: u64,
+    // Keepalive.
     ping: Interval,
     dead_after: Pin<Box<Sleep>>,
-    eof: bool,
+    last_seen: Instant,
 }
 
 impl<S> WsStream<S>
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
-    pub fn new(ws: WebSocketStream<S>, control: std::sync::Arc<Control>) -> Self {
+    /// Wraps a stream on which the WebSocket handshake is done.
+    pub fn new(io: S, role: Role, control: Arc<Control>) -> Self {
         let mut ping = tokio::time::interval_at(Instant::now() + PING_INTERVAL, PING_INTERVAL);
         ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut seed = [0u8; 8];
+        let _ = ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut seed);
         WsStream {
-            ws,
+            io,
+            role,
             control,
-            read_buf: Bytes::new(),
-            write_buf: BytesMut::with_capacity(WS_MAX_BATCH),
+            head: [0; 14],
+            head_len: 0,
+            frame: None,
+            in_text: false,
+            binary_open: false,
+            collected: Vec::new(),
+            text: Vec::new(),
+            eof: false,
+            batch: BytesMut::new(),
+            out: None,
+            control_out: BytesMut::new(),
+            close_sent: false,
+            mask_seed: u64::from_ne_bytes(seed),
             ping,
             dead_after: Box::pin(tokio::time::sleep(DEAD_PEER_TIMEOUT)),
-            eof: false,
+            last_seen: Instant::now(),
         }
     }
 
-    /// Sends what is batched as one binary message (does not flush the socket).
-    fn poll_send_batch(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        if self.write_buf.is_empty() {
+    /// A fresh masking key (splitmix64 over a random seed).
+    fn next_mask(&mut self) -> [u8; 4] {
+        self.mask_seed = self.mask_seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.mask_seed;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        ((z ^ (z >> 31)) as u32).to_ne_bytes()
+    }
+
+    /// Header of a frame (masked if we are the client); returns it and its length.
+    fn frame_head(&mut self, opcode: u8, len: usize) -> ([u8; 14], usize, Option<[u8; 4]>) {
+        let mut head = [0u8; 14];
+        head[0] = 0x80 | opcode;
+        let mut n = 2;
+        if len < 126 {
+            head[1] = len as u8;
+        } else if len <= u16::MAX as usize {
+            head[1] = 126;
+            head[2..4].copy_from_slice(&(len as u16).to_be_bytes());
+            n = 4;
+        } else {
+            head[1] = 127;
+            head[2..10].copy_from_slice(&(len as u64).to_be_bytes());
+            n = 10;
+        }
+        let mask = (self.role == Role::Client).then(|| self.next_mask());
+        if let Some(m) = mask {
+            head[1] |= 0x80;
+            head[n..n + 4].copy_from_slice(&m);
+            n += 4;
+        }
+        (head, n, mask)
+    }
+
+    /// Queues a control or text frame (sent before the next binary frame).
+    fn queue_control(&mut self, opcode: u8, payload: &[u8]) {
+        let (head, n, mask) = self.frame_head(opcode, payload.len());
+        self.control_out.extend_from_slice(&head[..n]);
+        let start = self.control_out.len();
+        self.control_out.extend_from_slice(payload);
+        if let Some(m) = mask {
+            apply_mask(&mut self.control_out[start..], m, 0);
+        }
+    }
+
+    /// Writes the binary frame in flight and the queued control frames.
+    fn poll_write_out(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        loop {
+            // A binary frame that started going out is finished first.
+            if let Some(out) = &mut self.out
+                && (out.written > 0 || self.control_out.is_empty())
+            {
+                while out.written < out.frame.len() {
+                    let n = ready!(Pin::new(&mut self.io).poll_write(cx, &out.frame[out.written..]))?;
+                    if n == 0 {
+                        return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+                    }
+                    out.written += n;
+                }
+                self.out = None;
+                continue;
+            }
+            if !self.control_out.is_empty() {
+                let n = ready!(Pin::new(&mut self.io).poll_write(cx, &self.control_out))?;
+                if n == 0 {
+                    return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+                }
+                let _ = self.control_out.split_to(n);
+                continue;
+            }
             return Poll::Ready(Ok(()));
         }
-        ready!(Pin::new(&mut self.ws).poll_ready(cx)).map_err(ws_to_io)?;
-        let batch = self.write_buf.split().freeze();
-        Pin::new(&mut self.ws).start_send(Message::Binary(batch)).map_err(ws_to_io)?;
+    }
+
+    /// Turns the batch into a binary frame and starts writing it. Ready once
+    /// the batch is taken (its bytes may still be on their way out).
+    fn poll_send_batch(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if self.batch.is_empty() {
+            return Poll::Ready(Ok(()));
+        }
+        if self.out.is_some() {
+            ready!(self.poll_write_out(cx))?;
+        }
+        let (head, head_len, mask) = self.frame_head(OP_BINARY, self.batch.len() - HEAD_ROOM);
+        if let Some(m) = mask {
+            apply_mask(&mut self.batch[HEAD_ROOM..], m, 0);
+        }
+        self.batch[HEAD_ROOM - head_len..HEAD_ROOM].copy_from_slice(&head[..head_len]);
+        let mut frame = self.batch.split().freeze();
+        frame.advance(HEAD_ROOM - head_len);
+        self.out = Some(Outgoing { frame, written: 0 });
+        if let Poll::Ready(Err(e)) = self.poll_write_out(cx) {
+            return Poll::Ready(Err(e));
+        }
         Poll::Ready(Ok(()))
     }
 
-    /// Sends queued control messages and due pings. Called from `poll_read`,
-    /// which the connection task polls all the time.
+    /// Sends queued control messages and due pings; checks that the peer is
+    /// alive. Called from `poll_read`, which the connection task polls all
+    /// the time.
     fn poll_housekeeping(&mut self, cx: &mut Context<'_>) -> io::Result<()> {
         self.control.waker.register(cx.waker());
-        let mut sent = false;
-        loop {
-            let next = self.control.outgoing.lock().expect("poisoned").front().copied();
-            let Some(msg) = next else { break };
-            match Pin::new(&mut self.ws).poll_ready(cx) {
-                Poll::Ready(r) => r.map_err(ws_to_io)?,
-                Poll::Pending => return Ok(()),
-            }
-            Pin::new(&mut self.ws).start_send(Message::text(msg)).map_err(ws_to_io)?;
-            self.control.outgoing.lock().expect("poisoned").pop_front();
-            sent = true;
+        for msg in self.control.take_outgoing() {
+            self.queue_control(OP_TEXT, msg.as_bytes());
         }
         while self.ping.poll_tick(cx).is_ready() {
-            match Pin::new(&mut self.ws).poll_ready(cx) {
-                Poll::Ready(r) => r.map_err(ws_to_io)?,
-                Poll::Pending => return Ok(()),
-            }
-            Pin::new(&mut self.ws).start_send(Message::Ping(Bytes::new())).map_err(ws_to_io)?;
-            sent = true;
+            self.queue_control(OP_PING, b"");
         }
-        if sent {
+        if !self.control_out.is_empty() || self.out.is_some() {
             // Pending is fine: the socket's readiness wakes this task again.
-            if let Poll::Ready(r) = Pin::new(&mut self.ws).poll_flush(cx) {
-                r.map_err(ws_to_io)?;
+            if let Poll::Ready(Err(e)) = self.poll_write_out(cx) {
+                return Err(e);
             }
         }
         Ok(())
     }
+
+    /// Waits for the dead-peer deadline; an error once the peer was silent
+    /// for [`DEAD_PEER_TIMEOUT`].
+    fn poll_dead_peer(&mut self, cx: &mut Context<'_>) -> io::Result<()> {
+        while self.dead_after.as_mut().poll(cx).is_ready() {
+            let deadline = self.last_seen + DEAD_PEER_TIMEOUT;
+            if deadline <= Instant::now() {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("tunnel peer silent for {DEAD_PEER_TIMEOUT:?}"),
+                ));
+            }
+            self.dead_after.as_mut().reset(deadline);
+        }
+        Ok(())
+    }
+
+    /// Reads and parses the next frame header. Ready(None) at a clean EOF.
+    fn poll_frame_head(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<Option<Frame>>> {
+        let mut need = 2;
+        loop {
+            if self.head_len >= 2 {
+                let masked = self.head[1] & 0x80 != 0;
+                let ext = match self.head[1] & 0x7F {
+                    126 => 2,
+                    127 => 8,
+                    _ => 0,
+                };
+                need = 2 + ext + if masked { 4 } else { 0 };
+            }
+            if self.head_len >= need {
+                break;
+            }
+            let mut rb = ReadBuf::new(&mut self.head[self.head_len..need]);
+            ready!(Pin::new(&mut self.io).poll_read(cx, &mut rb))?;
+            let n = rb.filled().len();
+            if n == 0 {
+                if self.head_len == 0 {
+                    return Poll::Ready(Ok(None));
+                }
+                return Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "tunnel closed mid-frame",
+                )));
+            }
+            self.head_len += n;
+        }
+        self.head_len = 0;
+        self.last_seen = Instant::now();
+        let h = &self.head;
+        let (fin, opcode) = (h[0] & 0x80 != 0, h[0] & 0x0F);
+        if h[0] & 0x70 != 0 {
+            return Poll::Ready(Err(protocol_error("reserved bits set")));
+        }
+        let masked = h[1] & 0x80 != 0;
+        let (len, at) = match h[1] & 0x7F {
+            126 => (u16::from_be_bytes([h[2], h[3]]) as u64, 4),
+            127 => (u64::from_be_bytes(h[2..10].try_into().expect("8 bytes")), 10),
+            n => (n as u64, 2),
+        };
+        let mask = masked.then(|| [h[at], h[at + 1], h[at + 2], h[at + 3]]);
+        if self.role == Role::Server && mask.is_none() {
+            return Poll::Ready(Err(protocol_error("unmasked frame from the client")));
+        }
+        let payload = match opcode {
+            OP_BINARY if !self.in_text_or_fragment() => Payload::Data,
+            OP_TEXT if !self.in_text_or_fragment() => Payload::Text,
+            OP_CONTINUATION if self.in_text => Payload::Text,
+            OP_CONTINUATION if self.continuing_binary() => Payload::Data,
+            OP_CLOSE | OP_PING | OP_PONG if fin && len <= MAX_CONTROL => Payload::Control(opcode),
+            _ => return Poll::Ready(Err(protocol_error(&format!("unexpected frame (opcode {opcode})")))),
+        };
+        if payload == Payload::Text && self.text.len() as u64 + len > MAX_TEXT as u64 {
+            return Poll::Ready(Err(protocol_error("text message too large")));
+        }
+        Poll::Ready(Ok(Some(Frame { payload, fin, left: len, mask, offset: 0 })))
+    }
+
+    /// A fragmented message is in progress (text, or binary without FIN).
+    fn in_text_or_fragment(&self) -> bool {
+        self.in_text || self.continuing_binary()
+    }
+
+    fn continuing_binary(&self) -> bool {
+        self.binary_open
+    }
+
+    /// Acts on a frame whose payload was read completely.
+    fn finish_frame(&mut self, frame: Frame) {
+        match frame.payload {
+            Payload::Data => self.binary_open = !frame.fin,
+            Payload::Text => {
+                self.text.append(&mut self.collected);
+                self.in_text = !frame.fin;
+                if frame.fin {
+                    match std::str::from_utf8(&self.text) {
+                        Ok(text) => self.control.on_text(text),
+                        Err(_) => tracing::debug!("ignoring a text message that is not UTF-8"),
+                    }
+                    self.text.clear();
+                }
+            }
+            Payload::Control(OP_PING) => {
+                if !self.close_sent {
+                    let payload = std::mem::take(&mut self.collected);
+                    self.queue_control(OP_PONG, &payload);
+                }
+            }
+            Payload::Control(OP_CLOSE) => {
+                if !self.close_sent {
+                    // Echo the status code (RFC 6455 5.5.1).
+                    let code = self.collected.get(..2).map(<[u8]>::to_vec).unwrap_or_default();
+                    self.queue_control(OP_CLOSE, &code);
+                    self.close_sent = true;
+                }
+                self.eof = true;
+            }
+            Payload::Control(_) => {} // pong: its arrival was the point
+        }
+        self.collected.clear();
+    }
 }
 
-fn ws_to_io(e: WsError) -> io::Error {
-    match e {
-        WsError::Io(e) => e,
-        WsError::ConnectionClosed | WsError::AlreadyClosed => {
-            io::Error::new(io::ErrorKind::BrokenPipe, "tunnel closed")
-        }
-        e => io::Error::other(e),
+fn protocol_error(what: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, format!("tunnel WebSocket protocol error: {what}"))
+}
+
+/// XORs `data` with the masking key; `offset` is the position of `data[0]`
+/// in the frame's payload.
+fn apply_mask(data: &mut [u8], mask: [u8; 4], offset: usize) {
+    let key: [u8; 4] = std::array::from_fn(|i| mask[(offset + i) % 4]);
+    let wide = u64::from_ne_bytes([key[0], key[1], key[2], key[3], key[0], key[1], key[2], key[3]]);
+    let mut chunks = data.chunks_exact_mut(8);
+    for chunk in &mut chunks {
+        let v = u64::from_ne_bytes((&*chunk).try_into().expect("8 bytes")) ^ wide;
+        chunk.copy_from_slice(&v.to_ne_bytes());
+    }
+    for (i, b) in chunks.into_remainder().iter_mut().enumerate() {
+        *b ^= key[i % 4];
     }
 }
 
@@ -194,34 +485,91 @@ where
         let this = self.get_mut();
         this.poll_housekeeping(cx)?;
         loop {
-            if !this.read_buf.is_empty() {
-                let n = this.read_buf.len().min(buf.remaining());
-                buf.put_slice(&this.read_buf.split_to(n));
-                return Poll::Ready(Ok(()));
-            }
             if this.eof {
                 return Poll::Ready(Ok(()));
             }
-            match Pin::new(&mut this.ws).poll_next(cx) {
-                Poll::Ready(Some(Ok(msg))) => {
-                    this.dead_after.as_mut().reset(Instant::now() + DEAD_PEER_TIMEOUT);
-                    match msg {
-                        Message::Binary(data) => this.read_buf = data,
-                        Message::Text(text) => this.control.on_text(text.as_str()),
-                        Message::Close(_) => this.eof = true,
-                        // Pongs are answered by tungstenite; both count as life.
-                        Message::Ping(_) | Message::Pong(_) | Message::Frame(_) => {}
+            let Some(frame) = &mut this.frame else {
+                match this.poll_frame_head(cx) {
+                    Poll::Ready(Ok(Some(frame))) => this.frame = Some(frame),
+                    Poll::Ready(Ok(None)) => this.eof = true,
+                    Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                    Poll::Pending => {
+                        this.poll_dead_peer(cx)?;
+                        return Poll::Pending;
                     }
                 }
-                Poll::Ready(Some(Err(e))) => return Poll::Ready(Err(ws_to_io(e))),
-                Poll::Ready(None) => this.eof = true,
-                Poll::Pending => {
-                    if this.dead_after.as_mut().poll(cx).is_ready() {
-                        return Poll::Ready(Err(io::Error::new(
-                            io::ErrorKind::TimedOut,
-                            format!("tunnel peer silent for {DEAD_PEER_TIMEOUT:?}"),
-                        )));
+                continue;
+            };
+            if frame.left == 0 {
+                let frame = this.frame.take().expect("a frame is being read");
+                this.finish_frame(frame);
+                if !this.control_out.is_empty()
+                    && let Poll::Ready(Err(e)) = this.poll_write_out(cx)
+                {
+                    return Poll::Ready(Err(e));
+                }
+                continue;
+            }
+            let polled = if frame.payload == Payload::Data {
+                if buf.remaining() == 0 {
+                    return Poll::Ready(Ok(()));
+                }
+                if buf.remaining() as u64 <= frame.left {
+                    // The whole space fits in the frame: read straight into it.
+                    let before = buf.filled().len();
+                    match Pin::new(&mut this.io).poll_read(cx, buf) {
+                        Poll::Ready(Ok(())) => {
+                            if let Some(m) = frame.mask {
+                                apply_mask(&mut buf.filled_mut()[before..], m, frame.offset);
+                            }
+                            Poll::Ready(Ok(buf.filled().len() - before))
+                        }
+                        other => other.map_ok(|()| 0),
                     }
+                } else {
+                    let dst = buf.initialize_unfilled_to(frame.left as usize);
+                    let mut rb = ReadBuf::new(dst);
+                    match Pin::new(&mut this.io).poll_read(cx, &mut rb) {
+                        Poll::Ready(Ok(())) => {
+                            let n = rb.filled().len();
+                            if let Some(m) = frame.mask {
+                                apply_mask(rb.filled_mut(), m, frame.offset);
+                            }
+                            buf.advance(n);
+                            Poll::Ready(Ok(n))
+                        }
+                        other => other.map_ok(|()| 0),
+                    }
+                }
+            } else {
+                let start = this.collected.len();
+                this.collected.resize(start + frame.left as usize, 0);
+                let mut rb = ReadBuf::new(&mut this.collected[start..]);
+                let polled = Pin::new(&mut this.io).poll_read(cx, &mut rb);
+                let n = rb.filled().len();
+                this.collected.truncate(start + n);
+                if let Some(m) = frame.mask {
+                    apply_mask(&mut this.collected[start..], m, frame.offset);
+                }
+                polled.map_ok(|()| n)
+            };
+            match polled {
+                Poll::Ready(Ok(0)) => {
+                    return Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "tunnel closed mid-frame",
+                    )));
+                }
+                Poll::Ready(Ok(n)) => {
+                    frame.left -= n as u64;
+                    frame.offset += n;
+                    if frame.payload == Payload::Data {
+                        return Poll::Ready(Ok(()));
+                    }
+                }
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => {
+                    this.poll_dead_peer(cx)?;
                     return Poll::Pending;
                 }
             }
@@ -234,27 +582,63 @@ where
     S: AsyncRead + AsyncWrite + Unpin,
 {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        self.poll_write_vectored(cx, &[IoSlice::new(buf)])
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        if this.write_buf.len() >= WS_MAX_BATCH {
+        if this.batch.len() >= HEAD_ROOM + WS_MAX_BATCH {
             ready!(this.poll_send_batch(cx))?;
         }
-        let n = buf.len().min(WS_MAX_BATCH - this.write_buf.len());
-        this.write_buf.extend_from_slice(&buf[..n]);
-        Poll::Ready(Ok(n))
+        let wanted = bufs.iter().map(|b| b.len()).sum::<usize>();
+        if wanted == 0 {
+            return Poll::Ready(Ok(0));
+        }
+        if this.batch.is_empty() {
+            this.batch.reserve(HEAD_ROOM + wanted.min(WS_MAX_BATCH));
+            this.batch.put_bytes(0, HEAD_ROOM);
+        }
+        let room = HEAD_ROOM + WS_MAX_BATCH - this.batch.len();
+        let len = wanted.min(room);
+        this.batch.reserve(len);
+        let mut left = len;
+        for b in bufs {
+            if left == 0 {
+                break;
+            }
+            let n = b.len().min(left);
+            this.batch.put_slice(&b[..n]);
+            left -= n;
+        }
+        Poll::Ready(Ok(len))
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         ready!(this.poll_send_batch(cx))?;
-        Pin::new(&mut this.ws).poll_flush(cx).map_err(ws_to_io)
+        ready!(this.poll_write_out(cx))?;
+        Pin::new(&mut this.io).poll_flush(cx)
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         ready!(this.poll_send_batch(cx))?;
-        match ready!(Pin::new(&mut this.ws).poll_close(cx)) {
-            Ok(()) | Err(WsError::ConnectionClosed | WsError::AlreadyClosed) => Poll::Ready(Ok(())),
-            Err(e) => Poll::Ready(Err(ws_to_io(e))),
+        if !this.close_sent {
+            this.queue_control(OP_CLOSE, &1000u16.to_be_bytes());
+            this.close_sent = true;
+        }
+        ready!(this.poll_write_out(cx))?;
+        match ready!(Pin::new(&mut this.io).poll_shutdown(cx)) {
+            Err(e) if e.kind() != io::ErrorKind::NotConnected => Poll::Ready(Err(e)),
+            _ => Poll::Ready(Ok(())),
         }
     }
 }
@@ -262,21 +646,25 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Arc;
+    use futures_util::{SinkExt, StreamExt};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    use tokio_tungstenite::tungstenite::protocol::Role;
+    use tokio_tungstenite::WebSocketStream;
+    use tokio_tungstenite::tungstenite::Message;
+    use tokio_tungstenite::tungstenite::protocol::Role as TRole;
 
-    async fn pair() -> (WsStream<tokio::io::DuplexStream>, WsStream<tokio::io::DuplexStream>) {
+    fn pair() -> (WsStream<tokio::io::DuplexStream>, WsStream<tokio::io::DuplexStream>) {
         let (a, b) = tokio::io::duplex(256 * 1024);
-        let a = WebSocketStream::from_raw_socket(a, Role::Client, Some(ws_config())).await;
-        let b = WebSocketStream::from_raw_socket(b, Role::Server, Some(ws_config())).await;
-        (WsStream::new(a, Arc::default()), WsStream::new(b, Arc::default()))
+        (WsStream::new(a, Role::Client, Arc::default()), WsStream::new(b, Role::Server, Arc::default()))
+    }
+
+    fn test_data(n: u32) -> Vec<u8> {
+        (0..n).map(|i| (i % 251) as u8).collect()
     }
 
     #[tokio::test]
     async fn carries_bytes_both_ways_in_order() {
-        let (mut a, mut b) = pair().await;
-        let data: Vec<u8> = (0..1_000_000u32).map(|i| (i % 251) as u8).collect();
+        let (mut a, mut b) = pair();
+        let data = test_data(1_000_000);
         let expect = data.clone();
         let writer = tokio::spawn(async move {
             for chunk in data.chunks(7_000) {
@@ -287,15 +675,129 @@ mod tests {
             a
         });
         let mut got = Vec::new();
-        b.read_to_end(&mut got).await.unwrap();
+        // Odd-sized reads: payloads are split at arbitrary points (mask phase).
+        let mut buf = [0u8; 999];
+        loop {
+            let n = b.read(&mut buf).await.unwrap();
+            if n == 0 {
+                break;
+            }
+            got.extend_from_slice(&buf[..n]);
+        }
         assert_eq!(got.len(), expect.len());
         assert!(got == expect);
         writer.await.unwrap();
     }
 
+    #[test]
+    fn masking_at_any_offset_matches_byte_by_byte() {
+        let mask = [0x12, 0x34, 0x56, 0x78];
+        let data = test_data(103);
+        for offset in 0..8 {
+            let mut fast = data.clone();
+            apply_mask(&mut fast, mask, offset);
+            let slow: Vec<u8> = data.iter().enumerate().map(|(i, b)| b ^ mask[(offset + i) % 4]).collect();
+            assert_eq!(fast, slow, "offset {offset}");
+        }
+    }
+
+    #[tokio::test]
+    async fn speaks_websocket_with_a_standard_server() {
+        // Our client end against tungstenite's server end: masked binary
+        // frames of every length form, pings answered, text delivered.
+        let (a, b) = tokio::io::duplex(1 << 20);
+        let control = Arc::new(Control::default());
+        let mut ours = WsStream::new(a, Role::Client, control.clone());
+        let mut theirs = WebSocketStream::from_raw_socket(b, TRole::Server, None).await;
+        let sizes = [0usize, 1, 125, 126, 65_535, 65_536, 70_000];
+        let data = test_data(300_000);
+        let mut sent = Vec::new();
+        for &n in &sizes {
+            ours.write_all(&data[..n]).await.unwrap();
+            ours.flush().await.unwrap();
+            sent.extend_from_slice(&data[..n]);
+        }
+        let mut got = Vec::new();
+        while got.len() < sent.len() {
+            match theirs.next().await.unwrap().unwrap() {
+                Message::Binary(b) => got.extend_from_slice(&b),
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        assert!(got == sent);
+
+        // Server to client: binary (fragment-free), a ping, a text control message.
+        theirs.send(Message::Binary(Bytes::from(data[..70_000].to_vec()))).await.unwrap();
+        theirs.send(Message::Ping(Bytes::from_static(b"hi"))).await.unwrap();
+        theirs.send(Message::text(MSG_READY)).await.unwrap();
+        let mut got = vec![0u8; 70_000];
+        ours.read_exact(&mut got).await.unwrap();
+        assert!(got[..] == data[..70_000]);
+        // The text arrives after the binary bytes; read until it was handled.
+        let waited = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+            let mut one = [0u8; 1];
+            tokio::select! {
+                _ = control.ready() => {}
+                _ = ours.read(&mut one) => panic!("no more bytes expected"),
+            }
+        });
+        waited.await.expect("text message handled");
+        // Our pong answers their ping.
+        let mut one = [0u8; 1];
+        let _ = tokio::time::timeout(std::time::Duration::from_millis(50), ours.read(&mut one)).await;
+        match tokio::time::timeout(std::time::Duration::from_secs(5), theirs.next()).await.unwrap() {
+            Some(Ok(Message::Pong(p))) => assert_eq!(&p[..], b"hi"),
+            other => panic!("expected a pong, got {other:?}"),
+        }
+        // Close: ours answers theirs and reads EOF.
+        theirs.close(None).await.unwrap();
+        let mut rest = Vec::new();
+        ours.read_to_end(&mut rest).await.unwrap();
+        assert!(rest.is_empty());
+    }
+
+    #[tokio::test]
+    async fn speaks_websocket_with_a_standard_client() {
+        // tungstenite's client (masked frames, fragmented message) to our server end.
+        let (a, b) = tokio::io::duplex(1 << 20);
+        let mut ours = WsStream::new(b, Role::Server, Arc::default());
+        let mut theirs = WebSocketStream::from_raw_socket(a, TRole::Client, None).await;
+        let data = test_data(200_000);
+        theirs.send(Message::Binary(Bytes::from(data.clone()))).await.unwrap();
+        let frag = |d: &[u8], op, fin| {
+            use tokio_tungstenite::tungstenite::protocol::frame::Frame;
+            let mut f = Frame::message(Bytes::from(d.to_vec()), op, fin);
+            f.header_mut().mask = Some([1, 2, 3, 4]);
+            Message::Frame(f)
+        };
+        use tokio_tungstenite::tungstenite::protocol::frame::coding::{Data, OpCode};
+        theirs.send(frag(&data[..10], OpCode::Data(Data::Binary), false)).await.unwrap();
+        theirs.send(frag(&data[10..20], OpCode::Data(Data::Continue), true)).await.unwrap();
+        let mut got = vec![0u8; data.len() + 20];
+        ours.read_exact(&mut got).await.unwrap();
+        assert!(got[..data.len()] == data[..]);
+        assert!(got[data.len()..] == data[..20]);
+        ours.write_all(b"back").await.unwrap();
+        ours.flush().await.unwrap();
+        match theirs.next().await.unwrap().unwrap() {
+            Message::Binary(b) => assert_eq!(&b[..], b"back"),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn an_unmasked_frame_from_a_client_is_refused() {
+        let (mut a, b) = tokio::io::duplex(1024);
+        let mut ours = WsStream::new(b, Role::Server, Arc::default());
+        a.write_all(&[0x82, 0x02, b'h', b'i']).await.unwrap();
+        let mut buf = [0u8; 8];
+        let err = ours.read(&mut buf).await.unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::InvalidData);
+    }
+
     #[tokio::test]
     async fn goodbye_is_acknowledged() {
-        let (mut agent, mut edge) = pair().await;
+        let (mut agent, mut edge) = pair();
         let (agent_ctl, edge_ctl) = (agent.control.clone(), edge.control.clone());
         // Both sides must be polled for control messages to flow.
         let edge_task = tokio::spawn(async move {
@@ -319,12 +821,25 @@ mod tests {
     async fn a_silent_peer_is_detected_as_dead() {
         // The peer never reads or answers pings: after DEAD_PEER_TIMEOUT reads fail.
         let (a, _silent) = tokio::io::duplex(1 << 20);
-        let ws = WebSocketStream::from_raw_socket(a, Role::Client, Some(ws_config())).await;
-        let mut stream = WsStream::new(ws, Arc::default());
+        let mut stream = WsStream::new(a, Role::Client, Arc::default());
         let started = tokio::time::Instant::now();
         let mut buf = [0u8; 8];
         let err = stream.read(&mut buf).await.unwrap_err();
         assert_eq!(err.kind(), std::io::ErrorKind::TimedOut);
         assert!(started.elapsed() >= DEAD_PEER_TIMEOUT);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_peer_that_talks_is_not_dead() {
+        // Pings every PING_INTERVAL keep both ends alive well past the timeout.
+        let (mut a, mut b) = pair();
+        let t = tokio::spawn(async move {
+            let mut buf = [0u8; 8];
+            b.read(&mut buf).await
+        });
+        let mut buf = [0u8; 8];
+        let r = tokio::time::timeout(DEAD_PEER_TIMEOUT * 3, a.read(&mut buf)).await;
+        assert!(r.is_err(), "still waiting for data, not dead: {r:?}");
+        t.abort();
     }
 }

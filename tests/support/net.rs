@@ -76,6 +76,7 @@ pub fn edge_args(dir: &Path, https: SocketAddr, tcp_ports: PortRange) -> EdgeArg
         max_agents_per_key: 4,
         drain_seconds: 0,
         acme: Default::default(),
+        plain_http: false,
     }
 }
 

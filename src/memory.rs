@@ -1,0 +1,50 @@
+//! Gives freed heap memory back to the system.
+//!
+//! glibc's allocator keeps memory that was freed, in every thread's arena,
+//! for reuse: after a burst of a thousand streams the process stays at its
+//! peak RSS. [`spawn_trimmer`] checks every [`CHECK_EVERY`] how much free
+//! memory the allocator holds and, when it grew past [`TRIM_ABOVE`] (and past
+//! twice what the last trim could not release), returns it with
+//! `malloc_trim`. Other allocators (musl's) return memory by themselves.
+
+use std::time::Duration;
+
+/// How often the allocator's free memory is looked at.
+pub const CHECK_EVERY: Duration = Duration::from_secs(2);
+/// Free heap memory below this is kept for reuse.
+pub const TRIM_ABOVE: usize = 1024 * 1024;
+
+/// Starts the background trimmer on the current runtime (a no-op where the
+/// allocator is not glibc's).
+pub fn spawn_trimmer() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    tokio::spawn(async {
+        let mut floor = 0usize;
+        let mut tick = tokio::time::interval(CHECK_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let free = glibc::free_bytes();
+            if free > TRIM_ABOVE.max(2 * floor) {
+                glibc::trim();
+                floor = glibc::free_bytes();
+                tracing::debug!(free_before = free, free_after = floor, "returned free heap memory");
+            }
+        }
+    });
+}
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+mod glibc {
+    /// Free bytes held by the allocator, all arenas.
+    pub fn free_bytes() -> usize {
+        // SAFETY: mallinfo2 only reads the allocator's statistics.
+        unsafe { libc::mallinfo2() }.fordblks
+    }
+
+    /// Releases free memory at the top and in the middle of every arena.
+    pub fn trim() {
+        // SAFETY: malloc_trim is safe to call at any time from any thread.
+        unsafe { libc::malloc_trim(0) };
+    }
+}
