@@ -21,7 +21,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures_util::StreamExt;
 use k8s_openapi::api::networking::v1::{Ingress, IngressBackend, IngressClass};
@@ -578,16 +578,9 @@ fn passthrough_backend(
 }
 
 async fn reconcile(ing: Arc<Ingress>, ctx: Arc<Ctx>) -> Result<Action, Error> {
-    let started = Instant::now();
     let ns = ing.namespace().unwrap_or_default();
     let span = tracing::info_span!("reconcile", kind = "Ingress", namespace = %ns, name = %ing.name_any());
-    let result = apply(ing.clone(), &ctx, &ns).instrument(span).await;
-    ctx.base.metrics.reconciled(
-        "Ingress",
-        started.elapsed().as_secs_f64(),
-        result.as_ref().map(|_| ()).map_err(Error::category),
-    );
-    result
+    ctx.base.metrics.measure("Ingress", apply(ing.clone(), &ctx, &ns).instrument(span)).await
 }
 
 async fn apply(ing: Arc<Ingress>, ctx: &Ctx, ns: &str) -> Result<Action, Error> {

@@ -5,7 +5,6 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
-use std::time::Instant;
 
 use futures_util::StreamExt;
 use kube::runtime::controller::{Action, Controller};
@@ -387,10 +386,9 @@ async fn cleanup<K: Reserved>(obj: Arc<K>, ctx: &Context) -> Result<Action, Erro
 }
 
 async fn reconcile<K: Reserved>(obj: Arc<K>, ctx: Arc<Context>) -> Result<Action, Error> {
-    let started = Instant::now();
     let api: Api<K> = Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
     let span = tracing::info_span!("reconcile", kind = K::KIND, namespace = %obj.namespace().unwrap_or_default(), name = %obj.name_any());
-    let result = async {
+    let reconcile = async {
         let Some(obj) = fresh_for_finalizer(&api, obj).await? else { return Ok(Action::await_change()) };
         finalizer(&api, FINALIZER, obj, |ev| async {
             match ev {
@@ -401,14 +399,8 @@ async fn reconcile<K: Reserved>(obj: Arc<K>, ctx: Arc<Context>) -> Result<Action
         .await
         .map_err(|e| Error::Finalizer(Box::new(e)))
     }
-    .instrument(span)
-    .await;
-    ctx.metrics.reconciled(
-        K::KIND,
-        started.elapsed().as_secs_f64(),
-        result.as_ref().map(|_| ()).map_err(Error::category),
-    );
-    result
+    .instrument(span);
+    ctx.metrics.measure(K::KIND, reconcile).await
 }
 
 fn error_policy<K: Reserved>(_obj: Arc<K>, e: &Error, _ctx: Arc<Context>) -> Action {

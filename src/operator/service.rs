@@ -17,7 +17,7 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::Service;
@@ -357,16 +357,9 @@ async fn apply(svc: Arc<Service>, ctx: &Ctx, ns: &str) -> Result<Action, Error> 
 }
 
 async fn reconcile(svc: Arc<Service>, ctx: Arc<Ctx>) -> Result<Action, Error> {
-    let started = Instant::now();
     let ns = svc.namespace().unwrap_or_default();
     let span = tracing::info_span!("reconcile", kind = "Service", namespace = %ns, name = %svc.name_any());
-    let result = apply(svc.clone(), &ctx, &ns).instrument(span).await;
-    ctx.base.metrics.reconciled(
-        "Service",
-        started.elapsed().as_secs_f64(),
-        result.as_ref().map(|_| ()).map_err(Error::category),
-    );
-    result
+    ctx.base.metrics.measure("Service", apply(svc.clone(), &ctx, &ns).instrument(span)).await
 }
 
 fn error_policy(_svc: Arc<Service>, e: &Error, _ctx: Arc<Ctx>) -> Action {

@@ -70,6 +70,23 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// Runs one reconcile of a `kind` object and records its count, duration
+    /// and failure category.
+    pub async fn measure<T>(
+        &self,
+        kind: &'static str,
+        reconcile: impl std::future::Future<Output = Result<T, super::Error>>,
+    ) -> Result<T, super::Error> {
+        let started = std::time::Instant::now();
+        let result = reconcile.await;
+        self.reconciled(
+            kind,
+            started.elapsed().as_secs_f64(),
+            result.as_ref().map(|_| ()).map_err(super::Error::category),
+        );
+        result
+    }
+
     pub fn reconciled(&self, kind: &'static str, seconds: f64, result: Result<(), &'static str>) {
         let k = vec![("kind", kind.to_string())];
         self.reconciles.get_or_create(&k).inc();

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures_util::StreamExt;
 use k8s_openapi::ByteString;
@@ -478,10 +478,9 @@ async fn cleanup(t: Arc<Tunnel>, ctx: &Context) -> Result<Action, Error> {
 }
 
 async fn reconcile(t: Arc<Tunnel>, ctx: Arc<Context>) -> Result<Action, Error> {
-    let started = Instant::now();
     let api: Api<Tunnel> = Api::namespaced(ctx.client.clone(), &t.namespace().unwrap_or_default());
     let span = tracing::info_span!("reconcile", kind = "Tunnel", namespace = %t.namespace().unwrap_or_default(), name = %t.name_any());
-    let result = async {
+    let reconcile = async {
         let Some(t) = fresh_for_finalizer(&api, t).await? else { return Ok(Action::await_change()) };
         finalizer(&api, FINALIZER, t, |ev| async {
             match ev {
@@ -492,14 +491,8 @@ async fn reconcile(t: Arc<Tunnel>, ctx: Arc<Context>) -> Result<Action, Error> {
         .await
         .map_err(|e| Error::Finalizer(Box::new(e)))
     }
-    .instrument(span)
-    .await;
-    ctx.metrics.reconciled(
-        "Tunnel",
-        started.elapsed().as_secs_f64(),
-        result.as_ref().map(|_| ()).map_err(Error::category),
-    );
-    result
+    .instrument(span);
+    ctx.metrics.measure("Tunnel", reconcile).await
 }
 
 fn error_policy(_t: Arc<Tunnel>, e: &Error, _ctx: Arc<Context>) -> Action {
