@@ -25,10 +25,11 @@ demo: ## Edge + app + agent on this machine, ending with a curl through the edge
 test: ## Run every test (starts the real Kubernetes control plane first)
 	scripts/test
 
-lint: ## rustfmt check, clippy with warnings as errors, shellcheck of the scripts
+lint: ## rustfmt check, clippy with warnings as errors, shellcheck of the scripts, README names exist
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy -j2 --all-targets -- -D warnings
-	shellcheck -S warning scripts/* .ci/run
+	shellcheck -S warning $(filter-out scripts/check-readme,$(wildcard scripts/*)) .ci/run
+	scripts/check-readme
 
 fmt: ## Format the code
 	$(CARGO) fmt --all
