@@ -65,8 +65,9 @@ pub mod names {
     /// `spec.loadBalancerClass` of the Services culvert always manages.
     pub const LOAD_BALANCER_CLASS: &str = "culvert.dev/tunnel";
 
-    /// Service annotation: `"0"` leaves a class-less LoadBalancer Service
-    /// alone; `"1"` opts it in under `--annotated-only`.
+    /// Service annotation: `"1"` publishes a class-less LoadBalancer Service
+    /// (in any namespace); `"0"` leaves it alone under
+    /// `--manage-classless-load-balancers`.
     pub const ANNOTATION_MANAGE: &str = "culvert.dev/manage";
     /// Service annotation written by the operator: `servicePort=publicPort,…`.
     pub const ANNOTATION_PUBLIC_PORTS: &str = "culvert.dev/public-ports";
@@ -147,9 +148,20 @@ pub struct OperatorArgs {
     /// Watch only this namespace (default: all namespaces).
     #[arg(long, env = "CULVERT_WATCH_NAMESPACE")]
     pub watch_namespace: Option<String>,
-    /// Manage only LoadBalancer Services annotated `culvert.dev/manage: "1"`
-    /// (and those of class `culvert.dev/tunnel`), not every class-less one.
-    #[arg(long, env = "CULVERT_ANNOTATED_ONLY", value_parser = clap::builder::BoolishValueParser::new())]
+    /// Also publish every LoadBalancer Service without a loadBalancerClass
+    /// (the inlets-operator behaviour), unless annotated `culvert.dev/manage:
+    /// "0"`; never in kube-system unless annotated `"1"`. Off: only class
+    /// `culvert.dev/tunnel` and the annotated `"1"`.
+    #[arg(
+        long,
+        env = "CULVERT_MANAGE_CLASSLESS_LOAD_BALANCERS",
+        value_parser = clap::builder::BoolishValueParser::new(),
+        conflicts_with = "annotated_only"
+    )]
+    pub manage_classless_load_balancers: bool,
+    /// Deprecated no-op: managing only class `culvert.dev/tunnel` and the
+    /// annotated is now the default.
+    #[arg(long, env = "CULVERT_ANNOTATED_ONLY", hide = true, value_parser = clap::builder::BoolishValueParser::new())]
     pub annotated_only: bool,
     /// An Ingress host without a Domain in its namespace: create one (`auto`)
     /// or wait for one (`require`).
@@ -207,7 +219,8 @@ pub struct Context {
     pub watch_namespace: Option<String>,
     /// What the edge said about itself at start (domain, TCP range, public host).
     pub edge_info: crate::api::Info,
-    pub annotated_only: bool,
+    /// `--manage-classless-load-balancers`.
+    pub manage_classless: bool,
     pub domain_policy: DomainPolicy,
 }
 
@@ -280,6 +293,13 @@ pub async fn start(client: Client, args: OperatorArgs, shutdown: CancellationTok
         .ok_or_else(|| anyhow::anyhow!("the kube-system namespace has no uid"))?;
     let identity = args.identity.clone().unwrap_or_else(|| format!("culvert-{}", crate::agent::agent_id()));
     info!(edge = %args.edge, domain = %info.domain, cluster = %cluster_id, %identity, "operator starting");
+    if args.annotated_only {
+        warn!(
+            "--annotated-only (CULVERT_ANNOTATED_ONLY, chart value annotatedOnly) is deprecated and does \
+             nothing: publishing only LoadBalancer Services of class culvert.dev/tunnel or annotated \
+             culvert.dev/manage: \"1\" is now the default; remove it"
+        );
+    }
 
     let metrics = status::Metrics::default();
     let ctx = Arc::new(Context {
@@ -296,7 +316,7 @@ pub async fn start(client: Client, args: OperatorArgs, shutdown: CancellationTok
         edge_domain: info.domain.clone(),
         watch_namespace: args.watch_namespace.clone(),
         edge_info: info.clone(),
-        annotated_only: args.annotated_only,
+        manage_classless: args.manage_classless_load_balancers,
         domain_policy: args.domain_policy,
     });
 

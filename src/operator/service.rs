@@ -4,10 +4,12 @@
 //! tcp), both owned by the Service; the public address goes to
 //! `status.loadBalancer` and the annotation `culvert.dev/public-ports`.
 //!
-//! Which Services: type LoadBalancer with `loadBalancerClass:
-//! culvert.dev/tunnel` always; with no class, unless annotated
-//! `culvert.dev/manage: "0"` (or, with `--annotated-only`, only when annotated
-//! `culvert.dev/manage: "1"`); other classes never.
+//! Which Services (safe by default: nothing is published that did not ask):
+//! type LoadBalancer with `loadBalancerClass: culvert.dev/tunnel`, or with no
+//! class and annotated `culvert.dev/manage: "1"`; other classes never. With
+//! `--manage-classless-load-balancers` (the inlets-operator behaviour) also
+//! every class-less one not annotated `"0"`, except in `kube-system` (where a
+//! stock k3s has Traefik), which still needs the annotation `"1"`.
 //!
 //! Deleting the Service removes the owned objects (garbage collector) and
 //! their finalizers release the ports (unless `culvert.dev/reclaim-policy:
@@ -40,8 +42,13 @@ use crate::crd::{Condition, ProxyProtocol, ReclaimPolicy, TcpPort, Tunnel};
 /// Value of [`LABEL_MANAGED_BY`] on what this controller makes.
 const MANAGED_BY: &str = "service";
 
-/// Is this Service published by culvert?
-pub fn is_managed(svc: &Service, annotated_only: bool) -> bool {
+/// The namespace where class-less LoadBalancers are never taken without the
+/// annotation `culvert.dev/manage: "1"` (k3s puts Traefik there).
+const SYSTEM_NAMESPACE: &str = "kube-system";
+
+/// Is this Service published by culvert? `manage_classless`:
+/// `--manage-classless-load-balancers`.
+pub fn is_managed(svc: &Service, manage_classless: bool) -> bool {
     let Some(spec) = &svc.spec else { return false };
     if spec.type_.as_deref() != Some("LoadBalancer") {
         return false;
@@ -50,7 +57,9 @@ pub fn is_managed(svc: &Service, annotated_only: bool) -> bool {
     match spec.load_balancer_class.as_deref() {
         Some(LOAD_BALANCER_CLASS) => true,
         Some(_) => false,
-        None if annotated_only => manage == Some("1"),
+        None if manage == Some("1") => true,
+        None if !manage_classless => false,
+        None if svc.namespace().as_deref() == Some(SYSTEM_NAMESPACE) => false,
         None => manage != Some("0"),
     }
 }
@@ -232,7 +241,7 @@ async fn apply(svc: Arc<Service>, ctx: &Ctx, ns: &str) -> Result<Action, Error> 
     if svc.metadata.deletion_timestamp.is_some() {
         return Ok(Action::await_change());
     }
-    if !is_managed(&svc, base.annotated_only) {
+    if !is_managed(&svc, base.manage_classless) {
         if touched(&svc) && !withdraw(&svc, ctx, ns).await? {
             // Children still being finalized: their deletion brings us back,
             // the requeue in case a watch event is missed.
@@ -393,32 +402,42 @@ mod tests {
 
     #[test]
     fn which_services_are_managed() {
-        let lb = |extra: &str| {
-            service(&format!(
-                "apiVersion: v1\nkind: Service\nmetadata:\n  name: db\n{extra}spec:\n  type: LoadBalancer\n  ports: [{{port: 5432}}]\n"
-            ))
+        let svc = |ns: &str, class: Option<&str>, manage: Option<&str>, type_: &str| {
+            let mut v = json!({"apiVersion": "v1", "kind": "Service",
+                "metadata": {"name": "db", "namespace": ns},
+                "spec": {"type": type_, "ports": [{"port": 5432}]}});
+            if let Some(c) = class {
+                v["spec"]["loadBalancerClass"] = json!(c);
+            }
+            if let Some(m) = manage {
+                v["metadata"]["annotations"] = json!({ANNOTATION_MANAGE: m});
+            }
+            serde_json::from_value::<Service>(v).unwrap()
         };
-        let class = |c: &str| {
-            service(&format!(
-                "apiVersion: v1\nkind: Service\nmetadata: {{name: db}}\nspec: {{type: LoadBalancer, loadBalancerClass: {c}, ports: [{{port: 5432}}]}}\n"
-            ))
-        };
-        let opt_out = "  annotations: {culvert.dev/manage: \"0\"}\n";
-        let opt_in = "  annotations: {culvert.dev/manage: \"1\"}\n";
-        // Default: every class-less LoadBalancer unless opted out.
-        assert!(is_managed(&lb(""), false));
-        assert!(!is_managed(&lb(opt_out), false));
-        assert!(is_managed(&lb(opt_in), false));
-        // --annotated-only: only the opted-in.
-        assert!(!is_managed(&lb(""), true));
-        assert!(is_managed(&lb(opt_in), true));
-        // Our class always, other classes never.
-        assert!(is_managed(&class("culvert.dev/tunnel"), true));
-        assert!(!is_managed(&class("metallb.io/x"), false));
-        // Not a LoadBalancer.
-        let cluster_ip =
-            service("apiVersion: v1\nkind: Service\nmetadata: {name: db}\nspec: {ports: [{port: 1}]}\n");
-        assert!(!is_managed(&cluster_ip, false));
+        let ours = Some("culvert.dev/tunnel");
+        let other = Some("metallb.io/x");
+        // (namespace, class, annotation, type, managed by default, managed with the opt-in)
+        let table = [
+            ("apps", None, None, "LoadBalancer", false, true),
+            ("apps", None, Some("1"), "LoadBalancer", true, true),
+            ("apps", None, Some("0"), "LoadBalancer", false, false),
+            ("apps", None, Some("yes"), "LoadBalancer", false, true),
+            ("kube-system", None, None, "LoadBalancer", false, false),
+            ("kube-system", None, Some("0"), "LoadBalancer", false, false),
+            ("kube-system", None, Some("1"), "LoadBalancer", true, true),
+            ("apps", ours, None, "LoadBalancer", true, true),
+            ("kube-system", ours, None, "LoadBalancer", true, true),
+            ("apps", other, None, "LoadBalancer", false, false),
+            ("apps", other, Some("1"), "LoadBalancer", false, false),
+            ("apps", None, Some("1"), "ClusterIP", false, false),
+            ("apps", None, None, "NodePort", false, false),
+        ];
+        for (ns, class, manage, type_, by_default, opted_in) in table {
+            let s = svc(ns, class, manage, type_);
+            let case = format!("{ns} {class:?} {manage:?} {type_}");
+            assert_eq!(is_managed(&s, false), by_default, "default: {case}");
+            assert_eq!(is_managed(&s, true), opted_in, "--manage-classless-load-balancers: {case}");
+        }
     }
 
     #[test]
