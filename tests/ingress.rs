@@ -484,6 +484,29 @@ async fn load_balancer_service_tcp_echo_proxy_protocol_and_release() {
         "5432 is outside the range: any free port"
     );
     assert_eq!(svc.annotations()["culvert.dev/public-ports"], format!("{same}={same},5432={}", public[1]));
+    // Once the agents are connected: no port error, the condition True, an event naming the ports.
+    let svc = wait_until("Service connected", WAIT, || async {
+        let s = f.api::<Service>().get("db").await?;
+        let connected =
+            s.status.as_ref().and_then(|st| st.conditions.as_ref()).is_some_and(|cs| {
+                cs.iter().any(|c| c.type_ == "culvert.dev/Connected" && c.status == "True")
+            });
+        Ok(connected.then_some(s))
+    })
+    .await
+    .unwrap();
+    let lb = lb_status(&svc);
+    assert!(lb["ingress"][0]["ports"].as_array().unwrap().iter().all(|p| p.get("error").is_none()), "{lb}");
+    let want = format!("port 5432 → 127.0.0.1:{}", public[1]);
+    let found = wait_until("a Published event naming the public port", WAIT, || async {
+        let events = f.events_for("db").await;
+        Ok(events
+            .iter()
+            .any(|(t, r, m)| t == "Normal" && r == "Published" && m.contains(&want))
+            .then_some(()))
+    })
+    .await;
+    assert!(found.is_ok(), "{want}: {:?}", f.events_for("db").await);
     // Owned TcpPort and Tunnel per TCP port, listed by `kubectl get tunnels`.
     let mut names: Vec<String> = f
         .api::<Tunnel>()

@@ -203,6 +203,46 @@ impl Error {
     }
 }
 
+impl Error {
+    /// A race with a deletion, not a failure: the object (or one this
+    /// reconcile writes) is already gone (404), or it is being deleted
+    /// (`deleting`) and changed under us (409, 422). The deletion's own watch
+    /// event brings the next reconcile.
+    pub fn is_deletion_race(&self, deleting: bool) -> bool {
+        use kube::runtime::finalizer::Error as F;
+        let code = |e: &kube::Error| match e {
+            kube::Error::Api(s) => Some(s.code),
+            _ => None,
+        };
+        let code = match self {
+            Error::Kube(e) => code(e),
+            Error::Finalizer(f) => match &**f {
+                F::ApplyFailed(e) | F::CleanupFailed(e) => return e.is_deletion_race(deleting),
+                F::AddFinalizer(e) | F::RemoveFinalizer(e) => code(e),
+                _ => None,
+            },
+            _ => None,
+        };
+        match code {
+            Some(404) => true,
+            Some(409 | 422) => deleting,
+            _ => false,
+        }
+    }
+}
+
+/// Logs a failed reconcile of a `kind` object: a warning, except for a race
+/// with its deletion (debug: nothing is wrong, and the next event retries).
+pub fn log_failure(kind: &str, meta: &kube::api::ObjectMeta, e: &Error) {
+    let name = meta.name.as_deref().unwrap_or_default();
+    let namespace = meta.namespace.as_deref().unwrap_or_default();
+    if e.is_deletion_race(meta.deletion_timestamp.is_some()) {
+        tracing::debug!(kind, namespace, name, error = %e, "reconcile raced with a deletion; retrying");
+    } else {
+        warn!(kind, namespace, name, error = %e, category = e.category(), "reconcile failed; retrying");
+    }
+}
+
 /// What every reconcile shares.
 pub struct Context {
     pub client: Client,
@@ -368,4 +408,39 @@ async fn controllers(ctx: Arc<Context>, stop: CancellationToken) {
         ingress::run(ctx.clone(), stop.clone()),
         service::run(ctx.clone(), stop.clone()),
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn api(code: u16) -> kube::Error {
+        kube::Error::Api(kube::core::Status::failure("x", "y").with_code(code).boxed())
+    }
+
+    #[test]
+    fn deletion_races_are_not_failures() {
+        use kube::runtime::finalizer::Error as F;
+        let fin = |e: F<Error>| Error::Finalizer(Box::new(e));
+        // (error, being deleted, a race?)
+        let table = [
+            (Error::Kube(api(404)), false, true),
+            (Error::Kube(api(404)), true, true),
+            (Error::Kube(api(409)), true, true),
+            (Error::Kube(api(409)), false, false),
+            (Error::Kube(api(422)), true, true),
+            (Error::Kube(api(500)), true, false),
+            (Error::Kube(api(403)), false, false),
+            (fin(F::ApplyFailed(Error::Kube(api(404)))), false, true),
+            (fin(F::CleanupFailed(Error::Kube(api(500)))), true, false),
+            (fin(F::AddFinalizer(api(422))), true, true),
+            (fin(F::RemoveFinalizer(api(404))), true, true),
+            (fin(F::UnnamedObject), true, false),
+            (Error::Invalid("bad".into()), true, false),
+            (Error::Waiting("later".into()), false, false),
+        ];
+        for (e, deleting, race) in table {
+            assert_eq!(e.is_deletion_race(deleting), race, "{e} (deleting: {deleting})");
+        }
+    }
 }
