@@ -305,26 +305,100 @@ async fn check_crds(client: &Client, namespace: Option<&str>) -> Result<(), Stri
     Ok(())
 }
 
+/// Where the operator runs: in a pod its advice names the chart's values,
+/// elsewhere the flags.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Place {
+    Pod,
+    Shell,
+}
+
+impl Place {
+    /// A pod: Kubernetes sets `KUBERNETES_SERVICE_HOST` in every container.
+    pub fn detect() -> Place {
+        match std::env::var_os("KUBERNETES_SERVICE_HOST") {
+            Some(v) if !v.is_empty() => Place::Pod,
+            _ => Place::Shell,
+        }
+    }
+}
+
+/// Why the operator cannot use the edge at `edge` and what to do about it,
+/// for the real cause (the network, TLS, the key), in the words of `place`.
+pub fn edge_start_error(e: &crate::admin::AdminError, edge: &str, place: Place) -> String {
+    use crate::admin::AdminError as E;
+    let (url, ca, key, proxy) = match place {
+        Place::Pod => (
+            "the chart value edge.url (or the edge-url key of the credentials Secret)",
+            "the chart value edge.caBundle",
+            "the credentials Secret (chart value credentials.existingSecret, or credentials.apiKey)",
+            "the chart value proxy.httpsProxy",
+        ),
+        Place::Shell => (
+            "--edge (CULVERT_EDGE)",
+            "--ca-file (CULVERT_CA_FILE)",
+            "--api-key (CULVERT_API_KEY)",
+            "HTTPS_PROXY",
+        ),
+    };
+    let make_key = "`culvert admin api-key create --name operator --scope endpoints` on the edge";
+    match e {
+        E::Connect { source, .. } if crate::admin::is_tls_error(source) => format!(
+            "the edge at {edge} has a certificate the operator does not trust ({source}): for an edge \
+             started with --self-signed or a private CA, give its CA certificate (the edge's DATA_DIR/ca.pem) \
+             in {ca}; a public edge needs a certificate for the host name of {url}"
+        ),
+        E::Connect { source, .. } => format!(
+            "cannot reach the edge at {edge} ({source}): check {url}, that its host name resolves from here, \
+             and that no firewall between here and the edge blocks its HTTPS port; behind an outbound \
+             proxy, set {proxy}"
+        ),
+        E::Refused { status: 401, message, .. } => format!(
+            "the edge at {edge} does not accept the operator's API key ({message}): make one with {make_key} \
+             and put it in {key}"
+        ),
+        E::Refused { status: 403, message, .. } => format!(
+            "the edge at {edge} refused the operator's API key ({message}): the operator needs a key of scope \
+             endpoints, made with {make_key}, in {key}"
+        ),
+        E::Refused { .. } | E::UnexpectedAnswer { .. } => {
+            format!("{e}: is {url} the URL of a culvert edge (and of the same culvert version)?")
+        }
+        E::CaFile(err) => {
+            format!("cannot load the edge's CA certificate ({err}): {ca} must hold PEM certificates")
+        }
+        E::BadEdge(_) => format!("{e}: set {url}"),
+        other => other.to_string(),
+    }
+}
+
+/// Why the Kubernetes API cannot be used, in the words of `place`.
+fn kube_start_error(e: &dyn std::fmt::Display, place: Place) -> String {
+    match place {
+        Place::Pod => format!(
+            "cannot reach the Kubernetes API from the pod ({e}): the ServiceAccount token must be mounted \
+             (automountServiceAccountToken) and egress to the API server allowed (NetworkPolicy)"
+        ),
+        Place::Shell => format!("cannot reach the Kubernetes API ({e}): set KUBECONFIG, or run in a pod"),
+    }
+}
+
 /// `culvert operator`: runs until SIGINT/SIGTERM.
 pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
     tokio::spawn(crate::shutdown_on_signal(shutdown.clone()));
-    let client = Client::try_default().await.map_err(|e| {
-        anyhow::anyhow!("cannot reach the Kubernetes API ({e}): run in a pod or set KUBECONFIG")
-    })?;
+    let client =
+        Client::try_default().await.map_err(|e| anyhow::anyhow!(kube_start_error(&e, Place::detect())))?;
     start(client, args, shutdown).await
 }
 
 /// Runs the operator with `client` until `shutdown` (tests call this directly).
 pub async fn start(client: Client, args: OperatorArgs, shutdown: CancellationToken) -> anyhow::Result<()> {
     check_crds(&client, args.watch_namespace.as_deref()).await.map_err(anyhow::Error::msg)?;
-    let edge = EdgeClient::new(&args.edge, &args.api_key, args.ca_file.as_deref())?;
-    let info = edge.check().await.map_err(|e| {
-        anyhow::anyhow!(
-            "the edge refused the operator's API key or cannot be reached: {e}. \
-             Create an endpoints key with `culvert admin api-key create --name operator --scope endpoints`"
-        )
-    })?;
+    let place = Place::detect();
+    let advice = |e: crate::admin::AdminError| anyhow::anyhow!(edge_start_error(&e, &args.edge, place));
+    let edge = EdgeClient::new(&args.edge, &args.api_key, args.ca_file.as_deref()).map_err(advice)?;
+    let info = edge.check().await.map_err(advice)?;
     let cluster_id = Api::<Namespace>::all(client.clone())
         .get("kube-system")
         .await?
@@ -416,6 +490,62 @@ mod tests {
 
     fn api(code: u16) -> kube::Error {
         kube::Error::Api(kube::core::Status::failure("x", "y").with_code(code).boxed())
+    }
+
+    #[test]
+    fn start_up_errors_say_what_to_do_where_the_operator_runs() {
+        use crate::admin::AdminError as E;
+        let refused = |status: u16| E::Refused { status, code: "x".into(), message: "no such key".into() };
+        let tls_error = || E::Connect {
+            url: "https://edge.example.com/v1/info".into(),
+            source: ureq::Error::Rustls(rustls::Error::InvalidCertificate(
+                rustls::CertificateError::UnknownIssuer,
+            )),
+            hint: "",
+        };
+        let unreachable = || E::Connect {
+            url: "https://edge.example.com/v1/info".into(),
+            source: ureq::Error::Io(std::io::Error::from(std::io::ErrorKind::ConnectionRefused)),
+            hint: "",
+        };
+        // (error, place, what the message must name, what it must not)
+        let table: Vec<(E, Place, &[&str], &[&str])> = vec![
+            (tls_error(), Place::Pod, &["does not trust", "edge.caBundle", "ca.pem"], &["--ca-file"]),
+            (tls_error(), Place::Shell, &["does not trust", "--ca-file"], &["edge.caBundle"]),
+            (
+                unreachable(),
+                Place::Pod,
+                &["cannot reach", "firewall", "edge.url", "proxy.httpsProxy"],
+                &["trust"],
+            ),
+            (
+                unreachable(),
+                Place::Shell,
+                &["cannot reach", "firewall", "--edge", "HTTPS_PROXY"],
+                &["edge.url"],
+            ),
+            (
+                refused(401),
+                Place::Pod,
+                &["does not accept", "credentials.existingSecret", "--scope endpoints"],
+                &["--api-key"],
+            ),
+            (refused(401), Place::Shell, &["does not accept", "--api-key"], &["credentials."]),
+            (refused(403), Place::Pod, &["scope", "endpoints", "credentials.existingSecret"], &[]),
+            (refused(500), Place::Pod, &["URL of a culvert edge", "edge.url"], &[]),
+            (E::BadEdge("edge".into()), Place::Pod, &["edge.url"], &[]),
+        ];
+        for (e, place, must, must_not) in table {
+            let m = edge_start_error(&e, "https://edge.example.com", place);
+            for part in must {
+                assert!(m.contains(part), "{place:?} {e:?}: `{part}` missing in: {m}");
+            }
+            for part in must_not {
+                assert!(!m.contains(part), "{place:?} {e:?}: `{part}` in: {m}");
+            }
+        }
+        assert!(kube_start_error(&"x", Place::Pod).contains("automountServiceAccountToken"));
+        assert!(kube_start_error(&"x", Place::Shell).contains("KUBECONFIG"));
     }
 
     #[test]
