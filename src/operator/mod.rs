@@ -205,7 +205,8 @@ impl Error {
 
 impl Error {
     /// A race with a deletion, not a failure: the object (or one this
-    /// reconcile writes) is already gone (404), or it is being deleted
+    /// reconcile writes, or the reservation at the edge it refers to) is
+    /// already gone (404), or it is being deleted
     /// (`deleting`) and changed under us (409, 422). The deletion's own watch
     /// event brings the next reconcile.
     pub fn is_deletion_race(&self, deleting: bool) -> bool {
@@ -216,6 +217,9 @@ impl Error {
         };
         let code = match self {
             Error::Kube(e) => code(e),
+            // The edge no longer has what the object refers to (a Domain or
+            // TcpPort released a moment ago); the status says so if it lasts.
+            Error::Edge(crate::admin::AdminError::Refused { status, .. }) => Some(*status),
             Error::Finalizer(f) => match &**f {
                 F::ApplyFailed(e) | F::CleanupFailed(e) => return e.is_deletion_race(deleting),
                 F::AddFinalizer(e) | F::RemoveFinalizer(e) => code(e),
@@ -561,6 +565,33 @@ mod tests {
             (Error::Kube(api(422)), true, true),
             (Error::Kube(api(500)), true, false),
             (Error::Kube(api(403)), false, false),
+            (
+                Error::Edge(crate::admin::AdminError::Refused {
+                    status: 404,
+                    code: "not_found".into(),
+                    message: "gone".into(),
+                }),
+                false,
+                true,
+            ),
+            (
+                Error::Edge(crate::admin::AdminError::Refused {
+                    status: 401,
+                    code: "unknown_key".into(),
+                    message: "no".into(),
+                }),
+                false,
+                false,
+            ),
+            (
+                fin(F::ApplyFailed(Error::Edge(crate::admin::AdminError::Refused {
+                    status: 404,
+                    code: "not_found".into(),
+                    message: "gone".into(),
+                }))),
+                false,
+                true,
+            ),
             (fin(F::ApplyFailed(Error::Kube(api(404)))), false, true),
             (fin(F::CleanupFailed(Error::Kube(api(500)))), true, false),
             (fin(F::AddFinalizer(api(422))), true, true),
