@@ -17,6 +17,7 @@ use culvert::crd::{Domain, TcpPort, Tunnel};
 use fixture::{Fixture, WAIT, service_with_endpoints};
 use http::StatusCode;
 use k8s_openapi::api::core::v1::{Secret, Service};
+use k8s_openapi::api::networking::v1::Ingress;
 use kube::ResourceExt;
 use kube::api::{DeleteParams, Patch, PatchParams};
 use kube_env::wait_until;
@@ -196,11 +197,41 @@ async fn a_tunnel_is_ready_only_while_an_agent_is_connected() {
             .unwrap()
         }
     };
+    // And an Ingress for a host of the edge's domain.
+    let host = format!("i{}.edge.test", f.suffix());
+    f.create::<Ingress>(
+        json!({"apiVersion": "networking.k8s.io/v1", "kind": "Ingress", "metadata": {"name": "site"},
+        "spec": {"ingressClassName": "culvert", "rules": [{"host": host, "http": {"paths": [{"path": "/",
+            "pathType": "Prefix", "backend": {"service": {"name": "web", "port": {"number": 80}}}}]}}]}}),
+    )
+    .await;
+    let ingress_tunnel = culvert::operator::ingress::object_name(&host);
+    let ingress_port = |connected: bool| {
+        let f = &f;
+        async move {
+            wait_until(&format!("Ingress status, connected: {connected}"), WAIT, || async {
+                let v = serde_json::to_value(f.api::<Ingress>().get("site").await?)?;
+                let entry = &v["status"]["loadBalancer"]["ingress"][0];
+                let port = &entry["ports"][0];
+                let shown = entry["hostname"].is_string() && port["port"] == f.edge.https.port();
+                Ok((shown && (port.get("error").is_none() == connected)).then_some(v))
+            })
+            .await
+            .unwrap()
+        }
+    };
     tunnel_state("True").await;
     service_state("True").await;
+    let v = ingress_port(true).await;
+    assert_eq!(v["status"]["loadBalancer"]["ingress"][0]["hostname"], host.as_str());
 
     // No agent can get the keys (as when the agents cannot reach the edge): not Ready, and why.
-    let keys = [("web-culvert-key", "web"), ("lb-lb-5432-culvert-key", "lb-lb-5432")];
+    let ingress_key = format!("{ingress_tunnel}-culvert-key");
+    let keys = [
+        ("web-culvert-key", "web"),
+        ("lb-lb-5432-culvert-key", "lb-lb-5432"),
+        (ingress_key.as_str(), ingress_tunnel.as_str()),
+    ];
     agents_see_keys(&f, &keys, false).await;
     let v = tunnel_state("False").await;
     let ready = condition(&v, "Ready").unwrap();
@@ -234,12 +265,19 @@ async fn a_tunnel_is_ready_only_while_an_agent_is_connected() {
     assert_eq!(port["error"], "culvert.dev/NoAgent", "{svc}");
     assert!(port["port"].as_u64().is_some());
 
+    // The Ingress keeps its address (no flapping for external-dns), with the port error, and an event.
+    let v = ingress_port(false).await;
+    assert_eq!(v["status"]["loadBalancer"]["ingress"][0]["ports"][0]["error"], "culvert.dev/NoAgent");
+    let events = f.events_for("site").await;
+    assert!(events.iter().any(|(t, r, _)| t == "Normal" && r == "NoAgent"), "{events:?}");
+
     // The agents get the keys back: Ready again.
     agents_see_keys(&f, &keys, true).await;
     let v = tunnel_state("True").await;
     assert_eq!(condition(&v, "Connected").unwrap()["reason"], "AgentsConnected");
     let svc = service_state("True").await;
     assert!(svc["status"]["loadBalancer"]["ingress"][0]["ports"][0].get("error").is_none(), "{svc}");
+    ingress_port(true).await;
 
     let (columns, rows) = table(&f, "domains").await;
     assert_eq!(columns, ["Name", "Host", "Ready", "Reason", "Certificate", "Reclaim (wide)", "Age"]);
