@@ -243,6 +243,9 @@ pub fn service_condition(ports: &[PortState]) -> (&'static str, &'static str, St
             p.filter(|(_, connected)| !connected).map(|(public, _)| format!("{s} (public {public})"))
         })
         .collect();
+    if ports.is_empty() {
+        return ("False", "NotPublished", "the Service has no TCP port to publish".into());
+    }
     if !offline.is_empty() {
         let message = format!(
             "no agent connected at the edge for port(s) {}: {}",
@@ -349,6 +352,7 @@ async fn apply(svc: Arc<Service>, ctx: &Ctx, ns: &str) -> Result<Action, Error> 
     for (p, want) in plan.ports.iter().zip(wanted) {
         let existing = existing_ports.get(&p.name);
         if want.is_none() && existing.is_none() && !specific_settled {
+            states.push((p.port, None));
             continue;
         }
         let mut spec = json!({ "reclaimPolicy": format!("{:?}", plan.reclaim) });
@@ -585,7 +589,8 @@ spec:
     #[test]
     fn the_service_condition_says_what_is_missing() {
         // (ports, status, reason, message part)
-        let table: [(&[PortState], &str, &str, &str); 5] = [
+        let table: [(&[PortState], &str, &str, &str); 6] = [
+            (&[], "False", "NotPublished", "no TCP port"),
             (&[(5432, Some((20005, true)))], "True", "AgentsConnected", "every port"),
             (&[(5432, Some((20005, false)))], "False", "NoAgent", "5432 (public 20005)"),
             (&[(5432, Some((20005, true))), (80, None)], "False", "NotPublished", "port(s) 80"),
