@@ -401,7 +401,7 @@ fn snippet(text: &str) -> String {
     if t.is_empty() { "an empty body".into() } else { format!("body starts with {t:?}") }
 }
 
-fn is_tls_error(e: &ureq::Error) -> bool {
+pub(crate) fn is_tls_error(e: &ureq::Error) -> bool {
     match e {
         ureq::Error::Tls(_) | ureq::Error::Rustls(_) | ureq::Error::Pem(_) => true,
         ureq::Error::Io(io) => {

@@ -21,7 +21,7 @@ pub enum ReclaimPolicy {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct Condition {
-    /// Condition type: `Ready`.
+    /// Condition type, e.g. `Ready`.
     #[serde(rename = "type")]
     pub type_: String,
     /// `True`, `False` or `Unknown`.
@@ -49,10 +49,12 @@ pub struct Condition {
     status = "DomainStatus",
     shortname = "cdomain",
     category = "culvert",
+    doc = "A public host name reserved on the edge for this namespace: a subdomain of the edge's domain, or your own domain pointed at the edge by CNAME. Tunnels of the namespace publish on it.",
     printcolumn = r#"{"name":"Host","type":"string","jsonPath":".status.hostname"}"#,
-    printcolumn = r#"{"name":"Reclaim","type":"string","jsonPath":".spec.reclaimPolicy"}"#,
     printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Reason","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].reason"}"#,
     printcolumn = r#"{"name":"Certificate","type":"string","jsonPath":".status.conditions[?(@.type==\"CertificateReady\")].reason"}"#,
+    printcolumn = r#"{"name":"Reclaim","type":"string","priority":1,"jsonPath":".spec.reclaimPolicy"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
@@ -109,9 +111,11 @@ pub struct DomainStatus {
     status = "TcpPortStatus",
     shortname = "ctcpport",
     category = "culvert",
+    doc = "A public TCP port reserved on the edge for this namespace (the address is in status.address). A Tunnel of protocol tcp publishes a Service on it.",
     printcolumn = r#"{"name":"Address","type":"string","jsonPath":".status.address"}"#,
-    printcolumn = r#"{"name":"Reclaim","type":"string","jsonPath":".spec.reclaimPolicy"}"#,
     printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Reason","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].reason"}"#,
+    printcolumn = r#"{"name":"Reclaim","type":"string","priority":1,"jsonPath":".spec.reclaimPolicy"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
@@ -242,9 +246,11 @@ pub struct HttpOptions {
     #[schemars(regex(pattern = r"^[0-9]{1,15}[kKmMgG]?$"))]
     pub max_body_size: Option<String>,
     /// Name of a Secret of this namespace whose credentials every request
-    /// must present: `auth` holds htpasswd lines (`user:{SHA}...` from
-    /// `htpasswd -s`, or `user:plain-password`) for HTTP Basic auth, `token`
-    /// holds bearer tokens, one a line. Others get 401.
+    /// must present: `auth` holds htpasswd lines for HTTP Basic auth, each
+    /// `user:{SHA}...` (`htpasswd -nbs user password`), `user:{SSHA}...`
+    /// (`slappasswd`) or `user:{PLAIN}password`; bcrypt, MD5 and crypt
+    /// hashes and bare `user:password` lines are refused. `token` holds
+    /// bearer tokens, one a line. Others get 401.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub auth_secret: Option<String>,
 }
@@ -299,9 +305,13 @@ pub struct ResolvedRoute {
     status = "TunnelStatus",
     shortname = "ctunnel",
     category = "culvert",
-    printcolumn = r#"{"name":"Protocol","type":"string","jsonPath":".spec.protocol"}"#,
+    doc = "Publishes a Service of this namespace on the internet through the edge: on a Domain (protocol http or tls) or a TcpPort (tcp). Ready means published and an agent connected, that is, reachable.",
+    printcolumn = r#"{"name":"Service","type":"string","jsonPath":".spec.service.name"}"#,
     printcolumn = r#"{"name":"URL","type":"string","jsonPath":".status.url"}"#,
-    printcolumn = r#"{"name":"Status","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].reason"}"#,
+    printcolumn = r#"{"name":"Agents","type":"integer","jsonPath":".status.agents"}"#,
+    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Reason","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].reason"}"#,
+    printcolumn = r#"{"name":"Protocol","type":"string","priority":1,"jsonPath":".spec.protocol"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
@@ -354,7 +364,9 @@ pub struct TunnelStatus {
     /// The generation last reconciled.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// `Ready` with reason and message.
+    /// `Ready` (published and an agent connected: reachable), `Published`
+    /// (the address and key are live at the edge) and `Connected` (an agent
+    /// is connected at the edge), each with reason and message.
     #[serde(default)]
     pub conditions: Vec<Condition>,
     /// The public URL or address.

@@ -457,7 +457,7 @@ async fn load_balancer_service_tcp_echo_proxy_protocol_and_release() {
         &f,
         "db",
         &backends.ip,
-        json!({"type": "LoadBalancer"}),
+        json!({"type": "LoadBalancer", "loadBalancerClass": "culvert.dev/tunnel"}),
         &[("tcp", same, 9000, "TCP"), ("pg", 5432, 9000, "TCP"), ("dns", 53, 9000, "UDP")],
     )
     .await;
@@ -484,6 +484,29 @@ async fn load_balancer_service_tcp_echo_proxy_protocol_and_release() {
         "5432 is outside the range: any free port"
     );
     assert_eq!(svc.annotations()["culvert.dev/public-ports"], format!("{same}={same},5432={}", public[1]));
+    // Once the agents are connected: no port error, the condition True, an event naming the ports.
+    let svc = wait_until("Service connected", WAIT, || async {
+        let s = f.api::<Service>().get("db").await?;
+        let connected =
+            s.status.as_ref().and_then(|st| st.conditions.as_ref()).is_some_and(|cs| {
+                cs.iter().any(|c| c.type_ == "culvert.dev/Connected" && c.status == "True")
+            });
+        Ok(connected.then_some(s))
+    })
+    .await
+    .unwrap();
+    let lb = lb_status(&svc);
+    assert!(lb["ingress"][0]["ports"].as_array().unwrap().iter().all(|p| p.get("error").is_none()), "{lb}");
+    let want = format!("port 5432 → 127.0.0.1:{}", public[1]);
+    let found = wait_until("a Published event naming the public port", WAIT, || async {
+        let events = f.events_for("db").await;
+        Ok(events
+            .iter()
+            .any(|(t, r, m)| t == "Normal" && r == "Published" && m.contains(&want))
+            .then_some(()))
+    })
+    .await;
+    assert!(found.is_ok(), "{want}: {:?}", f.events_for("db").await);
     // Owned TcpPort and Tunnel per TCP port, listed by `kubectl get tunnels`.
     let mut names: Vec<String> = f
         .api::<Tunnel>()
@@ -567,6 +590,10 @@ async fn load_balancer_service_tcp_echo_proxy_protocol_and_release() {
     f.finish(stop, task).await;
 }
 
+/// Where k3s puts Traefik. The test's Services there carry the label
+/// `culvert.dev/test`, so one left behind by a failed run can be found.
+const SYSTEM_NS: &str = "kube-system";
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn which_load_balancers_are_managed() {
     let Some(f) = Fixture::new("lb-manage").await else { return };
@@ -590,38 +617,71 @@ async fn which_load_balancers_are_managed() {
             }
         }
     };
-    let published = |name: &'static str| {
-        let f = &f;
+    let published_in = |ns: &str, name: &str| {
+        let api = kube::Api::<Service>::namespaced(f.client.clone(), ns);
+        let name = name.to_string();
         async move {
-            let s = f.api::<Service>().get(name).await.unwrap();
+            let s = api.get(&name).await.unwrap();
             lb_status(&s)["ingress"].as_array().is_some_and(|a| !a.is_empty())
         }
     };
+    let published = |name: &'static str| published_in(&f.ns.name, name);
     make("plain", lb(None, None)).await;
     make("optin", lb(None, Some("1"))).await;
     make("optout", lb(None, Some("0"))).await;
     make("classed", lb(Some("culvert.dev/tunnel"), None)).await;
     make("foreign", lb(Some("example.com/other"), None)).await;
 
-    // --annotated-only: our class and the opted-in only.
-    let mut args = f.args("annotated");
-    args.annotated_only = true;
-    let (stop, task) = f.operator_with(args);
+    // kube-system (where k3s has Traefik): a class-less one, and one annotated "1",
+    // served by a second operator that watches only kube-system.
+    let system = kube::Api::<Service>::namespaced(f.client.clone(), SYSTEM_NS);
+    let (ks_plain, ks_optin) = (format!("traefik-{}", f.suffix()), format!("optin-{}", f.suffix()));
+    for (name, annotations) in [(&ks_plain, json!({})), (&ks_optin, json!({"culvert.dev/manage": "1"}))] {
+        let svc: Service = serde_json::from_value(json!({"apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": name, "labels": {"culvert.dev/test": "true"}, "annotations": annotations},
+            "spec": {"type": "LoadBalancer", "ports": [{"name": "tcp", "port": 7000, "targetPort": 9000}]}}))
+        .unwrap();
+        system.create(&Default::default(), &svc).await.unwrap();
+    }
+    let system_operator = |manage_classless: bool| {
+        let mut args = f.args(&format!("system-{}", f.suffix()));
+        args.watch_namespace = Some(SYSTEM_NS.into());
+        args.namespace = SYSTEM_NS.into();
+        args.manage_classless_load_balancers = manage_classless;
+        f.operator_with(args)
+    };
+
+    // Default: our class and the annotated "1" only, in every namespace.
+    let (stop, task) = f.operator();
+    let (sys_stop, sys_task) = system_operator(false);
     for name in ["optin", "classed"] {
         wait_until(&format!("{name} published"), WAIT, || async { Ok(published(name).await.then_some(())) })
             .await
             .unwrap();
     }
+    wait_until("kube-system Service annotated 1 published", WAIT, || async {
+        Ok(published_in(SYSTEM_NS, &ks_optin).await.then_some(()))
+    })
+    .await
+    .unwrap();
+    // Both operators have reconciled every Service by now (one resync is 1 s).
     tokio::time::sleep(Duration::from_secs(2)).await;
     for name in ["plain", "optout", "foreign"] {
-        assert!(!published(name).await, "{name} is not managed with --annotated-only");
+        assert!(!published(name).await, "{name} is not managed by default");
         assert!(f.api::<Tunnel>().get_opt(&format!("lb-{name}-7000")).await.unwrap().is_none());
     }
+    assert!(!published_in(SYSTEM_NS, &ks_plain).await, "a class-less kube-system Service is left alone");
     stop.cancel();
     task.await.unwrap();
+    sys_stop.cancel();
+    sys_task.await.unwrap();
 
-    // Default: every class-less one unless opted out.
-    let (stop, task) = f.operator();
+    // --manage-classless-load-balancers: every class-less one unless opted out,
+    // but never kube-system's without the annotation.
+    let mut args = f.args("classless");
+    args.manage_classless_load_balancers = true;
+    let (stop, task) = f.operator_with(args);
+    let (sys_stop, sys_task) = system_operator(true);
     wait_until("plain published", WAIT, || async { Ok(published("plain").await.then_some(())) })
         .await
         .unwrap();
@@ -632,6 +692,28 @@ async fn which_load_balancers_are_managed() {
     for name in ["plain", "optin", "classed"] {
         assert!(published(name).await, "{name} is managed");
     }
+    assert!(!published_in(SYSTEM_NS, &ks_plain).await, "kube-system needs the annotation even so");
+    assert!(published_in(SYSTEM_NS, &ks_optin).await);
+    let system_tunnels = kube::Api::<Tunnel>::namespaced(f.client.clone(), SYSTEM_NS);
+    assert!(system_tunnels.get_opt(&format!("lb-{ks_plain}-7000")).await.unwrap().is_none());
+
+    // Deleting the kube-system ones releases what was made there (while its operator runs).
+    for name in [&ks_plain, &ks_optin] {
+        system.delete(name, &DeleteParams::default()).await.unwrap();
+    }
+    let system_ports = kube::Api::<TcpPort>::namespaced(f.client.clone(), SYSTEM_NS);
+    wait_until("kube-system objects finalized", WAIT, || async {
+        let t = system_tunnels.get_opt(&format!("lb-{ks_optin}-7000")).await?;
+        let p = system_ports.get_opt(&format!("lb-{ks_optin}-7000")).await?;
+        Ok((t.is_none() && p.is_none()).then_some(()))
+    })
+    .await
+    .unwrap();
+    sys_stop.cancel();
+    sys_task.await.unwrap();
+    let leases =
+        kube::Api::<k8s_openapi::api::coordination::v1::Lease>::namespaced(f.client.clone(), SYSTEM_NS);
+    let _ = leases.delete("culvert-operator-leader", &DeleteParams::default()).await;
 
     // Opting out later withdraws; deleting a Service releases its port.
     f.patch::<Service>("plain", json!({"metadata": {"annotations": {"culvert.dev/manage": "0"}}})).await;

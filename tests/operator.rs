@@ -17,6 +17,7 @@ use culvert::crd::{Domain, TcpPort, Tunnel};
 use fixture::{Fixture, WAIT, service_with_endpoints};
 use http::StatusCode;
 use k8s_openapi::api::core::v1::{Secret, Service};
+use k8s_openapi::api::networking::v1::Ingress;
 use kube::ResourceExt;
 use kube::api::{DeleteParams, Patch, PatchParams};
 use kube_env::wait_until;
@@ -112,6 +113,182 @@ async fn domains_reserve_release_retain_adopt_and_recreate() {
     f.finish(stop, task).await;
 }
 
+/// The apiserver's table of `resource` in the test namespace, as `kubectl
+/// get -o wide` prints it: the column names (`(wide)` after those of
+/// priority > 0) and the rows' cells.
+async fn table(f: &Fixture, resource: &str) -> (Vec<String>, Vec<Vec<Value>>) {
+    let req = http::Request::get(format!("/apis/culvert.dev/v1alpha1/namespaces/{}/{resource}", f.ns.name))
+        .header("Accept", "application/json;as=Table;v=v1;g=meta.k8s.io")
+        .body(Vec::new())
+        .unwrap();
+    let t: Value = serde_json::from_str(&f.client.request_text(req).await.unwrap()).unwrap();
+    let columns = t["columnDefinitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            let name = c["name"].as_str().unwrap();
+            if c["priority"].as_i64().unwrap_or(0) > 0 { format!("{name} (wide)") } else { name.to_string() }
+        })
+        .collect();
+    let rows = t["rows"].as_array().unwrap().iter().map(|r| r["cells"].as_array().unwrap().clone()).collect();
+    (columns, rows)
+}
+
+fn condition(v: &Value, ty: &str) -> Option<Value> {
+    v["status"]["conditions"].as_array().into_iter().flatten().find(|c| c["type"] == ty).cloned()
+}
+
+/// Takes the key Secrets away from the agents (they carry the Tunnels whose
+/// Secret is labelled `culvert.dev/tunnel`), or gives them back.
+async fn agents_see_keys(f: &Fixture, secrets: &[(&str, &str)], visible: bool) {
+    for (secret, tunnel) in secrets {
+        let label = if visible { json!(tunnel) } else { Value::Null };
+        f.patch::<Secret>(secret, json!({"metadata": {"labels": {"culvert.dev/tunnel": label}}})).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tunnel_is_ready_only_while_an_agent_is_connected() {
+    let Some(f) = Fixture::new("op-noagent").await else { return };
+    let Some(mut host) = netns::NetnsHost::create() else { return };
+    let site = tempfile::tempdir().unwrap();
+    std::fs::write(site.path().join("index.html"), "hello").unwrap();
+    host.serve_http(site.path(), 8000);
+    service_with_endpoints(&f, "web", &host.ip, json!({}), &[("http", 80, 8000, "TCP")]).await;
+    service_with_endpoints(
+        &f,
+        "lb",
+        &host.ip,
+        json!({"type": "LoadBalancer", "loadBalancerClass": "culvert.dev/tunnel"}),
+        &[("tcp", 5432, 8000, "TCP")],
+    )
+    .await;
+    let (stop, task) = f.operator();
+    f.create::<Domain>(
+        json!({"apiVersion": "culvert.dev/v1alpha1", "kind": "Domain", "metadata": {"name": "web"},
+        "spec": {"name": format!("n{}", f.suffix())}}),
+    )
+    .await;
+    f.create::<Tunnel>(
+        json!({"apiVersion": "culvert.dev/v1alpha1", "kind": "Tunnel", "metadata": {"name": "web"},
+        "spec": {"service": {"name": "web", "port": 80}, "domain": "web"}}),
+    )
+    .await;
+    let tunnel_state = |want: &'static str| {
+        let f = &f;
+        async move {
+            wait_until(&format!("Tunnel Ready {want}"), WAIT, || async {
+                let v = serde_json::to_value(f.api::<Tunnel>().get("web").await?)?;
+                Ok(condition(&v, "Ready").is_some_and(|c| c["status"] == want).then_some(v))
+            })
+            .await
+            .unwrap()
+        }
+    };
+    let service_state = |want: &'static str| {
+        let f = &f;
+        async move {
+            wait_until(&format!("Service culvert.dev/Connected {want}"), WAIT, || async {
+                let v = serde_json::to_value(f.api::<Service>().get("lb").await?)?;
+                Ok(condition(&v, "culvert.dev/Connected").is_some_and(|c| c["status"] == want).then_some(v))
+            })
+            .await
+            .unwrap()
+        }
+    };
+    // And an Ingress for a host of the edge's domain.
+    let host = format!("i{}.edge.test", f.suffix());
+    f.create::<Ingress>(
+        json!({"apiVersion": "networking.k8s.io/v1", "kind": "Ingress", "metadata": {"name": "site"},
+        "spec": {"ingressClassName": "culvert", "rules": [{"host": host, "http": {"paths": [{"path": "/",
+            "pathType": "Prefix", "backend": {"service": {"name": "web", "port": {"number": 80}}}}]}}]}}),
+    )
+    .await;
+    let ingress_tunnel = culvert::operator::ingress::object_name(&host);
+    let ingress_port = |connected: bool| {
+        let f = &f;
+        async move {
+            wait_until(&format!("Ingress status, connected: {connected}"), WAIT, || async {
+                let v = serde_json::to_value(f.api::<Ingress>().get("site").await?)?;
+                let entry = &v["status"]["loadBalancer"]["ingress"][0];
+                let port = &entry["ports"][0];
+                let shown = entry["hostname"].is_string() && port["port"] == f.edge.https.port();
+                Ok((shown && (port.get("error").is_none() == connected)).then_some(v))
+            })
+            .await
+            .unwrap()
+        }
+    };
+    tunnel_state("True").await;
+    service_state("True").await;
+    let v = ingress_port(true).await;
+    assert_eq!(v["status"]["loadBalancer"]["ingress"][0]["hostname"], host.as_str());
+
+    // No agent can get the keys (as when the agents cannot reach the edge): not Ready, and why.
+    let ingress_key = format!("{ingress_tunnel}-culvert-key");
+    let keys = [
+        ("web-culvert-key", "web"),
+        ("lb-lb-5432-culvert-key", "lb-lb-5432"),
+        (ingress_key.as_str(), ingress_tunnel.as_str()),
+    ];
+    agents_see_keys(&f, &keys, false).await;
+    let v = tunnel_state("False").await;
+    let ready = condition(&v, "Ready").unwrap();
+    assert_eq!(ready["reason"], "NoAgent", "{v}");
+    let message = ready["message"].as_str().unwrap();
+    assert!(message.contains("no agent is connected") && message.contains("edge.caBundle"), "{message}");
+    let connected = condition(&v, "Connected").unwrap();
+    assert_eq!((&connected["status"], &connected["reason"]), (&json!("False"), &json!("NoAgent")));
+    assert_eq!(condition(&v, "Published").unwrap()["status"], "True", "still published: {v}");
+    assert_eq!(v["status"]["agents"], 0);
+    let events = f.events_for("web").await;
+    assert!(events.iter().any(|(t, r, _)| t == "Normal" && r == "NoAgent"), "{events:?}");
+    assert!(
+        !events.iter().any(|(t, r, _)| t == "Warning" && r == "NoAgent"),
+        "waiting for an agent is no warning: {events:?}"
+    );
+    // The printer columns say so.
+    let (columns, rows) = table(&f, "tunnels").await;
+    assert_eq!(columns, ["Name", "Service", "URL", "Agents", "Ready", "Reason", "Protocol (wide)", "Age"]);
+    let row = rows.iter().find(|r| r[0] == "web").unwrap();
+    assert_eq!(
+        row[1..6],
+        [json!("web"), v["status"]["url"].clone(), json!(0), json!("False"), json!("NoAgent")]
+    );
+    // The LoadBalancer Service too: the address stays, its port has an error, the condition says why.
+    let svc = service_state("False").await;
+    let c = condition(&svc, "culvert.dev/Connected").unwrap();
+    assert_eq!(c["reason"], "NoAgent", "{svc}");
+    assert!(c["message"].as_str().unwrap().contains("5432 (public "), "{c}");
+    let port = &svc["status"]["loadBalancer"]["ingress"][0]["ports"][0];
+    assert_eq!(port["error"], "culvert.dev/NoAgent", "{svc}");
+    assert!(port["port"].as_u64().is_some());
+
+    // The Ingress keeps its address (no flapping for external-dns), with the port error, and an event.
+    let v = ingress_port(false).await;
+    assert_eq!(v["status"]["loadBalancer"]["ingress"][0]["ports"][0]["error"], "culvert.dev/NoAgent");
+    let events = f.events_for("site").await;
+    assert!(events.iter().any(|(t, r, _)| t == "Normal" && r == "NoAgent"), "{events:?}");
+
+    // The agents get the keys back: Ready again.
+    agents_see_keys(&f, &keys, true).await;
+    let v = tunnel_state("True").await;
+    assert_eq!(condition(&v, "Connected").unwrap()["reason"], "AgentsConnected");
+    let svc = service_state("True").await;
+    assert!(svc["status"]["loadBalancer"]["ingress"][0]["ports"][0].get("error").is_none(), "{svc}");
+    ingress_port(true).await;
+
+    let (columns, rows) = table(&f, "domains").await;
+    assert_eq!(columns, ["Name", "Host", "Ready", "Reason", "Certificate", "Reclaim (wide)", "Age"]);
+    assert_eq!(rows[0][2..4], [json!("True"), json!("Reserved")]);
+    assert_eq!(rows[0][5], "Delete");
+    let (columns, rows) = table(&f, "tcpports").await;
+    assert_eq!(columns, ["Name", "Address", "Ready", "Reason", "Reclaim (wide)", "Age"]);
+    assert_eq!(rows[0][2..4], [json!("True"), json!("Reserved")]);
+    f.finish(stop, task).await;
+}
+
 async fn tunnel_keys(f: &Fixture, uid: &str) -> Vec<Value> {
     let (_, keys) =
         f.edge.api("GET", &format!("tunnel-keys?selector=culvert.dev/uid={uid}&revoked=true"), None).await;
@@ -135,6 +312,50 @@ async fn tunnel_end_to_end_and_keys_never_leak() {
             "spec": {"service": {"name": "web", "port": "http"}, "domain": "web"}}))
         .await;
     let uid = t.uid().unwrap();
+    // Every status the Tunnel goes through, from its creation on: Ready only
+    // once an agent is connected (the first published status cannot have one:
+    // the key was minted in that same reconcile).
+    let seen = {
+        use futures_util::{StreamExt, TryStreamExt};
+        let wp = kube::api::WatchParams::default().fields("metadata.name=web");
+        let mut events = f.api::<Tunnel>().watch(&wp, &t.resource_version().unwrap()).await.unwrap().boxed();
+        let mut seen = Vec::new();
+        let ready = tokio::time::timeout(WAIT, async {
+            while let Some(ev) = events.try_next().await.unwrap() {
+                let kube::api::WatchEvent::Modified(t) = ev else { continue };
+                let status = t.status.unwrap_or_default();
+                let of = |ty: &str| {
+                    status
+                        .conditions
+                        .iter()
+                        .find(|c| c.type_ == ty)
+                        .map(|c| (c.status.clone(), c.reason.clone()))
+                };
+                let (ready, published, connected) = (of("Ready"), of("Published"), of("Connected"));
+                seen.push((ready.clone(), published, connected, status.agents));
+                if ready.is_some_and(|r| r.0 == "True") {
+                    return;
+                }
+            }
+        })
+        .await;
+        assert!(ready.is_ok(), "never Ready: {seen:?}");
+        seen
+    };
+    let p = |s: &str, r: &str| Some((s.to_string(), r.to_string()));
+    let first_published = seen.iter().position(|s| s.1 == p("True", "Published")).expect("published");
+    assert_eq!(
+        seen[first_published],
+        (p("False", "NoAgent"), p("True", "Published"), p("False", "NoAgent"), 0),
+        "published without an agent is not Ready: {seen:?}"
+    );
+    let last = seen.last().unwrap();
+    assert_eq!((&last.0, &last.2), (&p("True", "Published"), &p("True", "AgentsConnected")), "{seen:?}");
+    assert!(last.3 >= 1, "{seen:?}");
+    assert!(
+        seen.iter().all(|s| s.0.as_ref().is_none_or(|r| r.0 != "True") || s.3 >= 1),
+        "never Ready without an agent: {seen:?}"
+    );
     let status = wait_until("Tunnel published with an agent", WAIT, || async {
         let v = serde_json::to_value(f.api::<Tunnel>().get("web").await?)?;
         Ok((v["status"]["conditions"][0]["reason"] == "Published"
@@ -144,7 +365,16 @@ async fn tunnel_end_to_end_and_keys_never_leak() {
     .await
     .unwrap_or_else(|e| panic!("{e}: {:?}", f.edge.edge().registry.count_for_key("x")));
     let public = format!("{label}.edge.test");
-    assert_eq!(status["status"]["url"], format!("https://{public}:{}", f.edge.https.port()));
+    let url = format!("https://{public}:{}", f.edge.https.port());
+    assert_eq!(status["status"]["url"], url);
+    // `kubectl get tunnels -o wide`: the apiserver's table of the printer columns.
+    let (columns, rows) = table(&f, "tunnels").await;
+    assert_eq!(columns, ["Name", "Service", "URL", "Agents", "Ready", "Reason", "Protocol (wide)", "Age"]);
+    assert_eq!(
+        rows[0][..6],
+        [json!("web"), json!("web"), json!(url), json!(1), json!("True"), json!("Published")]
+    );
+    assert_eq!(rows[0][6], "http");
     assert_eq!(status["status"]["backends"][0], format!("{}:8000", host.ip));
 
     // A real HTTP request through the edge reaches the backend in the network namespace.

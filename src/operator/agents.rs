@@ -122,8 +122,10 @@ fn desired(tunnels: &Store<Tunnel>, secrets: &Store<Secret>) -> HashMap<String, 
     let mut out = HashMap::new();
     for t in tunnels.state() {
         let Some(status) = &t.status else { continue };
-        let ready = status.conditions.iter().any(|c| c.type_ == "Ready" && c.status == "True");
-        if !ready || (status.backends.is_empty() && status.routes.is_empty()) {
+        // Agents connect once the Tunnel is published (Ready needs them connected).
+        if !super::tunnel::is_published(&status.conditions)
+            || (status.backends.is_empty() && status.routes.is_empty())
+        {
             continue;
         }
         let Some(secret_name) = &status.key_secret else { continue };

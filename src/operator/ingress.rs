@@ -34,7 +34,7 @@ use kube::runtime::watcher;
 use kube::{Api, Resource, ResourceExt};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
-use tracing::{Instrument, info, warn};
+use tracing::{Instrument, info};
 
 use super::names::{
     ANNOTATION_AUTH_SECRET, ANNOTATION_BACKEND_PROTOCOL, ANNOTATION_BACKEND_TLS_VERIFY, ANNOTATION_BODY_SIZE,
@@ -286,8 +286,8 @@ fn owner_ref(ing: &Ingress) -> OwnerReference {
 
 /// What a host looks like after a sync, for the Ingress's status and events.
 struct HostState {
-    /// The public name, once the Tunnel is published.
-    public: Option<String>,
+    /// The public name, once the Tunnel is published, and whether an agent is connected.
+    public: Option<(String, bool)>,
     /// (warning, reason, message) to report on the Ingresses of the host.
     report: Option<(bool, String, String)>,
     conflicts: Vec<routes::Conflict>,
@@ -499,14 +499,20 @@ async fn sync_host(
             Some((true, d.reason.clone(), format!("Domain {} for {host}: {}", domain.name_any(), d.message)))
         }
         (_, Some(t)) if fresh => {
-            let warning = t.status != "True" || t.reason == "Degraded";
+            // Waiting for an agent is not a warning (it takes a second); the message says what to check.
+            let warning = (t.status != "True" && t.reason != "NoAgent") || t.reason == "Degraded";
             Some((warning, t.reason.clone(), format!("{host} (Tunnel {name}): {}", t.message)))
         }
         _ => None,
     };
     // Not `fresh`: the status keeps the name while a route change is reconciled.
-    let published = tunnel_cond.as_ref().is_some_and(|c| c.status == "True");
-    let public = published.then(|| domain.status.as_ref().and_then(|s| s.hostname.clone())).flatten();
+    // The address stays while agents come and go (a rolling restart), so
+    // what reads it (external-dns) does not flap; a port error says "no agent".
+    let conditions = tunnel.status.as_ref().map(|s| s.conditions.as_slice()).unwrap_or_default();
+    let public = super::tunnel::is_published(conditions)
+        .then(|| domain.status.as_ref().and_then(|s| s.hostname.clone()))
+        .flatten()
+        .map(|h| (h, super::tunnel::is_connected(conditions)));
     Ok(HostState { public, report, conflicts: merged.conflicts, problems })
 }
 
@@ -662,7 +668,9 @@ async fn apply(ing: Arc<Ingress>, ctx: &Ctx, ns: &str) -> Result<Action, Error> 
     let pp = PatchParams::apply(FIELD_MANAGER).force();
     match mine {
         Some(t) => {
-            let lb: Vec<_> = public.iter().map(|h| json!({ "hostname": h })).collect();
+            let https = base.edge_info.public_https_port;
+            let lb: Vec<_> =
+                public.iter().map(|(h, connected)| ingress_entry(h, https, *connected)).collect();
             let status = json!({
                 "apiVersion": "networking.k8s.io/v1",
                 "kind": "Ingress",
@@ -704,8 +712,19 @@ async fn apply(ing: Arc<Ingress>, ctx: &Ctx, ns: &str) -> Result<Action, Error> 
     Ok(Action::requeue(if pending { base.resync.min(Duration::from_secs(5)) } else { base.resync }))
 }
 
-fn error_policy(_ing: Arc<Ingress>, e: &Error, _ctx: Arc<Ctx>) -> Action {
-    warn!(error = %e, category = e.category(), "Ingress reconcile failed; retrying");
+/// One `status.loadBalancer.ingress[]` entry of an Ingress: the public host
+/// name and HTTPS port, with the error `culvert.dev/NoAgent` while no agent
+/// is connected.
+fn ingress_entry(host: &str, https_port: u16, connected: bool) -> serde_json::Value {
+    let mut port = json!({ "port": https_port, "protocol": "TCP" });
+    if !connected {
+        port["error"] = json!(super::tunnel::PORT_ERROR_NO_AGENT);
+    }
+    json!({ "hostname": host, "ports": [port] })
+}
+
+fn error_policy(obj: Arc<Ingress>, e: &Error, _ctx: Arc<Ctx>) -> Action {
+    super::log_failure("Ingress", obj.meta(), e);
     Action::requeue(Duration::from_secs(5))
 }
 

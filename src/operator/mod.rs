@@ -65,8 +65,9 @@ pub mod names {
     /// `spec.loadBalancerClass` of the Services culvert always manages.
     pub const LOAD_BALANCER_CLASS: &str = "culvert.dev/tunnel";
 
-    /// Service annotation: `"0"` leaves a class-less LoadBalancer Service
-    /// alone; `"1"` opts it in under `--annotated-only`.
+    /// Service annotation: `"1"` publishes a class-less LoadBalancer Service
+    /// (in any namespace); `"0"` leaves it alone under
+    /// `--manage-classless-load-balancers`.
     pub const ANNOTATION_MANAGE: &str = "culvert.dev/manage";
     /// Service annotation written by the operator: `servicePort=publicPort,…`.
     pub const ANNOTATION_PUBLIC_PORTS: &str = "culvert.dev/public-ports";
@@ -147,9 +148,20 @@ pub struct OperatorArgs {
     /// Watch only this namespace (default: all namespaces).
     #[arg(long, env = "CULVERT_WATCH_NAMESPACE")]
     pub watch_namespace: Option<String>,
-    /// Manage only LoadBalancer Services annotated `culvert.dev/manage: "1"`
-    /// (and those of class `culvert.dev/tunnel`), not every class-less one.
-    #[arg(long, env = "CULVERT_ANNOTATED_ONLY", value_parser = clap::builder::BoolishValueParser::new())]
+    /// Also publish every LoadBalancer Service without a loadBalancerClass
+    /// (the inlets-operator behaviour), unless annotated `culvert.dev/manage:
+    /// "0"`; never in kube-system unless annotated `"1"`. Off: only class
+    /// `culvert.dev/tunnel` and the annotated `"1"`.
+    #[arg(
+        long,
+        env = "CULVERT_MANAGE_CLASSLESS_LOAD_BALANCERS",
+        value_parser = clap::builder::BoolishValueParser::new(),
+        conflicts_with = "annotated_only"
+    )]
+    pub manage_classless_load_balancers: bool,
+    /// Deprecated no-op: managing only class `culvert.dev/tunnel` and the
+    /// annotated is now the default.
+    #[arg(long, env = "CULVERT_ANNOTATED_ONLY", hide = true, value_parser = clap::builder::BoolishValueParser::new())]
     pub annotated_only: bool,
     /// An Ingress host without a Domain in its namespace: create one (`auto`)
     /// or wait for one (`require`).
@@ -191,6 +203,50 @@ impl Error {
     }
 }
 
+impl Error {
+    /// A race with a deletion, not a failure: the object (or one this
+    /// reconcile writes, or the reservation at the edge it refers to) is
+    /// already gone (404), or it is being deleted
+    /// (`deleting`) and changed under us (409, 422). The deletion's own watch
+    /// event brings the next reconcile.
+    pub fn is_deletion_race(&self, deleting: bool) -> bool {
+        use kube::runtime::finalizer::Error as F;
+        let code = |e: &kube::Error| match e {
+            kube::Error::Api(s) => Some(s.code),
+            _ => None,
+        };
+        let code = match self {
+            Error::Kube(e) => code(e),
+            // The edge no longer has what the object refers to (a Domain or
+            // TcpPort released a moment ago); the status says so if it lasts.
+            Error::Edge(crate::admin::AdminError::Refused { status, .. }) => Some(*status),
+            Error::Finalizer(f) => match &**f {
+                F::ApplyFailed(e) | F::CleanupFailed(e) => return e.is_deletion_race(deleting),
+                F::AddFinalizer(e) | F::RemoveFinalizer(e) => code(e),
+                _ => None,
+            },
+            _ => None,
+        };
+        match code {
+            Some(404) => true,
+            Some(409 | 422) => deleting,
+            _ => false,
+        }
+    }
+}
+
+/// Logs a failed reconcile of a `kind` object: a warning, except for a race
+/// with its deletion (debug: nothing is wrong, and the next event retries).
+pub fn log_failure(kind: &str, meta: &kube::api::ObjectMeta, e: &Error) {
+    let name = meta.name.as_deref().unwrap_or_default();
+    let namespace = meta.namespace.as_deref().unwrap_or_default();
+    if e.is_deletion_race(meta.deletion_timestamp.is_some()) {
+        tracing::debug!(kind, namespace, name, error = %e, "reconcile raced with a deletion; retrying");
+    } else {
+        warn!(kind, namespace, name, error = %e, category = e.category(), "reconcile failed; retrying");
+    }
+}
+
 /// What every reconcile shares.
 pub struct Context {
     pub client: Client,
@@ -207,7 +263,8 @@ pub struct Context {
     pub watch_namespace: Option<String>,
     /// What the edge said about itself at start (domain, TCP range, public host).
     pub edge_info: crate::api::Info,
-    pub annotated_only: bool,
+    /// `--manage-classless-load-balancers`.
+    pub manage_classless: bool,
     pub domain_policy: DomainPolicy,
 }
 
@@ -252,26 +309,100 @@ async fn check_crds(client: &Client, namespace: Option<&str>) -> Result<(), Stri
     Ok(())
 }
 
+/// Where the operator runs: in a pod its advice names the chart's values,
+/// elsewhere the flags.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Place {
+    Pod,
+    Shell,
+}
+
+impl Place {
+    /// A pod: Kubernetes sets `KUBERNETES_SERVICE_HOST` in every container.
+    pub fn detect() -> Place {
+        match std::env::var_os("KUBERNETES_SERVICE_HOST") {
+            Some(v) if !v.is_empty() => Place::Pod,
+            _ => Place::Shell,
+        }
+    }
+}
+
+/// Why the operator cannot use the edge at `edge` and what to do about it,
+/// for the real cause (the network, TLS, the key), in the words of `place`.
+pub fn edge_start_error(e: &crate::admin::AdminError, edge: &str, place: Place) -> String {
+    use crate::admin::AdminError as E;
+    let (url, ca, key, proxy) = match place {
+        Place::Pod => (
+            "the chart value edge.url (or the edge-url key of the credentials Secret)",
+            "the chart value edge.caBundle",
+            "the credentials Secret (chart value credentials.existingSecret, or credentials.apiKey)",
+            "the chart value proxy.httpsProxy",
+        ),
+        Place::Shell => (
+            "--edge (CULVERT_EDGE)",
+            "--ca-file (CULVERT_CA_FILE)",
+            "--api-key (CULVERT_API_KEY)",
+            "HTTPS_PROXY",
+        ),
+    };
+    let make_key = "`culvert admin api-key create --name operator --scope endpoints` on the edge";
+    match e {
+        E::Connect { source, .. } if crate::admin::is_tls_error(source) => format!(
+            "the edge at {edge} has a certificate the operator does not trust ({source}): for an edge \
+             started with --self-signed or a private CA, give its CA certificate (the edge's DATA_DIR/ca.pem) \
+             in {ca}; a public edge needs a certificate for the host name of {url}"
+        ),
+        E::Connect { source, .. } => format!(
+            "cannot reach the edge at {edge} ({source}): check {url}, that its host name resolves from here, \
+             and that no firewall between here and the edge blocks its HTTPS port; behind an outbound \
+             proxy, set {proxy}"
+        ),
+        E::Refused { status: 401, message, .. } => format!(
+            "the edge at {edge} does not accept the operator's API key ({message}): make one with {make_key} \
+             and put it in {key}"
+        ),
+        E::Refused { status: 403, message, .. } => format!(
+            "the edge at {edge} refused the operator's API key ({message}): the operator needs a key of scope \
+             endpoints, made with {make_key}, in {key}"
+        ),
+        E::Refused { .. } | E::UnexpectedAnswer { .. } => {
+            format!("{e}: is {url} the URL of a culvert edge (and of the same culvert version)?")
+        }
+        E::CaFile(err) => {
+            format!("cannot load the edge's CA certificate ({err}): {ca} must hold PEM certificates")
+        }
+        E::BadEdge(_) => format!("{e}: set {url}"),
+        other => other.to_string(),
+    }
+}
+
+/// Why the Kubernetes API cannot be used, in the words of `place`.
+fn kube_start_error(e: &dyn std::fmt::Display, place: Place) -> String {
+    match place {
+        Place::Pod => format!(
+            "cannot reach the Kubernetes API from the pod ({e}): the ServiceAccount token must be mounted \
+             (automountServiceAccountToken) and egress to the API server allowed (NetworkPolicy)"
+        ),
+        Place::Shell => format!("cannot reach the Kubernetes API ({e}): set KUBECONFIG, or run in a pod"),
+    }
+}
+
 /// `culvert operator`: runs until SIGINT/SIGTERM.
 pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
     tokio::spawn(crate::shutdown_on_signal(shutdown.clone()));
-    let client = Client::try_default().await.map_err(|e| {
-        anyhow::anyhow!("cannot reach the Kubernetes API ({e}): run in a pod or set KUBECONFIG")
-    })?;
+    let client =
+        Client::try_default().await.map_err(|e| anyhow::anyhow!(kube_start_error(&e, Place::detect())))?;
     start(client, args, shutdown).await
 }
 
 /// Runs the operator with `client` until `shutdown` (tests call this directly).
 pub async fn start(client: Client, args: OperatorArgs, shutdown: CancellationToken) -> anyhow::Result<()> {
     check_crds(&client, args.watch_namespace.as_deref()).await.map_err(anyhow::Error::msg)?;
-    let edge = EdgeClient::new(&args.edge, &args.api_key, args.ca_file.as_deref())?;
-    let info = edge.check().await.map_err(|e| {
-        anyhow::anyhow!(
-            "the edge refused the operator's API key or cannot be reached: {e}. \
-             Create an endpoints key with `culvert admin api-key create --name operator --scope endpoints`"
-        )
-    })?;
+    let place = Place::detect();
+    let advice = |e: crate::admin::AdminError| anyhow::anyhow!(edge_start_error(&e, &args.edge, place));
+    let edge = EdgeClient::new(&args.edge, &args.api_key, args.ca_file.as_deref()).map_err(advice)?;
+    let info = edge.check().await.map_err(advice)?;
     let cluster_id = Api::<Namespace>::all(client.clone())
         .get("kube-system")
         .await?
@@ -280,6 +411,13 @@ pub async fn start(client: Client, args: OperatorArgs, shutdown: CancellationTok
         .ok_or_else(|| anyhow::anyhow!("the kube-system namespace has no uid"))?;
     let identity = args.identity.clone().unwrap_or_else(|| format!("culvert-{}", crate::agent::agent_id()));
     info!(edge = %args.edge, domain = %info.domain, cluster = %cluster_id, %identity, "operator starting");
+    if args.annotated_only {
+        warn!(
+            "--annotated-only (CULVERT_ANNOTATED_ONLY, chart value annotatedOnly) is deprecated and does \
+             nothing: publishing only LoadBalancer Services of class culvert.dev/tunnel or annotated \
+             culvert.dev/manage: \"1\" is now the default; remove it"
+        );
+    }
 
     let metrics = status::Metrics::default();
     let ctx = Arc::new(Context {
@@ -296,7 +434,7 @@ pub async fn start(client: Client, args: OperatorArgs, shutdown: CancellationTok
         edge_domain: info.domain.clone(),
         watch_namespace: args.watch_namespace.clone(),
         edge_info: info.clone(),
-        annotated_only: args.annotated_only,
+        manage_classless: args.manage_classless_load_balancers,
         domain_policy: args.domain_policy,
     });
 
@@ -348,4 +486,122 @@ async fn controllers(ctx: Arc<Context>, stop: CancellationToken) {
         ingress::run(ctx.clone(), stop.clone()),
         service::run(ctx.clone(), stop.clone()),
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn api(code: u16) -> kube::Error {
+        kube::Error::Api(kube::core::Status::failure("x", "y").with_code(code).boxed())
+    }
+
+    #[test]
+    fn start_up_errors_say_what_to_do_where_the_operator_runs() {
+        use crate::admin::AdminError as E;
+        let refused = |status: u16| E::Refused { status, code: "x".into(), message: "no such key".into() };
+        let tls_error = || E::Connect {
+            url: "https://edge.example.com/v1/info".into(),
+            source: ureq::Error::Rustls(rustls::Error::InvalidCertificate(
+                rustls::CertificateError::UnknownIssuer,
+            )),
+            hint: "",
+        };
+        let unreachable = || E::Connect {
+            url: "https://edge.example.com/v1/info".into(),
+            source: ureq::Error::Io(std::io::Error::from(std::io::ErrorKind::ConnectionRefused)),
+            hint: "",
+        };
+        // (error, place, what the message must name, what it must not)
+        let table: Vec<(E, Place, &[&str], &[&str])> = vec![
+            (tls_error(), Place::Pod, &["does not trust", "edge.caBundle", "ca.pem"], &["--ca-file"]),
+            (tls_error(), Place::Shell, &["does not trust", "--ca-file"], &["edge.caBundle"]),
+            (
+                unreachable(),
+                Place::Pod,
+                &["cannot reach", "firewall", "edge.url", "proxy.httpsProxy"],
+                &["trust"],
+            ),
+            (
+                unreachable(),
+                Place::Shell,
+                &["cannot reach", "firewall", "--edge", "HTTPS_PROXY"],
+                &["edge.url"],
+            ),
+            (
+                refused(401),
+                Place::Pod,
+                &["does not accept", "credentials.existingSecret", "--scope endpoints"],
+                &["--api-key"],
+            ),
+            (refused(401), Place::Shell, &["does not accept", "--api-key"], &["credentials."]),
+            (refused(403), Place::Pod, &["scope", "endpoints", "credentials.existingSecret"], &[]),
+            (refused(500), Place::Pod, &["URL of a culvert edge", "edge.url"], &[]),
+            (E::BadEdge("edge".into()), Place::Pod, &["edge.url"], &[]),
+        ];
+        for (e, place, must, must_not) in table {
+            let m = edge_start_error(&e, "https://edge.example.com", place);
+            for part in must {
+                assert!(m.contains(part), "{place:?} {e:?}: `{part}` missing in: {m}");
+            }
+            for part in must_not {
+                assert!(!m.contains(part), "{place:?} {e:?}: `{part}` in: {m}");
+            }
+        }
+        assert!(kube_start_error(&"x", Place::Pod).contains("automountServiceAccountToken"));
+        assert!(kube_start_error(&"x", Place::Shell).contains("KUBECONFIG"));
+    }
+
+    #[test]
+    fn deletion_races_are_not_failures() {
+        use kube::runtime::finalizer::Error as F;
+        let fin = |e: F<Error>| Error::Finalizer(Box::new(e));
+        // (error, being deleted, a race?)
+        let table = [
+            (Error::Kube(api(404)), false, true),
+            (Error::Kube(api(404)), true, true),
+            (Error::Kube(api(409)), true, true),
+            (Error::Kube(api(409)), false, false),
+            (Error::Kube(api(422)), true, true),
+            (Error::Kube(api(500)), true, false),
+            (Error::Kube(api(403)), false, false),
+            (
+                Error::Edge(crate::admin::AdminError::Refused {
+                    status: 404,
+                    code: "not_found".into(),
+                    message: "gone".into(),
+                }),
+                false,
+                true,
+            ),
+            (
+                Error::Edge(crate::admin::AdminError::Refused {
+                    status: 401,
+                    code: "unknown_key".into(),
+                    message: "no".into(),
+                }),
+                false,
+                false,
+            ),
+            (
+                fin(F::ApplyFailed(Error::Edge(crate::admin::AdminError::Refused {
+                    status: 404,
+                    code: "not_found".into(),
+                    message: "gone".into(),
+                }))),
+                false,
+                true,
+            ),
+            (fin(F::ApplyFailed(Error::Kube(api(404)))), false, true),
+            (fin(F::CleanupFailed(Error::Kube(api(500)))), true, false),
+            (fin(F::AddFinalizer(api(422))), true, true),
+            (fin(F::RemoveFinalizer(api(404))), true, true),
+            (fin(F::UnnamedObject), true, false),
+            (Error::Invalid("bad".into()), true, false),
+            (Error::Waiting("later".into()), false, false),
+        ];
+        for (e, deleting, race) in table {
+            assert_eq!(e.is_deletion_race(deleting), race, "{e} (deleting: {deleting})");
+        }
+    }
 }

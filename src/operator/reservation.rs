@@ -13,7 +13,7 @@ use kube::runtime::watcher;
 use kube::{Api, Resource, ResourceExt};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
-use tracing::{Instrument, info, warn};
+use tracing::{Instrument, info};
 
 use super::names::{FINALIZER, LABEL_CLUSTER, LABEL_KIND, LABEL_NAME, LABEL_NAMESPACE, LABEL_UID};
 use super::status::{apply_status, carry_transition, event, fresh_for_finalizer, ready};
@@ -403,8 +403,8 @@ async fn reconcile<K: Reserved>(obj: Arc<K>, ctx: Arc<Context>) -> Result<Action
     ctx.metrics.measure(K::KIND, reconcile).await
 }
 
-fn error_policy<K: Reserved>(_obj: Arc<K>, e: &Error, _ctx: Arc<Context>) -> Action {
-    warn!(kind = K::KIND, error = %e, category = e.category(), "reconcile failed; retrying");
+fn error_policy<K: Reserved>(obj: Arc<K>, e: &Error, _ctx: Arc<Context>) -> Action {
+    super::log_failure(K::KIND, obj.meta(), e);
     Action::requeue(std::time::Duration::from_secs(5))
 }
 

@@ -4,10 +4,12 @@
 //! tcp), both owned by the Service; the public address goes to
 //! `status.loadBalancer` and the annotation `culvert.dev/public-ports`.
 //!
-//! Which Services: type LoadBalancer with `loadBalancerClass:
-//! culvert.dev/tunnel` always; with no class, unless annotated
-//! `culvert.dev/manage: "0"` (or, with `--annotated-only`, only when annotated
-//! `culvert.dev/manage: "1"`); other classes never.
+//! Which Services (safe by default: nothing is published that did not ask):
+//! type LoadBalancer with `loadBalancerClass: culvert.dev/tunnel`, or with no
+//! class and annotated `culvert.dev/manage: "1"`; other classes never. With
+//! `--manage-classless-load-balancers` (the inlets-operator behaviour) also
+//! every class-less one not annotated `"0"`, except in `kube-system` (where a
+//! stock k3s has Traefik), which still needs the annotation `"1"`.
 //!
 //! Deleting the Service removes the owned objects (garbage collector) and
 //! their finalizers release the ports (unless `culvert.dev/reclaim-policy:
@@ -21,13 +23,15 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::watcher;
 use kube::{Api, Resource, ResourceExt};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
-use tracing::{Instrument, info, warn};
+use tracing::{Instrument, info};
 
 use super::ingress::Ctx;
 use super::names::{
@@ -40,8 +44,13 @@ use crate::crd::{Condition, ProxyProtocol, ReclaimPolicy, TcpPort, Tunnel};
 /// Value of [`LABEL_MANAGED_BY`] on what this controller makes.
 const MANAGED_BY: &str = "service";
 
-/// Is this Service published by culvert?
-pub fn is_managed(svc: &Service, annotated_only: bool) -> bool {
+/// The namespace where class-less LoadBalancers are never taken without the
+/// annotation `culvert.dev/manage: "1"` (k3s puts Traefik there).
+const SYSTEM_NAMESPACE: &str = "kube-system";
+
+/// Is this Service published by culvert? `manage_classless`:
+/// `--manage-classless-load-balancers`.
+pub fn is_managed(svc: &Service, manage_classless: bool) -> bool {
     let Some(spec) = &svc.spec else { return false };
     if spec.type_.as_deref() != Some("LoadBalancer") {
         return false;
@@ -50,7 +59,9 @@ pub fn is_managed(svc: &Service, annotated_only: bool) -> bool {
     match spec.load_balancer_class.as_deref() {
         Some(LOAD_BALANCER_CLASS) => true,
         Some(_) => false,
-        None if annotated_only => manage == Some("1"),
+        None if manage == Some("1") => true,
+        None if !manage_classless => false,
+        None if svc.namespace().as_deref() == Some(SYSTEM_NAMESPACE) => false,
         None => manage != Some("0"),
     }
 }
@@ -214,9 +225,79 @@ async fn withdraw(svc: &Service, ctx: &Ctx, ns: &str) -> Result<bool, Error> {
     Ok(true)
 }
 
-/// The edge's public address for `status.loadBalancer.ingress[]`.
-async fn lb_ingress(host: &str, ports: &[u16]) -> serde_json::Value {
-    let ports: Vec<_> = ports.iter().map(|p| json!({ "port": p, "protocol": "TCP" })).collect();
+/// The condition type on a managed Service's `status.conditions`: every
+/// port published and an agent connected for each.
+pub const SERVICE_CONNECTED: &str = "culvert.dev/Connected";
+
+/// One Service port as the status sees it: the Service port, and once
+/// published its public port and whether an agent is connected.
+type PortState = (u16, Option<(u16, bool)>);
+
+/// `(status, reason, message)` of [`SERVICE_CONNECTED`].
+pub fn service_condition(ports: &[PortState]) -> (&'static str, &'static str, String) {
+    let pending: Vec<String> =
+        ports.iter().filter(|(_, p)| p.is_none()).map(|(s, _)| s.to_string()).collect();
+    let offline: Vec<String> = ports
+        .iter()
+        .filter_map(|(s, p)| {
+            p.filter(|(_, connected)| !connected).map(|(public, _)| format!("{s} (public {public})"))
+        })
+        .collect();
+    if ports.is_empty() {
+        return ("False", "NotPublished", "the Service has no TCP port to publish".into());
+    }
+    if !offline.is_empty() {
+        let message = format!(
+            "no agent connected at the edge for port(s) {}: {}",
+            offline.join(", "),
+            super::tunnel::NO_AGENT_HINT
+        );
+        ("False", "NoAgent", message)
+    } else if !pending.is_empty() {
+        (
+            "False",
+            "NotPublished",
+            format!("port(s) {} not published yet (see the events)", pending.join(", ")),
+        )
+    } else {
+        ("True", "AgentsConnected", "every port is published and has an agent connected at the edge".into())
+    }
+}
+
+/// The condition for `status.conditions`, keeping the transition time of `old`.
+fn service_condition_json(svc: &Service, ports: &[PortState]) -> serde_json::Value {
+    let (status, reason, message) = service_condition(ports);
+    let old = svc
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|cs| cs.iter().find(|c| c.type_ == SERVICE_CONNECTED))
+        .filter(|c| c.status == status && c.reason == reason);
+    let since = old.map(|c| c.last_transition_time.clone()).unwrap_or_else(|| Time(Timestamp::now()));
+    json!({
+        "type": SERVICE_CONNECTED,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": since,
+        "observedGeneration": svc.metadata.generation,
+    })
+}
+
+/// The edge's public address for `status.loadBalancer.ingress[]`: each
+/// public port, with the error `culvert.dev/NoAgent` while no agent is
+/// connected for it.
+async fn lb_ingress(host: &str, ports: &[(u16, bool)]) -> serde_json::Value {
+    let ports: Vec<_> = ports
+        .iter()
+        .map(|(p, connected)| {
+            let mut port = json!({ "port": p, "protocol": "TCP" });
+            if !connected {
+                port["error"] = json!(super::tunnel::PORT_ERROR_NO_AGENT);
+            }
+            port
+        })
+        .collect();
     if host.parse::<IpAddr>().is_ok() {
         return json!({ "ip": host, "ports": ports });
     }
@@ -232,7 +313,7 @@ async fn apply(svc: Arc<Service>, ctx: &Ctx, ns: &str) -> Result<Action, Error> 
     if svc.metadata.deletion_timestamp.is_some() {
         return Ok(Action::await_change());
     }
-    if !is_managed(&svc, base.annotated_only) {
+    if !is_managed(&svc, base.manage_classless) {
         if touched(&svc) && !withdraw(&svc, ctx, ns).await? {
             // Children still being finalized: their deletion brings us back,
             // the requeue in case a watch event is missed.
@@ -265,11 +346,13 @@ async fn apply(svc: Arc<Service>, ctx: &Ctx, ns: &str) -> Result<Action, Error> 
     });
 
     let mut published: Vec<(u16, u16)> = Vec::new();
+    let mut states: Vec<PortState> = Vec::new();
     let mut host = None;
     let mut problems = Vec::new();
     for (p, want) in plan.ports.iter().zip(wanted) {
         let existing = existing_ports.get(&p.name);
         if want.is_none() && existing.is_none() && !specific_settled {
+            states.push((p.port, None));
             continue;
         }
         let mut spec = json!({ "reclaimPolicy": format!("{:?}", plan.reclaim) });
@@ -293,6 +376,12 @@ async fn apply(svc: Arc<Service>, ctx: &Ctx, ns: &str) -> Result<Action, Error> 
         let tunnel = tunnel_api.patch(&p.name, &pp, &Patch::Apply(&body)).await?;
 
         let status = tcp_port.status.unwrap_or_default();
+        let tunnel_conditions = tunnel.status.as_ref().map(|s| s.conditions.as_slice()).unwrap_or_default();
+        let connected = super::tunnel::is_connected(tunnel_conditions);
+        states.push((
+            p.port,
+            status.port.filter(|_| status.address.is_some()).map(|public| (public, connected)),
+        ));
         match (status.port, status.address) {
             (Some(public), Some(address)) => {
                 published.push((p.port, public));
@@ -306,7 +395,10 @@ async fn apply(svc: Arc<Service>, ctx: &Ctx, ns: &str) -> Result<Action, Error> 
             }
         }
         let tunnel_cond = tunnel.status.as_ref().and_then(|s| ready_condition(&s.conditions));
-        if let Some(c) = tunnel_cond.filter(|c| c.status == "False" && c.reason != "Waiting") {
+        // Waiting (for the port) and NoAgent (the condition says it) are no problems to warn about.
+        if let Some(c) = tunnel_cond
+            .filter(|c| c.status == "False" && !["Waiting", "NoAgent"].contains(&c.reason.as_str()))
+        {
             problems.push(format!("port {}: Tunnel {}: {}", p.port, p.name, c.message));
         }
     }
@@ -328,18 +420,26 @@ async fn apply(svc: Arc<Service>, ctx: &Ctx, ns: &str) -> Result<Action, Error> 
     api.patch(&svc.name_any(), &pp, &Patch::Apply(&meta)).await?;
     let lb = match &host {
         Some(h) if !published.is_empty() => {
-            let ports: Vec<u16> = published.iter().map(|(_, p)| *p).collect();
+            let ports: Vec<(u16, bool)> = states.iter().filter_map(|(_, p)| *p).collect();
             json!({ "ingress": [lb_ingress(h, &ports).await] })
         }
         _ => json!({}),
     };
-    let status = json!({ "apiVersion": "v1", "kind": "Service", "status": { "loadBalancer": lb } });
+    let connected = service_condition_json(&svc, &states);
+    let status = json!({ "apiVersion": "v1", "kind": "Service",
+        "status": { "loadBalancer": lb, "conditions": [connected] } });
     api.patch_status(&svc.name_any(), &pp, &Patch::Apply(&status)).await?;
 
-    // Events, on transitions.
-    if let Some(h) = &host {
+    // Events, on transitions. (The event recorder folds later events of the
+    // same reason into the first one, note and all: so Published once every
+    // port has its public port, naming them all.)
+    if let Some(h) = host.as_ref().filter(|_| published.len() == plan.ports.len()) {
         let what: Vec<String> = published.iter().map(|(s, p)| format!("port {s} → {h}:{p}")).collect();
         ctx.report(&*svc, "published", false, "Published", what.join(", ")).await;
+    }
+    let (_, reason, message) = service_condition(&states);
+    if reason != "NotPublished" {
+        ctx.report(&*svc, "connected", false, reason, message).await;
     }
     for (topic, list, reason) in [
         ("rejected", &plan.rejected, "UnsupportedProtocol"),
@@ -352,6 +452,7 @@ async fn apply(svc: Arc<Service>, ctx: &Ctx, ns: &str) -> Result<Action, Error> 
             ctx.report(&*svc, topic, true, reason, list.join("; ")).await;
         }
     }
+    // Not connected: the Tunnel's status changes when an agent connects, and brings us back.
     let pending = published.len() < plan.ports.len();
     Ok(Action::requeue(if pending { base.resync.min(Duration::from_secs(5)) } else { base.resync }))
 }
@@ -362,8 +463,8 @@ async fn reconcile(svc: Arc<Service>, ctx: Arc<Ctx>) -> Result<Action, Error> {
     ctx.base.metrics.measure("Service", apply(svc.clone(), &ctx, &ns).instrument(span)).await
 }
 
-fn error_policy(_svc: Arc<Service>, e: &Error, _ctx: Arc<Ctx>) -> Action {
-    warn!(error = %e, category = e.category(), "Service reconcile failed; retrying");
+fn error_policy(obj: Arc<Service>, e: &Error, _ctx: Arc<Ctx>) -> Action {
+    super::log_failure("Service", obj.meta(), e);
     Action::requeue(Duration::from_secs(5))
 }
 
@@ -393,32 +494,42 @@ mod tests {
 
     #[test]
     fn which_services_are_managed() {
-        let lb = |extra: &str| {
-            service(&format!(
-                "apiVersion: v1\nkind: Service\nmetadata:\n  name: db\n{extra}spec:\n  type: LoadBalancer\n  ports: [{{port: 5432}}]\n"
-            ))
+        let svc = |ns: &str, class: Option<&str>, manage: Option<&str>, type_: &str| {
+            let mut v = json!({"apiVersion": "v1", "kind": "Service",
+                "metadata": {"name": "db", "namespace": ns},
+                "spec": {"type": type_, "ports": [{"port": 5432}]}});
+            if let Some(c) = class {
+                v["spec"]["loadBalancerClass"] = json!(c);
+            }
+            if let Some(m) = manage {
+                v["metadata"]["annotations"] = json!({ANNOTATION_MANAGE: m});
+            }
+            serde_json::from_value::<Service>(v).unwrap()
         };
-        let class = |c: &str| {
-            service(&format!(
-                "apiVersion: v1\nkind: Service\nmetadata: {{name: db}}\nspec: {{type: LoadBalancer, loadBalancerClass: {c}, ports: [{{port: 5432}}]}}\n"
-            ))
-        };
-        let opt_out = "  annotations: {culvert.dev/manage: \"0\"}\n";
-        let opt_in = "  annotations: {culvert.dev/manage: \"1\"}\n";
-        // Default: every class-less LoadBalancer unless opted out.
-        assert!(is_managed(&lb(""), false));
-        assert!(!is_managed(&lb(opt_out), false));
-        assert!(is_managed(&lb(opt_in), false));
-        // --annotated-only: only the opted-in.
-        assert!(!is_managed(&lb(""), true));
-        assert!(is_managed(&lb(opt_in), true));
-        // Our class always, other classes never.
-        assert!(is_managed(&class("culvert.dev/tunnel"), true));
-        assert!(!is_managed(&class("metallb.io/x"), false));
-        // Not a LoadBalancer.
-        let cluster_ip =
-            service("apiVersion: v1\nkind: Service\nmetadata: {name: db}\nspec: {ports: [{port: 1}]}\n");
-        assert!(!is_managed(&cluster_ip, false));
+        let ours = Some("culvert.dev/tunnel");
+        let other = Some("metallb.io/x");
+        // (namespace, class, annotation, type, managed by default, managed with the opt-in)
+        let table = [
+            ("apps", None, None, "LoadBalancer", false, true),
+            ("apps", None, Some("1"), "LoadBalancer", true, true),
+            ("apps", None, Some("0"), "LoadBalancer", false, false),
+            ("apps", None, Some("yes"), "LoadBalancer", false, true),
+            ("kube-system", None, None, "LoadBalancer", false, false),
+            ("kube-system", None, Some("0"), "LoadBalancer", false, false),
+            ("kube-system", None, Some("1"), "LoadBalancer", true, true),
+            ("apps", ours, None, "LoadBalancer", true, true),
+            ("kube-system", ours, None, "LoadBalancer", true, true),
+            ("apps", other, None, "LoadBalancer", false, false),
+            ("apps", other, Some("1"), "LoadBalancer", false, false),
+            ("apps", None, Some("1"), "ClusterIP", false, false),
+            ("apps", None, None, "NodePort", false, false),
+        ];
+        for (ns, class, manage, type_, by_default, opted_in) in table {
+            let s = svc(ns, class, manage, type_);
+            let case = format!("{ns} {class:?} {manage:?} {type_}");
+            assert_eq!(is_managed(&s, false), by_default, "default: {case}");
+            assert_eq!(is_managed(&s, true), opted_in, "--manage-classless-load-balancers: {case}");
+        }
     }
 
     #[test]
@@ -473,6 +584,29 @@ spec:
             "apiVersion: culvert.dev/v1alpha1\nkind: TcpPort\nmetadata: {name: p}\nspec: {port: 20005}\n",
         );
         assert_eq!(wanted_port(20005, range, Some(&fine)), Some(20005));
+    }
+
+    #[test]
+    fn the_service_condition_says_what_is_missing() {
+        // (ports, status, reason, message part)
+        let table: [(&[PortState], &str, &str, &str); 6] = [
+            (&[], "False", "NotPublished", "no TCP port"),
+            (&[(5432, Some((20005, true)))], "True", "AgentsConnected", "every port"),
+            (&[(5432, Some((20005, false)))], "False", "NoAgent", "5432 (public 20005)"),
+            (&[(5432, Some((20005, true))), (80, None)], "False", "NotPublished", "port(s) 80"),
+            (&[(5432, Some((20005, false))), (80, None)], "False", "NoAgent", "edge.caBundle"),
+            (
+                &[(5432, Some((20005, true))), (80, Some((20006, false)))],
+                "False",
+                "NoAgent",
+                "80 (public 20006)",
+            ),
+        ];
+        for (ports, status, reason, part) in table {
+            let (s, r, m) = service_condition(ports);
+            assert_eq!((s, r), (status, reason), "{ports:?}");
+            assert!(m.contains(part), "{ports:?}: {m}");
+        }
     }
 
     #[test]

@@ -157,6 +157,30 @@ pub fn ready(ok: bool, reason: &str, message: impl Into<String>, generation: Opt
     }
 }
 
+/// A condition of type `type_`; `status` is `True`, `False` or `Unknown`.
+pub fn condition(
+    type_: &str,
+    status: &str,
+    reason: &str,
+    message: impl Into<String>,
+    generation: Option<i64>,
+) -> Condition {
+    Condition {
+        type_: type_.into(),
+        status: status.into(),
+        reason: reason.into(),
+        message: message.into(),
+        last_transition_time: Some(Timestamp::now().to_string()),
+        observed_generation: generation,
+    }
+}
+
+/// How long ago a condition last changed (zero when unknown or in the future).
+pub fn since_transition(c: &Condition) -> std::time::Duration {
+    let then = c.last_transition_time.as_deref().and_then(|t| t.parse::<Timestamp>().ok());
+    then.and_then(|t| Timestamp::now().duration_since(t).try_into().ok()).unwrap_or_default()
+}
+
 /// Keeps the transition time when the condition did not change.
 pub fn carry_transition(new: &mut Condition, old: &[Condition]) -> bool {
     match old.iter().find(|c| c.type_ == new.type_) {

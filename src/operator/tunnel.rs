@@ -20,16 +20,18 @@ use kube::runtime::watcher;
 use kube::{Api, Resource, ResourceExt};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
-use tracing::{Instrument, info, warn};
+use tracing::{Instrument, info};
 
 use super::names::{FIELD_MANAGER, FINALIZER, LABEL_TUNNEL, LABEL_UID, SECRET_KEY, SECRET_KEY_ID};
 use super::reservation::owner_labels;
-use super::status::{apply_status, carry_transition, event, fresh_for_finalizer, ready};
+use super::status::{
+    apply_status, carry_transition, condition, event, fresh_for_finalizer, since_transition,
+};
 use super::{BackendAddress, Context, Error};
 use crate::agent::guard;
 use crate::api::{CreatedTunnelKey, TunnelKey};
 use crate::crd::{
-    Domain, HttpOptions, ResolvedRoute, ServiceRef, TcpPort, Tunnel, TunnelProtocol, TunnelStatus,
+    Condition, Domain, HttpOptions, ResolvedRoute, ServiceRef, TcpPort, Tunnel, TunnelProtocol, TunnelStatus,
 };
 
 /// Name of the Secret holding a Tunnel's key.
@@ -408,6 +410,101 @@ async fn remove_auth_copy(
     Ok(())
 }
 
+/// Condition types of a Tunnel, besides `Ready` (published and connected).
+pub const PUBLISHED: &str = "Published";
+pub const CONNECTED: &str = "Connected";
+
+/// What to do about a Tunnel with no agent connected.
+pub const NO_AGENT_HINT: &str = "the culvert operator's pods carry the traffic: their logs \
+    (`kubectl logs`) say why their tunnel does not connect: the edge's URL not reachable from the \
+    cluster (a firewall, a proxy: chart value proxy.httpsProxy), the edge's certificate not trusted \
+    (chart value edge.caBundle), or the key revoked at the edge";
+
+/// The outcome of a reconcile as the conditions see it.
+pub enum Outcome {
+    /// Published at `url`: reason `Published` or `Degraded`, with a message.
+    Published { url: String, reason: &'static str, message: String, agents: u32 },
+    /// Not published: the reason and what to do.
+    Failed { reason: String, message: String },
+}
+
+/// `Published`, `Connected` and `Ready` (first: what the Ingress and Service
+/// controllers and `kubectl wait --for=condition=Ready` read): Ready only
+/// when published *and* an agent is connected at the edge.
+pub fn tunnel_conditions(outcome: &Outcome, generation: Option<i64>) -> Vec<Condition> {
+    let c = |t: &str, s: &str, r: &str, m: String| condition(t, s, r, m, generation);
+    match outcome {
+        Outcome::Failed { reason, message } => vec![
+            c("Ready", "False", reason, message.clone()),
+            c(PUBLISHED, "False", reason, message.clone()),
+            c(
+                CONNECTED,
+                "Unknown",
+                "NotPublished",
+                "no agent can connect before the Tunnel is published".into(),
+            ),
+        ],
+        Outcome::Published { url, reason, message, agents: 0 } => vec![
+            c(
+                "Ready",
+                "False",
+                "NoAgent",
+                format!(
+                    "{url} is published but no agent is connected at the edge (it answers 502): {NO_AGENT_HINT}"
+                ),
+            ),
+            c(PUBLISHED, "True", reason, message.clone()),
+            c(CONNECTED, "False", "NoAgent", format!("no agent is connected at the edge: {NO_AGENT_HINT}")),
+        ],
+        Outcome::Published { reason, message, agents, .. } => {
+            let connected = format!("{agents} agent(s) connected at the edge");
+            vec![
+                c("Ready", "True", reason, format!("{message} ({connected})")),
+                c(PUBLISHED, "True", reason, message.clone()),
+                c(CONNECTED, "True", "AgentsConnected", connected),
+            ]
+        }
+    }
+}
+
+/// `status.loadBalancer.ingress[].ports[].error` (Service and Ingress) of a
+/// port whose Tunnel has no agent connected at the edge.
+pub const PORT_ERROR_NO_AGENT: &str = "culvert.dev/NoAgent";
+
+fn condition_is_true(conditions: &[Condition], type_: &str) -> Option<bool> {
+    conditions.iter().find(|c| c.type_ == type_).map(|c| c.status == "True")
+}
+
+/// Is the Tunnel published (its address assigned, its key live)? A status
+/// written before `Published` existed has only `Ready`.
+pub fn is_published(conditions: &[Condition]) -> bool {
+    condition_is_true(conditions, PUBLISHED)
+        .or_else(|| condition_is_true(conditions, "Ready"))
+        .unwrap_or(false)
+}
+
+/// Is an agent connected at the edge (as last seen)?
+pub fn is_connected(conditions: &[Condition]) -> bool {
+    condition_is_true(conditions, CONNECTED)
+        .or_else(|| condition_is_true(conditions, "Ready"))
+        .unwrap_or(false)
+}
+
+/// When to look at the edge again while no agent is connected, `since` the
+/// Connected condition changed: at once at first (an agent connects within a
+/// second of a new key), then less often.
+pub fn unconnected_recheck(since: Duration) -> Duration {
+    match since.as_secs() {
+        0..30 => Duration::from_secs(1),
+        30..300 => Duration::from_secs(5),
+        _ => Duration::from_secs(30),
+    }
+}
+
+/// How often a connected Tunnel is checked at the edge (at least once a
+/// minute, so a lost agent shows).
+const CONNECTED_RECHECK: Duration = Duration::from_secs(60);
+
 async fn apply(t: Arc<Tunnel>, ctx: &Context) -> Result<Action, Error> {
     let api: Api<Tunnel> = Api::namespaced(ctx.client.clone(), &t.namespace().unwrap_or_default());
     let outcome = resolve(&t, ctx).await;
@@ -418,7 +515,7 @@ async fn apply(t: Arc<Tunnel>, ctx: &Context) -> Result<Action, Error> {
         key_secret: Some(secret_name(&t.name_any())),
         ..Default::default()
     };
-    let mut condition = match &outcome {
+    let found = match &outcome {
         Ok(r) => {
             status.url = Some(r.url.clone());
             status.backends = r.backends.clone();
@@ -431,38 +528,55 @@ async fn apply(t: Arc<Tunnel>, ctx: &Context) -> Result<Action, Error> {
             } else {
                 format!("{} route(s)", r.routes.len())
             };
-            let published = format!("{} → {to} ({} agent(s) connected)", r.url, r.agents);
-            if r.problems.is_empty() {
-                ready(true, "Published", published, generation)
+            let published = format!("{} → {to}", r.url);
+            let (reason, message) = if r.problems.is_empty() {
+                ("Published", published)
             } else {
                 // Still serving the other paths.
-                ready(true, "Degraded", format!("{published}; {}", r.problems.join("; ")), generation)
-            }
+                ("Degraded", format!("{published}; {}", r.problems.join("; ")))
+            };
+            Outcome::Published { url: r.url.clone(), reason, message, agents: r.agents }
         }
         Err(e @ (Error::Invalid(_) | Error::Conflict(_) | Error::Waiting(_))) => {
-            ready(false, e.category(), e.to_string(), generation)
+            Outcome::Failed { reason: e.category().into(), message: e.to_string() }
         }
-        Err(e) => ready(false, "EdgeUnavailable", format!("cannot reach the edge: {e}"), generation),
+        Err(e) => Outcome::Failed {
+            reason: "EdgeUnavailable".into(),
+            message: format!("cannot reach the edge: {e}"),
+        },
     };
-    // A transient failure keeps the last good data path running.
-    if outcome.is_err() && matches!(outcome, Err(Error::Edge(_) | Error::Kube(_))) {
+    // A transient failure keeps the last good data path running (and the
+    // agents that carry it: `Published` stays as it was).
+    let transient = matches!(outcome, Err(Error::Edge(_) | Error::Kube(_)));
+    if transient {
         status.url = old.url.clone();
         status.backends = old.backends.clone();
         status.routes = old.routes.clone();
         status.options = old.options.clone();
+        status.agents = old.agents;
     }
-    let changed = carry_transition(&mut condition, &old.conditions);
-    let failed = condition.status != "True" || condition.reason == "Degraded";
-    let (reason, message) = (condition.reason.clone(), condition.message.clone());
-    status.conditions = vec![condition];
+    let mut conditions = tunnel_conditions(&found, generation);
+    if transient && let Some(published) = old.conditions.iter().find(|c| c.type_ == PUBLISHED) {
+        conditions[1] = published.clone();
+    }
+    let changed: Vec<bool> = conditions.iter_mut().map(|c| carry_transition(c, &old.conditions)).collect();
+    let ready = conditions[0].clone();
+    let connected_since = conditions.iter().find(|c| c.type_ == CONNECTED).map(since_transition);
+    // A Tunnel waiting for its agent is not a warning (it takes a second);
+    // the condition says what to check when it lasts.
+    let warning = (ready.status != "True" && ready.reason != "NoAgent") || ready.reason == "Degraded";
+    status.conditions = conditions;
     apply_status(&api, &*t, &status).await?;
     remove_auth_copy(&t, ctx, &old, &status).await?;
-    if changed {
-        event(ctx, &*t, failed, &reason, message).await;
+    if changed[0] {
+        event(ctx, &*t, warning, &ready.reason, ready.message).await;
     }
     match outcome {
-        Ok(r) if r.agents == 0 => Ok(Action::requeue(ctx.resync.min(Duration::from_secs(5)))),
-        Ok(_) | Err(Error::Invalid(_) | Error::Conflict(_)) => Ok(Action::requeue(ctx.resync)),
+        Ok(r) if r.agents == 0 => {
+            Ok(Action::requeue(unconnected_recheck(connected_since.unwrap_or_default()).min(ctx.resync)))
+        }
+        Ok(_) => Ok(Action::requeue(ctx.resync.min(CONNECTED_RECHECK))),
+        Err(Error::Invalid(_) | Error::Conflict(_)) => Ok(Action::requeue(ctx.resync)),
         Err(Error::Waiting(_)) => Ok(Action::requeue(ctx.resync.min(Duration::from_secs(30)))),
         Err(e) => Err(e),
     }
@@ -495,8 +609,8 @@ async fn reconcile(t: Arc<Tunnel>, ctx: Arc<Context>) -> Result<Action, Error> {
     ctx.metrics.measure("Tunnel", reconcile).await
 }
 
-fn error_policy(_t: Arc<Tunnel>, e: &Error, _ctx: Arc<Context>) -> Action {
-    warn!(error = %e, category = e.category(), "Tunnel reconcile failed; retrying");
+fn error_policy(obj: Arc<Tunnel>, e: &Error, _ctx: Arc<Context>) -> Action {
+    super::log_failure("Tunnel", obj.meta(), e);
     Action::requeue(Duration::from_secs(5))
 }
 
@@ -635,6 +749,62 @@ mod tests {
         ] {
             let err = validate(&tunnel(spec.clone())).unwrap_err().to_string();
             assert!(err.contains(needle), "{spec}: {err}");
+        }
+    }
+
+    fn by_type<'a>(cs: &'a [Condition], t: &str) -> (&'a str, &'a str, &'a str) {
+        let c = cs.iter().find(|c| c.type_ == t).unwrap_or_else(|| panic!("no {t} in {cs:?}"));
+        (c.status.as_str(), c.reason.as_str(), c.message.as_str())
+    }
+
+    #[test]
+    fn ready_only_when_published_and_connected() {
+        let published = |agents| Outcome::Published {
+            url: "https://web.example.com".into(),
+            reason: "Published",
+            message: "https://web.example.com → 10.0.0.1:80".into(),
+            agents,
+        };
+        // (outcome, Ready, Published, Connected) as (status, reason).
+        let table = [
+            (published(0), ("False", "NoAgent"), ("True", "Published"), ("False", "NoAgent")),
+            (published(2), ("True", "Published"), ("True", "Published"), ("True", "AgentsConnected")),
+            (
+                Outcome::Published { url: "u".into(), reason: "Degraded", message: "m".into(), agents: 1 },
+                ("True", "Degraded"),
+                ("True", "Degraded"),
+                ("True", "AgentsConnected"),
+            ),
+            (
+                Outcome::Failed { reason: "Waiting".into(), message: "Domain web is not ready".into() },
+                ("False", "Waiting"),
+                ("False", "Waiting"),
+                ("Unknown", "NotPublished"),
+            ),
+        ];
+        for (outcome, ready, publ, conn) in table {
+            let cs = tunnel_conditions(&outcome, Some(3));
+            assert_eq!(cs[0].type_, "Ready", "Ready comes first");
+            assert!(cs.iter().all(|c| c.observed_generation == Some(3)));
+            for (t, want) in [("Ready", ready), (PUBLISHED, publ), (CONNECTED, conn)] {
+                let (status, reason, _) = by_type(&cs, t);
+                assert_eq!((status, reason), want, "{t}");
+            }
+        }
+        let cs = tunnel_conditions(&published(0), None);
+        let (_, _, message) = by_type(&cs, "Ready");
+        assert!(
+            message.contains("https://web.example.com") && message.contains("edge.caBundle"),
+            "{message}"
+        );
+        let cs = tunnel_conditions(&published(2), None);
+        assert!(by_type(&cs, "Ready").2.contains("2 agent(s) connected"));
+    }
+
+    #[test]
+    fn unconnected_tunnels_are_checked_soon_then_less_often() {
+        for (since, want) in [(0, 1), (29, 1), (30, 5), (299, 5), (300, 30), (86400, 30)] {
+            assert_eq!(unconnected_recheck(Duration::from_secs(since)), Duration::from_secs(want), "{since}");
         }
     }
 }

@@ -107,6 +107,7 @@ impl Fixture {
             backend_address: BackendAddress::Endpoints,
             admin_addr: "127.0.0.1:0".parse().unwrap(),
             watch_namespace: Some(self.ns.name.clone()),
+            manage_classless_load_balancers: false,
             annotated_only: false,
             domain_policy: DomainPolicy::Auto,
         }
