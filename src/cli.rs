@@ -63,6 +63,11 @@ pub struct EdgeArgs {
     #[arg(long, env = "CULVERT_TLS_KEY", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
 
+    /// Seconds between checks of --tls-cert/--tls-key for a new version
+    /// (certbot renewal), served without a restart; 0: only on SIGHUP.
+    #[arg(long, env = "CULVERT_TLS_WATCH_SECONDS", default_value_t = constants::DEFAULT_TLS_WATCH_SECONDS)]
+    pub tls_watch_seconds: u64,
+
     /// Make a private CA and a certificate for the domain (kept in --data-dir); for trials.
     #[arg(long, env = "CULVERT_SELF_SIGNED", value_parser = clap::builder::BoolishValueParser::new())]
     pub self_signed: bool,

@@ -5,6 +5,7 @@
 pub mod acme;
 pub mod agents;
 pub mod api;
+pub mod certfile;
 pub mod idle;
 pub mod metrics;
 pub mod public;
@@ -51,6 +52,8 @@ pub enum EdgeError {
         #[source]
         source: std::io::Error,
     },
+    #[error("failed to handle SIGHUP: {0}")]
+    Signal(#[source] std::io::Error),
     #[error(transparent)]
     Tls(#[from] TlsError),
     #[error(transparent)]
@@ -63,6 +66,7 @@ impl EdgeError {
             EdgeError::NoCertificate => "no_certificate",
             EdgeError::DataDir { .. } => "data_dir",
             EdgeError::Bind { .. } => "bind",
+            EdgeError::Signal(_) => "signal",
             EdgeError::Tls(e) => e.category(),
             EdgeError::Store(_) => "store",
         }
@@ -85,6 +89,8 @@ pub struct Edge {
     pub metrics: Metrics,
     pub api: ApiContext,
     pub certs: Arc<CertResolver>,
+    /// The `--tls-cert`/`--tls-key` files, reloaded when they change.
+    pub cert_files: Option<certfile::CertFiles>,
     /// ACME for custom domains (`--acme`).
     pub acme: Option<Arc<acme::Acme>>,
     routes: RwLock<Arc<RouteIndex>>,
@@ -101,6 +107,13 @@ pub struct Edge {
 impl Edge {
     pub fn routes(&self) -> Arc<RouteIndex> {
         self.routes.read().expect("poisoned").clone()
+    }
+
+    /// Serves a new version of the certificate files, if they changed (or
+    /// always, with `force`: SIGHUP). `None` without certificate files.
+    pub fn reload_certificate(&self, force: bool) -> Option<certfile::Reload> {
+        let files = self.cert_files.as_ref()?;
+        Some(files.check(force, |key| self.certs.set_default(key)))
     }
 
     /// The public URL of a reservation.
@@ -198,8 +211,11 @@ async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, EdgeE
 pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
     let domain = args.domain.trim().trim_end_matches('.').to_ascii_lowercase();
     // The certificate first: a missing or bad one is reported before anything is created.
+    let metrics = Metrics::default();
     let given = match (&args.tls_cert, &args.tls_key, args.self_signed) {
-        (Some(c), Some(k), _) => Some(tls::certified_key(tls::load_pem_certs(c)?, tls::load_pem_key(k)?)?),
+        (Some(c), Some(k), _) => {
+            Some(certfile::CertFiles::load(c.clone(), k.clone(), metrics.tls_reloads.clone())?)
+        }
         (_, _, true) => None,
         _ => return Err(EdgeError::NoCertificate),
     };
@@ -212,14 +228,14 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
         info!(file = %admin_key_file.display(), "created the admin key (shown once; keep the file safe)");
     }
 
-    let (certified, ca_file) = match given {
-        Some(certified) => (certified, None),
+    let (certified, ca_file, cert_files) = match given {
+        Some((files, certified)) => (certified, None, Some(files)),
         None => {
             let files = tls::self_signed(&args.data_dir, &domain)?;
             info!(ca = %files.ca_cert.display(), "serving a self-signed certificate; agents need --ca-file with this CA");
             let certified =
                 tls::certified_key(tls::load_pem_certs(&files.cert)?, tls::load_pem_key(&files.key)?)?;
-            (certified, Some(files.ca_cert))
+            (certified, Some(files.ca_cert), None)
         }
     };
     let certs = Arc::new(CertResolver::new(certified));
@@ -232,7 +248,6 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
     let (https_addr, http_addr, admin_addr) = (local(&https), local(&http), local(&admin));
 
     let public_host = args.public_host.clone().unwrap_or_else(|| domain.clone());
-    let metrics = Metrics::default();
     let shutdown = CancellationToken::new();
     let acme = match args.acme.enabled {
         true => Some(acme::Acme::new(
@@ -264,6 +279,7 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
         registry: Registry::new(metrics.streams_open.clone()),
         metrics,
         certs,
+        cert_files,
         acme: acme.clone(),
         routes: RwLock::default(),
         tcp: tcp::TcpListeners::default(),
@@ -280,7 +296,23 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
     if let Some(acme) = acme {
         tasks.spawn(acme.run());
     }
+    if edge.cert_files.is_some() && args.tls_watch_seconds > 0 {
+        tasks.spawn(watch_certificate(edge.clone(), Duration::from_secs(args.tls_watch_seconds)));
+    }
     Ok(EdgeHandle { edge, https_addr, http_addr, admin_addr, new_admin_key, admin_key_file, ca_file, tasks })
+}
+
+/// Polls the certificate files until the edge stops.
+async fn watch_certificate(edge: Arc<Edge>, every: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = edge.stopped.cancelled() => return,
+        }
+        edge.reload_certificate(false);
+    }
 }
 
 fn create_private_dir(path: &std::path::Path) -> Result<(), EdgeError> {
@@ -292,10 +324,25 @@ fn create_private_dir(path: &std::path::Path) -> Result<(), EdgeError> {
         .map_err(|source| EdgeError::DataDir { path: path.into(), source })
 }
 
-/// `culvert edge`: runs until SIGINT/SIGTERM.
+/// `culvert edge`: runs until SIGINT/SIGTERM; SIGHUP reloads the certificate files.
 pub async fn run(args: EdgeArgs) -> Result<(), EdgeError> {
+    use tokio::signal::unix::{SignalKind, signal};
     let (tcp_ports, drain_seconds): (PortRange, u64) = (args.tcp_ports, args.drain_seconds);
+    // Before anything else: from here on SIGHUP never ends the process.
+    let mut hangup = signal(SignalKind::hangup()).map_err(EdgeError::Signal)?;
     let handle = start(args).await?;
+    let edge = handle.edge.clone();
+    tokio::spawn(async move {
+        while hangup.recv().await.is_some() {
+            match edge.reload_certificate(true) {
+                Some(_) => {} // logged by the reload
+                None => info!("SIGHUP: no --tls-cert/--tls-key files to reload"),
+            }
+            if let Some(acme) = &edge.acme {
+                acme.wake();
+            }
+        }
+    });
     info!(
         https = %handle.https_addr, http = %handle.http_addr, admin = %handle.admin_addr,
         domain = %handle.edge.domain, tcp_ports = %tcp_ports, "edge ready"
