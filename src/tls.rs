@@ -101,6 +101,16 @@ pub fn certified_key(
     CertifiedKey::from_der(certs, key, &provider::default_provider()).map(Arc::new).map_err(TlsError::Key)
 }
 
+/// A certificate and key made in memory (PEM), ready to serve.
+pub fn certified_key_from_pem(cert_pem: &str, key_pem: &str) -> Result<Arc<CertifiedKey>, TlsError> {
+    let path = Path::new("(generated)");
+    let certs = CertificateDer::pem_slice_iter(cert_pem.as_bytes())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| pem_error(path, e))?;
+    let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes()).map_err(|e| pem_error(path, e))?;
+    certified_key(certs, key)
+}
+
 /// Picks the certificate by SNI: exact names first (custom domains), then
 /// the default (the edge's own `<domain>` and `*.<domain>` certificate).
 /// Certificates can be swapped without a restart. A ClientHello offering

@@ -37,8 +37,14 @@ use store::{Store, StoreError};
 /// Why the edge could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum EdgeError {
-    #[error("no certificate: give --tls-cert and --tls-key, or --self-signed for a trial")]
+    #[error(
+        "no certificate: give --tls-cert and --tls-key, --acme with --acme-dns01 (the edge obtains its own), or --self-signed for a trial"
+    )]
     NoCertificate,
+    #[error("{0}: give only one way to the edge's own certificate")]
+    TwoCertificates(&'static str),
+    #[error(transparent)]
+    Dns01(#[from] acme::dns01::Dns01Error),
     #[error("failed to create data dir {path}: {source}")]
     DataDir {
         path: PathBuf,
@@ -64,6 +70,8 @@ impl EdgeError {
     pub fn category(&self) -> &'static str {
         match self {
             EdgeError::NoCertificate => "no_certificate",
+            EdgeError::TwoCertificates(_) => "two_certificates",
+            EdgeError::Dns01(e) => e.category(),
             EdgeError::DataDir { .. } => "data_dir",
             EdgeError::Bind { .. } => "bind",
             EdgeError::Signal(_) => "signal",
@@ -212,11 +220,23 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
     let domain = args.domain.trim().trim_end_matches('.').to_ascii_lowercase();
     // The certificate first: a missing or bad one is reported before anything is created.
     let metrics = Metrics::default();
-    let given = match (&args.tls_cert, &args.tls_key, args.self_signed) {
-        (Some(c), Some(k), _) => {
-            Some(certfile::CertFiles::load(c.clone(), k.clone(), metrics.tls_reloads.clone())?)
+    let dns01 = args.acme.enabled && args.acme.dns01.is_some();
+    let acme_config = match args.acme.enabled {
+        true => {
+            Some(acme::AcmeConfig::new(&args.acme, &domain, args.public_host.as_deref().unwrap_or(&domain))?)
         }
-        (_, _, true) => None,
+        false => None,
+    };
+    let given = match (&args.tls_cert, &args.tls_key, args.self_signed) {
+        (Some(_), _, _) if dns01 => return Err(EdgeError::TwoCertificates("--tls-cert and --acme-dns01")),
+        (_, _, true) if dns01 => return Err(EdgeError::TwoCertificates("--self-signed and --acme-dns01")),
+        (Some(c), Some(k), _) => Given::Files(Box::new(certfile::CertFiles::load(
+            c.clone(),
+            k.clone(),
+            metrics.tls_reloads.clone(),
+        )?)),
+        (_, _, true) => Given::SelfSigned,
+        _ if dns01 => Given::Acme,
         _ => return Err(EdgeError::NoCertificate),
     };
     create_private_dir(&args.data_dir)?;
@@ -229,8 +249,19 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
     }
 
     let (certified, ca_file, cert_files) = match given {
-        Some((files, certified)) => (certified, None, Some(files)),
-        None => {
+        Given::Files(given) => {
+            let (files, certified) = *given;
+            (certified, None, Some(files))
+        }
+        // Until the first certificate is issued (a stored one replaces it at once).
+        Given::Acme => {
+            let pki = tls::generate_pki(&[domain.clone(), format!("*.{domain}")])?;
+            info!(
+                "no stored certificate yet: serving a temporary self-signed one until ACME DNS-01 issues the edge's own"
+            );
+            (tls::certified_key_from_pem(&pki.cert_pem, &pki.key_pem)?, None, None)
+        }
+        Given::SelfSigned => {
             let files = tls::self_signed(&args.data_dir, &domain)?;
             info!(ca = %files.ca_cert.display(), "serving a self-signed certificate; agents need --ca-file with this CA");
             let certified =
@@ -249,15 +280,15 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
 
     let public_host = args.public_host.clone().unwrap_or_else(|| domain.clone());
     let shutdown = CancellationToken::new();
-    let acme = match args.acme.enabled {
-        true => Some(acme::Acme::new(
-            acme::AcmeConfig::new(&args.acme, &domain, &public_host),
+    let acme = match acme_config {
+        Some(config) => Some(acme::Acme::new(
+            config,
             store.clone(),
             certs.clone(),
             metrics.acme_orders.clone(),
             shutdown.clone(),
         )?),
-        false => None,
+        None => None,
     };
     let edge = Arc::new_cyclic(|weak: &Weak<Edge>| Edge {
         api: ApiContext {
@@ -300,6 +331,14 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
         tasks.spawn(watch_certificate(edge.clone(), Duration::from_secs(args.tls_watch_seconds)));
     }
     Ok(EdgeHandle { edge, https_addr, http_addr, admin_addr, new_admin_key, admin_key_file, ca_file, tasks })
+}
+
+/// Where the edge's own certificate comes from.
+enum Given {
+    Files(Box<(certfile::CertFiles, Arc<rustls::sign::CertifiedKey>)>),
+    SelfSigned,
+    /// ACME DNS-01 (`--acme-dns01`).
+    Acme,
 }
 
 /// Polls the certificate files until the edge stops.
