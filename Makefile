@@ -29,6 +29,7 @@ lint: ## rustfmt check, clippy with warnings as errors, shellcheck of the script
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy -j2 --all-targets -- -D warnings
 	shellcheck -S warning scripts/* .ci/run
+	shellcheck -S warning deploy/install-edge.sh deploy/certbot-deploy-hook
 
 fmt: ## Format the code
 	$(CARGO) fmt --all
