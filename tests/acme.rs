@@ -476,7 +476,20 @@ struct Bind {
 }
 
 impl Bind {
+    /// Starts named; a port another process took between the probe and
+    /// named's bind is detected (named keeps running without it) and another is tried.
     async fn start() -> Bind {
+        for _ in 0..5 {
+            let bind = Bind::try_start().await;
+            if bind.txt(&format!("id.{}", net::DOMAIN)).await == [bind.secret.clone()] {
+                return bind;
+            }
+            eprintln!("named did not get port {}; trying another", bind.addr.port());
+        }
+        panic!("named did not get a free port in 5 tries");
+    }
+
+    async fn try_start() -> Bind {
         use base64::Engine;
         use ring::rand::SecureRandom;
         let dir = tempfile::tempdir().unwrap();
@@ -516,7 +529,7 @@ zone "{domain}" {{
 "#
         );
         let zone = format!(
-            "$TTL 60\n@ IN SOA ns.{domain}. hostmaster.{domain}. 1 60 60 600 60\n@ IN NS ns.{domain}.\nns IN A 127.0.0.1\n@ IN A 127.0.0.1\n* IN A 127.0.0.1\n"
+            "$TTL 60\n@ IN SOA ns.{domain}. hostmaster.{domain}. 1 60 60 600 60\n@ IN NS ns.{domain}.\nns IN A 127.0.0.1\n@ IN A 127.0.0.1\n* IN A 127.0.0.1\nid IN TXT \"{secret}\"\n"
         );
         std::fs::write(dir.path().join("named.conf"), conf).unwrap();
         std::fs::write(dir.path().join("zone.db"), zone).unwrap();
@@ -722,8 +735,8 @@ EOF
     wait_for(Duration::from_secs(10), || {
         let log = std::fs::read_to_string(&calls).unwrap();
         let count = |a: &str| log.lines().filter(|l| *l == format!("{a} {name}")).count();
-        // The renewal may reuse a still valid authorization (one record instead of two).
-        (count("set") >= 3 && count("unset") == count("set")).then_some(())
+        // The renewal may reuse still valid authorizations (fewer records): every record set is removed.
+        (count("set") >= 2 && count("unset") == count("set")).then_some(())
     })
     .await;
     assert!(bind.txt(&name).await.is_empty(), "records removed");

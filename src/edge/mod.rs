@@ -253,12 +253,9 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
             let (files, certified) = *given;
             (certified, None, Some(files))
         }
-        // Until the first certificate is issued (a stored one replaces it at once).
+        // Until the first certificate is issued (a stored one replaces it in Acme::new).
         Given::Acme => {
             let pki = tls::generate_pki(&[domain.clone(), format!("*.{domain}")])?;
-            info!(
-                "no stored certificate yet: serving a temporary self-signed one until ACME DNS-01 issues the edge's own"
-            );
             (tls::certified_key_from_pem(&pki.cert_pem, &pki.key_pem)?, None, None)
         }
         Given::SelfSigned => {

@@ -263,10 +263,12 @@ impl Acme {
             shutdown,
         });
         let mut loaded = 0;
+        let mut own_loaded = false;
         for record in acme.store.certificates()? {
             match serving_key(&record) {
                 Some(Ok(key)) => {
                     if acme.is_own(&record.hostname) {
+                        own_loaded = true;
                         info!(
                             not_after = record.not_after.map(super::store::rfc3339).unwrap_or_default(),
                             "serving the edge's own certificate from the store"
@@ -280,6 +282,11 @@ impl Acme {
                 }
                 None => {}
             }
+        }
+        if acme.config.own.is_some() && !own_loaded {
+            info!(
+                "the edge's own certificate is not issued yet: serving a temporary self-signed one until DNS-01 succeeds"
+            );
         }
         info!(certificates = loaded, dns01 = acme.config.own.is_some(), directory = %acme.config.directory, challenge = ?acme.config.challenge, "ACME enabled");
         Ok(acme)
