@@ -650,19 +650,35 @@ async fn rfc2136_updates_a_real_bind() {
     assert!(bind.txt(&name).await.is_empty());
 }
 
-/// `--acme-dns01 rfc2136`: the edge obtains its own `<domain>` +
-/// `*.<domain>` certificate from pebble through a real BIND, removes the
-/// records, and serves the stored certificate at once after a restart.
+/// `--acme-dns01 rfc2136`: a wrong TSIG secret is reported and, once fixed,
+/// tried again at the restart (not after the backoff); the edge obtains its
+/// own `<domain>` + `*.<domain>` certificate from pebble through a real
+/// BIND, removes the records, and serves the stored certificate at once
+/// after a restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dns01_rfc2136_issues_the_edges_own_wildcard() {
+    use base64::Engine;
     let bind = Bind::start().await;
+    let wrong = base64::engine::general_purpose::STANDARD.encode([1u8; 32]);
     let mut w = World::start_dns01(&bind, Duration::from_secs(90 * 86_400), |args| {
         args.acme.dns01 = Some(Dns01Kind::Rfc2136);
         args.acme.dns01_server = Some(bind.addr);
         args.acme.dns01_tsig_key = Some(TSIG_KEY.into());
-        args.acme.dns01_tsig_secret = Some(bind.secret.clone());
+        args.acme.dns01_tsig_secret = Some(wrong);
     })
     .await;
+    let own = format!("*.{}", net::DOMAIN);
+    let error = wait_for(ISSUE_TIMEOUT, || {
+        let record = w.edge.edge().store.certificate(&own).unwrap()?;
+        record.last_error
+    })
+    .await;
+    assert!(error.contains("BADSIG") && error.contains("--acme-dns01-tsig-secret"), "{error}");
+    assert!(w.served_leaf(net::DOMAIN).await.is_err(), "a temporary certificate until issued");
+
+    // Fixed and restarted: ordered at once (the backoff is minutes).
+    w.edge.args.acme.dns01_tsig_secret = Some(bind.secret.clone());
+    w.edge.restart().await;
     let leaf = w.wait_own_certificate().await;
     // One certificate for the domain and any name under it.
     assert_eq!(w.served_leaf("app.edge.test").await.unwrap(), leaf);

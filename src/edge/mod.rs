@@ -370,12 +370,16 @@ pub async fn run(args: EdgeArgs) -> Result<(), EdgeError> {
     let edge = handle.edge.clone();
     tokio::spawn(async move {
         while hangup.recv().await.is_some() {
-            match edge.reload_certificate(true) {
-                Some(_) => {} // logged by the reload
-                None => info!("SIGHUP: no --tls-cert/--tls-key files to reload"),
-            }
+            // Logged by the reload.
+            let files = edge.reload_certificate(true).is_some();
+            let mut own = false;
             if let Some(acme) = &edge.acme {
+                // A failed DNS-01 order of the edge's own certificate is tried again now.
+                own = acme.retry_own_now();
                 acme.wake();
+            }
+            if !files && !own {
+                info!("SIGHUP: no certificate files to reload and no failed order to retry");
             }
         }
     });

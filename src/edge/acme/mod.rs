@@ -288,8 +288,28 @@ impl Acme {
                 "the edge's own certificate is not issued yet: serving a temporary self-signed one until DNS-01 succeeds"
             );
         }
+        // A restart (after fixing the DNS-01 settings, say) tries again at once.
+        acme.retry_own_now();
         info!(certificates = loaded, dns01 = acme.config.own.is_some(), directory = %acme.config.directory, challenge = ?acme.config.challenge, "ACME enabled");
         Ok(acme)
+    }
+
+    /// The edge's own certificate, when its last order failed: due now
+    /// instead of after the backoff (start, SIGHUP). Returns whether it was.
+    pub fn retry_own_now(&self) -> bool {
+        let Some(own) = &self.config.own else { return false };
+        let Ok(Some(mut record)) = self.store.certificate(&own.record_key()) else { return false };
+        if record.last_error.is_none() || record.next_attempt == 0 {
+            return false;
+        }
+        record.next_attempt = 0;
+        if let Err(e) = self.store.put_certificate(&record) {
+            warn!(error = %e, "failed to store the certificate state");
+            return false;
+        }
+        info!("retrying the edge's own certificate now");
+        self.wake();
+        true
     }
 
     /// Whether `host` is the store key of the edge's own certificate.
