@@ -29,6 +29,7 @@ lint: ## rustfmt check, clippy with warnings as errors, shellcheck, actionlint o
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy -j2 --all-targets -- -D warnings
 	shellcheck -S warning $(filter-out scripts/check-readme,$(wildcard scripts/*)) .ci/run
+	shellcheck -S warning deploy/install-edge.sh deploy/certbot-deploy-hook
 	scripts/actionlint
 	scripts/check-readme
 

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::constants;
+pub use crate::edge::acme::dns01::TsigAlgorithm;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -32,7 +33,7 @@ pub enum LogFormat {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the public edge: public HTTPS, the tunnel endpoint and the control API.
-    Edge(EdgeArgs),
+    Edge(Box<EdgeArgs>),
     /// Publish a local HTTP port through the edge (like `ngrok http 8080`).
     Http(AgentArgs),
     /// Publish a local TCP port through the edge.
@@ -64,6 +65,11 @@ pub struct EdgeArgs {
     /// PEM private key for --tls-cert.
     #[arg(long, env = "CULVERT_TLS_KEY", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
+
+    /// Seconds between checks of --tls-cert/--tls-key for a new version
+    /// (certbot renewal), served without a restart; 0: only on SIGHUP.
+    #[arg(long, env = "CULVERT_TLS_WATCH_SECONDS", default_value_t = constants::DEFAULT_TLS_WATCH_SECONDS)]
+    pub tls_watch_seconds: u64,
 
     /// Make a private CA and a certificate for the domain (kept in --data-dir); for trials.
     #[arg(long, env = "CULVERT_SELF_SIGNED", value_parser = clap::builder::BoolishValueParser::new())]
@@ -142,6 +148,63 @@ pub struct AcmeArgs {
     /// edge, instead of the system resolver.
     #[arg(long = "acme-dns-server", env = "CULVERT_ACME_DNS_SERVER")]
     pub dns_server: Option<SocketAddr>,
+
+    /// Obtain and renew the edge's own certificate for `<domain>` and
+    /// `*.<domain>` by DNS-01, with `rfc2136` (dynamic DNS update with TSIG)
+    /// or `hook` (a program you give); instead of --tls-cert/--tls-key.
+    #[arg(long = "acme-dns01", env = "CULVERT_ACME_DNS01", value_enum, requires = "enabled")]
+    pub dns01: Option<Dns01Kind>,
+
+    /// rfc2136: the zone's primary DNS server, `IP` or `IP:PORT` (port 53 by default).
+    #[arg(long = "acme-dns01-server", env = "CULVERT_ACME_DNS01_SERVER", value_parser = parse_dns_server)]
+    pub dns01_server: Option<SocketAddr>,
+
+    /// rfc2136: the zone that holds `_acme-challenge.<domain>` (default: the domain itself).
+    #[arg(long = "acme-dns01-zone", env = "CULVERT_ACME_DNS01_ZONE")]
+    pub dns01_zone: Option<String>,
+
+    /// rfc2136: name of the TSIG key that may update the zone.
+    #[arg(long = "acme-dns01-tsig-key", env = "CULVERT_ACME_DNS01_TSIG_KEY")]
+    pub dns01_tsig_key: Option<String>,
+
+    /// rfc2136: the TSIG key's secret, base64 (as `tsig-keygen` prints it);
+    /// better given in the environment than on the command line.
+    #[arg(long = "acme-dns01-tsig-secret", env = "CULVERT_ACME_DNS01_TSIG_SECRET", hide_env_values = true)]
+    pub dns01_tsig_secret: Option<String>,
+
+    /// rfc2136: the TSIG key's algorithm.
+    #[arg(long = "acme-dns01-tsig-algorithm", env = "CULVERT_ACME_DNS01_TSIG_ALGORITHM", value_enum, default_value_t = TsigAlgorithm::HmacSha256)]
+    pub dns01_tsig_algorithm: TsigAlgorithm,
+
+    /// hook: program run as `HOOK set FQDN VALUE` and `HOOK unset FQDN VALUE`
+    /// (FQDN is `_acme-challenge.<domain>`; `set` adds a TXT record next to
+    /// any there, `unset` removes that one record).
+    #[arg(long = "acme-dns01-hook", env = "CULVERT_ACME_DNS01_HOOK")]
+    pub dns01_hook: Option<PathBuf>,
+
+    /// Seconds to wait after the TXT records are set before the CA is asked
+    /// to check them (DNS providers whose secondaries lag).
+    #[arg(
+        long = "acme-dns01-propagation-seconds",
+        env = "CULVERT_ACME_DNS01_PROPAGATION_SECONDS",
+        default_value_t = 0
+    )]
+    pub dns01_propagation_seconds: u64,
+}
+
+/// How DNS-01 records are set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Dns01Kind {
+    /// RFC 2136 dynamic updates (BIND, Knot, PowerDNS, many hosted DNS services).
+    Rfc2136,
+    /// An exec hook (any provider's tool).
+    Hook,
+}
+
+fn parse_dns_server(s: &str) -> Result<SocketAddr, String> {
+    s.parse::<SocketAddr>()
+        .or_else(|_| s.parse::<std::net::IpAddr>().map(|ip| SocketAddr::new(ip, 53)))
+        .map_err(|_| format!("{s:?} is not IP or IP:PORT"))
 }
 
 impl Default for AcmeArgs {
@@ -154,6 +217,14 @@ impl Default for AcmeArgs {
             challenge: AcmeChallenge::TlsAlpn01,
             max_concurrent_orders: constants::DEFAULT_ACME_CONCURRENT_ORDERS,
             dns_server: None,
+            dns01: None,
+            dns01_server: None,
+            dns01_zone: None,
+            dns01_tsig_key: None,
+            dns01_tsig_secret: None,
+            dns01_tsig_algorithm: TsigAlgorithm::HmacSha256,
+            dns01_hook: None,
+            dns01_propagation_seconds: 0,
         }
     }
 }

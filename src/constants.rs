@@ -118,8 +118,14 @@ pub const ACME_ORDER_BACKOFF_MAX: Duration = Duration::from_secs(6 * 3600);
 /// this (doubling up to the cap). DNS checks cost the CA nothing.
 pub const ACME_DNS_RECHECK_INITIAL: Duration = Duration::from_secs(5);
 pub const ACME_DNS_RECHECK_MAX: Duration = Duration::from_secs(60);
+/// How often the edge checks its certificate files for a new version.
+pub const DEFAULT_TLS_WATCH_SECONDS: u64 = 5;
 /// ACME: one DNS query (with `--acme-dns-server`) waits this long for an answer.
 pub const DNS_QUERY_TIMEOUT: Duration = Duration::from_secs(3);
+/// ACME DNS-01: one RFC 2136 update (connect, send, answer) takes at most this.
+pub const DNS01_UPDATE_TIMEOUT: Duration = Duration::from_secs(10);
+/// ACME DNS-01: the exec hook may run this long (it may wait for propagation).
+pub const ACME_DNS01_HOOK_TIMEOUT: Duration = Duration::from_secs(300);
 /// ACME: the certificate scan runs at least this often (it also runs on every change).
 pub const ACME_SCAN_INTERVAL: Duration = Duration::from_secs(3600);
 /// Default ACME directory: Let's Encrypt production.

@@ -37,7 +37,7 @@ fn run() -> anyhow::Result<()> {
             runtime.block_on(async move {
                 culvert::memory::spawn_trimmer();
                 match command {
-                    Command::Edge(args) => culvert::edge::run(args).await.map_err(anyhow::Error::from),
+                    Command::Edge(args) => culvert::edge::run(*args).await.map_err(anyhow::Error::from),
                     Command::Http(args) => {
                         culvert::agent::run_standalone(args, false).await.map_err(Into::into)
                     }

@@ -57,6 +57,17 @@ impl TlsError {
     }
 }
 
+/// A PEM error in words (a cut-off file is the common case: half written).
+fn pem_error(path: &Path, e: rustls_pki_types::pem::Error) -> TlsError {
+    let message = match e {
+        rustls_pki_types::pem::Error::MissingSectionEnd { .. } => {
+            "a PEM section has no END line: the file is cut off (still being written?)".to_string()
+        }
+        e => e.to_string(),
+    };
+    TlsError::BadPem { path: path.into(), message }
+}
+
 fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
     std::fs::read(path).map_err(|source| TlsError::Read { path: path.into(), source })
 }
@@ -66,7 +77,7 @@ pub fn load_pem_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsEr
     let pem = read(path)?;
     let certs = CertificateDer::pem_slice_iter(&pem)
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| TlsError::BadPem { path: path.into(), message: e.to_string() })?;
+        .map_err(|e| pem_error(path, e))?;
     if certs.is_empty() {
         return Err(TlsError::NoCertificate { path: path.into() });
     }
@@ -78,7 +89,7 @@ pub fn load_pem_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
     let pem = read(path)?;
     PrivateKeyDer::from_pem_slice(&pem).map_err(|e| match e {
         rustls_pki_types::pem::Error::NoItemsFound => TlsError::NoKey { path: path.into() },
-        e => TlsError::BadPem { path: path.into(), message: e.to_string() },
+        e => pem_error(path, e),
     })
 }
 
@@ -88,6 +99,16 @@ pub fn certified_key(
     key: PrivateKeyDer<'static>,
 ) -> Result<Arc<CertifiedKey>, TlsError> {
     CertifiedKey::from_der(certs, key, &provider::default_provider()).map(Arc::new).map_err(TlsError::Key)
+}
+
+/// A certificate and key made in memory (PEM), ready to serve.
+pub fn certified_key_from_pem(cert_pem: &str, key_pem: &str) -> Result<Arc<CertifiedKey>, TlsError> {
+    let path = Path::new("(generated)");
+    let certs = CertificateDer::pem_slice_iter(cert_pem.as_bytes())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| pem_error(path, e))?;
+    let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes()).map_err(|e| pem_error(path, e))?;
+    certified_key(certs, key)
 }
 
 /// Picks the certificate by SNI: exact names first (custom domains), then

@@ -8,6 +8,9 @@
 //! ports; pebble itself listens on port 0 and its ports are read from
 //! /proc; the edge reaches pebble's directory through a forwarder the test
 //! bound before the edge started.
+//!
+//! DNS-01 for the edge's own wildcard runs against a real BIND (`named`,
+//! scripts/deps installs bind9 and dnsutils) that pebble resolves through.
 
 #[path = "support/net.rs"]
 mod net;
@@ -19,7 +22,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use culvert::agent::Target;
-use culvert::cli::AcmeChallenge;
+use culvert::cli::{AcmeChallenge, Dns01Kind, EdgeArgs};
+use culvert::edge::acme::dns01::{Dns01Provider, TsigAlgorithm, TsigKey};
 use net::{HttpsClient, TestAgent, TestEdge};
 use rustls_pki_types::CertificateDer;
 use serde_json::{Value, json};
@@ -112,6 +116,19 @@ impl Pebble {
     /// valid for `validity`; `forwarder` was bound before the edge started
     /// and now forwards to pebble's ACME port.
     async fn start(edge: &TestEdge, dns: &Dns, forwarder: TcpListener, validity: Duration) -> Pebble {
+        let http_port = edge.handle.as_ref().unwrap().http_addr.port();
+        Pebble::start_at(http_port, edge.https.port(), dns.addr, forwarder, validity).await
+    }
+
+    /// Starts pebble validating HTTP-01 and TLS-ALPN-01 on these ports and
+    /// resolving through `dns_server` (also for DNS-01).
+    async fn start_at(
+        http_port: u16,
+        tls_port: u16,
+        dns_server: SocketAddr,
+        forwarder: TcpListener,
+        validity: Duration,
+    ) -> Pebble {
         let dir = tempfile::tempdir().unwrap();
         let pki = culvert::tls::generate_pki(&["127.0.0.1".into(), "localhost".into()]).unwrap();
         let write = |name: &str, body: &str| {
@@ -122,14 +139,13 @@ impl Pebble {
         let listener_ca = write("ca.pem", &pki.ca_pem);
         let cert = write("cert.pem", &pki.cert_pem);
         let key = write("key.pem", &pki.key_pem);
-        let http_addr = edge.handle.as_ref().unwrap().http_addr;
         let config = json!({"pebble": {
             "listenAddress": "127.0.0.1:0",
             "managementListenAddress": "127.0.0.1:0",
             "certificate": cert,
             "privateKey": key,
-            "httpPort": http_addr.port(),
-            "tlsPort": edge.https.port(),
+            "httpPort": http_port,
+            "tlsPort": tls_port,
             "ocspResponderURL": "",
             "externalAccountBindingRequired": false,
             "certificateValidityPeriod": validity.as_secs(),
@@ -139,7 +155,7 @@ impl Pebble {
             .arg("-config")
             .arg(&config_file)
             .arg("-dnsserver")
-            .arg(dns.addr.to_string())
+            .arg(dns_server.to_string())
             .env("PEBBLE_VA_NOSLEEP", "1")
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::piped())
@@ -444,4 +460,300 @@ async fn wrong_dns_is_reported_then_fixed() {
     let c = w.wait_status(host, "ready").await;
     assert!(c.get("lastError").is_none(), "{c}");
     w.served_leaf(host).await.expect("valid against pebble's root");
+}
+
+/// Name of the TSIG key the test's BIND accepts updates with.
+const TSIG_KEY: &str = "culvert-test";
+
+/// A real BIND (`named`, Debian's bind9) on 127.0.0.1, primary for the
+/// edge's domain, that lets `TSIG_KEY` update `_acme-challenge.<domain>` TXT.
+struct Bind {
+    addr: SocketAddr,
+    /// The key's secret, base64.
+    secret: String,
+    _child: tokio::process::Child,
+    _dir: tempfile::TempDir,
+}
+
+impl Bind {
+    /// Starts named; a port another process took between the probe and
+    /// named's bind is detected (named keeps running without it) and another is tried.
+    async fn start() -> Bind {
+        for _ in 0..5 {
+            let bind = Bind::try_start().await;
+            if bind.txt(&format!("id.{}", net::DOMAIN)).await == [bind.secret.clone()] {
+                return bind;
+            }
+            eprintln!("named did not get port {}; trying another", bind.addr.port());
+        }
+        panic!("named did not get a free port in 5 tries");
+    }
+
+    async fn try_start() -> Bind {
+        use base64::Engine;
+        use ring::rand::SecureRandom;
+        let dir = tempfile::tempdir().unwrap();
+        let mut raw = [0u8; 32];
+        ring::rand::SystemRandom::new().fill(&mut raw).unwrap();
+        let secret = base64::engine::general_purpose::STANDARD.encode(raw);
+        // named cannot listen on port 0: a port free for UDP and TCP, released just before.
+        let port = loop {
+            let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+            let port = udp.local_addr().unwrap().port();
+            if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                break port;
+            }
+        };
+        let d = dir.path().display();
+        let domain = net::DOMAIN;
+        let conf = format!(
+            r#"options {{
+    directory "{d}";
+    pid-file "{d}/named.pid";
+    session-keyfile "{d}/session.key";
+    managed-keys-directory "{d}";
+    listen-on port {port} {{ 127.0.0.1; }};
+    listen-on-v6 {{ none; }};
+    recursion no;
+    dnssec-validation no;
+    notify no;
+    allow-query {{ any; }};
+}};
+controls {{ }};
+key "{TSIG_KEY}" {{ algorithm hmac-sha256; secret "{secret}"; }};
+zone "{domain}" {{
+    type primary;
+    file "{d}/zone.db";
+    update-policy {{ grant {TSIG_KEY} name _acme-challenge.{domain}. TXT; }};
+}};
+"#
+        );
+        let zone = format!(
+            "$TTL 60\n@ IN SOA ns.{domain}. hostmaster.{domain}. 1 60 60 600 60\n@ IN NS ns.{domain}.\nns IN A 127.0.0.1\n@ IN A 127.0.0.1\n* IN A 127.0.0.1\nid IN TXT \"{secret}\"\n"
+        );
+        std::fs::write(dir.path().join("named.conf"), conf).unwrap();
+        std::fs::write(dir.path().join("zone.db"), zone).unwrap();
+        let mut child = tokio::process::Command::new("named")
+            .args(["-g", "-4", "-n", "1", "-c"])
+            .arg(dir.path().join("named.conf"))
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("named runs (scripts/deps installs bind9)");
+        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        tokio::time::timeout(Duration::from_secs(20), async {
+            while let Some(line) = lines.next_line().await.unwrap() {
+                eprintln!("named: {line}");
+                if line.ends_with("running") {
+                    return;
+                }
+            }
+            panic!("named exited before running");
+        })
+        .await
+        .expect("named starts");
+        tokio::spawn(async move {
+            while let Ok(Some(line)) = lines.next_line().await {
+                eprintln!("named: {line}");
+            }
+        });
+        Bind { addr: ([127, 0, 0, 1], port).into(), secret, _child: child, _dir: dir }
+    }
+
+    /// The TXT values of `name`, as BIND serves them now (dig).
+    async fn txt(&self, name: &str) -> Vec<String> {
+        let out = tokio::process::Command::new("dig")
+            .args(["+short", "+tcp", "-p", &self.addr.port().to_string(), "@127.0.0.1", name, "TXT"])
+            .output()
+            .await
+            .expect("dig runs (scripts/deps installs dnsutils)");
+        assert!(out.status.success(), "dig: {}", String::from_utf8_lossy(&out.stderr));
+        let mut values: Vec<String> =
+            String::from_utf8_lossy(&out.stdout).lines().map(|l| l.trim_matches('"').to_string()).collect();
+        values.sort();
+        values
+    }
+
+    fn provider(&self, key: &str, secret: &str) -> Dns01Provider {
+        Dns01Provider::Rfc2136 {
+            server: self.addr,
+            zone: net::DOMAIN.into(),
+            key: Some(TsigKey::new(key, TsigAlgorithm::HmacSha256, secret).unwrap()),
+        }
+    }
+}
+
+impl World {
+    /// Pebble (resolving through `bind`) and then an edge whose own
+    /// certificate is ordered by DNS-01 as `configure` sets it up.
+    async fn start_dns01(bind: &Bind, validity: Duration, configure: impl FnOnce(&mut EdgeArgs)) -> World {
+        net::init();
+        let dns = Dns::start().await;
+        let forwarder = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        // DNS-01 needs none of the edge's ports: pebble is up before the edge orders.
+        let pebble = Pebble::start_at(1, 1, bind.addr, forwarder, validity).await;
+        let edge = TestEdge::start_with(|args| {
+            args.self_signed = false;
+            args.acme.enabled = true;
+            args.acme.directory = pebble.directory.clone();
+            args.acme.ca_file = Some(pebble.listener_ca.clone());
+            args.acme.email = Some("ops@example.org".into());
+            configure(args);
+        })
+        .await;
+        World { edge, pebble, dns, _ca_dir: tempfile::tempdir().unwrap() }
+    }
+
+    /// Waits until the edge's own name is served with a chain pebble issued.
+    async fn wait_own_certificate(&self) -> CertificateDer<'static> {
+        let deadline = tokio::time::Instant::now() + ISSUE_TIMEOUT;
+        loop {
+            if let Ok(leaf) = self.served_leaf(net::DOMAIN).await {
+                return leaf;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "no certificate for the edge within {ISSUE_TIMEOUT:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+/// The RFC 2136 provider against a real BIND: two values side by side at
+/// one name, exactly one removed; a wrong secret, an unknown key and a name
+/// the key may not change are refused with what to fix.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rfc2136_updates_a_real_bind() {
+    let bind = Bind::start().await;
+    let name = format!("_acme-challenge.{}", net::DOMAIN);
+    let p = bind.provider(TSIG_KEY, &bind.secret);
+    p.set(&name, "first-value").await.unwrap();
+    p.set(&name, "second-value").await.unwrap();
+    assert_eq!(bind.txt(&name).await, ["first-value", "second-value"]);
+    p.unset(&name, "first-value").await.unwrap();
+    assert_eq!(bind.txt(&name).await, ["second-value"]);
+    p.unset(&name, "second-value").await.unwrap();
+    assert!(bind.txt(&name).await.is_empty());
+
+    use base64::Engine;
+    let wrong = base64::engine::general_purpose::STANDARD.encode([1u8; 32]);
+    let e = bind.provider(TSIG_KEY, &wrong).set(&name, "x").await.unwrap_err();
+    assert!(e.to_string().contains("BADSIG") && e.to_string().contains("--acme-dns01-tsig-secret"), "{e}");
+    let e = bind.provider("other-key", &bind.secret).set(&name, "x").await.unwrap_err();
+    assert!(e.to_string().contains("BADKEY"), "{e}");
+    let e = p.set(&format!("www.{}", net::DOMAIN), "x").await.unwrap_err();
+    assert!(e.to_string().contains("REFUSED") && e.to_string().contains("update-policy"), "{e}");
+    assert_eq!(e.category(), "dns01_refused");
+    assert!(bind.txt(&name).await.is_empty());
+}
+
+/// `--acme-dns01 rfc2136`: a wrong TSIG secret is reported and, once fixed,
+/// tried again at the restart (not after the backoff); the edge obtains its
+/// own `<domain>` + `*.<domain>` certificate from pebble through a real
+/// BIND, removes the records, and serves the stored certificate at once
+/// after a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dns01_rfc2136_issues_the_edges_own_wildcard() {
+    use base64::Engine;
+    let bind = Bind::start().await;
+    let wrong = base64::engine::general_purpose::STANDARD.encode([1u8; 32]);
+    let mut w = World::start_dns01(&bind, Duration::from_secs(90 * 86_400), |args| {
+        args.acme.dns01 = Some(Dns01Kind::Rfc2136);
+        args.acme.dns01_server = Some(bind.addr);
+        args.acme.dns01_tsig_key = Some(TSIG_KEY.into());
+        args.acme.dns01_tsig_secret = Some(wrong);
+    })
+    .await;
+    let own = format!("*.{}", net::DOMAIN);
+    let error = wait_for(ISSUE_TIMEOUT, || {
+        let record = w.edge.edge().store.certificate(&own).unwrap()?;
+        record.last_error
+    })
+    .await;
+    assert!(error.contains("BADSIG") && error.contains("--acme-dns01-tsig-secret"), "{error}");
+    assert!(w.served_leaf(net::DOMAIN).await.is_err(), "a temporary certificate until issued");
+
+    // Fixed and restarted: ordered at once (the backoff is minutes).
+    w.edge.args.acme.dns01_tsig_secret = Some(bind.secret.clone());
+    w.edge.restart().await;
+    let leaf = w.wait_own_certificate().await;
+    // One certificate for the domain and any name under it.
+    assert_eq!(w.served_leaf("app.edge.test").await.unwrap(), leaf);
+    let tls = w.public_tls("nothing.edge.test").await.unwrap();
+    // HTTP over the issued certificate: the edge's answer for a name nothing is published on.
+    let (status, body) = get(tls, "nothing.edge.test").await;
+    assert!(status >= 400 && !body.is_empty(), "{status} {body}");
+    assert_eq!(w.jobs("issued"), 1);
+    assert!(bind.txt(&format!("_acme-challenge.{}", net::DOMAIN)).await.is_empty(), "records removed");
+
+    // Restart: served from the store at once.
+    w.edge.restart().await;
+    assert_eq!(
+        w.served_leaf(net::DOMAIN).await.unwrap(),
+        leaf,
+        "served from the store right after the restart"
+    );
+}
+
+/// `--acme-dns01 hook`: a hook script (here: nsupdate into a real BIND)
+/// sets and removes the records; a short-lived certificate is renewed
+/// without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dns01_hook_issues_and_renews() {
+    let bind = Bind::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (hook, calls) = (dir.path().join("hook.sh"), dir.path().join("calls.log"));
+    let script = format!(
+        r#"#!/bin/sh
+set -eu
+echo "$1 $2" >> '{calls}'
+case "$1" in set) op=add ;; unset) op=delete ;; *) echo "unknown action $1" >&2; exit 2 ;; esac
+nsupdate -y 'hmac-sha256:{TSIG_KEY}:{secret}' <<EOF
+server 127.0.0.1 {port}
+zone {domain}
+update $op $2. 60 TXT "$3"
+send
+EOF
+"#,
+        calls = calls.display(),
+        secret = bind.secret,
+        port = bind.addr.port(),
+        domain = net::DOMAIN,
+    );
+    std::fs::write(&hook, script).unwrap();
+    std::fs::set_permissions(&hook, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let w = World::start_dns01(&bind, Duration::from_secs(24), |args| {
+        args.acme.dns01 = Some(Dns01Kind::Hook);
+        args.acme.dns01_hook = Some(hook.clone());
+    })
+    .await;
+    let first = w.wait_own_certificate().await;
+    assert_eq!(w.served_leaf("app.edge.test").await.unwrap(), first);
+    let name = format!("_acme-challenge.{}", net::DOMAIN);
+    let log = std::fs::read_to_string(&calls).unwrap();
+    assert_eq!(log.lines().filter(|l| *l == format!("set {name}")).count(), 2, "{log}");
+
+    // 24 s certificates renew a third of their lifetime before expiry.
+    let deadline = tokio::time::Instant::now() + ISSUE_TIMEOUT;
+    loop {
+        let now = w.served_leaf(net::DOMAIN).await.expect("always a valid certificate");
+        if now != first {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "not renewed within {ISSUE_TIMEOUT:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(w.jobs("issued") >= 2);
+    assert_eq!(w.jobs("failed"), 0);
+    wait_for(Duration::from_secs(10), || {
+        let log = std::fs::read_to_string(&calls).unwrap();
+        let count = |a: &str| log.lines().filter(|l| *l == format!("{a} {name}")).count();
+        // The renewal may reuse still valid authorizations (fewer records): every record set is removed.
+        (count("set") >= 2 && count("unset") == count("set")).then_some(())
+    })
+    .await;
+    assert!(bind.txt(&name).await.is_empty(), "records removed");
 }

@@ -20,6 +20,8 @@ pub struct Metrics {
     pub public_connections_rejected: Counter,
     /// ACME certificate jobs by result (`issued`, `failed`, `dns_mismatch`).
     pub acme_orders: Family<Labels, Counter>,
+    /// Reloads of the edge's own certificate files by result (`reloaded`, `failed`).
+    pub tls_reloads: Family<Labels, Counter>,
     /// The `bytes` counters by reservation name: looked up on every stream,
     /// without building the label set each time.
     byte_counters: RwLock<HashMap<Arc<str>, ByteCounters>>,
@@ -65,9 +67,16 @@ impl Default for Metrics {
             "ACME certificate jobs (DNS check and order) by result: issued, failed, dns_mismatch",
             acme_orders.clone(),
         );
+        let tls_reloads = Family::<Labels, Counter>::default();
+        registry.register(
+            "tls_certificate_reloads",
+            "Reloads of the --tls-cert/--tls-key files by result: reloaded, failed (the previous certificate is kept)",
+            tls_reloads.clone(),
+        );
         Metrics {
             registry,
             acme_orders,
+            tls_reloads,
             tunnels_connected,
             streams_open,
             bytes,

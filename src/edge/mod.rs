@@ -5,6 +5,7 @@
 pub mod acme;
 pub mod agents;
 pub mod api;
+pub mod certfile;
 pub mod idle;
 pub mod metrics;
 pub mod public;
@@ -36,8 +37,14 @@ use store::{Store, StoreError};
 /// Why the edge could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum EdgeError {
-    #[error("no certificate: give --tls-cert and --tls-key, or --self-signed for a trial")]
+    #[error(
+        "no certificate: give --tls-cert and --tls-key, --acme with --acme-dns01 (the edge obtains its own), or --self-signed for a trial"
+    )]
     NoCertificate,
+    #[error("{0}: give only one way to the edge's own certificate")]
+    TwoCertificates(&'static str),
+    #[error(transparent)]
+    Dns01(#[from] acme::dns01::Dns01Error),
     #[error("failed to create data dir {path}: {source}")]
     DataDir {
         path: PathBuf,
@@ -51,6 +58,8 @@ pub enum EdgeError {
         #[source]
         source: std::io::Error,
     },
+    #[error("failed to handle SIGHUP: {0}")]
+    Signal(#[source] std::io::Error),
     #[error(transparent)]
     Tls(#[from] TlsError),
     #[error(transparent)]
@@ -61,8 +70,11 @@ impl EdgeError {
     pub fn category(&self) -> &'static str {
         match self {
             EdgeError::NoCertificate => "no_certificate",
+            EdgeError::TwoCertificates(_) => "two_certificates",
+            EdgeError::Dns01(e) => e.category(),
             EdgeError::DataDir { .. } => "data_dir",
             EdgeError::Bind { .. } => "bind",
+            EdgeError::Signal(_) => "signal",
             EdgeError::Tls(e) => e.category(),
             EdgeError::Store(_) => "store",
         }
@@ -85,6 +97,8 @@ pub struct Edge {
     pub metrics: Metrics,
     pub api: ApiContext,
     pub certs: Arc<CertResolver>,
+    /// The `--tls-cert`/`--tls-key` files, reloaded when they change.
+    pub cert_files: Option<certfile::CertFiles>,
     /// ACME for custom domains (`--acme`).
     pub acme: Option<Arc<acme::Acme>>,
     routes: RwLock<Arc<RouteIndex>>,
@@ -101,6 +115,13 @@ pub struct Edge {
 impl Edge {
     pub fn routes(&self) -> Arc<RouteIndex> {
         self.routes.read().expect("poisoned").clone()
+    }
+
+    /// Serves a new version of the certificate files, if they changed (or
+    /// always, with `force`: SIGHUP). `None` without certificate files.
+    pub fn reload_certificate(&self, force: bool) -> Option<certfile::Reload> {
+        let files = self.cert_files.as_ref()?;
+        Some(files.check(force, |key| self.certs.set_default(key)))
     }
 
     /// The public URL of a reservation.
@@ -198,9 +219,24 @@ async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, EdgeE
 pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
     let domain = args.domain.trim().trim_end_matches('.').to_ascii_lowercase();
     // The certificate first: a missing or bad one is reported before anything is created.
+    let metrics = Metrics::default();
+    let dns01 = args.acme.enabled && args.acme.dns01.is_some();
+    let acme_config = match args.acme.enabled {
+        true => {
+            Some(acme::AcmeConfig::new(&args.acme, &domain, args.public_host.as_deref().unwrap_or(&domain))?)
+        }
+        false => None,
+    };
     let given = match (&args.tls_cert, &args.tls_key, args.self_signed) {
-        (Some(c), Some(k), _) => Some(tls::certified_key(tls::load_pem_certs(c)?, tls::load_pem_key(k)?)?),
-        (_, _, true) => None,
+        (Some(_), _, _) if dns01 => return Err(EdgeError::TwoCertificates("--tls-cert and --acme-dns01")),
+        (_, _, true) if dns01 => return Err(EdgeError::TwoCertificates("--self-signed and --acme-dns01")),
+        (Some(c), Some(k), _) => Given::Files(Box::new(certfile::CertFiles::load(
+            c.clone(),
+            k.clone(),
+            metrics.tls_reloads.clone(),
+        )?)),
+        (_, _, true) => Given::SelfSigned,
+        _ if dns01 => Given::Acme,
         _ => return Err(EdgeError::NoCertificate),
     };
     create_private_dir(&args.data_dir)?;
@@ -212,14 +248,22 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
         info!(file = %admin_key_file.display(), "created the admin key (shown once; keep the file safe)");
     }
 
-    let (certified, ca_file) = match given {
-        Some(certified) => (certified, None),
-        None => {
+    let (certified, ca_file, cert_files) = match given {
+        Given::Files(given) => {
+            let (files, certified) = *given;
+            (certified, None, Some(files))
+        }
+        // Until the first certificate is issued (a stored one replaces it in Acme::new).
+        Given::Acme => {
+            let pki = tls::generate_pki(&[domain.clone(), format!("*.{domain}")])?;
+            (tls::certified_key_from_pem(&pki.cert_pem, &pki.key_pem)?, None, None)
+        }
+        Given::SelfSigned => {
             let files = tls::self_signed(&args.data_dir, &domain)?;
             info!(ca = %files.ca_cert.display(), "serving a self-signed certificate; agents need --ca-file with this CA");
             let certified =
                 tls::certified_key(tls::load_pem_certs(&files.cert)?, tls::load_pem_key(&files.key)?)?;
-            (certified, Some(files.ca_cert))
+            (certified, Some(files.ca_cert), None)
         }
     };
     let certs = Arc::new(CertResolver::new(certified));
@@ -232,17 +276,16 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
     let (https_addr, http_addr, admin_addr) = (local(&https), local(&http), local(&admin));
 
     let public_host = args.public_host.clone().unwrap_or_else(|| domain.clone());
-    let metrics = Metrics::default();
     let shutdown = CancellationToken::new();
-    let acme = match args.acme.enabled {
-        true => Some(acme::Acme::new(
-            acme::AcmeConfig::new(&args.acme, &domain, &public_host),
+    let acme = match acme_config {
+        Some(config) => Some(acme::Acme::new(
+            config,
             store.clone(),
             certs.clone(),
             metrics.acme_orders.clone(),
             shutdown.clone(),
         )?),
-        false => None,
+        None => None,
     };
     let edge = Arc::new_cyclic(|weak: &Weak<Edge>| Edge {
         api: ApiContext {
@@ -264,6 +307,7 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
         registry: Registry::new(metrics.streams_open.clone()),
         metrics,
         certs,
+        cert_files,
         acme: acme.clone(),
         routes: RwLock::default(),
         tcp: tcp::TcpListeners::default(),
@@ -280,7 +324,31 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
     if let Some(acme) = acme {
         tasks.spawn(acme.run());
     }
+    if edge.cert_files.is_some() && args.tls_watch_seconds > 0 {
+        tasks.spawn(watch_certificate(edge.clone(), Duration::from_secs(args.tls_watch_seconds)));
+    }
     Ok(EdgeHandle { edge, https_addr, http_addr, admin_addr, new_admin_key, admin_key_file, ca_file, tasks })
+}
+
+/// Where the edge's own certificate comes from.
+enum Given {
+    Files(Box<(certfile::CertFiles, Arc<rustls::sign::CertifiedKey>)>),
+    SelfSigned,
+    /// ACME DNS-01 (`--acme-dns01`).
+    Acme,
+}
+
+/// Polls the certificate files until the edge stops.
+async fn watch_certificate(edge: Arc<Edge>, every: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = edge.stopped.cancelled() => return,
+        }
+        edge.reload_certificate(false);
+    }
 }
 
 fn create_private_dir(path: &std::path::Path) -> Result<(), EdgeError> {
@@ -292,10 +360,29 @@ fn create_private_dir(path: &std::path::Path) -> Result<(), EdgeError> {
         .map_err(|source| EdgeError::DataDir { path: path.into(), source })
 }
 
-/// `culvert edge`: runs until SIGINT/SIGTERM.
+/// `culvert edge`: runs until SIGINT/SIGTERM; SIGHUP reloads the certificate files.
 pub async fn run(args: EdgeArgs) -> Result<(), EdgeError> {
+    use tokio::signal::unix::{SignalKind, signal};
     let (tcp_ports, drain_seconds): (PortRange, u64) = (args.tcp_ports, args.drain_seconds);
+    // Before anything else: from here on SIGHUP never ends the process.
+    let mut hangup = signal(SignalKind::hangup()).map_err(EdgeError::Signal)?;
     let handle = start(args).await?;
+    let edge = handle.edge.clone();
+    tokio::spawn(async move {
+        while hangup.recv().await.is_some() {
+            // Logged by the reload.
+            let files = edge.reload_certificate(true).is_some();
+            let mut own = false;
+            if let Some(acme) = &edge.acme {
+                // A failed DNS-01 order of the edge's own certificate is tried again now.
+                own = acme.retry_own_now();
+                acme.wake();
+            }
+            if !files && !own {
+                info!("SIGHUP: no certificate files to reload and no failed order to retry");
+            }
+        }
+    });
     info!(
         https = %handle.https_addr, http = %handle.http_addr, admin = %handle.admin_addr,
         domain = %handle.edge.domain, tcp_ports = %tcp_ports, "edge ready"

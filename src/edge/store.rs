@@ -714,16 +714,19 @@ impl Store {
 
     /// Writes a certificate record, but only while its host name is a
     /// reserved custom domain (an order that finishes after the release
-    /// stores nothing). Returns whether it was written.
+    /// stores nothing), or for the edge's own wildcard `*.<domain>`.
+    /// Returns whether it was written.
     pub fn put_certificate(&self, c: &CertificateRecord) -> Result<bool, StoreError> {
         let mut conn = self.lock();
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        // The edge's own wildcard (`*.<domain>`, DNS-01) is no reservation.
+        let own = c.hostname.starts_with("*.");
         let reserved: i64 = tx.query_row(
             "SELECT count(*) FROM reservations WHERE hostname = ?1 AND kind = 'custom'",
             [&c.hostname],
             |r| r.get(0),
         )?;
-        if reserved == 0 {
+        if reserved == 0 && !own {
             return Ok(false);
         }
         let status = match c.status {

@@ -66,6 +66,7 @@ pub fn edge_args(dir: &Path, https: SocketAddr, tcp_ports: PortRange) -> EdgeArg
         data_dir: dir.to_path_buf(),
         tls_cert: None,
         tls_key: None,
+        tls_watch_seconds: 1,
         self_signed: true,
         https_addr: https,
         http_addr: "127.0.0.1:0".parse().unwrap(),
@@ -108,7 +109,8 @@ impl TestEdge {
         let admin_key = handle.new_admin_key.clone().expect("first start creates the admin key");
         TestEdge {
             https: handle.https_addr,
-            ca_file: handle.ca_file.clone().unwrap(),
+            // With --tls-cert the test sets the CA it made.
+            ca_file: handle.ca_file.clone().unwrap_or_default(),
             handle: Some(handle),
             dir,
             admin_key,

@@ -19,6 +19,7 @@
 //! (in the store's release transaction) and the next scan stops serving it.
 
 pub mod dns;
+pub mod dns01;
 pub mod x509;
 
 use std::collections::{HashMap, HashSet};
@@ -47,12 +48,13 @@ use tracing::{Instrument, debug, info, warn};
 
 use super::store::{CertificateRecord, Store, StoreError, StoredCertificateStatus, unix_now};
 use crate::api::ReservationKind;
-use crate::cli::{AcmeArgs, AcmeChallenge};
+use crate::cli::{AcmeArgs, AcmeChallenge, Dns01Kind};
 use crate::constants::{
-    ACME_DNS_RECHECK_INITIAL, ACME_DNS_RECHECK_MAX, ACME_ORDER_BACKOFF_INITIAL, ACME_ORDER_BACKOFF_MAX,
-    ACME_ORDER_TIMEOUT, ACME_SCAN_INTERVAL, API_CLIENT_TIMEOUT,
+    ACME_DNS_RECHECK_INITIAL, ACME_DNS_RECHECK_MAX, ACME_DNS01_HOOK_TIMEOUT, ACME_ORDER_BACKOFF_INITIAL,
+    ACME_ORDER_BACKOFF_MAX, ACME_ORDER_TIMEOUT, ACME_SCAN_INTERVAL, API_CLIENT_TIMEOUT,
 };
 use crate::tls::{self, CertResolver, TlsError};
+use dns01::{Dns01Error, Dns01Provider};
 
 /// Path prefix of HTTP-01 challenge responses on the HTTP port.
 pub const HTTP01_PREFIX: &str = "/.well-known/acme-challenge/";
@@ -76,6 +78,8 @@ pub enum AcmeError {
     #[error("the CA issued an unusable certificate: {0}")]
     BadCertificate(String),
     #[error(transparent)]
+    Dns01(#[from] Dns01Error),
+    #[error(transparent)]
     Tls(#[from] TlsError),
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -92,6 +96,7 @@ impl AcmeError {
             AcmeError::NoChallenge { .. } => "no_challenge",
             AcmeError::Timeout => "timeout",
             AcmeError::BadCertificate(_) => "bad_certificate",
+            AcmeError::Dns01(e) => e.category(),
             AcmeError::Tls(_) => "tls",
             AcmeError::Store(_) => "store",
         }
@@ -109,15 +114,101 @@ pub struct AcmeConfig {
     pub resolver: dns::Resolver,
     /// Names (or IPs) whose addresses are the edge's: its domain and public host.
     pub edge_names: Vec<String>,
+    /// The edge's own `<domain>` + `*.<domain>` certificate by DNS-01.
+    pub own: Option<OwnCertificate>,
+}
+
+/// The edge's own wildcard certificate, ordered by DNS-01.
+#[derive(Debug, Clone)]
+pub struct OwnCertificate {
+    pub domain: String,
+    pub provider: Dns01Provider,
+    /// Wait between setting the records and asking the CA to check them.
+    pub propagation: Duration,
+}
+
+impl OwnCertificate {
+    /// Its key in the store (never a custom domain: those have no `*`).
+    pub fn record_key(&self) -> String {
+        format!("*.{}", self.domain)
+    }
+
+    fn from_args(args: &AcmeArgs, domain: &str) -> Result<Option<OwnCertificate>, Dns01Error> {
+        let config = |m: String| Dns01Error::Config(m);
+        let Some(kind) = args.dns01 else { return Ok(None) };
+        let provider = match kind {
+            Dns01Kind::Rfc2136 => {
+                let server = args.dns01_server.ok_or_else(|| {
+                    config("--acme-dns01 rfc2136 needs --acme-dns01-server: the IP (and port) of the zone's primary DNS server".into())
+                })?;
+                let key = match (&args.dns01_tsig_key, &args.dns01_tsig_secret) {
+                    (Some(name), Some(secret)) => {
+                        Some(dns01::TsigKey::new(name, args.dns01_tsig_algorithm, secret)?)
+                    }
+                    (None, None) => None,
+                    _ => {
+                        return Err(config(
+                            "give both --acme-dns01-tsig-key and --acme-dns01-tsig-secret (or neither, for a server that accepts unsigned updates from this address)".into(),
+                        ));
+                    }
+                };
+                let zone = args
+                    .dns01_zone
+                    .as_deref()
+                    .unwrap_or(domain)
+                    .trim()
+                    .trim_end_matches('.')
+                    .to_ascii_lowercase();
+                if !(domain == zone || domain.ends_with(&format!(".{zone}"))) {
+                    return Err(config(format!(
+                        "--acme-dns01-zone {zone} does not hold _acme-challenge.{domain}: give {domain} or the parent zone it is in"
+                    )));
+                }
+                Dns01Provider::Rfc2136 { server, zone, key }
+            }
+            Dns01Kind::Hook => {
+                let program = args.dns01_hook.clone().ok_or_else(|| {
+                    config("--acme-dns01 hook needs --acme-dns01-hook /path/to/program (run as `program set|unset FQDN VALUE`)".into())
+                })?;
+                use std::os::unix::fs::PermissionsExt;
+                match std::fs::metadata(&program) {
+                    Ok(m) if m.is_file() && m.permissions().mode() & 0o111 != 0 => {}
+                    Ok(_) => {
+                        return Err(config(format!(
+                            "--acme-dns01-hook {}: not an executable file (chmod +x it)",
+                            program.display()
+                        )));
+                    }
+                    Err(e) => return Err(config(format!("--acme-dns01-hook {}: {e}", program.display()))),
+                }
+                Dns01Provider::Hook { program }
+            }
+        };
+        Ok(Some(OwnCertificate {
+            domain: domain.to_string(),
+            provider,
+            propagation: Duration::from_secs(args.dns01_propagation_seconds),
+        }))
+    }
+
+    /// The longest an order may take (the records' setting included).
+    fn order_timeout(&self) -> Duration {
+        let hook = match self.provider {
+            Dns01Provider::Hook { .. } => ACME_DNS01_HOOK_TIMEOUT * 2,
+            Dns01Provider::Rfc2136 { .. } => Duration::ZERO,
+        };
+        ACME_ORDER_TIMEOUT + self.propagation * 2 + hook
+    }
 }
 
 impl AcmeConfig {
-    pub fn new(args: &AcmeArgs, domain: &str, public_host: &str) -> AcmeConfig {
+    pub fn new(args: &AcmeArgs, domain: &str, public_host: &str) -> Result<AcmeConfig, Dns01Error> {
         let mut edge_names = vec![domain.to_string()];
         if public_host != domain {
             edge_names.push(public_host.to_string());
         }
-        AcmeConfig {
+        Ok(AcmeConfig {
+            own: OwnCertificate::from_args(args, domain)?,
             directory: args.directory.clone(),
             email: args.email.clone().filter(|e| !e.trim().is_empty()),
             ca_file: args.ca_file.clone(),
@@ -125,7 +216,7 @@ impl AcmeConfig {
             max_concurrent_orders: args.max_concurrent_orders.max(1),
             resolver: args.dns_server.map_or(dns::Resolver::System, dns::Resolver::Server),
             edge_names,
-        }
+        })
     }
 }
 
@@ -172,9 +263,17 @@ impl Acme {
             shutdown,
         });
         let mut loaded = 0;
+        let mut own_loaded = false;
         for record in acme.store.certificates()? {
             match serving_key(&record) {
                 Some(Ok(key)) => {
+                    if acme.is_own(&record.hostname) {
+                        own_loaded = true;
+                        info!(
+                            not_after = record.not_after.map(super::store::rfc3339).unwrap_or_default(),
+                            "serving the edge's own certificate from the store"
+                        );
+                    }
                     acme.serve(&record.hostname, key);
                     loaded += 1;
                 }
@@ -184,8 +283,38 @@ impl Acme {
                 None => {}
             }
         }
-        info!(certificates = loaded, directory = %acme.config.directory, challenge = ?acme.config.challenge, "ACME enabled");
+        if acme.config.own.is_some() && !own_loaded {
+            info!(
+                "the edge's own certificate is not issued yet: serving a temporary self-signed one until DNS-01 succeeds"
+            );
+        }
+        // A restart (after fixing the DNS-01 settings, say) tries again at once.
+        acme.retry_own_now();
+        info!(certificates = loaded, dns01 = acme.config.own.is_some(), directory = %acme.config.directory, challenge = ?acme.config.challenge, "ACME enabled");
         Ok(acme)
+    }
+
+    /// The edge's own certificate, when its last order failed: due now
+    /// instead of after the backoff (start, SIGHUP). Returns whether it was.
+    pub fn retry_own_now(&self) -> bool {
+        let Some(own) = &self.config.own else { return false };
+        let Ok(Some(mut record)) = self.store.certificate(&own.record_key()) else { return false };
+        if record.last_error.is_none() || record.next_attempt == 0 {
+            return false;
+        }
+        record.next_attempt = 0;
+        if let Err(e) = self.store.put_certificate(&record) {
+            warn!(error = %e, "failed to store the certificate state");
+            return false;
+        }
+        info!("retrying the edge's own certificate now");
+        self.wake();
+        true
+    }
+
+    /// Whether `host` is the store key of the edge's own certificate.
+    fn is_own(&self, host: &str) -> bool {
+        self.config.own.as_ref().is_some_and(|o| o.record_key() == host)
     }
 
     /// Something changed (a reservation was made or released): scan now.
@@ -224,13 +353,17 @@ impl Acme {
     /// when the next one is due (Unix seconds).
     fn scan(self: &Arc<Self>) -> Result<Option<u64>, StoreError> {
         let now = unix_now();
-        let custom: HashSet<String> = self
+        let mut custom: HashSet<String> = self
             .store
             .reservations()?
             .into_iter()
             .filter(|r| r.kind == ReservationKind::Custom)
             .filter_map(|r| r.hostname)
             .collect();
+        // The edge's own certificate (DNS-01) is scheduled like a custom domain's.
+        if let Some(own) = &self.config.own {
+            custom.insert(own.record_key());
+        }
         let records: HashMap<String, CertificateRecord> =
             self.store.certificates()?.into_iter().map(|c| (c.hostname.clone(), c)).collect();
 
@@ -242,7 +375,8 @@ impl Acme {
             self.served.lock().expect("poisoned").remove(&host);
             info!(host = %host, "custom domain released: certificate removed");
         }
-        for host in records.keys().filter(|h| !custom.contains(*h)) {
+        // A stored own certificate is kept while DNS-01 is off (no new order when it is on again).
+        for host in records.keys().filter(|h| !custom.contains(*h) && !h.starts_with("*.")) {
             self.store.delete_certificate(host)?;
         }
 
@@ -286,9 +420,13 @@ impl Acme {
         if due_at(&record) > unix_now() {
             return; // done meanwhile
         }
-        let outcome = match tokio::time::timeout(ACME_ORDER_TIMEOUT, self.order(host)).await {
-            Ok(r) => r,
-            Err(_) => Err(AcmeError::Timeout),
+        let outcome = match &self.config.own {
+            // Bounded inside, so that the records are always removed.
+            Some(own) if self.is_own(host) => self.order_own(own).await,
+            _ => match tokio::time::timeout(ACME_ORDER_TIMEOUT, self.order(host)).await {
+                Ok(r) => r,
+                Err(_) => Err(AcmeError::Timeout),
+            },
         };
         let now = unix_now();
         match outcome {
@@ -345,6 +483,10 @@ impl Acme {
     }
 
     fn serve(&self, host: &str, key: Arc<CertifiedKey>) {
+        if self.is_own(host) {
+            self.certs.set_default(key);
+            return;
+        }
         self.certs.set(host, key);
         self.served.lock().expect("poisoned").insert(host.to_string());
     }
@@ -486,6 +628,92 @@ impl Acme {
         let key_pem = order.finalize().await?;
         let chain_pem = order.poll_certificate(&retries).await?;
         drop(published);
+        Issued::parse(chain_pem, key_pem)
+    }
+}
+
+impl Acme {
+    /// The edge's own `<domain>` + `*.<domain>` certificate by DNS-01: sets
+    /// the TXT records, lets the CA check them, and removes them again
+    /// (also when the order fails or times out).
+    async fn order_own(&self, own: &OwnCertificate) -> Result<Issued, AcmeError> {
+        let mut records: Vec<(String, String)> = Vec::new();
+        let outcome =
+            match tokio::time::timeout(own.order_timeout(), self.order_own_inner(own, &mut records)).await {
+                Ok(r) => r,
+                Err(_) => Err(AcmeError::Timeout),
+            };
+        for (fqdn, value) in records {
+            match own.provider.unset(&fqdn, &value).await {
+                Ok(()) => debug!(fqdn = %fqdn, "DNS-01 record removed"),
+                Err(e) => {
+                    warn!(fqdn = %fqdn, error = %e, category = e.category(), "failed to remove a DNS-01 record; remove it by hand")
+                }
+            }
+        }
+        outcome
+    }
+
+    async fn order_own_inner(
+        &self,
+        own: &OwnCertificate,
+        records: &mut Vec<(String, String)>,
+    ) -> Result<Issued, AcmeError> {
+        let account = self.account().await?;
+        let identifiers = [Identifier::Dns(own.domain.clone()), Identifier::Dns(format!("*.{}", own.domain))];
+        let mut order = account.new_order(&NewOrder::new(&identifiers)).await?;
+        let host = own.record_key();
+        {
+            let mut authorizations = order.authorizations();
+            while let Some(authorization) = authorizations.next().await {
+                let mut authorization = authorization?;
+                match authorization.status {
+                    AuthorizationStatus::Pending => {}
+                    AuthorizationStatus::Valid => continue,
+                    status => {
+                        return Err(AcmeError::Invalid {
+                            host: host.clone(),
+                            detail: format!("the authorization is {status:?}"),
+                        });
+                    }
+                }
+                let mut challenge =
+                    authorization.challenge(ChallengeType::Dns01).ok_or_else(|| AcmeError::NoChallenge {
+                        host: host.clone(),
+                        challenge: "dns-01",
+                        other: "tls-alpn-01 (with --tls-cert files for the edge's own name)",
+                    })?;
+                let name = match &challenge.identifier().identifier {
+                    Identifier::Dns(name) => name.clone(),
+                    _ => own.domain.clone(),
+                };
+                let fqdn = dns01::challenge_name(&name);
+                let value = challenge.key_authorization().dns_value();
+                own.provider.set(&fqdn, &value).await?;
+                records.push((fqdn.clone(), value));
+                info!(fqdn = %fqdn, for_name = %challenge.identifier(), "DNS-01 record set");
+                if !own.propagation.is_zero() {
+                    tokio::time::sleep(own.propagation).await;
+                }
+                challenge.set_ready().await?;
+            }
+        }
+        let retries = RetryPolicy::new().timeout(ACME_ORDER_TIMEOUT / 2);
+        let status = order.poll_ready(&retries).await?;
+        if status != OrderStatus::Ready {
+            let mut detail = format!("the order is {status:?}");
+            let mut authorizations = order.authorizations();
+            while let Some(Ok(mut authorization)) = authorizations.next().await {
+                if let Ok(state) = authorization.refresh().await
+                    && let Some(problem) = state.challenges.iter().find_map(|c| c.error.as_ref())
+                {
+                    detail = problem.to_string();
+                }
+            }
+            return Err(AcmeError::Invalid { host, detail });
+        }
+        let key_pem = order.finalize().await?;
+        let chain_pem = order.poll_certificate(&retries).await?;
         Issued::parse(chain_pem, key_pem)
     }
 }
