@@ -96,3 +96,10 @@ kind-demo: ## kind cluster + image + edge on the host + operator + podinfo Ingre
 
 kind-clean: ## Remove what kind-demo made
 	scripts/kind-demo clean
+
+.PHONY: check-cluster cluster-demo
+check-cluster: ## Every install path on a real node (kubelet, containerd) with a real edge (root; ~6 min warm)
+	scripts/check-cluster
+
+cluster-demo: ## The kind demo without Docker: node, edge, chart, podinfo Ingress, curl; then stops (root)
+	scripts/cluster-demo

@@ -343,8 +343,8 @@ iptables: {masqueradeAll: true, localhostNodePorts: false, syncPeriod: 10s, minS
 			return err
 		}
 	}
-	env := fmt.Sprintf("NODE_NETNS=%s\nNODE_HOST_IP=%s\nNODE_IP=%s\nNODE_CONTAINERD_SOCK=%s\nNODE_HOSTS=%s\nNODE_NAME=%s\nNODE_POD_CIDR=%s\n",
-		n.netns, n.hostIP, n.nodeIP, n.sock, n.hostsFile, nodeName, podCIDR)
+	env := fmt.Sprintf("NODE_NETNS=%s\nNODE_HOST_IP=%s\nNODE_IP=%s\nNODE_CONTAINERD_SOCK=%s\nNODE_HOSTS=%s\nNODE_NAME=%s\nNODE_POD_CIDR=%s\nNODE_CGROUP_ROOT=%s\n",
+		n.netns, n.hostIP, n.nodeIP, n.sock, n.hostsFile, nodeName, podCIDR, n.cgroupRoot)
 	return os.WriteFile(filepath.Join(filepath.Dir(n.dir), "node.env"), []byte(env), 0o644)
 }
 
