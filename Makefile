@@ -25,10 +25,12 @@ demo: ## Edge + app + agent on this machine, ending with a curl through the edge
 test: ## Run every test (starts the real Kubernetes control plane first)
 	scripts/test
 
-lint: ## rustfmt check, clippy with warnings as errors, shellcheck of the scripts
+lint: ## rustfmt check, clippy with warnings as errors, shellcheck, actionlint of the workflows, README names exist
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy -j2 --all-targets -- -D warnings
-	shellcheck -S warning scripts/* .ci/run
+	shellcheck -S warning $(filter-out scripts/check-readme,$(wildcard scripts/*)) .ci/run
+	scripts/actionlint
+	scripts/check-readme
 
 fmt: ## Format the code
 	$(CARGO) fmt --all
@@ -50,12 +52,12 @@ TARGET ?= x86_64-unknown-linux-musl
 TARGETS := x86_64-unknown-linux-musl aarch64-unknown-linux-musl armv7-unknown-linux-musleabihf
 # zigbuild (no Docker) or cross (Docker) builds the binaries of `make image`.
 BUILDER ?= zigbuild
-IMAGE ?= culvert/culvert:$(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n1)
+IMAGE ?= ghcr.io/culvert-dev/culvert:$(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n1)
 PLATFORMS ?= linux/amd64,linux/arm64,linux/arm/v7
 # dist/linux-<arch>[-<variant>]/culvert, the layout Dockerfile.multiarch copies from.
 dist_dir = dist/linux-$(if $(findstring x86_64,$(1)),amd64,$(if $(findstring aarch64,$(1)),arm64,arm-v7))
 
-.PHONY: crds chart k3s-manifests check-manifests check-hardened zigbuild check-cross cross image check-image kind-demo kind-clean
+.PHONY: crds chart chart-readme k3s-manifests check-manifests check-hardened zigbuild check-cross cross image check-image kind-demo kind-clean
 
 crds: ## Regenerate crds/culvert.yaml with `culvert crd` (then run `make chart k3s-manifests`)
 	$(CARGO) run -q -j2 --bin culvert -- crd > crds/culvert.yaml
@@ -63,6 +65,9 @@ crds: ## Regenerate crds/culvert.yaml with `culvert crd` (then run `make chart k
 chart: ## Chart CRD template from crds/culvert.yaml, then helm lint (no Rust needed)
 	scripts/gen-manifests chart
 	"$$(scripts/kube-env tools)/helm" lint --strict charts/culvert
+
+chart-readme: ## Regenerate the values table of charts/culvert/README.md from values.yaml comments
+	tools/chart-readme.py
 
 k3s-manifests: chart ## Regenerate k3s-manifests/ (k3s HelmChart with the chart inline + plain render)
 	scripts/gen-manifests k3s
@@ -91,7 +96,7 @@ image: ## Multi-arch image: docker buildx, or buildah without Docker (IMAGE=...,
 check-image: ## The image built with buildah (no Docker) from dist/ or target/zig: config, files, runs as uid 65532 (root)
 	PLATFORMS=$(PLATFORMS) scripts/image check
 
-kind-demo: ## kind cluster + image + edge on the host + operator + podinfo Ingress, ends with a curl (Docker)
+kind-demo: ## kind cluster + image built in Docker + edge container + operator + podinfo Ingress, ends with a curl
 	scripts/kind-demo
 
 kind-clean: ## Remove what kind-demo made

@@ -43,6 +43,8 @@ pub enum Command {
     Operator(crate::operator::OperatorArgs),
     /// Print the CustomResourceDefinitions (YAML) to apply before the operator.
     Crd,
+    /// GET an http:// URL until it answers 2xx (the chart's `helm test`; the image has no curl).
+    Probe(crate::probe::ProbeArgs),
 }
 
 #[derive(Debug, Clone, Args)]

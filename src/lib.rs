@@ -14,6 +14,7 @@ pub mod crd;
 pub mod edge;
 pub mod memory;
 pub mod operator;
+pub mod probe;
 pub mod telemetry;
 pub mod tls;
 pub mod tunnel;

@@ -31,6 +31,7 @@ fn run() -> anyhow::Result<()> {
     match cli.command {
         Command::Admin(args) => culvert::admin::run(args)?,
         Command::Crd => print!("{}", culvert::crd::crds_yaml()),
+        Command::Probe(args) => culvert::probe::run(args)?,
         command => {
             let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
             runtime.block_on(async move {
@@ -44,7 +45,7 @@ fn run() -> anyhow::Result<()> {
                     Command::Tcp(args) => {
                         culvert::agent::run_standalone(args, true).await.map_err(Into::into)
                     }
-                    Command::Admin(_) | Command::Crd => unreachable!("handled above"),
+                    Command::Admin(_) | Command::Crd | Command::Probe(_) => unreachable!("handled above"),
                 }
             })?;
         }

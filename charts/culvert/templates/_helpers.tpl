@@ -28,6 +28,9 @@ helm.sh/chart: {{ include "culvert.chart" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: culvert
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
 {{- end }}
 
 {{/* Labels that select the operator's pods. */}}
@@ -50,6 +53,56 @@ app.kubernetes.io/component: operator
 {{- default (printf "%s-credentials" (include "culvert.fullname" .)) .Values.credentials.existingSecret }}
 {{- end }}
 
+{{/* Whether the operator trusts a CA bundle of its own (edge.caBundle or edge.caBundleFrom). */}}
+{{- define "culvert.hasCA" -}}
+{{- if or .Values.edge.caBundle .Values.edge.caBundleFrom }}true{{ end }}
+{{- end }}
+
+{{/* The volume holding the edge CA as the file ca.crt. */}}
+{{- define "culvert.caVolume" -}}
+{{- with .Values.edge.caBundleFrom.configMapKeyRef }}
+configMap:
+  name: {{ .name }}
+  items:
+    - key: {{ .key }}
+      path: ca.crt
+{{- else }}
+{{- with .Values.edge.caBundleFrom.secretKeyRef }}
+secret:
+  secretName: {{ .name }}
+  items:
+    - key: {{ .key }}
+      path: ca.crt
+{{- else }}
+configMap:
+  name: {{ include "culvert.fullname" $ }}-edge-ca
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The pods' affinity: .Values.affinity, else the podAntiAffinity preset. */}}
+{{- define "culvert.affinity" -}}
+{{- if .Values.affinity }}
+{{- toYaml .Values.affinity }}
+{{- else if eq .Values.podAntiAffinity "soft" }}
+podAntiAffinity:
+  preferredDuringSchedulingIgnoredDuringExecution:
+    - weight: 100
+      podAffinityTerm:
+        topologyKey: kubernetes.io/hostname
+        labelSelector:
+          matchLabels:
+            {{- include "culvert.selectorLabels" . | nindent 12 }}
+{{- else if eq .Values.podAntiAffinity "hard" }}
+podAntiAffinity:
+  requiredDuringSchedulingIgnoredDuringExecution:
+    - topologyKey: kubernetes.io/hostname
+      labelSelector:
+        matchLabels:
+          {{- include "culvert.selectorLabels" . | nindent 10 }}
+{{- end }}
+{{- end }}
+
 {{- define "culvert.image" -}}
 {{- if .Values.image.digest }}
 {{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
@@ -65,6 +118,17 @@ Checks that a JSON schema cannot express; each failure says what to change.
 {{- if and .Values.credentials.apiKey .Values.credentials.existingSecret }}
 {{- fail "credentials: set either credentials.apiKey (the chart creates the Secret) or credentials.existingSecret (you created it), not both" }}
 {{- end }}
+{{- if and .Values.edge.caBundle .Values.edge.caBundleFrom }}
+{{- fail "edge: set either edge.caBundle (the PEM text) or edge.caBundleFrom (your ConfigMap or Secret), not both" }}
+{{- end }}
+{{- with .Values.edge.caBundleFrom }}
+{{- if and .configMapKeyRef .secretKeyRef }}
+{{- fail "edge.caBundleFrom: set one of configMapKeyRef and secretKeyRef, not both" }}
+{{- end }}
+{{- end }}
+{{- if and .Values.ingressClass.default (not .Values.ingressClass.enabled) }}
+{{- fail "ingressClass.default is true but ingressClass.enabled is false: the chart can only mark the IngressClass it creates as the default" }}
+{{- end }}
 {{- with .Values.edge.url }}
 {{- if not (regexMatch "^https://[^/?#@\\s]+/?$" .) }}
 {{- fail (printf "edge.url %q: give the edge's base URL as https://HOST or https://HOST:PORT (TLS only, no path)" .) }}
@@ -78,6 +142,9 @@ Checks that a JSON schema cannot express; each failure says what to change.
 {{- else if not (regexMatch "^culvert_e_[A-Za-z0-9_-]+$" .) }}
 {{- fail "credentials.apiKey is not a culvert endpoints key (culvert_e_...): make one with `culvert admin api-key create --name operator --scope endpoints`" }}
 {{- end }}
+{{- end }}
+{{- if and .Values.credentials.apiKey (not .Values.edge.url) }}
+{{- fail "credentials.apiKey is set but edge.url is empty: the Secret the chart makes holds only the key, so set edge.url=https://EDGE as well (or put both in your own Secret and use credentials.existingSecret)" }}
 {{- end }}
 {{- with .Values.proxy.httpsProxy }}
 {{- if not (regexMatch "^https?://[^/\\s]+/?$" .) }}
