@@ -38,6 +38,17 @@ culvert_static() {
   echo "$td/$CULVERT_TARGET/debug/culvert"
 }
 
+# chart_image: the image the chart's default values name, as a full reference
+chart_image() {
+  local repo
+  repo=$(awk '/^image:/ {i = 1; next} /^[^ #]/ {i = 0} i && $1 == "repository:" {print $2; exit}' "$ROOT/charts/culvert/values.yaml")
+  case ${repo%%/*} in
+    *.*| *:* | localhost) ;;
+    *) case $repo in */*) repo=docker.io/$repo ;; *) repo=docker.io/library/$repo ;; esac ;;
+  esac
+  echo "$repo:$(chart_version)"
+}
+
 chart_version() { sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\}$/\1/p' "$ROOT/charts/culvert/Chart.yaml" | head -n1; }
 
 # test_ca DOMAIN IP: a throw-away CA and the edge's certificate for DOMAIN, *.DOMAIN and IP (the
@@ -65,7 +76,7 @@ cluster_up() {
   eval "$("$KUBE_ENV" start --node "$dir")"
   # shellcheck disable=SC1091
   . "$dir/node.env"
-  CULVERT_IMAGE=docker.io/culvert/culvert:$(chart_version)   # what the chart's defaults name
+  CULVERT_IMAGE=$(chart_image)   # what the chart's defaults name: nothing to override
   if [ -n "${CULVERT_IMAGE_OCI:-}" ]; then
     "$KUBE_ENV" load "$dir" "$CULVERT_IMAGE_OCI"
   else
