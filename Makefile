@@ -103,7 +103,7 @@ kind-clean: ## Remove what kind-demo made
 	scripts/kind-demo clean
 
 .PHONY: check-cluster cluster-demo
-check-cluster: ## Every install path on a real node (kubelet, containerd) with a real edge (root; ~6 min warm)
+check-cluster: ## Every install path on a real node (kubelet, containerd) with a real edge (root; ~3 min once built)
 	scripts/check-cluster
 
 cluster-demo: ## The kind demo without Docker: node, edge, chart, podinfo Ingress, curl; then stops (root)

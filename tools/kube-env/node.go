@@ -45,6 +45,8 @@ type node struct {
 	dns                   *net.UDPConn
 	apiProxy              net.Listener
 	hostsFile, kubeconfig string
+	// serviceIP answers NAME.NAMESPACE.svc.cluster.local from the apiserver (set by startNode)
+	serviceIP func(ns, name string) net.IP
 }
 
 func newNode(d string) *node {
@@ -158,13 +160,12 @@ func (n *node) startAPIProxy(port int) error {
 }
 
 // startDNS answers A queries on HOST_IP:53 from D/node/hosts ("IP NAME" lines, NAME may be
-// "*.domain"), read on every query so tests can add names at any time. Everything else: NXDOMAIN.
-// This is all the pods get for DNS (no CoreDNS image here); culvert itself only needs the edge name.
+// "*.domain"), read on every query so tests can add names at any time, and SERVICE.NS.svc.cluster.local
+// with the Service's ClusterIP (asked of the apiserver). Everything else: NXDOMAIN. This is all the
+// pods get for DNS (no CoreDNS image here); culvert itself only needs the edge's name.
 func (n *node) startDNS() error {
-	if _, err := os.Stat(n.hostsFile); err != nil {
-		if err := os.WriteFile(n.hostsFile, []byte("# IP NAME (NAME may be *.domain); answered by kubeharness on the node's DNS address\n"), 0o644); err != nil {
-			return err
-		}
+	if err := os.WriteFile(n.hostsFile, []byte("# IP NAME (NAME may be *.domain); answered by kubeharness on the node's DNS address\n"), 0o644); err != nil {
+		return err
 	}
 	c, err := net.ListenUDP("udp", &net.UDPAddr{IP: net.ParseIP(n.hostIP), Port: 53})
 	if err != nil {
@@ -188,6 +189,12 @@ func (n *node) startDNS() error {
 
 func (n *node) lookup(name string) net.IP {
 	name = strings.ToLower(strings.TrimSuffix(name, "."))
+	if rest, ok := strings.CutSuffix(name, ".svc.cluster.local"); ok && n.serviceIP != nil {
+		if svc, ns, ok := strings.Cut(rest, "."); ok && dnsLabel(svc) && dnsLabel(ns) {
+			return n.serviceIP(ns, svc)
+		}
+		return nil
+	}
 	b, _ := os.ReadFile(n.hostsFile)
 	for _, line := range strings.Split(string(b), "\n") {
 		f := strings.Fields(line)
@@ -401,6 +408,9 @@ func (n *node) stopSandboxes() {
 // makeCgroupRoot creates the kubelet's cgroup root in every cgroup v1 hierarchy (kubelet wants it
 // to exist); cpuset needs its cpus and mems copied from the parent before anything can join it.
 func (n *node) makeCgroupRoot() error {
+	if cgroupV2() { // one hierarchy (not tried here: this machine has cgroup v1 only)
+		return os.MkdirAll(filepath.Join("/sys/fs/cgroup", n.cgroupRoot), 0o755)
+	}
 	ents, err := os.ReadDir("/sys/fs/cgroup")
 	if err != nil {
 		return err
@@ -427,7 +437,11 @@ func (n *node) makeCgroupRoot() error {
 
 // killCgroups kills what is left in the node's cgroup root (containers), then removes the cgroups.
 func (n *node) killCgroups() {
-	for _, ctrl := range []string{"pids", "memory", "cpu", "cpuacct", "cpuset", "blkio", "devices", "freezer", "hugetlb", "systemd", "perf_event", "net_cls", "net_prio"} {
+	ctrls := []string{"pids", "memory", "cpu", "cpuacct", "cpuset", "blkio", "devices", "freezer", "hugetlb", "systemd", "perf_event", "net_cls", "net_prio"}
+	if cgroupV2() {
+		ctrls = []string{""}
+	}
+	for _, ctrl := range ctrls {
 		root := filepath.Join("/sys/fs/cgroup", ctrl, n.cgroupRoot)
 		if _, err := os.Stat(root); err != nil {
 			continue
@@ -542,6 +556,22 @@ func (h *harness) startNode(ctx context.Context, start time.Time, timeout time.D
 		"--bind-address=127.0.0.1", "--secure-port=0", "--profiling=false"); err != nil {
 		return err
 	}
+	n.serviceIP = func(ns, name string) net.IP {
+		resp, err := h.client.Get(server + "/api/v1/namespaces/" + ns + "/services/" + name)
+		if err != nil {
+			return nil
+		}
+		defer resp.Body.Close()
+		var svc struct {
+			Spec struct {
+				ClusterIP string `json:"clusterIP"`
+			} `json:"spec"`
+		}
+		if resp.StatusCode != 200 || json.NewDecoder(resp.Body).Decode(&svc) != nil {
+			return nil
+		}
+		return net.ParseIP(svc.Spec.ClusterIP).To4() // nil for headless ("None")
+	}
 	if err := n.startDNS(); err != nil {
 		return fmt.Errorf("dns on %s:53: %w", n.hostIP, err)
 	}
@@ -629,4 +659,21 @@ func (h *harness) nodeReady(u string) bool {
 		}
 	}
 	return false
+}
+
+func dnsLabel(s string) bool {
+	if s == "" || len(s) > 63 {
+		return false
+	}
+	for _, c := range s {
+		if (c < 'a' || c > 'z') && (c < '0' || c > '9') && c != '-' {
+			return false
+		}
+	}
+	return true
+}
+
+func cgroupV2() bool {
+	_, err := os.Stat("/sys/fs/cgroup/cgroup.controllers")
+	return err == nil
 }
