@@ -28,7 +28,7 @@ test: ## Run every test (starts the real Kubernetes control plane first)
 lint: ## rustfmt check, clippy with warnings as errors, shellcheck, actionlint of the workflows, README names exist
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy -j2 --all-targets -- -D warnings
-	shellcheck -S warning $(filter-out scripts/check-readme,$(wildcard scripts/*)) .ci/run
+	shellcheck -S warning $(filter-out scripts/check-readme scripts/lib,$(wildcard scripts/*)) scripts/lib/*.sh .ci/run
 	shellcheck -S warning deploy/install-edge.sh deploy/certbot-deploy-hook
 	scripts/actionlint
 	scripts/check-readme
@@ -102,3 +102,10 @@ kind-demo: ## kind cluster + image built in Docker + edge container + operator +
 
 kind-clean: ## Remove what kind-demo made
 	scripts/kind-demo clean
+
+.PHONY: check-cluster cluster-demo
+check-cluster: ## Every install path on a real node (kubelet, containerd) with a real edge (root; ~3 min once built)
+	scripts/check-cluster
+
+cluster-demo: ## The kind demo without Docker: node, edge, chart, podinfo Ingress, curl; then stops (root)
+	scripts/cluster-demo

@@ -1,6 +1,6 @@
 // kubeharness: a throw-away Kubernetes control plane for tests, built from k8s.io/kubernetes.
 //
-//	kubeharness up --dir D [--keep] [--timeout 180s]
+//	kubeharness up --dir D [--node] [--node-images DIR] [--keep] [--timeout 180s]
 //
 // runs etcd in this process (go.etcd.io/etcd/server/v3/embed, fsync off, 127.0.0.1 only), generates a
 // CA, a serving certificate (IP SAN 127.0.0.1, DNS localhost), an admin client certificate
@@ -9,7 +9,9 @@
 // answers /readyz and the controller manager has created the default ServiceAccount, it writes
 // D/kubeconfig and prints a line starting with READY. SIGTERM/SIGINT stops everything; children also
 // die with this process (Pdeathsig). State lives in D/data (removed on exit unless --keep), component
-// logs in D/logs.
+// logs in D/logs. With --node it also runs kube-scheduler and a node (containerd, kubelet,
+// kube-proxy in a network namespace of its own, see node.go); `kubeharness image` writes OCI image
+// archives for that node (image.go).
 package main
 
 import (
@@ -44,6 +46,9 @@ import (
 	"k8s.io/component-base/cli"
 	apiserver "k8s.io/kubernetes/cmd/kube-apiserver/app"
 	kcm "k8s.io/kubernetes/cmd/kube-controller-manager/app"
+	proxy "k8s.io/kubernetes/cmd/kube-proxy/app"
+	scheduler "k8s.io/kubernetes/cmd/kube-scheduler/app"
+	kubelet "k8s.io/kubernetes/cmd/kubelet/app"
 )
 
 func main() {
@@ -53,12 +58,21 @@ func main() {
 			os.Exit(runCobra(apiserver.NewAPIServerCommand()))
 		case "kube-controller-manager":
 			os.Exit(runCobra(kcm.NewControllerManagerCommand()))
+		case "kube-scheduler":
+			os.Exit(runCobra(scheduler.NewSchedulerCommand()))
+		case "kubelet":
+			os.Exit(runCobra(kubelet.NewKubeletCommand(context.Background())))
+		case "kube-proxy":
+			os.Exit(runCobra(proxy.NewProxyCommand()))
+		case "image":
+			os.Exit(image(os.Args[2:]))
 		case "up":
 			os.Exit(up(os.Args[2:]))
 		}
 	}
-	fmt.Fprintln(os.Stderr, "usage: kubeharness up --dir D [--keep] [--timeout 180s]\n"+
-		"       kubeharness kube-apiserver|kube-controller-manager [flags]")
+	fmt.Fprintln(os.Stderr, "usage: kubeharness up --dir D [--node] [--node-images DIR] [--keep] [--timeout 180s]\n"+
+		"       kubeharness image --out F.tar --name REF [--entrypoint /x] [--user U:G] SRC=DEST[:MODE]...\n"+
+		"       kubeharness kube-apiserver|kube-controller-manager|kube-scheduler|kubelet|kube-proxy [flags]")
 	os.Exit(2)
 }
 
@@ -78,6 +92,8 @@ type harness struct {
 	procs                []*proc
 	exited               chan *proc
 	client               *http.Client
+	node                 *node  // with --node
+	images               string // --node-images: OCI archives imported into the node's containerd
 }
 
 func up(args []string) int {
@@ -85,6 +101,8 @@ func up(args []string) int {
 	dir := fs.String("dir", "", "state directory (required)")
 	keep := fs.Bool("keep", false, "keep D/data (etcd, pki) and D/kubeconfig on exit")
 	timeout := fs.Duration("timeout", 180*time.Second, "startup timeout")
+	withNode := fs.Bool("node", false, "also run kube-scheduler and a node (containerd, kubelet, kube-proxy) in a network namespace")
+	images := fs.String("node-images", "", "with --node: import every *.tar (OCI archive) of this directory into the node's containerd")
 	if fs.Parse(args) != nil || *dir == "" || fs.NArg() > 0 {
 		fs.Usage()
 		return 2
@@ -109,8 +127,11 @@ func up(args []string) int {
 	}
 	_ = lock.Truncate(0)
 	_, _ = lock.WriteAt([]byte(fmt.Sprintf("%d\n", os.Getpid())), 0)
-	h := &harness{dir: d, data: filepath.Join(d, "data"), logs: filepath.Join(d, "logs"), exited: make(chan *proc, 4)}
+	h := &harness{dir: d, data: filepath.Join(d, "data"), logs: filepath.Join(d, "logs"), exited: make(chan *proc, 8)}
 	h.pki = filepath.Join(h.data, "pki")
+	if *withNode {
+		h.node, h.images = newNode(d), *images
+	}
 	ctx, cancel := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer cancel()
 	err = h.run(ctx, *timeout)
@@ -135,26 +156,38 @@ func (h *harness) run(ctx context.Context, timeout time.Duration) error {
 	if err != nil {
 		return err
 	}
+	var extraIPs []net.IP
+	advertise, reconciler := "127.0.0.1", "none" // the loopback address may not be written into Endpoints
+	if n := h.node; n != nil {
+		n.cleanStale()
+		if err := n.setupNet(); err != nil {
+			return fmt.Errorf("node network: %w", err)
+		}
+		log("node network namespace %s: host side %s, node %s (%s)", n.netns, n.hostIP, n.nodeIP, since(start))
+		extraIPs = append(extraIPs, net.ParseIP(n.hostIP))
+		advertise, reconciler = n.hostIP, "lease"
+	}
 	etcdURL := fmt.Sprintf("http://127.0.0.1:%d", ports[0])
 	if err := h.startEtcd(etcdURL, fmt.Sprintf("http://127.0.0.1:%d", ports[1])); err != nil {
 		return err
 	}
 	log("etcd ready on %s (%s)", etcdURL, since(start))
-	if err := h.writePKI(); err != nil {
+	if err := h.writePKI(extraIPs...); err != nil {
 		return fmt.Errorf("pki: %w", err)
 	}
 	server := fmt.Sprintf("https://127.0.0.1:%d", ports[2])
 	pki := func(f string) string { return filepath.Join(h.pki, f) }
 	if err := h.spawn("kube-apiserver",
 		"--etcd-servers="+etcdURL,
-		"--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", fmt.Sprintf("--secure-port=%d", ports[2]),
+		"--bind-address=127.0.0.1", "--advertise-address="+advertise, fmt.Sprintf("--secure-port=%d", ports[2]),
 		"--cert-dir="+h.pki, "--tls-cert-file="+pki("apiserver.crt"), "--tls-private-key-file="+pki("apiserver.key"),
 		"--client-ca-file="+pki("ca.crt"),
 		"--authorization-mode=RBAC",
 		"--service-account-issuer=https://kubernetes.default.svc.cluster.local",
 		"--service-account-key-file="+pki("sa.key"), "--service-account-signing-key-file="+pki("sa.key"),
 		"--service-cluster-ip-range=10.0.0.0/24",
-		"--endpoint-reconciler-type=none", // the loopback address may not be written into Endpoints
+		"--endpoint-reconciler-type="+reconciler,
+		"--kubelet-preferred-address-types=InternalIP", // the node's name resolves nowhere
 		"--allow-privileged=true",
 		"--profiling=false",
 	); err != nil {
@@ -168,10 +201,16 @@ func (h *harness) run(ctx context.Context, timeout time.Duration) error {
 	if err := h.writeKubeconfig(kubeconfig, server); err != nil {
 		return err
 	}
+	controllers := "garbage-collector-controller,namespace-controller,serviceaccount-controller," +
+		"serviceaccount-token-controller,root-ca-certificate-publisher-controller"
+	if h.node != nil {
+		controllers += ",deployment-controller,replicaset-controller,statefulset-controller,daemonset-controller," +
+			"job-controller,endpoints-controller,endpointslice-controller,endpointslice-mirroring-controller," +
+			"pod-garbage-collector-controller,disruption-controller,ttl-after-finished-controller,node-lifecycle-controller"
+	}
 	if err := h.spawn("kube-controller-manager",
 		"--kubeconfig="+kubeconfig,
-		"--controllers=garbage-collector-controller,namespace-controller,serviceaccount-controller,"+
-			"serviceaccount-token-controller,root-ca-certificate-publisher-controller",
+		"--controllers="+controllers,
 		"--leader-elect=false", "--use-service-account-credentials=false",
 		"--bind-address=127.0.0.1", "--secure-port=0",
 		"--root-ca-file="+pki("ca.crt"), "--service-account-private-key-file="+pki("sa.key"),
@@ -184,7 +223,14 @@ func (h *harness) run(ctx context.Context, timeout time.Duration) error {
 	if err := h.waitFor(ctx, "kube-controller-manager (default ServiceAccount)", start.Add(timeout), func() bool { return h.get(saURL) == 200 }); err != nil {
 		return err
 	}
-	fmt.Printf("KUBECONFIG=%s\nREADY server=%s etcd=%s startup=%s\n", kubeconfig, server, etcdURL, since(start))
+	nodeInfo := ""
+	if h.node != nil {
+		if err := h.startNode(ctx, start, timeout, kubeconfig, server, ports[2]); err != nil {
+			return err
+		}
+		nodeInfo = fmt.Sprintf(" node=%s netns=%s host-ip=%s", nodeName, h.node.netns, h.node.hostIP)
+	}
+	fmt.Printf("KUBECONFIG=%s\nREADY server=%s etcd=%s%s startup=%s\n", kubeconfig, server, etcdURL, nodeInfo, since(start))
 	select {
 	case <-ctx.Done():
 		return nil
@@ -228,12 +274,17 @@ func (h *harness) spawn(name string, args ...string) error {
 	if err != nil {
 		return err
 	}
+	return h.spawnCmd(name, append([]string{self, name}, args...))
+}
+
+// spawnCmd starts argv as component NAME, output to D/logs/NAME.log.
+func (h *harness) spawnCmd(name string, argv []string) error {
 	p := &proc{name: name, log: filepath.Join(h.logs, name+".log"), done: make(chan struct{})}
 	f, err := os.Create(p.log)
 	if err != nil {
 		return err
 	}
-	p.cmd = exec.Command(self, append([]string{name}, args...)...)
+	p.cmd = exec.Command(argv[0], argv[1:]...)
 	p.cmd.Stdout, p.cmd.Stderr = f, f
 	p.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
 	if err := p.cmd.Start(); err != nil {
@@ -270,6 +321,9 @@ func (h *harness) waitFor(ctx context.Context, what string, deadline time.Time, 
 func (h *harness) stop(keep bool) {
 	for i := len(h.procs) - 1; i >= 0; i-- {
 		p := h.procs[i]
+		if p.name == "containerd" {
+			h.node.teardownPods() // kubelet is stopped: nothing restarts the pods
+		}
 		_ = p.cmd.Process.Signal(syscall.SIGTERM)
 		select {
 		case <-p.done:
@@ -281,6 +335,9 @@ func (h *harness) stop(keep bool) {
 	}
 	if h.etcd != nil {
 		h.etcd.Close()
+	}
+	if h.node != nil {
+		h.node.teardown(keep)
 	}
 	if !keep {
 		_ = os.RemoveAll(h.data)
@@ -303,7 +360,7 @@ type keyPair struct {
 	pem  []byte
 }
 
-func (h *harness) writePKI() error {
+func (h *harness) writePKI(extraIPs ...net.IP) error {
 	ca, err := h.issue("ca", &x509.Certificate{Subject: pkix.Name{CommonName: "kubeharness-ca"}, IsCA: true,
 		BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign | x509.KeyUsageDigitalSignature}, nil)
 	if err != nil {
@@ -311,7 +368,7 @@ func (h *harness) writePKI() error {
 	}
 	if _, err := h.issue("apiserver", &x509.Certificate{Subject: pkix.Name{CommonName: "kube-apiserver"},
 		KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
-		IPAddresses: []net.IP{net.ParseIP("127.0.0.1"), net.ParseIP("10.0.0.1")},
+		IPAddresses: append([]net.IP{net.ParseIP("127.0.0.1"), net.ParseIP("10.0.0.1")}, extraIPs...),
 		DNSNames:    []string{"localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"}}, ca); err != nil {
 		return err
 	}
