@@ -192,6 +192,16 @@ pub fn carry_transition(new: &mut Condition, old: &[Condition]) -> bool {
     }
 }
 
+/// The reason and message of a failed reconcile's `Ready` condition: the
+/// error's category for what the user can act on, `EdgeUnavailable` for the
+/// edge, and Kubernetes API errors as such.
+pub fn failure(e: &Error) -> (&'static str, String) {
+    match e {
+        Error::Edge(_) => ("EdgeUnavailable", format!("cannot reach the edge: {e}")),
+        e => (e.category(), e.to_string()),
+    }
+}
+
 /// Server-side applies `status` to the object's status subresource.
 pub async fn apply_status<K, S>(api: &Api<K>, obj: &K, status: &S) -> Result<(), Error>
 where
