@@ -232,11 +232,7 @@ pub async fn run(client: Client, args: OperatorArgs, metrics: Metrics, shutdown:
             }
             let routing = Arc::new(RwLock::new(d.routing));
             let stop = shutdown.child_token();
-            let protocol = match d.protocol {
-                TunnelProtocol::Http => crate::api::Protocol::Http,
-                TunnelProtocol::Tcp => crate::api::Protocol::Tcp,
-                TunnelProtocol::Tls => crate::api::Protocol::Tls,
-            };
+            let protocol = super::tunnel::wire_protocol(d.protocol);
             let dialer = Dialer {
                 edge: edge.clone(),
                 key: d.key.clone(),
