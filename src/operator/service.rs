@@ -33,11 +33,11 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, info};
 
-use super::ingress::Ctx;
 use super::names::{
     ANNOTATION_MANAGE, ANNOTATION_PROXY_PROTOCOL, ANNOTATION_PUBLIC_PORTS, ANNOTATION_RECLAIM_POLICY,
     FIELD_MANAGER, LABEL_MANAGED_BY, LABEL_OWNER_UID, LOAD_BALANCER_CLASS,
 };
+use super::status::Ctx;
 use super::{Context, Error};
 use crate::crd::{Condition, ProxyProtocol, ReclaimPolicy, TcpPort, Tunnel};
 

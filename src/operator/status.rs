@@ -1,7 +1,8 @@
 //! Status conditions, events, metrics and the admin port of the operator.
 
-use std::sync::Arc;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use http::{Response, StatusCode};
 use hyper::service::service_fn;
@@ -251,5 +252,46 @@ where
     };
     if let Err(e) = ctx.recorder.publish(&ev, &obj.object_ref(&())).await {
         tracing::debug!(error = %e, "failed to publish an event");
+    }
+}
+
+/// A controller's context: the operator's, and what was last reported, so
+/// events are published on transitions only (while this replica leads). The
+/// one reporting path of the controllers that have no status of their own
+/// to compare with (Ingress, Service); Domain, TcpPort and Tunnel report a
+/// change of their own conditions through [`event`].
+pub struct Ctx {
+    pub base: Arc<Context>,
+    /// (object uid, topic) → last event.
+    reported: Mutex<HashMap<(String, String), String>>,
+}
+
+impl Ctx {
+    pub fn new(base: Arc<Context>) -> Arc<Ctx> {
+        Arc::new(Ctx { base, reported: Mutex::default() })
+    }
+
+    /// Publishes an event unless the same was last reported for this topic
+    /// (Normal events by reason, Warnings by reason and message).
+    pub async fn report<K>(&self, obj: &K, topic: &str, warning: bool, reason: &str, message: String)
+    where
+        K: Resource<DynamicType = ()>,
+    {
+        let key = (obj.meta().uid.clone().unwrap_or_default(), topic.to_string());
+        let line = if warning { format!("Warning {reason} {message}") } else { format!("Normal {reason}") };
+        {
+            let mut seen = self.reported.lock().expect("poisoned");
+            if seen.get(&key) == Some(&line) {
+                return;
+            }
+            seen.insert(key, line);
+        }
+        event(&self.base, obj, warning, reason, message).await;
+    }
+
+    /// The topic is fine again: its next problem is reported.
+    pub fn forget<K: Resource>(&self, obj: &K, topic: &str) {
+        let key = (obj.meta().uid.clone().unwrap_or_default(), topic.to_string());
+        self.reported.lock().expect("poisoned").remove(&key);
     }
 }
