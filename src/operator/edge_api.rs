@@ -4,13 +4,15 @@
 
 use std::future::Future;
 
-use crate::admin::AdminError;
 use crate::api::{
     CreateTunnelKeyRequest, CreatedTunnelKey, Info, Reservation, ReserveDomainRequest, ReservePortRequest,
     TunnelKey,
 };
 
 use super::edge::EdgeClient;
+
+/// The error of every call to the edge: the control-API client's.
+pub type EdgeError = crate::admin::AdminError;
 
 /// The two kinds of reservation, by their collection at the edge.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,52 +42,52 @@ pub enum ReserveRequest {
 /// for 404; removals answer `false` when the thing was already gone.
 pub trait EdgeApi: Send + Sync {
     /// `GET info`: checks the key and learns the edge's domain.
-    fn info(&self) -> impl Future<Output = Result<Info, AdminError>> + Send;
+    fn info(&self) -> impl Future<Output = Result<Info, EdgeError>> + Send;
     /// `GET domains/{host}` or `GET ports/{port}`.
     fn reservation(
         &self,
         collection: Collection,
         key: &str,
-    ) -> impl Future<Output = Result<Option<Reservation>, AdminError>> + Send;
+    ) -> impl Future<Output = Result<Option<Reservation>, EdgeError>> + Send;
     /// Reservations of a collection that carry the labels of `selector` (`k=v,...`).
     fn reservations(
         &self,
         collection: Collection,
         selector: &str,
-    ) -> impl Future<Output = Result<Vec<Reservation>, AdminError>> + Send;
+    ) -> impl Future<Output = Result<Vec<Reservation>, EdgeError>> + Send;
     /// `POST domains`.
     fn reserve_domain(
         &self,
         request: &ReserveDomainRequest,
-    ) -> impl Future<Output = Result<Reservation, AdminError>> + Send;
+    ) -> impl Future<Output = Result<Reservation, EdgeError>> + Send;
     /// `POST ports`.
     fn reserve_port(
         &self,
         request: &ReservePortRequest,
-    ) -> impl Future<Output = Result<Reservation, AdminError>> + Send;
+    ) -> impl Future<Output = Result<Reservation, EdgeError>> + Send;
     /// `DELETE domains/{host}` or `DELETE ports/{port}`.
     fn release(
         &self,
         collection: Collection,
         key: &str,
-    ) -> impl Future<Output = Result<bool, AdminError>> + Send;
+    ) -> impl Future<Output = Result<bool, EdgeError>> + Send;
     /// `GET tunnel-keys/{id}`.
-    fn tunnel_key(&self, id: &str) -> impl Future<Output = Result<Option<TunnelKey>, AdminError>> + Send;
+    fn tunnel_key(&self, id: &str) -> impl Future<Output = Result<Option<TunnelKey>, EdgeError>> + Send;
     /// Tunnel keys that carry the labels of `selector`.
-    fn tunnel_keys(&self, selector: &str) -> impl Future<Output = Result<Vec<TunnelKey>, AdminError>> + Send;
+    fn tunnel_keys(&self, selector: &str) -> impl Future<Output = Result<Vec<TunnelKey>, EdgeError>> + Send;
     /// `POST tunnel-keys`.
     fn create_tunnel_key(
         &self,
         request: &CreateTunnelKeyRequest,
-    ) -> impl Future<Output = Result<CreatedTunnelKey, AdminError>> + Send;
+    ) -> impl Future<Output = Result<CreatedTunnelKey, EdgeError>> + Send;
     /// `DELETE tunnel-keys/{id}`.
-    fn revoke_tunnel_key(&self, id: &str) -> impl Future<Output = Result<bool, AdminError>> + Send;
+    fn revoke_tunnel_key(&self, id: &str) -> impl Future<Output = Result<bool, EdgeError>> + Send;
 
     /// Either kind of reservation request.
     fn reserve(
         &self,
         request: &ReserveRequest,
-    ) -> impl Future<Output = Result<Reservation, AdminError>> + Send {
+    ) -> impl Future<Output = Result<Reservation, EdgeError>> + Send {
         async move {
             match request {
                 ReserveRequest::Domain(r) => self.reserve_domain(r).await,
@@ -100,15 +102,11 @@ fn body(request: &impl serde::Serialize) -> serde_json::Value {
 }
 
 impl EdgeApi for EdgeClient {
-    async fn info(&self) -> Result<Info, AdminError> {
+    async fn info(&self) -> Result<Info, EdgeError> {
         self.check().await
     }
 
-    async fn reservation(
-        &self,
-        collection: Collection,
-        key: &str,
-    ) -> Result<Option<Reservation>, AdminError> {
+    async fn reservation(&self, collection: Collection, key: &str) -> Result<Option<Reservation>, EdgeError> {
         self.get(format!("{}/{key}", collection.as_str())).await
     }
 
@@ -116,38 +114,38 @@ impl EdgeApi for EdgeClient {
         &self,
         collection: Collection,
         selector: &str,
-    ) -> Result<Vec<Reservation>, AdminError> {
+    ) -> Result<Vec<Reservation>, EdgeError> {
         self.list(collection.as_str(), selector.to_string()).await
     }
 
-    async fn reserve_domain(&self, request: &ReserveDomainRequest) -> Result<Reservation, AdminError> {
+    async fn reserve_domain(&self, request: &ReserveDomainRequest) -> Result<Reservation, EdgeError> {
         self.post("domains", body(request)).await
     }
 
-    async fn reserve_port(&self, request: &ReservePortRequest) -> Result<Reservation, AdminError> {
+    async fn reserve_port(&self, request: &ReservePortRequest) -> Result<Reservation, EdgeError> {
         self.post("ports", body(request)).await
     }
 
-    async fn release(&self, collection: Collection, key: &str) -> Result<bool, AdminError> {
+    async fn release(&self, collection: Collection, key: &str) -> Result<bool, EdgeError> {
         self.delete(format!("{}/{key}", collection.as_str())).await
     }
 
-    async fn tunnel_key(&self, id: &str) -> Result<Option<TunnelKey>, AdminError> {
+    async fn tunnel_key(&self, id: &str) -> Result<Option<TunnelKey>, EdgeError> {
         self.get(format!("tunnel-keys/{id}")).await
     }
 
-    async fn tunnel_keys(&self, selector: &str) -> Result<Vec<TunnelKey>, AdminError> {
+    async fn tunnel_keys(&self, selector: &str) -> Result<Vec<TunnelKey>, EdgeError> {
         self.list("tunnel-keys", selector.to_string()).await
     }
 
     async fn create_tunnel_key(
         &self,
         request: &CreateTunnelKeyRequest,
-    ) -> Result<CreatedTunnelKey, AdminError> {
+    ) -> Result<CreatedTunnelKey, EdgeError> {
         self.post("tunnel-keys", body(request)).await
     }
 
-    async fn revoke_tunnel_key(&self, id: &str) -> Result<bool, AdminError> {
+    async fn revoke_tunnel_key(&self, id: &str) -> Result<bool, EdgeError> {
         self.delete(format!("tunnel-keys/{id}")).await
     }
 }
@@ -181,8 +179,8 @@ pub mod fake {
     #[derive(Default)]
     pub struct FakeEdge(pub Mutex<State>);
 
-    fn refused(status: u16, code: &str, message: String) -> AdminError {
-        AdminError::Refused { status, code: code.into(), message }
+    fn refused(status: u16, code: &str, message: String) -> EdgeError {
+        EdgeError::Refused { status, code: code.into(), message }
     }
 
     fn matches(labels: &Labels, selector: &str) -> bool {
@@ -198,10 +196,10 @@ pub mod fake {
         }
 
         /// The state, or the error of an edge that is down.
-        fn up(&self) -> Result<std::sync::MutexGuard<'_, State>, AdminError> {
+        fn up(&self) -> Result<std::sync::MutexGuard<'_, State>, EdgeError> {
             let s = self.state();
             if s.down {
-                return Err(AdminError::UnexpectedAnswer {
+                return Err(EdgeError::UnexpectedAnswer {
                     url: "the edge".into(),
                     status: 503,
                     detail: "down".into(),
@@ -216,7 +214,7 @@ pub mod fake {
             kind: ReservationKind,
             port: Option<u16>,
             labels: &Labels,
-        ) -> Result<Reservation, AdminError> {
+        ) -> Result<Reservation, EdgeError> {
             let mut s = self.up()?;
             if s.foreign.contains(&key) {
                 return Err(refused(409, "already_reserved", format!("{key} is held by another key")));
@@ -246,7 +244,7 @@ pub mod fake {
     }
 
     impl EdgeApi for FakeEdge {
-        async fn info(&self) -> Result<Info, AdminError> {
+        async fn info(&self) -> Result<Info, EdgeError> {
             drop(self.up()?);
             Ok(Info {
                 domain: DOMAIN.into(),
@@ -266,7 +264,7 @@ pub mod fake {
             })
         }
 
-        async fn reservation(&self, _: Collection, key: &str) -> Result<Option<Reservation>, AdminError> {
+        async fn reservation(&self, _: Collection, key: &str) -> Result<Option<Reservation>, EdgeError> {
             let s = self.up()?;
             if s.foreign.iter().any(|f| f == key) {
                 return Err(refused(403, "forbidden", format!("{key} is held by another key")));
@@ -280,7 +278,7 @@ pub mod fake {
             &self,
             collection: Collection,
             selector: &str,
-        ) -> Result<Vec<Reservation>, AdminError> {
+        ) -> Result<Vec<Reservation>, EdgeError> {
             let s = self.up()?;
             let port = collection == Collection::Ports;
             Ok(s.reservations
@@ -290,7 +288,7 @@ pub mod fake {
                 .collect())
         }
 
-        async fn reserve_domain(&self, request: &ReserveDomainRequest) -> Result<Reservation, AdminError> {
+        async fn reserve_domain(&self, request: &ReserveDomainRequest) -> Result<Reservation, EdgeError> {
             let (host, kind) = match (&request.name, &request.fqdn) {
                 (Some(name), None) => (format!("{name}.{DOMAIN}"), ReservationKind::Subdomain),
                 (None, Some(fqdn)) => (fqdn.clone(), ReservationKind::Custom),
@@ -299,7 +297,7 @@ pub mod fake {
             self.hold(host, kind, None, &request.labels)
         }
 
-        async fn reserve_port(&self, request: &ReservePortRequest) -> Result<Reservation, AdminError> {
+        async fn reserve_port(&self, request: &ReservePortRequest) -> Result<Reservation, EdgeError> {
             let port = request.port.unwrap_or_else(|| {
                 (20000..)
                     .find(|p: &u16| !self.state().reservations.contains_key(&p.to_string()))
@@ -308,17 +306,17 @@ pub mod fake {
             self.hold(port.to_string(), ReservationKind::Subdomain, Some(port), &request.labels)
         }
 
-        async fn release(&self, _: Collection, key: &str) -> Result<bool, AdminError> {
+        async fn release(&self, _: Collection, key: &str) -> Result<bool, EdgeError> {
             let mut s = self.up()?;
             s.journal.push(format!("release {key}"));
             Ok(s.reservations.remove(key).is_some())
         }
 
-        async fn tunnel_key(&self, id: &str) -> Result<Option<TunnelKey>, AdminError> {
+        async fn tunnel_key(&self, id: &str) -> Result<Option<TunnelKey>, EdgeError> {
             Ok(self.up()?.keys.get(id).cloned())
         }
 
-        async fn tunnel_keys(&self, selector: &str) -> Result<Vec<TunnelKey>, AdminError> {
+        async fn tunnel_keys(&self, selector: &str) -> Result<Vec<TunnelKey>, EdgeError> {
             let s = self.up()?;
             Ok(s.keys
                 .values()
@@ -330,7 +328,7 @@ pub mod fake {
         async fn create_tunnel_key(
             &self,
             request: &CreateTunnelKeyRequest,
-        ) -> Result<CreatedTunnelKey, AdminError> {
+        ) -> Result<CreatedTunnelKey, EdgeError> {
             let mut s = self.up()?;
             let target = match (&request.domain, request.port) {
                 (Some(d), None) => d.clone(),
@@ -361,7 +359,7 @@ pub mod fake {
             Ok(CreatedTunnelKey { key, secret, url: r.url.unwrap_or_default() })
         }
 
-        async fn revoke_tunnel_key(&self, id: &str) -> Result<bool, AdminError> {
+        async fn revoke_tunnel_key(&self, id: &str) -> Result<bool, EdgeError> {
             let mut s = self.up()?;
             s.journal.push(format!("revoke {id}"));
             Ok(match s.keys.get_mut(id) {

@@ -14,11 +14,10 @@ use kube::{Api, Resource, ResourceExt};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, info};
 
-use super::edge_api::{Collection, EdgeApi, ReserveRequest};
+use super::edge_api::{Collection, EdgeApi, EdgeError, ReserveRequest};
 use super::names::{FINALIZER, LABEL_CLUSTER, LABEL_KIND, LABEL_NAME, LABEL_NAMESPACE, LABEL_UID};
 use super::status::{apply_status, carry_transition, event, failure, fresh_for_finalizer, ready};
 use super::{Context, Error};
-use crate::admin::AdminError;
 use crate::api::{
     CertificateState, CertificateStatus, Labels, Reservation, ReserveDomainRequest, ReservePortRequest,
 };
@@ -304,7 +303,7 @@ async fn observe_edge<K: Reserved, E: EdgeApi>(
     match obj.edge_key()? {
         Some(key) => match edge.reservation(K::COLLECTION, &key).await {
             Ok(r) => Ok(r),
-            Err(AdminError::Refused { status: 403, .. }) => Err(Error::Conflict(format!(
+            Err(EdgeError::Refused { status: 403, .. }) => Err(Error::Conflict(format!(
                 "{key} is reserved at the edge by another API key; pick another name"
             ))),
             Err(e) => Err(e.into()),
@@ -369,7 +368,7 @@ pub async fn execute<E: EdgeApi>(edge: &E, plan: Plan) -> Result<(Reservation, O
         Plan::Keep(r, how) => Ok((r, how)),
         Plan::Reserve(request, how) => {
             let r = edge.reserve(&request).await.map_err(|e| match e {
-                AdminError::Refused { status: 409 | 422, message, .. } => Error::Conflict(message),
+                EdgeError::Refused { status: 409 | 422, message, .. } => Error::Conflict(message),
                 e => e.into(),
             })?;
             Ok((r, how))
