@@ -24,7 +24,7 @@ use super::status::Metrics;
 use super::tunnel::{auth_copy_key, auth_secret_name};
 use crate::agent::backend::{Access, RouteOptions, Scheme};
 use crate::agent::guard;
-use crate::agent::serve::ProxyHeader;
+use crate::agent::pipe::ProxyHeader;
 use crate::agent::{self, Resolver, Target, TunnelOptions};
 use crate::constants::BACKEND_CONNECT_TIMEOUT;
 use crate::crd::{BackendProtocol, HttpOptions, ProxyProtocol, Tunnel, TunnelProtocol, TunnelStatus};
@@ -164,10 +164,7 @@ fn resolver(protocol: TunnelProtocol, routing: Arc<RwLock<Routing>>) -> Resolver
         }
         let addr = list[next.fetch_add(1, Ordering::Relaxed) % list.len()].clone();
         Some(match protocol {
-            TunnelProtocol::Http if *backends.options == RouteOptions::default() => {
-                Target::Http { authority: addr }
-            }
-            TunnelProtocol::Http => Target::HttpRoute { authority: addr, options: backends.options.clone() },
+            TunnelProtocol::Http => Target::Http { authority: addr, options: backends.options.clone() },
             TunnelProtocol::Tcp | TunnelProtocol::Tls => Target::Tcp { addr, proxy: routing.proxy },
         })
     })
@@ -404,7 +401,7 @@ mod tests {
         let parts = |path: &str| http::Request::get(path).body(()).unwrap().into_parts().0;
         let picked: Vec<String> = (0..3)
             .map(|_| match resolve(&parts("/api/x")) {
-                Some(Target::HttpRoute { authority, options }) => {
+                Some(Target::Http { authority, options }) => {
                     assert_eq!(options.read_timeout, Some(Duration::from_secs(5)));
                     authority
                 }
@@ -442,6 +439,6 @@ mod tests {
         let d = desired(&tunnels, &secrets).remove("u1").unwrap();
         let resolve = resolver(d.protocol, Arc::new(RwLock::new(d.routing)));
         let parts = http::Request::get("/").body(()).unwrap().into_parts().0;
-        assert!(matches!(resolve(&parts), Some(Target::Http { authority }) if authority == "10.0.0.1:80"));
+        assert_eq!(resolve(&parts), Some(Target::http("10.0.0.1:80")), "the default options");
     }
 }
