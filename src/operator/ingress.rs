@@ -43,11 +43,11 @@ use super::names::{
     LABEL_MANAGED_BY, LEGACY_CLASS_ANNOTATION,
 };
 use super::routes::{self, Contribution, Merged, Rule};
-use super::status::Ctx;
+use super::status::{Ctx, ready_condition};
 use super::{Context, DomainPolicy, Error};
 use crate::crd::{
-    BackendProtocol, Condition, Domain, HttpOptions, PathType, ReclaimPolicy, ServiceRef, Tunnel,
-    TunnelProtocol, TunnelRoute, TunnelSpec,
+    BackendProtocol, Domain, HttpOptions, PathType, ReclaimPolicy, ServiceRef, Tunnel, TunnelProtocol,
+    TunnelRoute, TunnelSpec,
 };
 
 /// Value of [`LABEL_MANAGED_BY`] on what this controller makes.
@@ -267,10 +267,6 @@ fn domain_spec(host: &str, edge_domain: &str, reclaim: ReclaimPolicy) -> serde_j
         Some(label) if !label.contains('.') => json!({ "name": label, "reclaimPolicy": reclaim }),
         _ => json!({ "fqdn": host, "reclaimPolicy": reclaim }),
     }
-}
-
-fn ready_condition(conditions: &[Condition]) -> Option<&Condition> {
-    conditions.iter().find(|c| c.type_ == "Ready")
 }
 
 fn owner_ref(ing: &Ingress) -> OwnerReference {

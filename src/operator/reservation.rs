@@ -17,6 +17,7 @@ use tracing::{Instrument, info};
 use super::edge_api::{Collection, EdgeApi, EdgeError, ReserveRequest};
 use super::names::{FINALIZER, LABEL_CLUSTER, LABEL_KIND, LABEL_NAME, LABEL_NAMESPACE, LABEL_UID};
 use super::status::{apply_status, carry_transition, event, failure, fresh_for_finalizer, ready};
+use super::tunnel::dns_label;
 use super::{Context, Error};
 use crate::api::{
     CertificateState, CertificateStatus, Labels, Reservation, ReserveDomainRequest, ReservePortRequest,
@@ -52,14 +53,6 @@ pub trait Reserved:
     fn status_conditions(status: &mut Self::Status) -> &mut Vec<Condition>;
 }
 
-fn is_dns_label(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 63
-        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && !s.starts_with('-')
-        && !s.ends_with('-')
-}
-
 impl Reserved for Domain {
     const KIND: &'static str = "Domain";
     const COLLECTION: Collection = Collection::Domains;
@@ -71,13 +64,13 @@ impl Reserved for Domain {
 
     fn edge_key(&self) -> Result<Option<String>, Error> {
         match (&self.spec.name, &self.spec.fqdn) {
-            (Some(name), None) if is_dns_label(name) => Ok(Some(name.clone())),
+            (Some(name), None) if dns_label(name) => Ok(Some(name.clone())),
             (Some(name), None) => Err(Error::Invalid(format!(
                 "spec.name `{name}` is not a DNS label (a-z, 0-9 and '-', at most 63): for a full host name use spec.fqdn"
             ))),
             (None, Some(fqdn)) => {
                 let fqdn = fqdn.trim_end_matches('.').to_ascii_lowercase();
-                if fqdn.split('.').count() >= 2 && fqdn.split('.').all(is_dns_label) {
+                if fqdn.split('.').count() >= 2 && fqdn.split('.').all(dns_label) {
                     Ok(Some(fqdn))
                 } else {
                     Err(Error::Invalid(format!("spec.fqdn `{fqdn}` is not a valid host name")))

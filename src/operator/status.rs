@@ -193,6 +193,11 @@ pub fn carry_transition(new: &mut Condition, old: &[Condition]) -> bool {
     }
 }
 
+/// The `Ready` condition among `conditions`.
+pub fn ready_condition(conditions: &[Condition]) -> Option<&Condition> {
+    conditions.iter().find(|c| c.type_ == "Ready")
+}
+
 /// The reason and message of a failed reconcile's `Ready` condition: the
 /// error's category for what the user can act on, `EdgeUnavailable` for the
 /// edge, and Kubernetes API errors as such.

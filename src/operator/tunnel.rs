@@ -64,7 +64,8 @@ fn dns_subdomain(s: &str) -> bool {
     s.len() <= 253 && s.split('.').all(dns_label)
 }
 
-fn dns_label(s: &str) -> bool {
+/// A DNS label (RFC 1123): lower case letters, digits and '-', at most 63.
+pub fn dns_label(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 63
         && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
