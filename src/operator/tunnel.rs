@@ -729,11 +729,9 @@ fn error_policy(obj: Arc<Tunnel>, e: &Error, _ctx: Arc<Context>) -> Action {
 pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
     let ns = ctx.watch_namespace.clone();
     let client = ctx.client.clone();
-    let all = |_: ()| ns.as_deref();
-    let controller = Controller::new(
-        super::watched::<Tunnel>(&client, all(())),
-        watcher::Config::default().any_semantic(),
-    );
+    let ns = ns.as_deref();
+    let controller =
+        Controller::new(super::watched::<Tunnel>(&client, ns), watcher::Config::default().any_semantic());
     let store = controller.store();
     // Tunnels that refer to a changed object of their namespace.
     let refs = move |ns: Option<String>, pick: Box<dyn Fn(&Tunnel) -> bool + Send>| {
@@ -746,37 +744,29 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
     };
     let (r1, r2, r3, r4, r5) = (refs.clone(), refs.clone(), refs.clone(), refs.clone(), refs);
     controller
-        .owns(super::watched::<Secret>(&client, all(())), watcher::Config::default().labels(LABEL_TUNNEL))
+        .owns(super::watched::<Secret>(&client, ns), watcher::Config::default().labels(LABEL_TUNNEL))
+        .watches(super::watched::<Service>(&client, ns), watcher::Config::default(), move |s: Service| {
+            let name = s.name_any();
+            r1(s.namespace(), Box::new(move |t| t.spec.services().any(|s| s == name)))
+        })
         .watches(
-            super::watched::<Service>(&client, all(())),
-            watcher::Config::default(),
-            move |s: Service| {
-                let name = s.name_any();
-                r1(s.namespace(), Box::new(move |t| t.spec.services().any(|s| s == name)))
-            },
-        )
-        .watches(
-            super::watched::<EndpointSlice>(&client, all(())),
+            super::watched::<EndpointSlice>(&client, ns),
             watcher::Config::default().labels("kubernetes.io/service-name"),
             move |e: EndpointSlice| {
                 let svc = e.labels().get("kubernetes.io/service-name").cloned().unwrap_or_default();
                 r2(e.namespace(), Box::new(move |t| t.spec.services().any(|s| s == svc)))
             },
         )
-        .watches(super::watched::<Domain>(&client, all(())), watcher::Config::default(), move |d: Domain| {
+        .watches(super::watched::<Domain>(&client, ns), watcher::Config::default(), move |d: Domain| {
             let name = d.name_any();
             r3(d.namespace(), Box::new(move |t| t.spec.domain.as_deref() == Some(&name)))
         })
-        .watches(
-            super::watched::<TcpPort>(&client, all(())),
-            watcher::Config::default(),
-            move |p: TcpPort| {
-                let name = p.name_any();
-                r4(p.namespace(), Box::new(move |t| t.spec.tcp_port.as_deref() == Some(&name)))
-            },
-        )
+        .watches(super::watched::<TcpPort>(&client, ns), watcher::Config::default(), move |p: TcpPort| {
+            let name = p.name_any();
+            r4(p.namespace(), Box::new(move |t| t.spec.tcp_port.as_deref() == Some(&name)))
+        })
         // An auth Secret a route names changed.
-        .watches(super::watched::<Secret>(&client, all(())), watcher::Config::default(), move |s: Secret| {
+        .watches(super::watched::<Secret>(&client, ns), watcher::Config::default(), move |s: Secret| {
             let name = s.name_any();
             r5(s.namespace(), Box::new(move |t| t.spec.auth_secrets().any(|a| a == name)))
         })
