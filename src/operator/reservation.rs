@@ -8,15 +8,14 @@ use std::sync::Arc;
 
 use futures_util::StreamExt;
 use kube::runtime::controller::{Action, Controller};
-use kube::runtime::finalizer::{Event as Finalizer, finalizer};
 use kube::runtime::watcher;
 use kube::{Api, Resource, ResourceExt};
 use tokio_util::sync::CancellationToken;
-use tracing::{Instrument, info};
+use tracing::info;
 
 use super::edge_api::{Collection, EdgeApi, EdgeError, ReserveRequest};
-use super::names::{FINALIZER, LABEL_CLUSTER, LABEL_KIND, LABEL_NAME, LABEL_NAMESPACE, LABEL_UID};
-use super::status::{apply_status, carry_transition, event, failure, fresh_for_finalizer, ready};
+use super::names::{LABEL_CLUSTER, LABEL_KIND, LABEL_NAME, LABEL_NAMESPACE, LABEL_UID};
+use super::status::{apply_status, carry_transition, event, failure, ready, reconcile_finalized, retry_soon};
 use super::tunnel::dns_label;
 use super::{Context, Error};
 use crate::api::{
@@ -492,26 +491,11 @@ async fn cleanup<K: Reserved>(obj: Arc<K>, ctx: &Context) -> Result<Action, Erro
 }
 
 async fn reconcile<K: Reserved>(obj: Arc<K>, ctx: Arc<Context>) -> Result<Action, Error> {
-    let api: Api<K> = Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
-    let span = tracing::info_span!("reconcile", kind = K::KIND, namespace = %obj.namespace().unwrap_or_default(), name = %obj.name_any());
-    let reconcile = async {
-        let Some(obj) = fresh_for_finalizer(&api, obj).await? else { return Ok(Action::await_change()) };
-        finalizer(&api, FINALIZER, obj, |ev| async {
-            match ev {
-                Finalizer::Apply(o) => apply(o, &ctx).await,
-                Finalizer::Cleanup(o) => cleanup(o, &ctx).await,
-            }
-        })
-        .await
-        .map_err(|e| Error::Finalizer(Box::new(e)))
-    }
-    .instrument(span);
-    ctx.metrics.measure(K::KIND, reconcile).await
+    reconcile_finalized(K::KIND, obj, &ctx, |o| apply(o, &ctx), |o| cleanup(o, &ctx)).await
 }
 
 fn error_policy<K: Reserved>(obj: Arc<K>, e: &Error, _ctx: Arc<Context>) -> Action {
-    super::log_failure(K::KIND, obj.meta(), e);
-    Action::requeue(std::time::Duration::from_secs(5))
+    retry_soon(K::KIND, &*obj, e)
 }
 
 async fn run_controller<K: Reserved>(ctx: Arc<Context>, stop: CancellationToken) {

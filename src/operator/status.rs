@@ -9,7 +9,9 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
+use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType};
+use kube::runtime::finalizer::{Event as Finalizer, finalizer};
 use kube::{Api, Resource, ResourceExt};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -19,6 +21,7 @@ use prometheus_client::registry::Registry;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use super::names::{FIELD_MANAGER, FINALIZER};
 use super::{Context, Error};
@@ -241,6 +244,49 @@ where
         return Ok(Some(obj));
     }
     Ok(api.get_opt(&obj.name_any()).await?.map(Arc::new))
+}
+
+/// One reconcile of an object that holds things at the edge behind the
+/// finalizer (Domain, TcpPort, Tunnel): the span, the metrics, a fresh copy
+/// for `finalizer()`, then `apply` or `cleanup`.
+pub async fn reconcile_finalized<K, FA, FC>(
+    kind: &'static str,
+    obj: Arc<K>,
+    ctx: &Context,
+    apply: impl FnOnce(Arc<K>) -> FA,
+    cleanup: impl FnOnce(Arc<K>) -> FC,
+) -> Result<Action, Error>
+where
+    K: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+        + Clone
+        + DeserializeOwned
+        + Serialize
+        + std::fmt::Debug,
+    FA: Future<Output = Result<Action, Error>>,
+    FC: Future<Output = Result<Action, Error>>,
+{
+    let namespace = obj.namespace().unwrap_or_default();
+    let api: Api<K> = Api::namespaced(ctx.client.clone(), &namespace);
+    let span = tracing::info_span!("reconcile", kind, namespace = %namespace, name = %obj.name_any());
+    let reconcile = async {
+        let Some(obj) = fresh_for_finalizer(&api, obj).await? else { return Ok(Action::await_change()) };
+        finalizer(&api, FINALIZER, obj, |ev| async move {
+            match ev {
+                Finalizer::Apply(o) => apply(o).await,
+                Finalizer::Cleanup(o) => cleanup(o).await,
+            }
+        })
+        .await
+        .map_err(|e| Error::Finalizer(Box::new(e)))
+    }
+    .instrument(span);
+    ctx.metrics.measure(kind, reconcile).await
+}
+
+/// The error policy of those controllers: log, and try again in 5 seconds.
+pub fn retry_soon<K: Resource>(kind: &str, obj: &K, e: &Error) -> Action {
+    super::log_failure(kind, obj.meta(), e);
+    Action::requeue(std::time::Duration::from_secs(5))
 }
 
 /// Publishes an event about `obj`; failures to publish are only logged.

@@ -14,18 +14,18 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::{ObjectMeta, Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
-use kube::runtime::finalizer::{Event as Finalizer, finalizer};
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 use kube::{Api, Resource, ResourceExt};
 use tokio_util::sync::CancellationToken;
-use tracing::{Instrument, info};
+use tracing::info;
 
 use super::edge_api::{Collection, EdgeApi};
-use super::names::{FIELD_MANAGER, FINALIZER, LABEL_TUNNEL, LABEL_UID, SECRET_KEY, SECRET_KEY_ID};
+use super::names::{FIELD_MANAGER, LABEL_TUNNEL, LABEL_UID, SECRET_KEY, SECRET_KEY_ID};
 use super::reservation::labels_of;
 use super::status::{
-    apply_status, carry_transition, condition, event, failure, fresh_for_finalizer, since_transition,
+    apply_status, carry_transition, condition, event, failure, reconcile_finalized, retry_soon,
+    since_transition,
 };
 use super::{BackendAddress, Context, Error};
 use crate::agent::guard;
@@ -704,26 +704,11 @@ async fn cleanup(t: Arc<Tunnel>, ctx: &Context) -> Result<Action, Error> {
 }
 
 async fn reconcile(t: Arc<Tunnel>, ctx: Arc<Context>) -> Result<Action, Error> {
-    let api: Api<Tunnel> = Api::namespaced(ctx.client.clone(), &t.namespace().unwrap_or_default());
-    let span = tracing::info_span!("reconcile", kind = "Tunnel", namespace = %t.namespace().unwrap_or_default(), name = %t.name_any());
-    let reconcile = async {
-        let Some(t) = fresh_for_finalizer(&api, t).await? else { return Ok(Action::await_change()) };
-        finalizer(&api, FINALIZER, t, |ev| async {
-            match ev {
-                Finalizer::Apply(o) => apply(o, &ctx).await,
-                Finalizer::Cleanup(o) => cleanup(o, &ctx).await,
-            }
-        })
-        .await
-        .map_err(|e| Error::Finalizer(Box::new(e)))
-    }
-    .instrument(span);
-    ctx.metrics.measure("Tunnel", reconcile).await
+    reconcile_finalized("Tunnel", t, &ctx, |o| apply(o, &ctx), |o| cleanup(o, &ctx)).await
 }
 
 fn error_policy(obj: Arc<Tunnel>, e: &Error, _ctx: Arc<Context>) -> Action {
-    super::log_failure("Tunnel", obj.meta(), e);
-    Action::requeue(Duration::from_secs(5))
+    retry_soon("Tunnel", &*obj, e)
 }
 
 pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
