@@ -16,7 +16,6 @@ use tracing::info;
 use super::edge_api::{Collection, EdgeApi, EdgeError, ReserveRequest};
 use super::names::{LABEL_CLUSTER, LABEL_KIND, LABEL_NAME, LABEL_NAMESPACE, LABEL_UID};
 use super::status::{apply_status, carry_transition, event, failure, ready, reconcile_finalized, retry_soon};
-use super::tunnel::dns_label;
 use super::{Context, Error};
 use crate::api::{
     CertificateState, CertificateStatus, Labels, Reservation, ReserveDomainRequest, ReservePortRequest,
@@ -50,6 +49,15 @@ pub trait Reserved:
     fn status(&self, r: Option<&Reservation>, condition: Condition, edge_domain: &str) -> Self::Status;
     /// The conditions of a status.
     fn status_conditions(status: &mut Self::Status) -> &mut Vec<Condition>;
+}
+
+/// A DNS label (RFC 1123): lower case letters, digits and '-', at most 63.
+pub fn dns_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
 }
 
 impl Reserved for Domain {

@@ -22,7 +22,7 @@ use tracing::info;
 
 use super::edge_api::{Collection, EdgeApi};
 use super::names::{FIELD_MANAGER, LABEL_TUNNEL, LABEL_UID, SECRET_KEY, SECRET_KEY_ID};
-use super::reservation::labels_of;
+use super::reservation::{dns_label, labels_of};
 use super::status::{
     apply_status, carry_transition, condition, event, failure, reconcile_finalized, retry_soon,
     since_transition,
@@ -62,15 +62,6 @@ struct Resolved {
 
 fn dns_subdomain(s: &str) -> bool {
     s.len() <= 253 && s.split('.').all(dns_label)
-}
-
-/// A DNS label (RFC 1123): lower case letters, digits and '-', at most 63.
-pub fn dns_label(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 63
-        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && !s.starts_with('-')
-        && !s.ends_with('-')
 }
 
 /// Validate: the spec alone, without a client.
