@@ -371,12 +371,8 @@ async fn http01_issue_serve_restart_release() {
     let backend = net::http_backend().await;
     let (s, k) = w.edge.api("POST", "tunnel-keys", Some(json!({"domain": host, "protocol": "http"}))).await;
     assert!(s.is_success(), "{k}");
-    let agent = TestAgent::start(
-        &w.edge,
-        k["secret"].as_str().unwrap(),
-        Target::Http { authority: backend.to_string() },
-    )
-    .await;
+    let agent =
+        TestAgent::start(&w.edge, k["secret"].as_str().unwrap(), Target::http(backend.to_string())).await;
     let tls = w.public_tls(host).await.expect("the issued chain validates against pebble's root");
     assert_eq!(get(tls, host).await, (200, "hello from backend".to_string()));
     // The edge's own name still gets the edge's certificate (not pebble's).

@@ -115,7 +115,7 @@ async fn replaced_certificate_files_are_served_and_tunnels_kept() {
     // the switch) and an open keep-alive public connection.
     let backend = net::http_backend().await;
     let (host, secret) = edge.http_tunnel_key("app").await;
-    let agent = TestAgent::start(&edge, &secret, Target::Http { authority: backend.to_string() }).await;
+    let agent = TestAgent::start(&edge, &secret, Target::http(backend.to_string())).await;
     let mut open = http1(tls(edge.https, &host, &a.ca_pem).await.expect("A is served")).await;
     assert_eq!(get(&mut open, &host).await, (200, "hello from backend".into()));
 

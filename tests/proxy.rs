@@ -95,7 +95,7 @@ async fn agent_reaches_the_edge_only_through_an_http_proxy() {
     }
     let agent = tokio::time::timeout(
         Duration::from_secs(30),
-        TestAgent::start(&edge, &key, Target::Http { authority: backend.to_string() }),
+        TestAgent::start(&edge, &key, Target::http(backend.to_string())),
     )
     .await
     .expect("agent connects through the proxy");

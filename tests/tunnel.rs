@@ -17,7 +17,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_tungstenite::tungstenite::Message;
 
 fn http_target(addr: std::net::SocketAddr) -> Target {
-    Target::Http { authority: addr.to_string() }
+    Target::http(addr.to_string())
 }
 
 async fn published() -> (TestEdge, String, TestAgent) {
@@ -279,7 +279,7 @@ async fn dead_backend_is_a_502_not_a_hang() {
     let (host, key) = edge.http_tunnel_key("dead").await;
     // A port nothing listens on: bind, learn the port, close.
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let _agent = TestAgent::start(&edge, &key, Target::Http { authority: format!("127.0.0.1:{port}") }).await;
+    let _agent = TestAgent::start(&edge, &key, Target::http(format!("127.0.0.1:{port}"))).await;
     let (status, body) =
         tokio::time::timeout(Duration::from_secs(15), edge.client().get(&host, "/")).await.unwrap();
     assert_eq!(status, StatusCode::BAD_GATEWAY);
@@ -327,13 +327,8 @@ async fn handshake_refusals_say_why() {
     let (s, body) = edge.api_as(&tunnel_key, "GET", "domains", None).await;
     assert_eq!(s, StatusCode::FORBIDDEN, "{body}");
     // The agent reports a refusal as permanent and stops.
-    let (agent, _) = TestAgent::spawn(
-        &edge.url(),
-        &edge.ca_file,
-        &endpoints,
-        Target::Http { authority: "127.0.0.1:1".into() },
-        true,
-    );
+    let (agent, _) =
+        TestAgent::spawn(&edge.url(), &edge.ca_file, &endpoints, Target::http("127.0.0.1:1"), true);
     let err = tokio::time::timeout(Duration::from_secs(10), agent.task).await.unwrap().unwrap().unwrap_err();
     assert!(err.to_string().contains("API key"), "{err}");
     let metrics = edge.edge().metrics.encode();

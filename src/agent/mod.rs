@@ -5,8 +5,10 @@
 //! (`culvert http|tcp`) and, later, the operator; [`serve`] answers streams.
 
 pub mod backend;
+pub mod dispatch;
+pub mod forward;
 pub mod guard;
-pub mod route;
+pub mod pipe;
 pub mod serve;
 
 use std::sync::Arc;

@@ -183,3 +183,114 @@ impl Drop for PendingSlot {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+
+    use super::*;
+
+    /// The client half of a real HTTP/2 connection over an in-memory pipe;
+    /// the server answers every request with 200.
+    async fn sender() -> SendRequest<BoxBody> {
+        let (client, server) = tokio::io::duplex(64 * 1024);
+        tokio::spawn(async move {
+            let svc = hyper::service::service_fn(|_req| async {
+                Ok::<_, Infallible>(hyper::Response::new(http_body_util::Empty::<bytes::Bytes>::new()))
+            });
+            let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                .serve_connection(TokioIo::new(server), svc)
+                .await;
+        });
+        let (send, conn) =
+            hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(client)).await.unwrap();
+        tokio::spawn(conn);
+        send
+    }
+
+    async fn add(r: &Registry, key: &str, reservation: &str, protocol: Protocol) -> Arc<AgentConn> {
+        r.add(key.into(), reservation.into(), "agent".into(), protocol, sender().await, Arc::default())
+    }
+
+    #[tokio::test]
+    async fn streams_go_to_the_least_loaded_usable_connection() {
+        let gauge = Gauge::default();
+        let r = Registry::new(gauge.clone());
+        let a = add(&r, "tk_1", "rs_1", Protocol::Http).await;
+        let b = add(&r, "tk_1", "rs_1", Protocol::Http).await;
+        let tls = add(&r, "tk_2", "rs_1", Protocol::Tls).await;
+        let pick = |tried: &[u64]| r.pick("rs_1", Protocol::Http, tried);
+        let id = |g: &Option<StreamGuard>| g.as_ref().map(|g| g.conn().id);
+
+        let first = pick(&[]);
+        assert_eq!(id(&first), Some(a.id));
+        let second = pick(&[]);
+        assert_eq!(id(&second), Some(b.id), "a has a stream open, b none");
+        let third = pick(&[]);
+        assert_eq!(id(&third), Some(a.id), "a tie goes to the first");
+        assert_eq!(gauge.get(), 3);
+        drop((first, third));
+        assert_eq!(gauge.get(), 1);
+        assert_eq!(id(&pick(&[])), Some(a.id), "a is idle again");
+        // A retry skips the connections tried already.
+        assert_eq!(id(&pick(&[a.id])), Some(b.id));
+        assert_eq!(id(&pick(&[a.id, b.id])), None);
+        // By protocol: the tls key's connection serves tls only.
+        assert_eq!(r.pick("rs_1", Protocol::Tls, &[]).map(|g| g.conn().id), Some(tls.id));
+        assert!(r.pick("rs_2", Protocol::Http, &[]).is_none());
+        assert!(r.serves("rs_1", Protocol::Http) && r.serves("rs_1", Protocol::Tls));
+        assert!(!r.serves("rs_1", Protocol::Tcp));
+    }
+
+    #[tokio::test]
+    async fn closing_connections_take_no_new_streams() {
+        let r = Registry::new(Gauge::default());
+        let a = add(&r, "tk_1", "rs_1", Protocol::Http).await;
+        let b = add(&r, "tk_1", "rs_1", Protocol::Http).await;
+        a.cancel.cancel();
+        assert_eq!(r.pick("rs_1", Protocol::Http, &[]).map(|g| g.conn().id), Some(b.id));
+        assert_eq!(r.count_for_key("tk_1"), 1, "a closing connection holds no slot");
+        r.remove(&b);
+        assert!(r.pick("rs_1", Protocol::Http, &[]).is_none());
+        assert!(!r.serves("rs_1", Protocol::Http));
+        r.remove(&a);
+        assert!(r.by_reservation.lock().unwrap().is_empty(), "no empty lists are kept");
+    }
+
+    #[tokio::test]
+    async fn revoked_keys_and_released_reservations_close_their_connections() {
+        let r = Registry::new(Gauge::default());
+        let live = add(&r, "tk_1", "rs_1", Protocol::Http).await;
+        let revoked = add(&r, "tk_2", "rs_1", Protocol::Http).await;
+        let released = add(&r, "tk_3", "rs_2", Protocol::Tcp).await;
+        let keys: HashSet<String> = ["tk_1".to_string(), "tk_3".to_string()].into();
+        r.close_invalid(&keys, |id| id == "rs_1");
+        let closed = |c: &AgentConn| c.cancel.is_cancelled();
+        assert_eq!((closed(&live), closed(&revoked), closed(&released)), (false, true, true));
+        r.close_all();
+        assert!(closed(&live));
+    }
+
+    #[tokio::test]
+    async fn each_key_has_a_fixed_number_of_slots() {
+        let r = Registry::new(Gauge::default());
+        let one = r.reserve_slot("tk_1", 2).expect("a free slot");
+        let two = r.reserve_slot("tk_1", 2).expect("a second slot");
+        assert!(r.reserve_slot("tk_1", 2).is_none(), "two handshakes pending");
+        assert!(r.reserve_slot("tk_2", 2).is_some(), "slots are per key");
+        // Registered: the slot is released, the connection holds it instead.
+        let conn = add(&r, "tk_1", "rs_1", Protocol::Http).await;
+        drop(one);
+        assert!(r.reserve_slot("tk_1", 2).is_none(), "one connected, one pending");
+        drop(two);
+        let three = r.reserve_slot("tk_1", 2);
+        assert!(three.is_some());
+        assert!(r.reserve_slot("tk_1", 2).is_none());
+        drop(three);
+        r.remove(&conn);
+        assert!(r.pending.lock().unwrap().is_empty());
+        assert!(r.reserve_slot("tk_1", 2).is_some());
+    }
+}

@@ -24,7 +24,7 @@ use super::status::Metrics;
 use super::tunnel::{auth_copy_key, auth_secret_name};
 use crate::agent::backend::{Access, RouteOptions, Scheme};
 use crate::agent::guard;
-use crate::agent::serve::ProxyHeader;
+use crate::agent::pipe::ProxyHeader;
 use crate::agent::{self, Resolver, Target, TunnelOptions};
 use crate::constants::BACKEND_CONNECT_TIMEOUT;
 use crate::crd::{BackendProtocol, HttpOptions, ProxyProtocol, Tunnel, TunnelProtocol, TunnelStatus};
@@ -164,10 +164,7 @@ fn resolver(protocol: TunnelProtocol, routing: Arc<RwLock<Routing>>) -> Resolver
         }
         let addr = list[next.fetch_add(1, Ordering::Relaxed) % list.len()].clone();
         Some(match protocol {
-            TunnelProtocol::Http if *backends.options == RouteOptions::default() => {
-                Target::Http { authority: addr }
-            }
-            TunnelProtocol::Http => Target::HttpRoute { authority: addr, options: backends.options.clone() },
+            TunnelProtocol::Http => Target::Http { authority: addr, options: backends.options.clone() },
             TunnelProtocol::Tcp | TunnelProtocol::Tls => Target::Tcp { addr, proxy: routing.proxy },
         })
     })
@@ -232,11 +229,7 @@ pub async fn run(client: Client, args: OperatorArgs, metrics: Metrics, shutdown:
             }
             let routing = Arc::new(RwLock::new(d.routing));
             let stop = shutdown.child_token();
-            let protocol = match d.protocol {
-                TunnelProtocol::Http => crate::api::Protocol::Http,
-                TunnelProtocol::Tcp => crate::api::Protocol::Tcp,
-                TunnelProtocol::Tls => crate::api::Protocol::Tls,
-            };
+            let protocol = super::tunnel::wire_protocol(d.protocol);
             let dialer = Dialer {
                 edge: edge.clone(),
                 key: d.key.clone(),
@@ -266,5 +259,186 @@ pub async fn run(client: Client, args: OperatorArgs, metrics: Metrics, shutdown:
     }
     for (_, r) in running {
         r.stop.cancel();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kube::runtime::reflector::store::Writer;
+    use serde_json::json;
+
+    use super::*;
+
+    fn tunnel(name: &str, uid: &str, spec: serde_json::Value, status: serde_json::Value) -> Tunnel {
+        serde_json::from_value(json!({
+            "apiVersion": "culvert.dev/v1alpha1", "kind": "Tunnel",
+            "metadata": {"name": name, "namespace": "web", "uid": uid},
+            "spec": spec, "status": status,
+        }))
+        .unwrap()
+    }
+
+    fn secret(name: &str, data: serde_json::Value) -> Secret {
+        serde_json::from_value(json!({
+            "apiVersion": "v1", "kind": "Secret",
+            "metadata": {"name": name, "namespace": "web"}, "data": data,
+        }))
+        .unwrap()
+    }
+
+    fn b64(s: &str) -> String {
+        use base64::Engine;
+        base64::engine::general_purpose::STANDARD.encode(s)
+    }
+
+    fn stores(tunnels: Vec<Tunnel>, secrets: Vec<Secret>) -> (Store<Tunnel>, Store<Secret>) {
+        let (mut tw, mut sw) = (Writer::<Tunnel>::default(), Writer::<Secret>::default());
+        for t in tunnels {
+            tw.apply_watcher_event(&watcher::Event::Apply(t));
+        }
+        for s in secrets {
+            sw.apply_watcher_event(&watcher::Event::Apply(s));
+        }
+        (tw.as_reader(), sw.as_reader())
+    }
+
+    fn published(extra: serde_json::Value) -> serde_json::Value {
+        let mut status = json!({
+            "keySecret": "t-culvert-key",
+            "backends": ["10.0.0.1:80"],
+            "conditions": [
+                {"type": "Ready", "status": "False", "reason": "NoAgent", "message": ""},
+                {"type": "Published", "status": "True", "reason": "Published", "message": ""},
+            ],
+        });
+        status.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        status
+    }
+
+    #[test]
+    fn agents_carry_published_tunnels_that_have_a_key() {
+        let spec = json!({"service": {"name": "web", "port": 80}, "domain": "web"});
+        let key = |name: &str| secret(name, json!({"key": b64("culvert_t_1"), "keyId": b64("tk_1")}));
+        // (tunnel status, secrets, carried)
+        let table = [
+            (published(json!({})), vec![key("t-culvert-key")], true),
+            // Published, even before an agent connects (Ready needs the agents).
+            (
+                published(
+                    json!({"conditions": [{"type": "Ready", "status": "True", "reason": "Published", "message": ""}]}),
+                ),
+                vec![key("t-culvert-key")],
+                true,
+            ),
+            (
+                published(
+                    json!({"conditions": [{"type": "Published", "status": "False", "reason": "Waiting", "message": ""}]}),
+                ),
+                vec![key("t-culvert-key")],
+                false,
+            ),
+            (published(json!({"backends": []})), vec![key("t-culvert-key")], false),
+            (
+                published(
+                    json!({"backends": [], "routes": [{"path": "/", "pathType": "Prefix", "backends": ["10.0.0.2:80"]}]}),
+                ),
+                vec![key("t-culvert-key")],
+                true,
+            ),
+            (published(json!({})), vec![], false),
+            (published(json!({})), vec![key("other-secret")], false),
+            (published(json!({})), vec![secret("t-culvert-key", json!({"keyId": b64("tk_1")}))], false),
+            (json!({}), vec![key("t-culvert-key")], false),
+        ];
+        for (status, secrets, carried) in table {
+            let (tunnels, secrets) = stores(vec![tunnel("t", "u1", spec.clone(), status.clone())], secrets);
+            let want = desired(&tunnels, &secrets);
+            assert_eq!(want.contains_key("u1"), carried, "{status}");
+            if let Some(d) = want.get("u1") {
+                assert_eq!((d.name.as_str(), d.key.as_str()), ("web/t", "culvert_t_1"));
+            }
+        }
+    }
+
+    #[test]
+    fn routes_get_their_options_and_credentials() {
+        let spec = json!({"domain": "web", "routes": [
+            {"path": "/api", "pathType": "Prefix", "service": {"name": "api", "port": 80}},
+            {"path": "/admin", "pathType": "Prefix", "service": {"name": "admin", "port": 80},
+             "options": {"authSecret": "creds"}},
+        ]});
+        let status = published(json!({"backends": [], "routes": [
+            {"path": "/api", "pathType": "Prefix", "backends": ["10.0.0.2:80", "10.0.0.3:80"],
+             "options": {"readTimeoutSeconds": 5}},
+            {"path": "/admin", "pathType": "Prefix", "backends": ["10.0.0.4:80"], "options": {"authSecret": "creds"}},
+        ]}));
+        let key = secret("t-culvert-key", json!({"key": b64("culvert_t_1")}));
+        let lookup = |routing: &Routing, path: &str| routing.table.lookup(path).map(|b| b.options.clone());
+
+        // No auth copy yet: the guarded route is refused, never open.
+        let (tunnels, secrets) =
+            stores(vec![tunnel("t", "u1", spec.clone(), status.clone())], vec![key.clone()]);
+        let d = desired(&tunnels, &secrets).remove("u1").unwrap();
+        let admin = lookup(&d.routing, "/admin/x").unwrap();
+        assert!(
+            matches!(&admin.access, Access::Unavailable(why) if why.contains("not loaded yet")),
+            "{admin:?}"
+        );
+        let api = lookup(&d.routing, "/api/v1").unwrap();
+        assert_eq!(api.read_timeout, Some(Duration::from_secs(5)));
+        assert!(matches!(api.access, Access::Open));
+        assert!(lookup(&d.routing, "/other").is_none());
+
+        // With the copy: credentials.
+        let copy =
+            secret("t-culvert-auth", json!({auth_copy_key("creds", guard::TOKEN_KEY): b64("s3cret\n")}));
+        let (tunnels, secrets) = stores(vec![tunnel("t", "u1", spec, status)], vec![key, copy]);
+        let d = desired(&tunnels, &secrets).remove("u1").unwrap();
+        assert!(matches!(lookup(&d.routing, "/admin").unwrap().access, Access::Credentials(_)));
+
+        // The resolver picks by path, round robin, with the route's options.
+        let resolve = resolver(TunnelProtocol::Http, Arc::new(RwLock::new(d.routing)));
+        let parts = |path: &str| http::Request::get(path).body(()).unwrap().into_parts().0;
+        let picked: Vec<String> = (0..3)
+            .map(|_| match resolve(&parts("/api/x")) {
+                Some(Target::Http { authority, options }) => {
+                    assert_eq!(options.read_timeout, Some(Duration::from_secs(5)));
+                    authority
+                }
+                _ => panic!("not an HTTP route"),
+            })
+            .collect();
+        assert_eq!(picked, ["10.0.0.2:80", "10.0.0.3:80", "10.0.0.2:80"]);
+        assert!(resolve(&parts("/nothing")).is_none());
+    }
+
+    #[test]
+    fn tcp_tunnels_use_the_default_backends_and_proxy_protocol() {
+        let spec = json!({"service": {"name": "db", "port": 5432}, "protocol": "tcp", "tcpPort": "db",
+            "proxyProtocol": "v2"});
+        let status = published(json!({"backends": ["10.0.0.5:5432"]}));
+        let key = secret("t-culvert-key", json!({"key": b64("culvert_t_1")}));
+        let (tunnels, secrets) = stores(vec![tunnel("t", "u1", spec, status)], vec![key]);
+        let d = desired(&tunnels, &secrets).remove("u1").unwrap();
+        assert_eq!(d.protocol, TunnelProtocol::Tcp);
+        let resolve = resolver(d.protocol, Arc::new(RwLock::new(d.routing)));
+        let parts = http::Request::get("/any").body(()).unwrap().into_parts().0;
+        match resolve(&parts) {
+            Some(Target::Tcp { addr, proxy }) => {
+                assert_eq!((addr.as_str(), proxy), ("10.0.0.5:5432", Some(ProxyHeader::V2)))
+            }
+            _ => panic!("not a TCP target"),
+        }
+    }
+
+    #[test]
+    fn plain_routes_take_the_default_http_path() {
+        let spec = json!({"service": {"name": "web", "port": 80}, "domain": "web"});
+        let key = secret("t-culvert-key", json!({"key": b64("culvert_t_1")}));
+        let (tunnels, secrets) = stores(vec![tunnel("t", "u1", spec, published(json!({})))], vec![key]);
+        let d = desired(&tunnels, &secrets).remove("u1").unwrap();
+        let resolve = resolver(d.protocol, Arc::new(RwLock::new(d.routing)));
+        let parts = http::Request::get("/").body(()).unwrap().into_parts().0;
+        assert_eq!(resolve(&parts), Some(Target::http("10.0.0.1:80")), "the default options");
     }
 }

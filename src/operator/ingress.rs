@@ -19,8 +19,8 @@
 //! Domains) → translate and merge (pure, below) → apply the Domain and Tunnel
 //! of each host → Ingress status and events.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::sync::{Arc, Mutex};
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
@@ -43,11 +43,11 @@ use super::names::{
     LABEL_MANAGED_BY, LEGACY_CLASS_ANNOTATION,
 };
 use super::routes::{self, Contribution, Merged, Rule};
-use super::status::event;
+use super::status::{Ctx, ready_condition};
 use super::{Context, DomainPolicy, Error};
 use crate::crd::{
-    BackendProtocol, Condition, Domain, HttpOptions, PathType, ReclaimPolicy, ServiceRef, Tunnel,
-    TunnelProtocol, TunnelRoute, TunnelSpec,
+    BackendProtocol, Domain, HttpOptions, PathType, ReclaimPolicy, ServiceRef, Tunnel, TunnelProtocol,
+    TunnelRoute, TunnelSpec,
 };
 
 /// Value of [`LABEL_MANAGED_BY`] on what this controller makes.
@@ -269,10 +269,6 @@ fn domain_spec(host: &str, edge_domain: &str, reclaim: ReclaimPolicy) -> serde_j
     }
 }
 
-fn ready_condition(conditions: &[Condition]) -> Option<&Condition> {
-    conditions.iter().find(|c| c.type_ == "Ready")
-}
-
 fn owner_ref(ing: &Ingress) -> OwnerReference {
     OwnerReference {
         api_version: "networking.k8s.io/v1".into(),
@@ -293,44 +289,6 @@ struct HostState {
     conflicts: Vec<routes::Conflict>,
     /// Warnings about TLS passthrough, for one Ingress (`namespace/name`) or all.
     problems: Vec<(Option<String>, String)>,
-}
-
-/// A controller's context: the operator's, and what was last reported, so
-/// events are published on transitions only (while this replica leads).
-pub(super) struct Ctx {
-    pub base: Arc<Context>,
-    /// (object uid, topic) → last event.
-    reported: Mutex<HashMap<(String, String), String>>,
-}
-
-impl Ctx {
-    pub fn new(base: Arc<Context>) -> Arc<Ctx> {
-        Arc::new(Ctx { base, reported: Mutex::default() })
-    }
-
-    /// Publishes an event unless the same was last reported for this topic
-    /// (Normal events by reason, Warnings by reason and message).
-    pub async fn report<K>(&self, obj: &K, topic: &str, warning: bool, reason: &str, message: String)
-    where
-        K: Resource<DynamicType = ()>,
-    {
-        let key = (obj.meta().uid.clone().unwrap_or_default(), topic.to_string());
-        let line = if warning { format!("Warning {reason} {message}") } else { format!("Normal {reason}") };
-        {
-            let mut seen = self.reported.lock().expect("poisoned");
-            if seen.get(&key) == Some(&line) {
-                return;
-            }
-            seen.insert(key, line);
-        }
-        event(&self.base, obj, warning, reason, message).await;
-    }
-
-    /// The topic is fine again: its next problem is reported.
-    pub fn forget<K: Resource>(&self, obj: &K, topic: &str) {
-        let key = (obj.meta().uid.clone().unwrap_or_default(), topic.to_string());
-        self.reported.lock().expect("poisoned").remove(&key);
-    }
 }
 
 /// Makes a host's Domain and Tunnel match the Ingresses that name it (`ours`,

@@ -9,6 +9,7 @@
 
 pub mod agents;
 pub mod edge;
+pub mod edge_api;
 pub mod ingress;
 pub mod leader;
 pub mod reservation;

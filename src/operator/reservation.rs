@@ -8,18 +8,18 @@ use std::sync::Arc;
 
 use futures_util::StreamExt;
 use kube::runtime::controller::{Action, Controller};
-use kube::runtime::finalizer::{Event as Finalizer, finalizer};
 use kube::runtime::watcher;
 use kube::{Api, Resource, ResourceExt};
-use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
-use tracing::{Instrument, info};
+use tracing::info;
 
-use super::names::{FINALIZER, LABEL_CLUSTER, LABEL_KIND, LABEL_NAME, LABEL_NAMESPACE, LABEL_UID};
-use super::status::{apply_status, carry_transition, event, fresh_for_finalizer, ready};
+use super::edge_api::{Collection, EdgeApi, EdgeError, ReserveRequest};
+use super::names::{LABEL_CLUSTER, LABEL_KIND, LABEL_NAME, LABEL_NAMESPACE, LABEL_UID};
+use super::status::{apply_status, carry_transition, event, failure, ready, reconcile_finalized, retry_soon};
 use super::{Context, Error};
-use crate::admin::AdminError;
-use crate::api::{CertificateState, CertificateStatus, Reservation, TunnelKey};
+use crate::api::{
+    CertificateState, CertificateStatus, Labels, Reservation, ReserveDomainRequest, ReservePortRequest,
+};
 use crate::crd::{Condition, Domain, DomainStatus, ReclaimPolicy, TcpPort, TcpPortStatus, Tunnel};
 
 /// What differs between Domain and TcpPort.
@@ -34,20 +34,25 @@ pub trait Reserved:
     + 'static
 {
     const KIND: &'static str;
-    /// `domains` or `ports`.
-    const COLLECTION: &'static str;
+    /// Where the edge keeps this kind.
+    const COLLECTION: Collection;
+    /// The object's status, written whole.
+    type Status: serde::Serialize + Clone + std::fmt::Debug + Send + Sync;
     fn reclaim(&self) -> ReclaimPolicy;
     /// The reservation's key at the edge if the spec (or the status) names it.
     fn edge_key(&self) -> Result<Option<String>, Error>;
-    /// The body of `POST <collection>` (labels are added).
-    fn request(&self) -> Value;
+    /// The reservation request, with the owner labels.
+    fn request(&self, labels: Labels) -> ReserveRequest;
     fn conditions(&self) -> Vec<Condition>;
     fn reservation_id(&self) -> Option<String>;
     /// The status for a held reservation (`None`: not held).
-    fn status(&self, r: Option<&Reservation>, condition: Condition, edge_domain: &str) -> Value;
+    fn status(&self, r: Option<&Reservation>, condition: Condition, edge_domain: &str) -> Self::Status;
+    /// The conditions of a status.
+    fn status_conditions(status: &mut Self::Status) -> &mut Vec<Condition>;
 }
 
-fn is_dns_label(s: &str) -> bool {
+/// A DNS label (RFC 1123): lower case letters, digits and '-', at most 63.
+pub fn dns_label(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 63
         && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
@@ -57,7 +62,8 @@ fn is_dns_label(s: &str) -> bool {
 
 impl Reserved for Domain {
     const KIND: &'static str = "Domain";
-    const COLLECTION: &'static str = "domains";
+    const COLLECTION: Collection = Collection::Domains;
+    type Status = DomainStatus;
 
     fn reclaim(&self) -> ReclaimPolicy {
         self.spec.reclaim_policy
@@ -65,13 +71,13 @@ impl Reserved for Domain {
 
     fn edge_key(&self) -> Result<Option<String>, Error> {
         match (&self.spec.name, &self.spec.fqdn) {
-            (Some(name), None) if is_dns_label(name) => Ok(Some(name.clone())),
+            (Some(name), None) if dns_label(name) => Ok(Some(name.clone())),
             (Some(name), None) => Err(Error::Invalid(format!(
                 "spec.name `{name}` is not a DNS label (a-z, 0-9 and '-', at most 63): for a full host name use spec.fqdn"
             ))),
             (None, Some(fqdn)) => {
                 let fqdn = fqdn.trim_end_matches('.').to_ascii_lowercase();
-                if fqdn.split('.').count() >= 2 && fqdn.split('.').all(is_dns_label) {
+                if fqdn.split('.').count() >= 2 && fqdn.split('.').all(dns_label) {
                     Ok(Some(fqdn))
                 } else {
                     Err(Error::Invalid(format!("spec.fqdn `{fqdn}` is not a valid host name")))
@@ -83,11 +89,12 @@ impl Reserved for Domain {
         }
     }
 
-    fn request(&self) -> Value {
-        match (&self.spec.name, &self.spec.fqdn) {
-            (Some(name), _) => json!({ "name": name }),
-            (_, fqdn) => json!({ "fqdn": fqdn }),
-        }
+    fn request(&self, labels: Labels) -> ReserveRequest {
+        let (name, fqdn) = match (&self.spec.name, &self.spec.fqdn) {
+            (Some(name), _) => (Some(name.clone()), None),
+            (_, fqdn) => (None, fqdn.clone()),
+        };
+        ReserveRequest::Domain(ReserveDomainRequest { name, fqdn, labels })
     }
 
     fn conditions(&self) -> Vec<Condition> {
@@ -98,7 +105,7 @@ impl Reserved for Domain {
         self.status.as_ref().and_then(|s| s.reservation_id.clone())
     }
 
-    fn status(&self, r: Option<&Reservation>, condition: Condition, edge_domain: &str) -> Value {
+    fn status(&self, r: Option<&Reservation>, condition: Condition, edge_domain: &str) -> DomainStatus {
         let custom = r.is_some_and(|r| r.kind == crate::api::ReservationKind::Custom);
         let mut conditions = vec![condition];
         let mut certificate_expiry = None;
@@ -108,26 +115,26 @@ impl Reserved for Domain {
             conditions.push(certificate_condition(r.is_some(), state, self.metadata.generation));
             certificate_expiry = state.and_then(|c| c.not_after.clone());
         }
-        let status = DomainStatus {
+        DomainStatus {
             observed_generation: self.metadata.generation,
             conditions,
             certificate_expiry,
             hostname: r.and_then(|r| r.hostname.clone()),
             url: r.and_then(|r| r.url.clone()),
-            cname_target: None,
+            cname_target: custom.then(|| edge_domain.to_string()),
             reservation_id: r.map(|r| r.id.clone()),
-        };
-        let mut v = serde_json::to_value(status).expect("serializable");
-        if custom {
-            v["cnameTarget"] = json!(edge_domain);
         }
-        v
+    }
+
+    fn status_conditions(status: &mut DomainStatus) -> &mut Vec<Condition> {
+        &mut status.conditions
     }
 }
 
 impl Reserved for TcpPort {
     const KIND: &'static str = "TcpPort";
-    const COLLECTION: &'static str = "ports";
+    const COLLECTION: Collection = Collection::Ports;
+    type Status = TcpPortStatus;
 
     fn reclaim(&self) -> ReclaimPolicy {
         self.spec.reclaim_policy
@@ -141,11 +148,8 @@ impl Reserved for TcpPort {
         }
     }
 
-    fn request(&self) -> Value {
-        match self.spec.port {
-            Some(p) => json!({ "port": p }),
-            None => json!({}),
-        }
+    fn request(&self, labels: Labels) -> ReserveRequest {
+        ReserveRequest::Port(ReservePortRequest { port: self.spec.port, labels })
     }
 
     fn conditions(&self) -> Vec<Condition> {
@@ -156,15 +160,18 @@ impl Reserved for TcpPort {
         self.status.as_ref().and_then(|s| s.reservation_id.clone())
     }
 
-    fn status(&self, r: Option<&Reservation>, condition: Condition, _edge_domain: &str) -> Value {
-        let status = TcpPortStatus {
+    fn status(&self, r: Option<&Reservation>, condition: Condition, _edge_domain: &str) -> TcpPortStatus {
+        TcpPortStatus {
             observed_generation: self.metadata.generation,
             conditions: vec![condition],
             port: r.and_then(|r| r.port),
             address: r.and_then(|r| r.url.as_deref()).map(|u| u.trim_start_matches("tcp://").to_string()),
             reservation_id: r.map(|r| r.id.clone()),
-        };
-        serde_json::to_value(status).expect("serializable")
+        }
+    }
+
+    fn status_conditions(status: &mut TcpPortStatus) -> &mut Vec<Condition> {
+        &mut status.conditions
     }
 }
 
@@ -225,8 +232,13 @@ pub fn certificate_condition(
 
 /// The edge labels that say an object of this cluster and namespace holds a thing.
 pub fn owner_labels(ctx: &Context, kind: &str, obj: &impl ResourceExt) -> BTreeMap<String, String> {
+    labels_of(&ctx.cluster_id, kind, obj)
+}
+
+/// [`owner_labels`] for the cluster `cluster_id`.
+pub fn labels_of(cluster_id: &str, kind: &str, obj: &impl ResourceExt) -> BTreeMap<String, String> {
     BTreeMap::from([
-        (LABEL_CLUSTER.to_string(), ctx.cluster_id.clone()),
+        (LABEL_CLUSTER.to_string(), cluster_id.to_string()),
         (LABEL_NAMESPACE.to_string(), obj.namespace().unwrap_or_default()),
         (LABEL_KIND.to_string(), kind.to_string()),
         (LABEL_NAME.to_string(), obj.name_any()),
@@ -237,175 +249,261 @@ pub fn selector(labels: &BTreeMap<String, String>) -> String {
     labels.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",")
 }
 
-/// Finds the reservation the object means: by its key, or by our labels.
-async fn find<K: Reserved>(ctx: &Context, obj: &K) -> Result<Option<Reservation>, Error> {
-    let labels = owner_labels(ctx, K::KIND, obj);
-    let found = match obj.edge_key()? {
-        Some(key) => match ctx.edge.get::<Reservation>(format!("{}/{key}", K::COLLECTION)).await {
-            Ok(r) => r,
-            Err(AdminError::Refused { status: 403, .. }) => {
-                return Err(Error::Conflict(format!(
-                    "{key} is reserved at the edge by another API key; pick another name"
-                )));
-            }
-            Err(e) => return Err(e.into()),
-        },
-        None => ctx.edge.list::<Reservation>(K::COLLECTION, selector(&labels)).await?.into_iter().next(),
+/// How a reconcile came to hold its reservation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Reserved now, or held already under the id the status names.
+    Reserved,
+    /// Held already by this namespace, under another (or no) recorded id.
+    Adopted,
+    /// The reservation the status names was gone at the edge: reserved again.
+    Recreated,
+}
+
+/// What a reconcile read, at the edge and in Kubernetes.
+#[derive(Debug, Clone, Default)]
+pub struct Observed {
+    /// The reservation the object means: by its key, or by our labels.
+    pub found: Option<Reservation>,
+    /// `found` carries the name of another object of this namespace, and
+    /// that object exists.
+    pub other_holder_exists: bool,
+}
+
+/// Reads what the object refers to: the reservation at the edge, and (when
+/// another object's name is on it) whether that object exists.
+async fn observe<K: Reserved, E: EdgeApi>(edge: &E, ctx: &Context, obj: &K) -> Result<Observed, Error> {
+    let labels = labels_of(&ctx.cluster_id, K::KIND, obj);
+    let found = observe_edge(edge, obj, &labels).await?;
+    let ns = obj.namespace().unwrap_or_default();
+    // Only a reservation of this cluster and namespace can be another object's.
+    let this_namespace = |r: &&Reservation| {
+        r.labels.get(LABEL_CLUSTER) == Some(&ctx.cluster_id) && r.labels.get(LABEL_NAMESPACE) == Some(&ns)
     };
-    if let Some(r) = &found {
-        let holder = |k: &str| r.labels.get(k).map(String::as_str).unwrap_or("");
-        if holder(LABEL_CLUSTER) != ctx.cluster_id || holder(LABEL_NAMESPACE) != labels[LABEL_NAMESPACE] {
-            return Err(Error::Conflict(format!(
-                "{} is held by another cluster or namespace (cluster {}, namespace {}); it is never taken over",
-                r.target(),
-                if holder(LABEL_CLUSTER).is_empty() { "unknown" } else { holder(LABEL_CLUSTER) },
-                if holder(LABEL_NAMESPACE).is_empty() { "unknown" } else { holder(LABEL_NAMESPACE) },
-            )));
+    let other = found
+        .as_ref()
+        .filter(this_namespace)
+        .and_then(|r| r.labels.get(LABEL_NAME))
+        .filter(|n| **n != obj.name_any());
+    let other_holder_exists = match other {
+        Some(name) if !name.is_empty() => {
+            Api::<K>::namespaced(ctx.client.clone(), &ns).get_opt(name).await?.is_some()
         }
-        let other = holder(LABEL_NAME);
-        if other != obj.name_any() && other_exists::<K>(ctx, &labels[LABEL_NAMESPACE], other).await? {
-            return Err(Error::Conflict(format!(
-                "{} is held by {} {other} of this namespace",
-                r.target(),
-                K::KIND
-            )));
-        }
-    }
-    Ok(found)
+        _ => false,
+    };
+    Ok(Observed { found, other_holder_exists })
 }
 
-async fn other_exists<K: Reserved>(ctx: &Context, ns: &str, name: &str) -> Result<bool, Error> {
-    Ok(!name.is_empty() && Api::<K>::namespaced(ctx.client.clone(), ns).get_opt(name).await?.is_some())
+/// The edge part of [`observe`].
+async fn observe_edge<K: Reserved, E: EdgeApi>(
+    edge: &E,
+    obj: &K,
+    labels: &BTreeMap<String, String>,
+) -> Result<Option<Reservation>, Error> {
+    match obj.edge_key()? {
+        Some(key) => match edge.reservation(K::COLLECTION, &key).await {
+            Ok(r) => Ok(r),
+            Err(EdgeError::Refused { status: 403, .. }) => Err(Error::Conflict(format!(
+                "{key} is reserved at the edge by another API key; pick another name"
+            ))),
+            Err(e) => Err(e.into()),
+        },
+        None => Ok(edge.reservations(K::COLLECTION, &selector(labels)).await?.into_iter().next()),
+    }
 }
 
-async fn apply<K: Reserved>(obj: Arc<K>, ctx: &Context) -> Result<Action, Error> {
-    let api: Api<K> = Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
-    let outcome = async {
-        let (reservation, how) = match find(ctx, &*obj).await? {
-            Some(r) => {
-                let how = if obj.reservation_id().as_deref() == Some(&r.id) { "Reserved" } else { "Adopted" };
-                (r, how)
-            }
-            None => {
-                let mut body = obj.request();
-                body["labels"] = serde_json::to_value(owner_labels(ctx, K::KIND, &*obj)).expect("labels");
-                let r: Reservation = ctx.edge.post(K::COLLECTION, body).await.map_err(|e| match e {
-                    AdminError::Refused { status: 409 | 422, message, .. } => Error::Conflict(message),
-                    e => e.into(),
-                })?;
-                let how = if obj.reservation_id().is_some() { "Recreated" } else { "Reserved" };
-                (r, how)
-            }
-        };
-        Ok::<_, Error>((reservation, how))
+/// The observed reservation, if this object may hold it: never one of
+/// another cluster or namespace, nor one another existing object holds.
+pub fn ours<'a, K: Reserved>(
+    obj: &K,
+    cluster_id: &str,
+    observed: &'a Observed,
+) -> Result<Option<&'a Reservation>, Error> {
+    let Some(r) = &observed.found else { return Ok(None) };
+    let holder = |k: &str| r.labels.get(k).map(String::as_str).unwrap_or("");
+    if holder(LABEL_CLUSTER) != cluster_id || holder(LABEL_NAMESPACE) != obj.namespace().unwrap_or_default() {
+        return Err(Error::Conflict(format!(
+            "{} is held by another cluster or namespace (cluster {}, namespace {}); it is never taken over",
+            r.target(),
+            if holder(LABEL_CLUSTER).is_empty() { "unknown" } else { holder(LABEL_CLUSTER) },
+            if holder(LABEL_NAMESPACE).is_empty() { "unknown" } else { holder(LABEL_NAMESPACE) },
+        )));
     }
-    .await;
+    if observed.other_holder_exists {
+        return Err(Error::Conflict(format!(
+            "{} is held by {} {} of this namespace",
+            r.target(),
+            K::KIND,
+            holder(LABEL_NAME)
+        )));
+    }
+    Ok(Some(r))
+}
+
+/// What to do at the edge.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Plan {
+    /// The reservation is held already.
+    Keep(Reservation, Outcome),
+    /// Reserve with this request.
+    Reserve(ReserveRequest, Outcome),
+}
+
+/// Decides, without IO, what the object needs at the edge.
+pub fn plan<K: Reserved>(obj: &K, cluster_id: &str, observed: &Observed) -> Result<Plan, Error> {
+    obj.edge_key()?;
+    Ok(match ours(obj, cluster_id, observed)? {
+        Some(r) if obj.reservation_id().as_deref() == Some(&r.id) => Plan::Keep(r.clone(), Outcome::Reserved),
+        Some(r) => Plan::Keep(r.clone(), Outcome::Adopted),
+        None => {
+            let how = if obj.reservation_id().is_some() { Outcome::Recreated } else { Outcome::Reserved };
+            Plan::Reserve(obj.request(labels_of(cluster_id, K::KIND, obj)), how)
+        }
+    })
+}
+
+/// Carries out a plan at the edge.
+pub async fn execute<E: EdgeApi>(edge: &E, plan: Plan) -> Result<(Reservation, Outcome), Error> {
+    match plan {
+        Plan::Keep(r, how) => Ok((r, how)),
+        Plan::Reserve(request, how) => {
+            let r = edge.reserve(&request).await.map_err(|e| match e {
+                EdgeError::Refused { status: 409 | 422, message, .. } => Error::Conflict(message),
+                e => e.into(),
+            })?;
+            Ok((r, how))
+        }
+    }
+}
+
+/// What a reconcile writes after the edge: the status, the events, and when
+/// to look again (`None`: fail with the error, to be retried).
+#[derive(Debug)]
+pub struct Report<S> {
+    pub status: S,
+    /// (warning, reason, note), in order.
+    pub events: Vec<(bool, String, String)>,
+    pub requeue: Option<std::time::Duration>,
+}
+
+/// The status, events and requeue for the result of [`execute`], without IO.
+pub fn report<K: Reserved>(
+    obj: &K,
+    result: &Result<(Reservation, Outcome), Error>,
+    edge_domain: &str,
+    resync: std::time::Duration,
+) -> Report<K::Status> {
     let generation = obj.meta().generation;
-    let (status, warn_reason) = match &outcome {
+    let mut status = match result {
         Ok((r, _)) => {
             let msg =
                 format!("{} is reserved at the edge: {}", r.target(), r.url.clone().unwrap_or_default());
-            (obj.status(Some(r), ready(true, "Reserved", msg, generation), &ctx.edge_domain), None)
+            obj.status(Some(r), ready(true, "Reserved", msg, generation), edge_domain)
         }
-        Err(e @ (Error::Invalid(_) | Error::Conflict(_))) => (
-            obj.status(None, ready(false, e.category(), e.to_string(), generation), &ctx.edge_domain),
-            Some(e.category()),
-        ),
         Err(e) => {
-            let msg = format!("cannot reach the edge: {e}");
-            (
-                obj.status(None, ready(false, "EdgeUnavailable", msg, generation), &ctx.edge_domain),
-                Some("EdgeUnavailable"),
-            )
+            let (reason, message) = failure(e);
+            obj.status(None, ready(false, reason, message, generation), edge_domain)
         }
     };
-    let mut conditions: Vec<Condition> =
-        serde_json::from_value(status["conditions"].clone()).expect("conditions");
-    let changes: Vec<bool> = conditions.iter_mut().map(|c| carry_transition(c, &obj.conditions())).collect();
+    let old = obj.conditions();
+    let conditions = K::status_conditions(&mut status);
+    let changes: Vec<bool> = conditions.iter_mut().map(|c| carry_transition(c, &old)).collect();
     let (condition, changed) = (conditions[0].clone(), changes[0]);
     let certificate = conditions.iter().zip(&changes).find(|(c, _)| c.type_ == CERTIFICATE_READY);
     let certificate_pending = certificate.is_some_and(|(c, _)| {
         c.status != "True" && !matches!(c.reason.as_str(), "NotReserved" | "AcmeDisabled")
     });
-    let certificate_event = certificate.filter(|(_, changed)| **changed).map(|(c, _)| c.clone());
-    let mut status = status;
-    status["conditions"] = json!(conditions);
-    apply_status(&api, &*obj, &status).await?;
-    if let Some(c) = certificate_event {
+    let mut events = Vec::new();
+    if let Some((c, true)) = certificate {
         match c.reason.as_str() {
-            "Issued" => event(ctx, &*obj, false, "CertificateIssued", c.message).await,
+            "Issued" => events.push((false, "CertificateIssued".to_string(), c.message.clone())),
             "DnsMismatch" | "OrderFailed" | "Expired" | "AcmeDisabled" => {
-                event(ctx, &*obj, true, &format!("Certificate{}", c.reason), c.message).await
+                events.push((true, format!("Certificate{}", c.reason), c.message.clone()))
             }
             _ => {}
         }
     }
-    match (&outcome, warn_reason) {
+    match result {
         // Adopting and re-creating are events whenever they happen.
-        (Ok((_, "Recreated")), _) => {
+        Ok((_, Outcome::Recreated)) => {
             let note =
                 format!("the reservation was missing at the edge and was re-created: {}", condition.message);
-            event(ctx, &*obj, false, "Recreated", note).await
+            events.push((false, "Recreated".into(), note))
         }
-        (Ok((_, "Adopted")), _) => {
+        Ok((_, Outcome::Adopted)) => {
             let note = format!("adopted the existing reservation of this namespace: {}", condition.message);
-            event(ctx, &*obj, false, "Adopted", note).await
+            events.push((false, "Adopted".into(), note))
         }
-        (Ok(_), _) if changed => event(ctx, &*obj, false, "Reserved", condition.message.clone()).await,
-        (Err(_), Some(reason)) if changed => event(ctx, &*obj, true, reason, condition.message.clone()).await,
+        _ if changed => {
+            events.push((condition.status != "True", condition.reason.clone(), condition.message.clone()))
+        }
         _ => {}
     }
-    match outcome {
+    let requeue = match result {
         // The edge works on the certificate on its own: look again soon.
-        Ok(_) if certificate_pending => Ok(Action::requeue(ctx.resync.min(CERTIFICATE_RECHECK))),
-        Ok(_) | Err(Error::Invalid(_) | Error::Conflict(_)) => Ok(Action::requeue(ctx.resync)),
-        Err(e) => Err(e),
+        Ok(_) if certificate_pending => Some(resync.min(CERTIFICATE_RECHECK)),
+        Ok(_) | Err(Error::Invalid(_) | Error::Conflict(_)) => Some(resync),
+        Err(_) => None,
+    };
+    Report { status, events, requeue }
+}
+
+async fn apply<K: Reserved>(obj: Arc<K>, ctx: &Context) -> Result<Action, Error> {
+    let api: Api<K> = Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
+    let result = async {
+        let observed = observe(&ctx.edge, ctx, &*obj).await?;
+        execute(&ctx.edge, plan(&*obj, &ctx.cluster_id, &observed)?).await
+    }
+    .await;
+    let report = report(&*obj, &result, &ctx.edge_domain, ctx.resync);
+    apply_status(&api, &*obj, &report.status).await?;
+    for (warning, reason, note) in report.events {
+        event(ctx, &*obj, warning, &reason, note).await;
+    }
+    match (report.requeue, result) {
+        (Some(after), _) => Ok(Action::requeue(after)),
+        (None, Err(e)) => Err(e),
+        (None, Ok(_)) => unreachable!("a reservation held is requeued"),
     }
 }
 
 /// How often a custom domain whose certificate is not ready is looked at again.
 const CERTIFICATE_RECHECK: std::time::Duration = std::time::Duration::from_secs(10);
 
+/// What to release at the edge when the object goes: its reservation, if
+/// it is ours (a spec that never was valid, or a reservation of someone
+/// else's, leaves nothing of ours to release).
+pub fn plan_cleanup<K: Reserved>(obj: &K, cluster_id: &str, observed: &Observed) -> Option<String> {
+    if obj.reclaim() == ReclaimPolicy::Retain {
+        return None;
+    }
+    let r = ours(obj, cluster_id, observed).ok().flatten()?;
+    Some(r.hostname.clone().or(r.port.map(|p| p.to_string())).unwrap_or_default())
+}
+
 async fn cleanup<K: Reserved>(obj: Arc<K>, ctx: &Context) -> Result<Action, Error> {
     if obj.reclaim() == ReclaimPolicy::Retain {
         info!("reclaimPolicy Retain: keeping the reservation at the edge");
         return Ok(Action::await_change());
     }
-    let found = match find(ctx, &*obj).await {
-        Ok(found) => found,
-        // Not ours (or the spec never was valid): nothing of ours to release.
-        Err(Error::Conflict(_) | Error::Invalid(_)) => None,
+    let observed = match observe(&ctx.edge, ctx, &*obj).await {
+        Ok(observed) => observed,
+        Err(Error::Conflict(_) | Error::Invalid(_)) => Observed::default(),
         Err(e) => return Err(e),
     };
-    if let Some(r) = found {
-        let key = r.hostname.clone().or(r.port.map(|p| p.to_string())).unwrap_or_default();
-        ctx.edge.delete(format!("{}/{key}", K::COLLECTION)).await?;
-        info!(reservation = %r.target(), "released the reservation");
+    if let Some(key) = plan_cleanup(&*obj, &ctx.cluster_id, &observed) {
+        ctx.edge.release(K::COLLECTION, &key).await?;
+        info!(reservation = %key, "released the reservation");
     }
     Ok(Action::await_change())
 }
 
 async fn reconcile<K: Reserved>(obj: Arc<K>, ctx: Arc<Context>) -> Result<Action, Error> {
-    let api: Api<K> = Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
-    let span = tracing::info_span!("reconcile", kind = K::KIND, namespace = %obj.namespace().unwrap_or_default(), name = %obj.name_any());
-    let reconcile = async {
-        let Some(obj) = fresh_for_finalizer(&api, obj).await? else { return Ok(Action::await_change()) };
-        finalizer(&api, FINALIZER, obj, |ev| async {
-            match ev {
-                Finalizer::Apply(o) => apply(o, &ctx).await,
-                Finalizer::Cleanup(o) => cleanup(o, &ctx).await,
-            }
-        })
-        .await
-        .map_err(|e| Error::Finalizer(Box::new(e)))
-    }
-    .instrument(span);
-    ctx.metrics.measure(K::KIND, reconcile).await
+    reconcile_finalized(K::KIND, obj, &ctx, |o| apply(o, &ctx), |o| cleanup(o, &ctx)).await
 }
 
 fn error_policy<K: Reserved>(obj: Arc<K>, e: &Error, _ctx: Arc<Context>) -> Action {
-    super::log_failure(K::KIND, obj.meta(), e);
-    Action::requeue(std::time::Duration::from_secs(5))
+    retry_soon(K::KIND, &*obj, e)
 }
 
 async fn run_controller<K: Reserved>(ctx: Arc<Context>, stop: CancellationToken) {
@@ -434,10 +532,10 @@ pub async fn revoke_orphans(ctx: &Context) -> Result<(), Error> {
     if let Some(ns) = &ctx.watch_namespace {
         selector.push_str(&format!(",{LABEL_NAMESPACE}={ns}"));
     }
-    for key in ctx.edge.list::<TunnelKey>("tunnel-keys", selector).await? {
+    for key in ctx.edge.tunnel_keys(&selector).await? {
         let uid = key.labels.get(LABEL_UID).cloned().unwrap_or_default();
         if !live.contains(&uid) {
-            ctx.edge.delete(format!("tunnel-keys/{}", key.id)).await?;
+            ctx.edge.revoke_tunnel_key(&key.id).await?;
             info!(key = %key.id, tunnel_uid = %uid, "revoked the key of a Tunnel deleted while the operator was down");
         }
     }
@@ -446,6 +544,8 @@ pub async fn revoke_orphans(ctx: &Context) -> Result<(), Error> {
 
 #[cfg(test)]
 mod tests {
+    use serde_json::json;
+
     use super::*;
 
     fn state(status: CertificateStatus, error: Option<&str>) -> CertificateState {
@@ -509,11 +609,11 @@ mod tests {
         r.certificate = Some(Box::new(state(CertificateStatus::Ready, None)));
         let ready = super::super::status::ready(true, "Reserved", "ok", Some(2));
         let v = domain.status(Some(&r), ready.clone(), "edge.example.com");
-        assert_eq!(v["certificateExpiry"], "2030-01-01T00:00:00Z");
-        assert_eq!(v["cnameTarget"], "edge.example.com");
-        assert_eq!(v["conditions"][0]["type"], "Ready");
-        assert_eq!(v["conditions"][1]["type"], "CertificateReady");
-        assert_eq!(v["conditions"][1]["status"], "True");
+        assert_eq!(v.certificate_expiry.as_deref(), Some("2030-01-01T00:00:00Z"));
+        assert_eq!(v.cname_target.as_deref(), Some("edge.example.com"));
+        assert_eq!(v.conditions[0].type_, "Ready");
+        assert_eq!(v.conditions[1].type_, "CertificateReady");
+        assert_eq!(v.conditions[1].status, "True");
 
         // A subdomain has no certificate condition.
         let sub: Domain = serde_json::from_value(json!({
@@ -523,8 +623,214 @@ mod tests {
         .unwrap();
         r.kind = crate::api::ReservationKind::Subdomain;
         r.certificate = None;
-        let v = sub.status(Some(&r), ready, "edge.example.com");
+        let v = serde_json::to_value(sub.status(Some(&r), ready, "edge.example.com")).unwrap();
         assert_eq!(v["conditions"].as_array().unwrap().len(), 1);
         assert!(v.get("certificateExpiry").is_none());
+        assert!(v.get("cnameTarget").is_none());
+    }
+
+    const CLUSTER: &str = "c1";
+
+    fn domain(spec: serde_json::Value, status: Option<serde_json::Value>) -> Domain {
+        serde_json::from_value(json!({
+            "apiVersion": "culvert.dev/v1alpha1", "kind": "Domain",
+            "metadata": {"name": "blog", "namespace": "web", "generation": 1},
+            "spec": spec, "status": status,
+        }))
+        .unwrap()
+    }
+
+    fn held(id: &str, cluster: &str, namespace: &str, name: &str) -> Reservation {
+        serde_json::from_value(json!({
+            "id": id, "kind": "subdomain", "hostname": "blog.edge.test", "createdAt": "2026-12-01T00:00:00Z",
+            "url": "https://blog.edge.test",
+            "labels": {LABEL_CLUSTER: cluster, LABEL_NAMESPACE: namespace, LABEL_KIND: "Domain", LABEL_NAME: name},
+        }))
+        .unwrap()
+    }
+
+    /// What a plan came to, in words: `keep Reserved`, `reserve Recreated`, `Conflict: ...`.
+    fn words(p: Result<Plan, Error>) -> String {
+        match p {
+            Ok(Plan::Keep(_, how)) => format!("keep {how:?}"),
+            Ok(Plan::Reserve(_, how)) => format!("reserve {how:?}"),
+            Err(e) => format!("{}: {e}", e.category()),
+        }
+    }
+
+    #[test]
+    fn plans_reserve_adopt_recreate_and_refuse() {
+        let blog = json!({"name": "blog"});
+        let with_id = Some(json!({"reservationId": "rs_1"}));
+        let mine = held("rs_1", CLUSTER, "web", "blog");
+        let observed =
+            |found: Option<Reservation>, other_holder_exists| Observed { found, other_holder_exists };
+        // (spec, status, observed, plan)
+        let table = [
+            (blog.clone(), None, observed(None, false), "reserve Reserved"),
+            (blog.clone(), with_id.clone(), observed(None, false), "reserve Recreated"),
+            (blog.clone(), with_id.clone(), observed(Some(mine.clone()), false), "keep Reserved"),
+            (blog.clone(), None, observed(Some(mine.clone()), false), "keep Adopted"),
+            (
+                blog.clone(),
+                Some(json!({"reservationId": "rs_0"})),
+                observed(Some(mine.clone()), false),
+                "keep Adopted",
+            ),
+            (
+                blog.clone(),
+                None,
+                observed(Some(held("rs_1", "c2", "web", "blog")), false),
+                "Conflict: blog.edge.test is held by another cluster or namespace (cluster c2, namespace web); it is never taken over",
+            ),
+            (
+                blog.clone(),
+                None,
+                observed(Some(held("rs_1", CLUSTER, "shop", "blog")), false),
+                "Conflict: blog.edge.test is held by another cluster or namespace (cluster c1, namespace shop); it is never taken over",
+            ),
+            (
+                blog.clone(),
+                None,
+                observed(Some(held("rs_1", "", "", "")), false),
+                "Conflict: blog.edge.test is held by another cluster or namespace (cluster unknown, namespace unknown); it is never taken over",
+            ),
+            (
+                blog.clone(),
+                None,
+                observed(Some(held("rs_1", CLUSTER, "web", "old-blog")), true),
+                "Conflict: blog.edge.test is held by Domain old-blog of this namespace",
+            ),
+            // The other object is gone: its reservation is adopted.
+            (
+                blog.clone(),
+                None,
+                observed(Some(held("rs_1", CLUSTER, "web", "old-blog")), false),
+                "keep Adopted",
+            ),
+            (
+                json!({"name": "Blog"}),
+                None,
+                observed(None, false),
+                "InvalidSpec: spec.name `Blog` is not a DNS label (a-z, 0-9 and '-', at most 63): for a full host name use spec.fqdn",
+            ),
+            (
+                json!({}),
+                None,
+                observed(None, false),
+                "InvalidSpec: give exactly one of spec.name (a subdomain) and spec.fqdn (a custom domain)",
+            ),
+        ];
+        for (spec, status, observed, want) in table {
+            let d = domain(spec.clone(), status.clone());
+            assert_eq!(words(plan(&d, CLUSTER, &observed)), want, "{spec} {status:?}");
+        }
+        // A new reservation carries the owner labels.
+        let Ok(Plan::Reserve(ReserveRequest::Domain(req), _)) =
+            plan(&domain(blog, None), CLUSTER, &Observed::default())
+        else {
+            panic!("not a domain reservation")
+        };
+        assert_eq!((req.name.as_deref(), req.fqdn.as_deref()), (Some("blog"), None));
+        assert_eq!(req.labels[LABEL_CLUSTER], CLUSTER);
+        assert_eq!(req.labels[LABEL_NAME], "blog");
+    }
+
+    #[test]
+    fn port_requests_name_the_port_or_none() {
+        let port = |spec: serde_json::Value| -> TcpPort {
+            serde_json::from_value(json!({
+                "apiVersion": "culvert.dev/v1alpha1", "kind": "TcpPort",
+                "metadata": {"name": "db", "namespace": "web"}, "spec": spec,
+            }))
+            .unwrap()
+        };
+        for (spec, want) in [(json!({"port": 20005}), Some(20005)), (json!({}), None)] {
+            let Ok(Plan::Reserve(ReserveRequest::Port(req), Outcome::Reserved)) =
+                plan(&port(spec), CLUSTER, &Observed::default())
+            else {
+                panic!("not a port reservation")
+            };
+            assert_eq!(req.port, want);
+        }
+        assert_eq!(
+            words(plan(&port(json!({"port": 0})), CLUSTER, &Observed::default())),
+            "InvalidSpec: spec.port must be 1-65535"
+        );
+    }
+
+    #[test]
+    fn cleanup_releases_only_what_is_ours() {
+        let observed = |r| Observed { found: Some(r), other_holder_exists: false };
+        let d = domain(json!({"name": "blog"}), None);
+        let mine = observed(held("rs_1", CLUSTER, "web", "blog"));
+        assert_eq!(plan_cleanup(&d, CLUSTER, &mine).as_deref(), Some("blog.edge.test"));
+        assert_eq!(plan_cleanup(&d, CLUSTER, &observed(held("rs_1", "c2", "web", "blog"))), None);
+        assert_eq!(plan_cleanup(&d, CLUSTER, &Observed::default()), None);
+        let retained = domain(json!({"name": "blog", "reclaimPolicy": "Retain"}), None);
+        assert_eq!(plan_cleanup(&retained, CLUSTER, &mine), None);
+    }
+
+    #[tokio::test]
+    async fn execute_reserves_at_the_edge_and_reports() {
+        use super::super::edge_api::fake::FakeEdge;
+        let edge = FakeEdge::default();
+        let d = domain(json!({"name": "blog"}), Some(json!({"reservationId": "rs_9"})));
+        let labels = labels_of(CLUSTER, "Domain", &d);
+        let observed =
+            Observed { found: observe_edge(&edge, &d, &labels).await.unwrap(), other_holder_exists: false };
+        let result = execute(&edge, plan(&d, CLUSTER, &observed).unwrap()).await;
+        let (r, how) = result.as_ref().unwrap();
+        assert_eq!((r.hostname.as_deref(), *how), (Some("blog.edge.test"), Outcome::Recreated));
+        assert_eq!(edge.state().journal, ["reserve blog.edge.test"]);
+        assert_eq!(edge.state().reservations["blog.edge.test"].labels, labels);
+        let resync = std::time::Duration::from_secs(300);
+        let rep = report(&d, &result, "edge.test", resync);
+        assert_eq!(rep.status.reservation_id.as_deref(), Some(r.id.as_str()));
+        assert_eq!(
+            (rep.status.conditions[0].status.as_str(), rep.status.conditions[0].reason.as_str()),
+            ("True", "Reserved")
+        );
+        assert_eq!(rep.events.iter().map(|e| e.1.as_str()).collect::<Vec<_>>(), ["Recreated"]);
+        assert_eq!(rep.requeue, Some(resync));
+
+        // Found again by its labels (an object whose status lost the id): adopted, no write.
+        let again = domain(json!({"name": "blog"}), None);
+        let observed = Observed {
+            found: observe_edge(&edge, &again, &labels).await.unwrap(),
+            other_holder_exists: false,
+        };
+        let result = execute(&edge, plan(&again, CLUSTER, &observed).unwrap()).await;
+        assert_eq!(result.as_ref().unwrap().1, Outcome::Adopted);
+        assert_eq!(edge.state().journal.len(), 1, "nothing written");
+
+        // Held by another API key: a conflict, reported as such, not retried as an error.
+        edge.state().foreign.push("shop.edge.test".into());
+        let shop = domain(json!({"name": "shop"}), None);
+        let result = execute(&edge, plan(&shop, CLUSTER, &Observed::default()).unwrap()).await;
+        let rep = report(&shop, &result, "edge.test", resync);
+        assert_eq!(rep.status.conditions[0].reason, "Conflict");
+        assert_eq!(rep.events, [(true, "Conflict".to_string(), rep.status.conditions[0].message.clone())]);
+        assert_eq!(rep.requeue, Some(resync));
+
+        // The edge is down: EdgeUnavailable, and the error is returned (retried).
+        edge.state().down = true;
+        let result = execute(&edge, plan(&shop, CLUSTER, &Observed::default()).unwrap()).await;
+        let rep = report(&shop, &result, "edge.test", resync);
+        assert_eq!(rep.status.conditions[0].reason, "EdgeUnavailable");
+        assert!(rep.status.conditions[0].message.starts_with("cannot reach the edge: "));
+        assert_eq!(rep.requeue, None);
+    }
+
+    #[test]
+    fn kubernetes_errors_are_not_edge_errors() {
+        let e = Error::Kube(kube::Error::Api(
+            kube::core::Status::failure("denied", "Forbidden").with_code(403).boxed(),
+        ));
+        let rep = report(&domain(json!({"name": "blog"}), None), &Err(e), "edge.test", Default::default());
+        let c = &rep.status.conditions[0];
+        assert_eq!(c.reason, "KubeApiError");
+        assert!(c.message.starts_with("kubernetes API call failed"), "{}", c.message);
+        assert_eq!(rep.requeue, None);
     }
 }

@@ -33,13 +33,13 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, info};
 
-use super::ingress::Ctx;
 use super::names::{
     ANNOTATION_MANAGE, ANNOTATION_PROXY_PROTOCOL, ANNOTATION_PUBLIC_PORTS, ANNOTATION_RECLAIM_POLICY,
     FIELD_MANAGER, LABEL_MANAGED_BY, LABEL_OWNER_UID, LOAD_BALANCER_CLASS,
 };
+use super::status::{Ctx, ready_condition};
 use super::{Context, Error};
-use crate::crd::{Condition, ProxyProtocol, ReclaimPolicy, TcpPort, Tunnel};
+use crate::crd::{ProxyProtocol, ReclaimPolicy, TcpPort, Tunnel};
 
 /// Value of [`LABEL_MANAGED_BY`] on what this controller makes.
 const MANAGED_BY: &str = "service";
@@ -138,10 +138,6 @@ pub fn plan(svc: &Service) -> Plan {
 fn parse_range(s: &str) -> Option<(u16, u16)> {
     let (a, b) = s.split_once('-')?;
     Some((a.trim().parse().ok()?, b.trim().parse().ok()?))
-}
-
-fn ready_condition(conditions: &[Condition]) -> Option<&Condition> {
-    conditions.iter().find(|c| c.type_ == "Ready")
 }
 
 /// The port to ask the edge for: the Service's own when inside the edge's

@@ -1,14 +1,17 @@
 //! Status conditions, events, metrics and the admin port of the operator.
 
-use std::sync::Arc;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use http::{Response, StatusCode};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
+use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType};
+use kube::runtime::finalizer::{Event as Finalizer, finalizer};
 use kube::{Api, Resource, ResourceExt};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -18,6 +21,7 @@ use prometheus_client::registry::Registry;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use super::names::{FIELD_MANAGER, FINALIZER};
 use super::{Context, Error};
@@ -192,6 +196,21 @@ pub fn carry_transition(new: &mut Condition, old: &[Condition]) -> bool {
     }
 }
 
+/// The `Ready` condition among `conditions`.
+pub fn ready_condition(conditions: &[Condition]) -> Option<&Condition> {
+    conditions.iter().find(|c| c.type_ == "Ready")
+}
+
+/// The reason and message of a failed reconcile's `Ready` condition: the
+/// error's category for what the user can act on, `EdgeUnavailable` for the
+/// edge, and Kubernetes API errors as such.
+pub fn failure(e: &Error) -> (&'static str, String) {
+    match e {
+        Error::Edge(_) => ("EdgeUnavailable", format!("cannot reach the edge: {e}")),
+        e => (e.category(), e.to_string()),
+    }
+}
+
 /// Server-side applies `status` to the object's status subresource.
 pub async fn apply_status<K, S>(api: &Api<K>, obj: &K, status: &S) -> Result<(), Error>
 where
@@ -227,6 +246,49 @@ where
     Ok(api.get_opt(&obj.name_any()).await?.map(Arc::new))
 }
 
+/// One reconcile of an object that holds things at the edge behind the
+/// finalizer (Domain, TcpPort, Tunnel): the span, the metrics, a fresh copy
+/// for `finalizer()`, then `apply` or `cleanup`.
+pub async fn reconcile_finalized<K, FA, FC>(
+    kind: &'static str,
+    obj: Arc<K>,
+    ctx: &Context,
+    apply: impl FnOnce(Arc<K>) -> FA,
+    cleanup: impl FnOnce(Arc<K>) -> FC,
+) -> Result<Action, Error>
+where
+    K: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+        + Clone
+        + DeserializeOwned
+        + Serialize
+        + std::fmt::Debug,
+    FA: Future<Output = Result<Action, Error>>,
+    FC: Future<Output = Result<Action, Error>>,
+{
+    let namespace = obj.namespace().unwrap_or_default();
+    let api: Api<K> = Api::namespaced(ctx.client.clone(), &namespace);
+    let span = tracing::info_span!("reconcile", kind, namespace = %namespace, name = %obj.name_any());
+    let reconcile = async {
+        let Some(obj) = fresh_for_finalizer(&api, obj).await? else { return Ok(Action::await_change()) };
+        finalizer(&api, FINALIZER, obj, |ev| async move {
+            match ev {
+                Finalizer::Apply(o) => apply(o).await,
+                Finalizer::Cleanup(o) => cleanup(o).await,
+            }
+        })
+        .await
+        .map_err(|e| Error::Finalizer(Box::new(e)))
+    }
+    .instrument(span);
+    ctx.metrics.measure(kind, reconcile).await
+}
+
+/// The error policy of those controllers: log, and try again in 5 seconds.
+pub fn retry_soon<K: Resource>(kind: &str, obj: &K, e: &Error) -> Action {
+    super::log_failure(kind, obj.meta(), e);
+    Action::requeue(std::time::Duration::from_secs(5))
+}
+
 /// Publishes an event about `obj`; failures to publish are only logged.
 pub async fn event<K>(ctx: &Context, obj: &K, warning: bool, reason: &str, note: String)
 where
@@ -241,5 +303,46 @@ where
     };
     if let Err(e) = ctx.recorder.publish(&ev, &obj.object_ref(&())).await {
         tracing::debug!(error = %e, "failed to publish an event");
+    }
+}
+
+/// A controller's context: the operator's, and what was last reported, so
+/// events are published on transitions only (while this replica leads). The
+/// one reporting path of the controllers that have no status of their own
+/// to compare with (Ingress, Service); Domain, TcpPort and Tunnel report a
+/// change of their own conditions through [`event`].
+pub struct Ctx {
+    pub base: Arc<Context>,
+    /// (object uid, topic) → last event.
+    reported: Mutex<HashMap<(String, String), String>>,
+}
+
+impl Ctx {
+    pub fn new(base: Arc<Context>) -> Arc<Ctx> {
+        Arc::new(Ctx { base, reported: Mutex::default() })
+    }
+
+    /// Publishes an event unless the same was last reported for this topic
+    /// (Normal events by reason, Warnings by reason and message).
+    pub async fn report<K>(&self, obj: &K, topic: &str, warning: bool, reason: &str, message: String)
+    where
+        K: Resource<DynamicType = ()>,
+    {
+        let key = (obj.meta().uid.clone().unwrap_or_default(), topic.to_string());
+        let line = if warning { format!("Warning {reason} {message}") } else { format!("Normal {reason}") };
+        {
+            let mut seen = self.reported.lock().expect("poisoned");
+            if seen.get(&key) == Some(&line) {
+                return;
+            }
+            seen.insert(key, line);
+        }
+        event(&self.base, obj, warning, reason, message).await;
+    }
+
+    /// The topic is fine again: its next problem is reported.
+    pub fn forget<K: Resource>(&self, obj: &K, topic: &str) {
+        let key = (obj.meta().uid.clone().unwrap_or_default(), topic.to_string());
+        self.reported.lock().expect("poisoned").remove(&key);
     }
 }

@@ -14,22 +14,22 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::{ObjectMeta, Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
-use kube::runtime::finalizer::{Event as Finalizer, finalizer};
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 use kube::{Api, Resource, ResourceExt};
-use serde_json::json;
 use tokio_util::sync::CancellationToken;
-use tracing::{Instrument, info};
+use tracing::info;
 
-use super::names::{FIELD_MANAGER, FINALIZER, LABEL_TUNNEL, LABEL_UID, SECRET_KEY, SECRET_KEY_ID};
-use super::reservation::owner_labels;
+use super::edge_api::{Collection, EdgeApi};
+use super::names::{FIELD_MANAGER, LABEL_TUNNEL, LABEL_UID, SECRET_KEY, SECRET_KEY_ID};
+use super::reservation::{dns_label, labels_of};
 use super::status::{
-    apply_status, carry_transition, condition, event, fresh_for_finalizer, since_transition,
+    apply_status, carry_transition, condition, event, failure, reconcile_finalized, retry_soon,
+    since_transition,
 };
 use super::{BackendAddress, Context, Error};
 use crate::agent::guard;
-use crate::api::{CreatedTunnelKey, TunnelKey};
+use crate::api::{CreateTunnelKeyRequest, Protocol, TunnelKey};
 use crate::crd::{
     Condition, Domain, HttpOptions, ResolvedRoute, ServiceRef, TcpPort, Tunnel, TunnelProtocol, TunnelStatus,
 };
@@ -62,14 +62,6 @@ struct Resolved {
 
 fn dns_subdomain(s: &str) -> bool {
     s.len() <= 253 && s.split('.').all(dns_label)
-}
-
-fn dns_label(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 63
-        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && !s.starts_with('-')
-        && !s.ends_with('-')
 }
 
 /// Validate: the spec alone, without a client.
@@ -129,8 +121,26 @@ pub fn validate(t: &Tunnel) -> Result<(), Error> {
     })
 }
 
+/// The wire protocol of a Tunnel's protocol.
+pub fn wire_protocol(p: TunnelProtocol) -> Protocol {
+    match p {
+        TunnelProtocol::Http => Protocol::Http,
+        TunnelProtocol::Tcp => Protocol::Tcp,
+        TunnelProtocol::Tls => Protocol::Tls,
+    }
+}
+
+/// The reservation a Tunnel publishes on, as its Domain or TcpPort says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Publish {
+    /// The Domain's host name.
+    Domain(String),
+    /// The TcpPort's port.
+    Port(u16),
+}
+
 /// The reservation (`domain` host name or TCP port) the Tunnel publishes on.
-async fn reservation(t: &Tunnel, ctx: &Context, ns: &str) -> Result<serde_json::Value, Error> {
+async fn publish(t: &Tunnel, ctx: &Context, ns: &str) -> Result<Publish, Error> {
     let not_ready = |kind: &str, name: &str| {
         Error::Waiting(format!(
             "{kind} {name} of this namespace is not ready yet (see `kubectl describe {} {name}`)",
@@ -142,15 +152,14 @@ async fn reservation(t: &Tunnel, ctx: &Context, ns: &str) -> Result<serde_json::
             Error::Waiting(format!("no Domain {name} in this namespace: create one (a Tunnel may only use its own namespace's Domains)"))
         })?;
         let host = d.status.and_then(|s| s.hostname).ok_or_else(|| not_ready("Domain", name))?;
-        let protocol = if t.spec.protocol == TunnelProtocol::Tls { "tls" } else { "http" };
-        return Ok(json!({ "domain": host, "protocol": protocol }));
+        return Ok(Publish::Domain(host));
     }
     let name = t.spec.tcp_port.clone().unwrap_or_default();
     let p = Api::<TcpPort>::namespaced(ctx.client.clone(), ns).get_opt(&name).await?.ok_or_else(|| {
         Error::Waiting(format!("no TcpPort {name} in this namespace: create one (a Tunnel may only use its own namespace's TcpPorts)"))
     })?;
     let port = p.status.and_then(|s| s.port).ok_or_else(|| not_ready("TcpPort", &name))?;
-    Ok(json!({ "port": port, "protocol": "tcp" }))
+    Ok(Publish::Port(port))
 }
 
 /// The addresses agents dial for a Service port.
@@ -213,58 +222,87 @@ fn slice_single(a: &Option<String>, b: &Option<String>) -> bool {
     a.as_deref().unwrap_or("").is_empty() && b.as_deref().unwrap_or("").is_empty()
 }
 
-/// Makes sure the Tunnel's Secret holds a live key for its reservation.
-async fn ensure_key(
-    t: &Tunnel,
-    ctx: &Context,
-    ns: &str,
-    want: &serde_json::Value,
-) -> Result<TunnelKey, Error> {
-    let secrets = Api::<Secret>::namespaced(ctx.client.clone(), ns);
-    let name = secret_name(&t.name_any());
-    let existing = secrets.get_opt(&name).await?;
-    let key_id = existing
+/// What a Tunnel reconcile read, in Kubernetes and at the edge. Only the
+/// reads that fail for Kubernetes or the edge fail [`observe`]; what the
+/// user can fix (a missing Service, no endpoints) is kept for [`plan`].
+#[derive(Debug)]
+pub struct Observed {
+    /// What the Tunnel's Domain or TcpPort holds.
+    pub publish: Result<Publish, Error>,
+    /// The backends of each of `spec.routes`, in order.
+    pub routes: Vec<Result<Vec<String>, Error>>,
+    /// The backends of `spec.service`.
+    pub default: Option<Result<Vec<String>, Error>>,
+    pub auth: Auth,
+    /// The key the Tunnel's Secret names, as the edge knows it (`None`: no
+    /// Secret, no key id in it, or no such key at the edge).
+    pub key: Option<TunnelKey>,
+    /// The key id the Secret names, even when the edge does not know it.
+    pub key_id: Option<String>,
+}
+
+/// Keeps what the user can fix, fails on the rest.
+fn user_fixable<T>(r: Result<T, Error>) -> Result<Result<T, Error>, Error> {
+    match r {
+        Err(e @ (Error::Invalid(_) | Error::Waiting(_) | Error::Conflict(_))) => Ok(Err(e)),
+        Err(e) => Err(e),
+        Ok(v) => Ok(Ok(v)),
+    }
+}
+
+/// Reads everything a (valid) Tunnel refers to.
+async fn observe<E: EdgeApi>(edge: &E, t: &Tunnel, ctx: &Context) -> Result<Observed, Error> {
+    let ns = t.namespace().unwrap_or_default();
+    let publish = user_fixable(publish(t, ctx, &ns).await)?;
+    let mut routes = Vec::new();
+    for r in &t.spec.routes {
+        routes.push(user_fixable(backends(&r.service, ctx, &ns).await)?);
+    }
+    let default = match &t.spec.service {
+        Some(s) => Some(user_fixable(backends(s, ctx, &ns).await)?),
+        None => None,
+    };
+    let auth = auth_credentials(t, ctx, &ns).await?;
+    let secret =
+        Api::<Secret>::namespaced(ctx.client.clone(), &ns).get_opt(&secret_name(&t.name_any())).await?;
+    let key_id = secret
         .as_ref()
         .and_then(|s| s.data.as_ref())
         .and_then(|d| d.get(SECRET_KEY_ID))
         .map(|b| String::from_utf8_lossy(&b.0).into_owned());
-    if let Some(id) = &key_id
-        && let Some(key) = ctx.edge.get::<TunnelKey>(format!("tunnel-keys/{id}")).await?
-    {
-        let same = match (want.get("domain"), want.get("port")) {
-            (Some(host), _) => key.reservation.hostname.as_deref() == host.as_str(),
-            (_, Some(port)) => key.reservation.port.map(u64::from) == port.as_u64(),
-            _ => false,
-        };
-        let same_protocol = want.get("protocol").and_then(|p| p.as_str()) == Some(key.protocol.as_str());
-        if key.revoked_at.is_none() && same && same_protocol {
-            return Ok(key);
-        }
-        ctx.edge.delete(format!("tunnel-keys/{id}")).await?;
-    }
-    let mut labels = owner_labels(ctx, "Tunnel", t);
-    labels.insert(LABEL_UID.into(), t.uid().unwrap_or_default());
-    let mut body = want.clone();
-    body["labels"] = serde_json::to_value(&labels).expect("labels");
-    let created: CreatedTunnelKey = ctx.edge.post("tunnel-keys", body).await?;
-    let secret = tunnel_secret(
-        t,
-        &name,
-        ns,
-        BTreeMap::from([
-            (SECRET_KEY.into(), ByteString(created.secret.into_bytes())),
-            (SECRET_KEY_ID.into(), ByteString(created.key.id.clone().into_bytes())),
-        ]),
-    );
-    secrets.patch(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&secret)).await?;
-    info!(key = %created.key.id, secret = %name, "minted a tunnel key");
-    Ok(created.key)
+    let key = match &key_id {
+        Some(id) => edge.tunnel_key(id).await?,
+        None => None,
+    };
+    Ok(Observed { publish, routes, default, auth, key, key_id })
 }
 
-async fn resolve(t: &Tunnel, ctx: &Context) -> Result<Resolved, Error> {
-    let ns = t.namespace().unwrap_or_default();
+/// What to do about the Tunnel's key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyAction {
+    /// The key is live and publishes what the Tunnel asks.
+    Keep(TunnelKey),
+    /// Revoke the key the Secret names (if any), mint one with this request.
+    Mint { revoke: Option<String>, request: CreateTunnelKeyRequest },
+}
+
+/// What a ready Tunnel needs: its key, the agents' copy of credentials, and
+/// what it resolved to.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub key: KeyAction,
+    /// The agents' copy of the credentials the routes ask for.
+    pub auth_copy: BTreeMap<String, ByteString>,
+    pub backends: Vec<String>,
+    pub routes: Vec<ResolvedRoute>,
+    /// Routes (or the default backend of routes) that cannot be served.
+    pub problems: Vec<String>,
+}
+
+/// Decides, without IO, what the Tunnel needs from what was observed.
+pub fn plan(t: &Tunnel, cluster_id: &str, o: Observed) -> Result<Plan, Error> {
     validate(t)?;
-    let want = reservation(t, ctx, &ns).await?;
+    let publish = o.publish?;
     // With routes, one unusable Service degrades its path only.
     let mut problems = Vec::new();
     let mut degrade = |what: String, r: Result<Vec<String>, Error>| match r {
@@ -274,19 +312,19 @@ async fn resolve(t: &Tunnel, ctx: &Context) -> Result<Resolved, Error> {
         }
         r => r,
     };
-    let auth = auth_credentials(t, ctx, &ns).await?;
     // A route whose credentials cannot be had is not served (never open).
-    let guarded = |o: &HttpOptions| match o.auth_secret.as_ref().and_then(|n| auth.failed.get(n)) {
+    let failed = &o.auth.failed;
+    let guarded = |options: &HttpOptions, found: Result<Vec<String>, Error>| match options
+        .auth_secret
+        .as_ref()
+        .and_then(|n| failed.get(n))
+    {
         Some(why) => Err(Error::Invalid(why.clone())),
-        None => Ok(()),
+        None => found,
     };
     let mut routes = Vec::new();
-    for r in &t.spec.routes {
-        let found = match guarded(&r.options) {
-            Ok(()) => backends(&r.service, ctx, &ns).await,
-            Err(e) => Err(e),
-        };
-        let b = degrade(format!("route {}", r.path), found)?;
+    for (r, found) in t.spec.routes.iter().zip(o.routes) {
+        let b = degrade(format!("route {}", r.path), guarded(&r.options, found))?;
         routes.push(ResolvedRoute {
             path: r.path.clone(),
             path_type: r.path_type,
@@ -294,46 +332,114 @@ async fn resolve(t: &Tunnel, ctx: &Context) -> Result<Resolved, Error> {
             options: r.options.clone(),
         });
     }
-    let default = match &t.spec.service {
-        Some(s) => Some(match guarded(&t.spec.options) {
-            Ok(()) => backends(s, ctx, &ns).await,
-            Err(e) => Err(e),
-        }),
-        None => None,
-    };
+    let default = o.default.map(|found| guarded(&t.spec.options, found));
     let backends = match default {
         Some(found) if t.spec.routes.is_empty() => found?,
         Some(found) => degrade("default backend".into(), found)?,
         None => Vec::new(),
     };
-    apply_auth_copy(t, ctx, &ns, &auth.copy, false).await?;
-    let key = ensure_key(t, ctx, &ns, &want).await?;
-    let url = match (&key.reservation.hostname, key.reservation.port) {
-        (Some(_), _) | (_, Some(_)) => ctx
-            .edge
-            .get::<crate::api::Reservation>(format!(
-                "{}/{}",
-                if key.reservation.port.is_some() { "ports" } else { "domains" },
-                key.reservation.hostname.clone().unwrap_or_else(|| key
-                    .reservation
-                    .port
-                    .unwrap_or(0)
-                    .to_string())
-            ))
-            .await?
-            .and_then(|r| r.url)
-            .unwrap_or_default(),
-        _ => String::new(),
+    let protocol = wire_protocol(t.spec.protocol);
+    let live = o.key.as_ref().filter(|key| {
+        let same = match &publish {
+            Publish::Domain(host) => key.reservation.hostname.as_deref() == Some(host.as_str()),
+            Publish::Port(port) => key.reservation.port == Some(*port),
+        };
+        key.revoked_at.is_none() && same && key.protocol == protocol
+    });
+    let key = match live {
+        Some(key) => KeyAction::Keep(key.clone()),
+        None => {
+            let mut labels = labels_of(cluster_id, "Tunnel", t);
+            labels.insert(LABEL_UID.into(), t.uid().unwrap_or_default());
+            let (domain, port) = match publish {
+                Publish::Domain(host) => (Some(host), None),
+                Publish::Port(port) => (None, Some(port)),
+            };
+            KeyAction::Mint {
+                revoke: o.key.as_ref().map(|k| k.id.clone()),
+                request: CreateTunnelKeyRequest { domain, port, protocol: Some(protocol), labels },
+            }
+        }
     };
-    Ok(Resolved { url, backends, routes, problems, agents: key.connections as u32 })
+    Ok(Plan { key, auth_copy: o.auth.copy, backends, routes, problems })
+}
+
+/// What the edge part of [`execute`] did.
+#[derive(Debug, Clone)]
+pub struct Executed {
+    pub key: TunnelKey,
+    /// The secret of a key minted now, for the Tunnel's Secret.
+    pub minted: Option<String>,
+    /// The public URL of the key's reservation.
+    pub url: String,
+}
+
+/// The edge part of a plan: revoke a stale key, mint a new one, learn the URL.
+pub async fn execute_edge<E: EdgeApi>(edge: &E, key: &KeyAction) -> Result<Executed, Error> {
+    let (key, minted) = match key {
+        KeyAction::Keep(key) => (key.clone(), None),
+        KeyAction::Mint { revoke, request } => {
+            if let Some(id) = revoke {
+                edge.revoke_tunnel_key(id).await?;
+            }
+            let created = edge.create_tunnel_key(request).await?;
+            (created.key, Some(created.secret))
+        }
+    };
+    let at = match (&key.reservation.hostname, key.reservation.port) {
+        (_, Some(port)) => Some((Collection::Ports, port.to_string())),
+        (Some(host), None) => Some((Collection::Domains, host.clone())),
+        (None, None) => None,
+    };
+    let url = match at {
+        Some((collection, k)) => {
+            edge.reservation(collection, &k).await?.and_then(|r| r.url).unwrap_or_default()
+        }
+        None => String::new(),
+    };
+    Ok(Executed { key, minted, url })
+}
+
+/// Carries out a plan: the edge first, then Kubernetes (the key's Secret,
+/// the agents' copy of credentials); the caller writes the status.
+async fn execute(t: &Tunnel, ctx: &Context, plan: Plan) -> Result<Resolved, Error> {
+    let ns = t.namespace().unwrap_or_default();
+    let done = execute_edge(&ctx.edge, &plan.key).await?;
+    if let Some(secret) = done.minted {
+        let name = secret_name(&t.name_any());
+        let data = BTreeMap::from([
+            (SECRET_KEY.into(), ByteString(secret.into_bytes())),
+            (SECRET_KEY_ID.into(), ByteString(done.key.id.clone().into_bytes())),
+        ]);
+        let secret = tunnel_secret(t, &name, &ns, data);
+        Api::<Secret>::namespaced(ctx.client.clone(), &ns)
+            .patch(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&secret))
+            .await?;
+        info!(key = %done.key.id, secret = %name, "minted a tunnel key");
+    }
+    apply_auth_copy(t, ctx, &ns, &plan.auth_copy, false).await?;
+    Ok(Resolved {
+        url: done.url,
+        backends: plan.backends,
+        routes: plan.routes,
+        problems: plan.problems,
+        agents: done.key.connections as u32,
+    })
+}
+
+async fn resolve(t: &Tunnel, ctx: &Context) -> Result<Resolved, Error> {
+    validate(t)?;
+    let observed = observe(&ctx.edge, t, ctx).await?;
+    let plan = plan(t, &ctx.cluster_id, observed)?;
+    execute(t, ctx, plan).await
 }
 
 /// The credentials the Tunnel's options ask for: the data to copy for the
 /// agents, and why the others cannot be used.
-#[derive(Default)]
-struct Auth {
-    copy: BTreeMap<String, ByteString>,
-    failed: BTreeMap<String, String>,
+#[derive(Debug, Clone, Default)]
+pub struct Auth {
+    pub copy: BTreeMap<String, ByteString>,
+    pub failed: BTreeMap<String, String>,
 }
 
 async fn auth_credentials(t: &Tunnel, ctx: &Context, ns: &str) -> Result<Auth, Error> {
@@ -537,13 +643,10 @@ async fn apply(t: Arc<Tunnel>, ctx: &Context) -> Result<Action, Error> {
             };
             Outcome::Published { url: r.url.clone(), reason, message, agents: r.agents }
         }
-        Err(e @ (Error::Invalid(_) | Error::Conflict(_) | Error::Waiting(_))) => {
-            Outcome::Failed { reason: e.category().into(), message: e.to_string() }
+        Err(e) => {
+            let (reason, message) = failure(e);
+            Outcome::Failed { reason: reason.into(), message }
         }
-        Err(e) => Outcome::Failed {
-            reason: "EdgeUnavailable".into(),
-            message: format!("cannot reach the edge: {e}"),
-        },
     };
     // A transient failure keeps the last good data path running (and the
     // agents that carry it: `Published` stays as it was).
@@ -584,44 +687,27 @@ async fn apply(t: Arc<Tunnel>, ctx: &Context) -> Result<Action, Error> {
 
 async fn cleanup(t: Arc<Tunnel>, ctx: &Context) -> Result<Action, Error> {
     let selector = format!("{LABEL_UID}={}", t.uid().unwrap_or_default());
-    for key in ctx.edge.list::<TunnelKey>("tunnel-keys", selector).await? {
-        ctx.edge.delete(format!("tunnel-keys/{}", key.id)).await?;
+    for key in ctx.edge.tunnel_keys(&selector).await? {
+        ctx.edge.revoke_tunnel_key(&key.id).await?;
         info!(key = %key.id, "revoked the Tunnel's key");
     }
     Ok(Action::await_change())
 }
 
 async fn reconcile(t: Arc<Tunnel>, ctx: Arc<Context>) -> Result<Action, Error> {
-    let api: Api<Tunnel> = Api::namespaced(ctx.client.clone(), &t.namespace().unwrap_or_default());
-    let span = tracing::info_span!("reconcile", kind = "Tunnel", namespace = %t.namespace().unwrap_or_default(), name = %t.name_any());
-    let reconcile = async {
-        let Some(t) = fresh_for_finalizer(&api, t).await? else { return Ok(Action::await_change()) };
-        finalizer(&api, FINALIZER, t, |ev| async {
-            match ev {
-                Finalizer::Apply(o) => apply(o, &ctx).await,
-                Finalizer::Cleanup(o) => cleanup(o, &ctx).await,
-            }
-        })
-        .await
-        .map_err(|e| Error::Finalizer(Box::new(e)))
-    }
-    .instrument(span);
-    ctx.metrics.measure("Tunnel", reconcile).await
+    reconcile_finalized("Tunnel", t, &ctx, |o| apply(o, &ctx), |o| cleanup(o, &ctx)).await
 }
 
 fn error_policy(obj: Arc<Tunnel>, e: &Error, _ctx: Arc<Context>) -> Action {
-    super::log_failure("Tunnel", obj.meta(), e);
-    Action::requeue(Duration::from_secs(5))
+    retry_soon("Tunnel", &*obj, e)
 }
 
 pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
     let ns = ctx.watch_namespace.clone();
     let client = ctx.client.clone();
-    let all = |_: ()| ns.as_deref();
-    let controller = Controller::new(
-        super::watched::<Tunnel>(&client, all(())),
-        watcher::Config::default().any_semantic(),
-    );
+    let ns = ns.as_deref();
+    let controller =
+        Controller::new(super::watched::<Tunnel>(&client, ns), watcher::Config::default().any_semantic());
     let store = controller.store();
     // Tunnels that refer to a changed object of their namespace.
     let refs = move |ns: Option<String>, pick: Box<dyn Fn(&Tunnel) -> bool + Send>| {
@@ -634,37 +720,29 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
     };
     let (r1, r2, r3, r4, r5) = (refs.clone(), refs.clone(), refs.clone(), refs.clone(), refs);
     controller
-        .owns(super::watched::<Secret>(&client, all(())), watcher::Config::default().labels(LABEL_TUNNEL))
+        .owns(super::watched::<Secret>(&client, ns), watcher::Config::default().labels(LABEL_TUNNEL))
+        .watches(super::watched::<Service>(&client, ns), watcher::Config::default(), move |s: Service| {
+            let name = s.name_any();
+            r1(s.namespace(), Box::new(move |t| t.spec.services().any(|s| s == name)))
+        })
         .watches(
-            super::watched::<Service>(&client, all(())),
-            watcher::Config::default(),
-            move |s: Service| {
-                let name = s.name_any();
-                r1(s.namespace(), Box::new(move |t| t.spec.services().any(|s| s == name)))
-            },
-        )
-        .watches(
-            super::watched::<EndpointSlice>(&client, all(())),
+            super::watched::<EndpointSlice>(&client, ns),
             watcher::Config::default().labels("kubernetes.io/service-name"),
             move |e: EndpointSlice| {
                 let svc = e.labels().get("kubernetes.io/service-name").cloned().unwrap_or_default();
                 r2(e.namespace(), Box::new(move |t| t.spec.services().any(|s| s == svc)))
             },
         )
-        .watches(super::watched::<Domain>(&client, all(())), watcher::Config::default(), move |d: Domain| {
+        .watches(super::watched::<Domain>(&client, ns), watcher::Config::default(), move |d: Domain| {
             let name = d.name_any();
             r3(d.namespace(), Box::new(move |t| t.spec.domain.as_deref() == Some(&name)))
         })
-        .watches(
-            super::watched::<TcpPort>(&client, all(())),
-            watcher::Config::default(),
-            move |p: TcpPort| {
-                let name = p.name_any();
-                r4(p.namespace(), Box::new(move |t| t.spec.tcp_port.as_deref() == Some(&name)))
-            },
-        )
+        .watches(super::watched::<TcpPort>(&client, ns), watcher::Config::default(), move |p: TcpPort| {
+            let name = p.name_any();
+            r4(p.namespace(), Box::new(move |t| t.spec.tcp_port.as_deref() == Some(&name)))
+        })
         // An auth Secret a route names changed.
-        .watches(super::watched::<Secret>(&client, all(())), watcher::Config::default(), move |s: Secret| {
+        .watches(super::watched::<Secret>(&client, ns), watcher::Config::default(), move |s: Secret| {
             let name = s.name_any();
             r5(s.namespace(), Box::new(move |t| t.spec.auth_secrets().any(|a| a == name)))
         })
@@ -693,6 +771,8 @@ fn tunnel_secret(t: &Tunnel, name: &str, ns: &str, data: BTreeMap<String, ByteSt
 
 #[cfg(test)]
 mod tests {
+    use serde_json::json;
+
     use super::*;
 
     fn tunnel(spec: serde_json::Value) -> Tunnel {
@@ -799,6 +879,185 @@ mod tests {
         );
         let cs = tunnel_conditions(&published(2), None);
         assert!(by_type(&cs, "Ready").2.contains("2 agent(s) connected"));
+    }
+
+    fn observed(publish: Result<Publish, Error>, key: Option<TunnelKey>) -> Observed {
+        Observed {
+            publish,
+            routes: Vec::new(),
+            default: Some(Ok(vec!["10.0.0.1:80".into()])),
+            auth: Auth::default(),
+            key_id: key.as_ref().map(|k| k.id.clone()),
+            key,
+        }
+    }
+
+    fn key(id: &str, host: Option<&str>, port: Option<u16>, protocol: Protocol, revoked: bool) -> TunnelKey {
+        serde_json::from_value(json!({
+            "id": id, "protocol": protocol, "createdAt": "2026-12-01T00:00:00Z",
+            "reservation": {"id": "rs_1", "kind": "subdomain", "hostname": host, "port": port},
+            "revokedAt": revoked.then_some("2026-12-01T00:00:01Z"), "connections": 2,
+        }))
+        .unwrap()
+    }
+
+    /// A plan's key action in words: `keep tk_1`, `mint web.edge.test http revoking tk_1`.
+    fn key_words(p: &Plan) -> String {
+        match &p.key {
+            KeyAction::Keep(k) => format!("keep {}", k.id),
+            KeyAction::Mint { revoke, request } => {
+                let target =
+                    request.domain.clone().or(request.port.map(|p| p.to_string())).unwrap_or_default();
+                let protocol = request.protocol.map(|p| p.as_str()).unwrap_or("?");
+                let revoking = revoke.as_ref().map(|id| format!(" revoking {id}")).unwrap_or_default();
+                format!("mint {target} {protocol}{revoking}")
+            }
+        }
+    }
+
+    #[test]
+    fn plans_keep_a_live_key_and_mint_otherwise() {
+        let mut http = tunnel(json!({"service": {"name": "web", "port": 80}, "domain": "web"}));
+        http.metadata.namespace = Some("shop".into());
+        http.metadata.uid = Some("u1".into());
+        let tls =
+            tunnel(json!({"service": {"name": "web", "port": 443}, "domain": "web", "protocol": "tls"}));
+        let tcp =
+            tunnel(json!({"service": {"name": "db", "port": 5432}, "protocol": "tcp", "tcpPort": "db"}));
+        let host = || Ok(Publish::Domain("web.edge.test".into()));
+        let live = key("tk_1", Some("web.edge.test"), None, Protocol::Http, false);
+        // (tunnel, observed, key action)
+        let table = [
+            (&http, observed(host(), None), "mint web.edge.test http"),
+            (&http, observed(host(), Some(live.clone())), "keep tk_1"),
+            (
+                &http,
+                observed(host(), Some(key("tk_1", Some("web.edge.test"), None, Protocol::Http, true))),
+                "mint web.edge.test http revoking tk_1",
+            ),
+            // The Domain now names another host: a key for the new one.
+            (
+                &http,
+                observed(Ok(Publish::Domain("shop.edge.test".into())), Some(live.clone())),
+                "mint shop.edge.test http revoking tk_1",
+            ),
+            // The protocol changed (http to tls passthrough).
+            (&tls, observed(host(), Some(live.clone())), "mint web.edge.test tls revoking tk_1"),
+            (&tcp, observed(Ok(Publish::Port(20001)), None), "mint 20001 tcp"),
+            (
+                &tcp,
+                observed(
+                    Ok(Publish::Port(20001)),
+                    Some(key("tk_2", None, Some(20001), Protocol::Tcp, false)),
+                ),
+                "keep tk_2",
+            ),
+            (
+                &tcp,
+                observed(
+                    Ok(Publish::Port(20002)),
+                    Some(key("tk_2", None, Some(20001), Protocol::Tcp, false)),
+                ),
+                "mint 20002 tcp revoking tk_2",
+            ),
+        ];
+        for (t, o, want) in table {
+            let p = plan(t, "c1", o).unwrap();
+            assert_eq!(key_words(&p), want);
+            assert_eq!(p.backends, ["10.0.0.1:80"]);
+        }
+        let KeyAction::Mint { request, .. } = plan(&http, "c1", observed(host(), None)).unwrap().key else {
+            panic!("no key minted")
+        };
+        assert_eq!(request.labels[LABEL_UID], "u1");
+        assert_eq!(request.labels[super::super::names::LABEL_NAMESPACE], "shop");
+        assert_eq!(request.labels[super::super::names::LABEL_CLUSTER], "c1");
+    }
+
+    #[test]
+    fn plans_degrade_routes_and_refuse_what_is_missing() {
+        let routes = tunnel(json!({"domain": "web", "service": {"name": "web", "port": 80}, "routes": [
+            {"path": "/api", "service": {"name": "api", "port": 80}},
+            {"path": "/admin", "service": {"name": "admin", "port": 80}, "options": {"authSecret": "creds"}},
+            {"path": "/gone", "service": {"name": "gone", "port": 80}},
+        ]}));
+        let host = || Ok(Publish::Domain("web.edge.test".into()));
+        let mut o = observed(host(), None);
+        o.routes = vec![
+            Ok(vec!["10.0.0.2:80".into()]),
+            Ok(vec!["10.0.0.3:80".into()]),
+            Err(Error::Waiting("Service gone not found in this namespace".into())),
+        ];
+        o.auth.failed.insert("creds".into(), "auth Secret creds not found in this namespace".into());
+        let p = plan(&routes, "c1", o).unwrap();
+        let served: Vec<_> = p.routes.iter().map(|r| (r.path.as_str(), r.backends.len())).collect();
+        assert_eq!(served, [("/api", 1), ("/admin", 0), ("/gone", 0)]);
+        assert_eq!(
+            p.problems,
+            [
+                "route /admin: auth Secret creds not found in this namespace",
+                "route /gone: Service gone not found in this namespace"
+            ]
+        );
+        assert_eq!(p.backends, ["10.0.0.1:80"]);
+
+        // Without routes, the one Service must be there; the Domain must be ready; the spec valid.
+        let single = tunnel(json!({"service": {"name": "web", "port": 80}, "domain": "web"}));
+        let mut o = observed(host(), None);
+        o.default = Some(Err(Error::Waiting("Service web has no ready endpoints".into())));
+        let e = plan(&single, "c1", o).unwrap_err();
+        assert_eq!((e.category(), e.to_string().as_str()), ("Waiting", "Service web has no ready endpoints"));
+        let e = plan(&single, "c1", observed(Err(Error::Waiting("Domain web is not ready".into())), None));
+        assert_eq!(e.unwrap_err().category(), "Waiting");
+        let bad = tunnel(json!({"service": {"name": "web.other", "port": 80}, "domain": "web"}));
+        assert_eq!(plan(&bad, "c1", observed(host(), None)).unwrap_err().category(), "InvalidSpec");
+    }
+
+    #[tokio::test]
+    async fn execute_mints_at_the_edge_and_revokes_the_stale_key() {
+        use super::super::edge_api::ReserveRequest;
+        use super::super::edge_api::fake::FakeEdge;
+        use crate::api::ReserveDomainRequest;
+        let edge = FakeEdge::default();
+        let request = ReserveDomainRequest { name: Some("web".into()), ..Default::default() };
+        edge.reserve(&ReserveRequest::Domain(request)).await.unwrap();
+        let t = tunnel(json!({"service": {"name": "web", "port": 80}, "domain": "web"}));
+        let host = || Ok(Publish::Domain("web.edge.test".into()));
+
+        let p = plan(&t, "c1", observed(host(), None)).unwrap();
+        let first = execute_edge(&edge, &p.key).await.unwrap();
+        assert_eq!(first.url, "https://web.edge.test");
+        assert!(first.minted.as_deref().is_some_and(|s| s.starts_with("culvert_t_")));
+
+        // Observed again: kept, nothing written.
+        let key = edge.tunnel_key(&first.key.id).await.unwrap();
+        let p = plan(&t, "c1", observed(host(), key)).unwrap();
+        let again = execute_edge(&edge, &p.key).await.unwrap();
+        assert_eq!((again.key.id.as_str(), again.minted.as_deref()), (first.key.id.as_str(), None));
+
+        // Now tls: the old key is revoked before the new one is minted.
+        let tls =
+            tunnel(json!({"service": {"name": "web", "port": 443}, "domain": "web", "protocol": "tls"}));
+        let key = edge.tunnel_key(&first.key.id).await.unwrap();
+        let p = plan(&tls, "c1", observed(host(), key)).unwrap();
+        let third = execute_edge(&edge, &p.key).await.unwrap();
+        assert_eq!(third.key.protocol, Protocol::Tls);
+        let id = |k: &Executed| k.key.id.clone();
+        assert_eq!(
+            edge.state().journal,
+            [
+                "reserve web.edge.test".to_string(),
+                format!("create {} for web.edge.test", id(&first)),
+                format!("revoke {}", id(&first)),
+                format!("create {} for web.edge.test", id(&third)),
+            ]
+        );
+        assert_eq!(edge.tunnel_keys("").await.unwrap().len(), 1, "one live key");
+
+        // The edge is down: an edge error (retried), never a key.
+        edge.state().down = true;
+        let e = execute_edge(&edge, &plan(&t, "c1", observed(host(), None)).unwrap().key).await.unwrap_err();
+        assert_eq!(e.category(), "EdgeApiError");
     }
 
     #[test]

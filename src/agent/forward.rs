@@ -1,11 +1,14 @@
-//! Forwarding an HTTP request of a route with options: who may pass
-//! ([`admit`]), the body size limit (413), the scheme of the backend (HTTP,
-//! h2c, HTTPS) and the read timeout (504).
+//! Forwarding HTTP requests, the one path for every HTTP stream (the
+//! standalone agent's with the default options, the operator's with its
+//! routes'): who may pass ([`admit`]), the body size limit (413), the scheme
+//! of the backend (HTTP, h2c, HTTPS; pooled connections: [`backend::client`])
+//! and the read timeout (504). Also the header rules every forwarded head
+//! follows, and the agent's own error answers.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use http::header::{self, HeaderMap};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, StatusCode, Uri};
 use hyper::body::Incoming;
 use tokio::net::TcpStream;
@@ -13,8 +16,85 @@ use tracing::warn;
 
 use super::backend::{self, Access, RouteOptions, Scheme};
 use super::guard::{IdleTimeoutBody, LimitedBody};
-use super::serve::{agent_error, backend_request, error_chain, strip_hop_by_hop};
+use crate::constants::ERROR_HEADER;
 use crate::tunnel::body::{self, BoxBody};
+
+/// A response the agent makes itself, marked so the edge can tell.
+pub fn agent_error(status: StatusCode, message: &str) -> Response<BoxBody> {
+    let mut resp = Response::new(body::full(format!("culvert agent: {message}\n")));
+    *resp.status_mut() = status;
+    let h = resp.headers_mut();
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
+    if let Ok(v) = HeaderValue::from_str(message) {
+        h.insert(ERROR_HEADER, v);
+    }
+    resp
+}
+
+/// Headers that belong to one hop and are never forwarded.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let listed: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect();
+    for name in listed {
+        headers.remove(name);
+    }
+    for name in [
+        header::CONNECTION,
+        header::TRANSFER_ENCODING,
+        header::UPGRADE,
+        header::TE,
+        header::TRAILER,
+        header::PROXY_AUTHORIZATION,
+        header::PROXY_AUTHENTICATE,
+    ] {
+        headers.remove(name);
+    }
+    headers.remove("keep-alive");
+    headers.remove("proxy-connection");
+}
+
+/// Removes culvert's own wire headers.
+pub fn strip_culvert_headers(headers: &mut HeaderMap) {
+    let ours: Vec<HeaderName> =
+        headers.keys().filter(|k| k.as_str().starts_with("culvert-")).cloned().collect();
+    for name in ours {
+        headers.remove(name);
+    }
+}
+
+/// The request head as the backend sees it: origin-form URI, the public Host.
+pub fn backend_request(
+    mut parts: http::request::Parts,
+    authority: &str,
+) -> Result<http::request::Parts, String> {
+    let host = parts.uri.authority().map(|a| a.as_str().to_string());
+    let pq = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
+    parts.uri = Uri::try_from(format!("http://{authority}{pq}")).map_err(|e| e.to_string())?;
+    parts.version = http::Version::HTTP_11;
+    strip_hop_by_hop(&mut parts.headers);
+    strip_culvert_headers(&mut parts.headers);
+    if let Some(host) = host.and_then(|h| HeaderValue::from_str(&h).ok()) {
+        parts.headers.insert(header::HOST, host);
+    }
+    Ok(parts)
+}
+
+/// An error and its sources on one line.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut msg = e.to_string();
+    let mut src = e.source();
+    while let Some(s) = src {
+        msg.push_str(": ");
+        msg.push_str(&s.to_string());
+        src = s.source();
+    }
+    msg
+}
 
 /// Checks the request's credentials (removing them, so the backend never
 /// sees them): `Err` is the answer to send instead.
@@ -145,4 +225,23 @@ pub async fn tls_connect(
         .connect(name, tcp)
         .await
         .map_err(|e| format!("backend {authority}: TLS handshake failed: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hop_by_hop_headers_are_stripped() {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONNECTION, HeaderValue::from_static("close, x-secret"));
+        h.insert("x-secret", HeaderValue::from_static("1"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert("culvert-stream", HeaderValue::from_static("tcp"));
+        h.insert("x-kept", HeaderValue::from_static("1"));
+        strip_hop_by_hop(&mut h);
+        strip_culvert_headers(&mut h);
+        assert_eq!(h.len(), 1);
+        assert!(h.contains_key("x-kept"));
+    }
 }
