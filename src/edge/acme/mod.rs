@@ -35,7 +35,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use instant_acme::{
     Account, AccountCredentials, AuthorizationStatus, BodyWrapper, BytesResponse, ChallengeType, HttpClient,
-    Identifier, NewAccount, NewOrder, OrderStatus, RetryPolicy,
+    Identifier, NewAccount, NewOrder, Order, OrderStatus, RetryPolicy,
 };
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -611,24 +611,9 @@ impl Acme {
                 challenge.set_ready().await?;
             }
         }
-        let retries = RetryPolicy::new().timeout(ACME_ORDER_TIMEOUT / 2);
-        let status = order.poll_ready(&retries).await?;
-        if status != OrderStatus::Ready {
-            let mut detail = format!("the order is {status:?}");
-            let mut authorizations = order.authorizations();
-            while let Some(Ok(mut authorization)) = authorizations.next().await {
-                if let Ok(state) = authorization.refresh().await
-                    && let Some(problem) = state.challenges.iter().find_map(|c| c.error.as_ref())
-                {
-                    detail = problem.to_string();
-                }
-            }
-            return Err(AcmeError::Invalid { host: host.into(), detail });
-        }
-        let key_pem = order.finalize().await?;
-        let chain_pem = order.poll_certificate(&retries).await?;
+        let issued = finish_order(&mut order, host).await;
         drop(published);
-        Issued::parse(chain_pem, key_pem)
+        issued
     }
 }
 
@@ -698,24 +683,31 @@ impl Acme {
                 challenge.set_ready().await?;
             }
         }
-        let retries = RetryPolicy::new().timeout(ACME_ORDER_TIMEOUT / 2);
-        let status = order.poll_ready(&retries).await?;
-        if status != OrderStatus::Ready {
-            let mut detail = format!("the order is {status:?}");
-            let mut authorizations = order.authorizations();
-            while let Some(Ok(mut authorization)) = authorizations.next().await {
-                if let Ok(state) = authorization.refresh().await
-                    && let Some(problem) = state.challenges.iter().find_map(|c| c.error.as_ref())
-                {
-                    detail = problem.to_string();
-                }
-            }
-            return Err(AcmeError::Invalid { host, detail });
-        }
-        let key_pem = order.finalize().await?;
-        let chain_pem = order.poll_certificate(&retries).await?;
-        Issued::parse(chain_pem, key_pem)
+        finish_order(&mut order, &host).await
     }
+}
+
+/// Waits until the CA has checked every challenge of `order`, then
+/// finalizes it and downloads the certificate. A refused order is
+/// `Invalid` with the CA's reason.
+async fn finish_order(order: &mut Order, host: &str) -> Result<Issued, AcmeError> {
+    let retries = RetryPolicy::new().timeout(ACME_ORDER_TIMEOUT / 2);
+    let status = order.poll_ready(&retries).await?;
+    if status != OrderStatus::Ready {
+        let mut detail = format!("the order is {status:?}");
+        let mut authorizations = order.authorizations();
+        while let Some(Ok(mut authorization)) = authorizations.next().await {
+            if let Ok(state) = authorization.refresh().await
+                && let Some(problem) = state.challenges.iter().find_map(|c| c.error.as_ref())
+            {
+                detail = problem.to_string();
+            }
+        }
+        return Err(AcmeError::Invalid { host: host.into(), detail });
+    }
+    let key_pem = order.finalize().await?;
+    let chain_pem = order.poll_certificate(&retries).await?;
+    Issued::parse(chain_pem, key_pem)
 }
 
 /// When a record is due for work (Unix seconds).
