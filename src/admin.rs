@@ -674,7 +674,7 @@ fn info_table(info: &Info) -> String {
             "protocol".into(),
             format!("{} (accepts agents from {})", info.protocol_version, info.min_protocol_version),
         ],
-        vec!["tcp ports".into(), info.tcp_ports.clone()],
+        vec!["tcp ports".into(), info.tcp_ports.to_string()],
         vec!["public host".into(), info.public_host.clone()],
         vec!["https port".into(), info.public_https_port.to_string()],
         vec!["your key".into(), format!("{} ({}, {})", info.caller.id, info.caller.scope, info.caller.name)],
@@ -889,7 +889,7 @@ mod tests {
         use hyper::service::service_fn;
         use hyper_util::rt::TokioIo;
 
-        use crate::cli::PortRange;
+        use crate::api::PortRange;
         use crate::edge::api::ApiContext;
         use crate::edge::store::Store;
 

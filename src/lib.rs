@@ -8,10 +8,10 @@
 pub mod admin;
 pub mod agent;
 pub mod api;
-pub mod cli;
 pub mod constants;
 pub mod crd;
 pub mod edge;
+pub mod http;
 pub mod memory;
 pub mod operator;
 pub mod probe;
@@ -21,6 +21,18 @@ pub mod tunnel;
 
 /// The error type carried by streamed bodies.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The system's random number generator failed.
+#[derive(Debug, thiserror::Error)]
+#[error("the system random number generator failed")]
+pub(crate) struct RandomError;
+
+/// `N` bytes from the system's random source (the one place that fills them).
+pub(crate) fn random_bytes<const N: usize>() -> Result<[u8; N], RandomError> {
+    let mut buf = [0u8; N];
+    ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut buf).map_err(|_| RandomError)?;
+    Ok(buf)
+}
 
 /// Cancels `token` on SIGINT or SIGTERM.
 pub async fn shutdown_on_signal(token: tokio_util::sync::CancellationToken) {

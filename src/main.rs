@@ -2,8 +2,10 @@
 
 use std::process::ExitCode;
 
+mod cli;
+
 use clap::Parser;
-use culvert::cli::{Cli, Command};
+use cli::{Cli, Command};
 
 fn main() -> ExitCode {
     match run() {

@@ -5,6 +5,7 @@
 //! (`culvert http|tcp`) and, later, the operator; [`serve`] answers streams.
 
 pub mod backend;
+pub mod config;
 pub mod guard;
 pub mod route;
 pub mod serve;
@@ -16,11 +17,11 @@ use hyper_util::rt::TokioIo;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, info, warn};
 
-use crate::cli::AgentArgs;
 use crate::constants::{BACKOFF_RESET_AFTER, DRAIN_GRACE, DRAIN_TIMEOUT, GOODBYE_ACK_TIMEOUT, MSG_GOODBYE};
 use crate::tls;
 use crate::tunnel::backoff::Backoff;
 use crate::tunnel::connect::{ConnectError, Connected, Dialer, EdgeUrl, TunnelInfo};
+pub use config::AgentArgs;
 pub use serve::{Resolver, Target};
 
 /// Why the agent stopped.
@@ -149,24 +150,14 @@ async fn serve_connection(
 fn describe_end(r: Result<(), hyper::Error>) -> String {
     match r {
         Ok(()) => "closed by the edge".into(),
-        Err(e) => {
-            let mut msg = e.to_string();
-            let mut src = std::error::Error::source(&e);
-            while let Some(s) = src {
-                msg.push_str(": ");
-                msg.push_str(&s.to_string());
-                src = s.source();
-            }
-            msg
-        }
+        Err(e) => crate::http::error_chain(&e),
     }
 }
 
 /// A random id for this agent process (logs and metrics at the edge).
 pub fn agent_id() -> String {
-    use ring::rand::{SecureRandom, SystemRandom};
-    let mut b = [0u8; 6];
-    let _ = SystemRandom::new().fill(&mut b);
+    // Only tells agents apart in logs: zeros if the source fails.
+    let b: [u8; 6] = crate::random_bytes().unwrap_or_default();
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 

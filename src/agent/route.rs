@@ -13,7 +13,8 @@ use tracing::warn;
 
 use super::backend::{self, Access, RouteOptions, Scheme};
 use super::guard::{IdleTimeoutBody, LimitedBody};
-use super::serve::{agent_error, backend_request, error_chain, strip_hop_by_hop};
+use super::serve::{agent_error, backend_request};
+use crate::http::{error_chain, strip_hop_by_hop};
 use crate::tunnel::body::{self, BoxBody};
 
 /// Checks the request's credentials (removing them, so the backend never

@@ -6,7 +6,7 @@ use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock};
 
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::header::{self, HeaderValue};
 use http::{Request, Response, StatusCode, Uri};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
@@ -20,6 +20,7 @@ use crate::constants::{
     BACKEND_CONNECT_TIMEOUT, CLIENT_ADDR_HEADER, ERROR_HEADER, SERVER_ADDR_HEADER, STATUS_HEADER,
     UPGRADE_HEADER,
 };
+use crate::http::{error_chain, strip_culvert_headers, strip_hop_by_hop};
 use crate::tunnel::StreamKind;
 use crate::tunnel::body::{self, BoxBody, ReadBody};
 
@@ -274,42 +275,6 @@ async fn tcp(addr: String, proxy_header: Option<Vec<u8>>, body: Incoming) -> Res
     Response::new(body::boxed(ReadBody::new(read)))
 }
 
-/// Headers that belong to one hop and are never forwarded.
-pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let listed: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
-        .collect();
-    for name in listed {
-        headers.remove(name);
-    }
-    for name in [
-        header::CONNECTION,
-        header::TRANSFER_ENCODING,
-        header::UPGRADE,
-        header::TE,
-        header::TRAILER,
-        header::PROXY_AUTHORIZATION,
-        header::PROXY_AUTHENTICATE,
-    ] {
-        headers.remove(name);
-    }
-    headers.remove("keep-alive");
-    headers.remove("proxy-connection");
-}
-
-/// Removes culvert's own wire headers.
-pub fn strip_culvert_headers(headers: &mut HeaderMap) {
-    let ours: Vec<HeaderName> =
-        headers.keys().filter(|k| k.as_str().starts_with("culvert-")).cloned().collect();
-    for name in ours {
-        headers.remove(name);
-    }
-}
-
 /// The request head as the backend sees it: origin-form URI, the public Host.
 pub(super) fn backend_request(
     mut parts: http::request::Parts,
@@ -431,18 +396,6 @@ where
     Ok(sender)
 }
 
-/// An error and its sources on one line.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut msg = e.to_string();
-    let mut src = e.source();
-    while let Some(s) = src {
-        msg.push_str(": ");
-        msg.push_str(&s.to_string());
-        src = s.source();
-    }
-    msg
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -485,19 +438,5 @@ mod tests {
         assert_eq!(&v2[12..16], &[0x21, 0x21, 0, 36]);
         assert_eq!(v2.len(), 16 + 36);
         assert_eq!(&ProxyHeader::V2.encode(None, None)[12..], &[0x20, 0x00, 0, 0]);
-    }
-
-    #[test]
-    fn hop_by_hop_headers_are_stripped() {
-        let mut h = HeaderMap::new();
-        h.insert(header::CONNECTION, HeaderValue::from_static("close, x-secret"));
-        h.insert("x-secret", HeaderValue::from_static("1"));
-        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
-        h.insert("culvert-stream", HeaderValue::from_static("tcp"));
-        h.insert("x-kept", HeaderValue::from_static("1"));
-        strip_hop_by_hop(&mut h);
-        strip_culvert_headers(&mut h);
-        assert_eq!(h.len(), 1);
-        assert!(h.contains_key("x-kept"));
     }
 }

@@ -117,7 +117,7 @@ pub async fn accept(edge: Arc<Edge>, mut req: Request<Incoming>, peer: SocketAdd
             let reason = tokio::select! {
                 r = conn => match r {
                     Ok(()) => "closed".to_string(),
-                    Err(e) => crate::agent::serve::error_chain(&e),
+                    Err(e) => crate::http::error_chain(&e),
                 },
                 _ = registered.cancel.cancelled() => if edge.shutdown.is_cancelled() {
                     "edge shutting down".into()
