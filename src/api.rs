@@ -1,7 +1,7 @@
 //! Control API types, shared by the edge, the operator and `culvert admin`.
 //!
 //! Everything is JSON in camelCase under [`crate::constants::API_PREFIX`]; the
-//! routes are served by `edge::api` and called by [`crate::admin`]. Lists are
+//! routes are served by `edge::api` and called by [`crate::api_client`]. Lists are
 //! wrapped as `{"items": [...]}` so they can grow fields later.
 
 use std::collections::BTreeMap;

@@ -8,6 +8,7 @@
 pub mod admin;
 pub mod agent;
 pub mod api;
+pub mod api_client;
 pub mod constants;
 pub mod crd;
 pub mod edge;

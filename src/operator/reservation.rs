@@ -18,8 +18,8 @@ use tracing::{Instrument, info};
 use super::names::{FINALIZER, LABEL_CLUSTER, LABEL_KIND, LABEL_NAME, LABEL_NAMESPACE, LABEL_UID};
 use super::status::{apply_status, carry_transition, event, fresh_for_finalizer, ready};
 use super::{Context, Error};
-use crate::admin::AdminError;
 use crate::api::{CertificateState, CertificateStatus, Reservation, TunnelKey};
+use crate::api_client::ClientError as AdminError;
 use crate::crd::{Condition, Domain, DomainStatus, ReclaimPolicy, TcpPort, TcpPortStatus, Tunnel};
 
 /// What differs between Domain and TcpPort.
