@@ -249,7 +249,7 @@ fn labels_of(pairs: &[(String, String)]) -> Labels {
 }
 
 /// Runs one command with `client`, writing what it prints to `out`.
-pub async fn execute(
+pub(crate) async fn execute(
     client: &Client,
     command: &AdminCommand,
     output: Output,
@@ -402,7 +402,7 @@ pub async fn execute(
 
 /// Renders aligned columns: a header row, then one line per row; columns are
 /// separated by two spaces and the last one is not padded.
-pub fn render_table(headers: &[&str], rows: &[Vec<String>]) -> String {
+pub(crate) fn render_table(headers: &[&str], rows: &[Vec<String>]) -> String {
     let mut widths: Vec<usize> = headers.iter().map(|h| h.chars().count()).collect();
     for row in rows {
         for (i, cell) in row.iter().enumerate() {

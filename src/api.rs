@@ -197,13 +197,6 @@ impl CertificateStatus {
             CertificateStatus::Expired => "expired",
         }
     }
-
-    /// Parses the JSON spelling.
-    pub fn parse(s: &str) -> Option<CertificateStatus> {
-        [Self::Pending, Self::Ready, Self::DnsMismatch, Self::Failed, Self::Expired]
-            .into_iter()
-            .find(|c| c.as_str() == s)
-    }
 }
 
 impl std::fmt::Display for CertificateStatus {

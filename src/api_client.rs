@@ -20,8 +20,8 @@ use tokio::io::{AsyncRead, AsyncWrite};
 
 use crate::BoxError;
 use crate::api::{
-    ApiKey, CreateApiKeyRequest, CreateTunnelKeyRequest, CreatedApiKey, CreatedTunnelKey, ErrorBody, Info,
-    List, ReleaseResponse, Reservation, ReserveDomainRequest, ReservePortRequest, TunnelKey,
+    CreateTunnelKeyRequest, CreatedTunnelKey, ErrorBody, Info, List, Reservation, ReserveDomainRequest,
+    ReservePortRequest,
 };
 use crate::constants::{API_CLIENT_TIMEOUT, API_PREFIX};
 use crate::tunnel::proxy::{self, Proxy};
@@ -224,31 +224,6 @@ impl Client {
         r: &CreateTunnelKeyRequest,
     ) -> Result<CreatedTunnelKey, ClientError> {
         self.post("tunnel-keys", r).await?.decode()
-    }
-
-    /// `POST api-keys`: a new key and its secret.
-    pub async fn create_api_key(&self, r: &CreateApiKeyRequest) -> Result<CreatedApiKey, ClientError> {
-        self.post("api-keys", r).await?.decode()
-    }
-
-    /// `GET tunnel-keys/{id}`.
-    pub async fn tunnel_key(&self, id: &str) -> Result<TunnelKey, ClientError> {
-        self.get(&format!("tunnel-keys/{}", segment(id)), &[]).await?.decode()
-    }
-
-    /// `DELETE tunnel-keys/{id}`: the revoked key.
-    pub async fn revoke_tunnel_key(&self, id: &str) -> Result<TunnelKey, ClientError> {
-        self.delete(&format!("tunnel-keys/{}", segment(id))).await?.decode()
-    }
-
-    /// `DELETE api-keys/{id}`: the revoked key.
-    pub async fn revoke_api_key(&self, id: &str) -> Result<ApiKey, ClientError> {
-        self.delete(&format!("api-keys/{}", segment(id))).await?.decode()
-    }
-
-    /// `DELETE domains/{host}` or `ports/{port}` (`path`).
-    pub async fn release(&self, path: &str) -> Result<ReleaseResponse, ClientError> {
-        self.delete(path).await?.decode()
     }
 
     /// `GET <collection>` with a label selector: the items.

@@ -90,8 +90,6 @@ pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Dialing a backend must succeed within this.
 pub const BACKEND_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-/// Revoking a key closes its live connections within this.
-pub const REVOKE_CLOSE_WITHIN: Duration = Duration::from_secs(1);
 /// Timeout of one control API call made by `culvert admin` and the operator.
 pub const API_CLIENT_TIMEOUT: Duration = Duration::from_secs(30);
 

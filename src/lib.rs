@@ -8,11 +8,11 @@
 pub mod admin;
 pub mod agent;
 pub mod api;
-pub mod api_client;
-pub mod constants;
+pub(crate) mod api_client;
+pub(crate) mod constants;
 pub mod crd;
 pub mod edge;
-pub mod http;
+pub(crate) mod http;
 pub mod memory;
 pub mod operator;
 pub mod probe;

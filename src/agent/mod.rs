@@ -4,11 +4,11 @@
 //! [`run_tunnel`] is the reconnect loop shared by the standalone agent
 //! (`culvert http|tcp`) and, later, the operator; [`serve`] answers streams.
 
-pub mod backend;
-pub mod config;
-pub mod guard;
-pub mod route;
-pub mod serve;
+pub(crate) mod backend;
+mod config;
+pub(crate) mod guard;
+pub(crate) mod route;
+pub(crate) mod serve;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -22,7 +22,7 @@ use crate::tls;
 use crate::tunnel::backoff::Backoff;
 use crate::tunnel::connect::{ConnectError, Connected, Dialer, EdgeUrl, TunnelInfo};
 pub use config::AgentArgs;
-pub use serve::{Resolver, Target};
+pub use serve::{Resolver, Target, fixed};
 
 /// Why the agent stopped.
 #[derive(Debug, thiserror::Error)]

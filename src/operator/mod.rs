@@ -7,15 +7,15 @@
 //! → apply (edge, then Kubernetes) → status. Everything external lives behind
 //! a finalizer.
 
-pub mod agents;
-pub mod edge;
+pub(crate) mod agents;
+pub(crate) mod edge;
 pub mod ingress;
-pub mod leader;
-pub mod reservation;
-pub mod routes;
-pub mod service;
-pub mod status;
-pub mod tunnel;
+pub(crate) mod leader;
+pub(crate) mod reservation;
+pub(crate) mod routes;
+pub(crate) mod service;
+pub(crate) mod status;
+pub(crate) mod tunnel;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

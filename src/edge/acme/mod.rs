@@ -18,9 +18,9 @@
 //! without a restart. Releasing a custom domain deletes its certificate
 //! (in the store's release transaction) and the next scan stops serving it.
 
-pub mod dns;
+pub(crate) mod dns;
 pub mod dns01;
-pub mod x509;
+pub(crate) mod x509;
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
