@@ -1,9 +1,10 @@
 //! culvert: publish services of a cluster with no public address through an
 //! outbound tunnel to an edge you run yourself.
 //!
-//! One binary, several roles (see `DESIGN.md` of the project): [`edge`] is the
-//! public side, [`agent`] the side next to the services, [`tunnel`] the wire
-//! between them, [`admin`] the control API client.
+//! One binary, several roles (see `ARCHITECTURE.md`): [`edge`] is the public
+//! side, [`agent`] the side next to the services, [`operator`] the Kubernetes
+//! controllers and in-cluster agent, [`tunnel`] the wire between edge and
+//! agents, [`admin`] the command line of the control API.
 
 pub mod admin;
 pub mod agent;

@@ -1,7 +1,7 @@
 //! What the agent checks and limits on an HTTP route before and while a
 //! request reaches its backend: credentials (HTTP Basic from htpasswd lines,
 //! bearer tokens), the request body size, and how long the backend may stay
-//! silent. Free of IO; `serve` applies them.
+//! silent. Free of IO; `route` applies them.
 
 use std::pin::Pin;
 use std::sync::Arc;

@@ -2,7 +2,8 @@
 //! streams the edge opens on it by dialing backends.
 //!
 //! [`run_tunnel`] is the reconnect loop shared by the standalone agent
-//! (`culvert http|tcp`) and, later, the operator; [`serve`] answers streams.
+//! (`culvert http|tcp`) and the operator (`operator::agents`); `serve`
+//! answers streams.
 
 pub(crate) mod backend;
 mod config;

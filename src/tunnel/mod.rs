@@ -1,4 +1,4 @@
-//! The wire between agent and edge (see DESIGN.md "The tunnel"):
+//! The wire between agent and edge (see ARCHITECTURE.md, "The wire"):
 //!
 //! ```text
 //! agent ──TCP──▶ (HTTP CONNECT proxy) ──▶ edge:443, TLS 1.3,
