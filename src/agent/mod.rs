@@ -18,6 +18,7 @@ use hyper_util::rt::TokioIo;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, info, warn};
 
+use crate::api::Protocol;
 use crate::constants::{BACKOFF_RESET_AFTER, DRAIN_GRACE, DRAIN_TIMEOUT, GOODBYE_ACK_TIMEOUT, MSG_GOODBYE};
 use crate::tls;
 use crate::tunnel::backoff::Backoff;
@@ -162,16 +163,21 @@ pub fn agent_id() -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-/// `culvert http|tcp`: publish one local port until SIGINT/SIGTERM.
-pub async fn run_standalone(args: AgentArgs, tcp: bool) -> Result<(), AgentError> {
-    let target = if tcp { Target::parse_tcp(&args.target) } else { Target::parse_http(&args.target) }
-        .map_err(|why| AgentError::BadTarget { target: args.target.clone(), why })?;
+/// `culvert http|tcp`: publish one local port (`protocol` is `Http` or
+/// `Tcp`) until SIGINT/SIGTERM.
+pub async fn run_standalone(args: AgentArgs, protocol: Protocol) -> Result<(), AgentError> {
+    let target = match protocol {
+        Protocol::Tcp => Target::parse_tcp(&args.target),
+        Protocol::Http => Target::parse_http(&args.target),
+        Protocol::Tls => Err("the standalone agent publishes http or tcp".to_string()),
+    }
+    .map_err(|why| AgentError::BadTarget { target: args.target.clone(), why })?;
     let dialer = Dialer {
         edge: EdgeUrl::parse(&args.edge)?,
         key: args.key.clone(),
         agent_id: agent_id(),
         tls: tls::tunnel_client_config(args.ca_file.as_deref())?,
-        protocol: Some(if tcp { crate::api::Protocol::Tcp } else { crate::api::Protocol::Http }),
+        protocol: Some(protocol),
     };
     let shutdown = CancellationToken::new();
     tokio::spawn(crate::shutdown_on_signal(shutdown.clone()));

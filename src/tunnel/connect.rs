@@ -9,7 +9,6 @@ use http_body_util::{BodyExt, Empty, Limited};
 use hyper::upgrade::Upgraded;
 use hyper_util::rt::TokioIo;
 use tokio_rustls::TlsConnector;
-use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
 
 use super::proxy::{self, Proxy};
 use super::readahead::ReadAhead;
@@ -194,7 +193,7 @@ impl Dialer {
             return Err(refusal(resp).await);
         }
         let accept = resp.headers().get(header::SEC_WEBSOCKET_ACCEPT).and_then(|v| v.to_str().ok());
-        if accept != Some(derive_accept_key(ws_key.as_bytes()).as_str()) {
+        if accept != Some(super::handshake::accept_key(ws_key.as_bytes()).as_str()) {
             return Err(ConnectError::WebSocket(
                 "the edge answered with a wrong Sec-WebSocket-Accept".into(),
             ));
