@@ -28,10 +28,11 @@ test: ## Run every test (starts the real Kubernetes control plane first)
 lint: ## rustfmt check, clippy with warnings as errors, shellcheck, actionlint of the workflows, README names exist
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy -j2 --all-targets -- -D warnings
-	shellcheck -S warning $(filter-out scripts/check-readme scripts/lib,$(wildcard scripts/*)) scripts/lib/*.sh .ci/run
+	shellcheck -S warning $(filter-out scripts/check-readme scripts/check-deps scripts/lib,$(wildcard scripts/*)) scripts/lib/*.sh .ci/run
 	shellcheck -S warning deploy/install-edge.sh deploy/certbot-deploy-hook
 	scripts/actionlint
 	scripts/check-readme
+	scripts/check-deps
 
 fmt: ## Format the code
 	$(CARGO) fmt --all

@@ -1,4 +1,5 @@
-//! `culvert admin`: a small blocking client of the control API (ureq).
+//! `culvert admin`: the command line and the tables over the control API
+//! client ([`crate::api_client`]).
 //!
 //! Tables for humans on stdout; `-o json` prints the edge's JSON answer as is.
 //! Commands that make a secret (`tunnel-key create`, `api-key create`) print
@@ -9,15 +10,14 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use clap::{Args, Subcommand, ValueEnum};
-use serde::Serialize;
-use serde::de::DeserializeOwned;
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use crate::api::{
-    ApiKey, ApiKeyScope, CreatedApiKey, CreatedTunnelKey, ErrorBody, Info, Labels, List, Protocol,
-    ReleaseResponse, Reservation, TunnelKey, parse_label,
+    ApiKey, ApiKeyScope, CreateApiKeyRequest, CreateTunnelKeyRequest, CreatedApiKey, CreatedTunnelKey, Info,
+    Labels, List, Protocol, ReleaseResponse, Reservation, ReserveDomainRequest, ReservePortRequest,
+    TunnelKey, parse_label,
 };
-use crate::constants::{API_CLIENT_TIMEOUT, API_PREFIX};
+use crate::api_client::{Client, ClientError, segment};
 
 /// `culvert admin`: manage API keys, domains, ports and tunnel keys on an edge.
 #[derive(Debug, Clone, Args)]
@@ -207,45 +207,9 @@ pub enum AdminError {
     /// No `--key`.
     #[error("no API key given: pass --key or set CULVERT_ADMIN_KEY (or CULVERT_KEY)")]
     NoKey,
-    /// `--edge` is not a URL we can use.
-    #[error("--edge `{0}` is not a URL like https://edge.example.com")]
-    BadEdge(String),
-    /// `--ca-file` could not be loaded.
-    #[error("failed to load --ca-file: {0}")]
-    CaFile(#[source] crate::tls::TlsError),
-    /// The request did not get an answer.
-    #[error("failed to reach {url}: {source}{hint}")]
-    Connect {
-        /// The URL asked for.
-        url: String,
-        /// Why.
-        #[source]
-        source: ureq::Error,
-        /// What to try, if we can tell.
-        hint: &'static str,
-    },
-    /// The edge answered with a culvert error.
-    #[error("edge refused: {code}: {message}")]
-    Refused {
-        /// HTTP status.
-        status: u16,
-        /// The error code, e.g. `already_reserved`.
-        code: String,
-        /// The edge's message.
-        message: String,
-    },
-    /// The answer is not what a culvert edge sends.
-    #[error(
-        "{url} answered {status} with something that is not a culvert answer ({detail}); is --edge the URL of a culvert edge?"
-    )]
-    UnexpectedAnswer {
-        /// The URL asked for.
-        url: String,
-        /// HTTP status.
-        status: u16,
-        /// What was wrong with it.
-        detail: String,
-    },
+    /// The call of the control API failed.
+    #[error(transparent)]
+    Client(#[from] ClientError),
     /// Writing to stdout failed.
     #[error("failed to write the output: {0}")]
     Output(#[from] std::io::Error),
@@ -255,11 +219,8 @@ impl AdminError {
     /// Static category for logs.
     pub fn category(&self) -> &'static str {
         match self {
-            AdminError::NoEdge | AdminError::NoKey | AdminError::BadEdge(_) => "usage",
-            AdminError::CaFile(_) => "ca_file",
-            AdminError::Connect { .. } => "connect",
-            AdminError::Refused { .. } => "refused",
-            AdminError::UnexpectedAnswer { .. } => "unexpected_answer",
+            AdminError::NoEdge | AdminError::NoKey => "usage",
+            AdminError::Client(e) => e.category(),
             AdminError::Output(_) => "output",
         }
     }
@@ -275,170 +236,20 @@ pub fn run(args: AdminArgs) -> Result<(), AdminError> {
         .ok_or(AdminError::NoKey)?;
     let edge = args.edge.as_deref().filter(|e| !e.trim().is_empty()).ok_or(AdminError::NoEdge)?;
     let client = Client::new(edge, key.trim(), args.ca_file.as_deref(), true)?;
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
-    execute(&client, &args.command, args.output, &mut out)?;
+    runtime.block_on(execute(&client, &args.command, args.output, &mut out))?;
     out.flush()?;
     Ok(())
-}
-
-/// A blocking client of one edge's control API.
-pub struct Client {
-    agent: ureq::Agent,
-    base: String,
-    key: String,
-}
-
-impl Client {
-    /// A client of the edge at `edge` (`https://host[:port]`; `https://` is
-    /// assumed when no scheme is given) using `key`. `ca_file` replaces the
-    /// built-in Mozilla roots; `proxy_from_env` honours `HTTPS_PROXY`/`NO_PROXY`.
-    pub fn new(
-        edge: &str,
-        key: &str,
-        ca_file: Option<&std::path::Path>,
-        proxy_from_env: bool,
-    ) -> Result<Client, AdminError> {
-        let given = edge.trim();
-        let (scheme, authority) = given.split_once("://").unwrap_or(("https", given));
-        let authority = authority.trim_end_matches('/');
-        if !matches!(scheme, "https" | "http")
-            || authority.is_empty()
-            || authority.contains(['/', '?', '#', ' ', '@'])
-        {
-            return Err(AdminError::BadEdge(given.to_string()));
-        }
-        let edge = format!("{scheme}://{authority}");
-        let roots = match ca_file {
-            Some(path) => {
-                let certs = crate::tls::load_pem_certs(path).map_err(AdminError::CaFile)?;
-                let certs: Vec<ureq::tls::Certificate<'static>> =
-                    certs.iter().map(|c| ureq::tls::Certificate::from_der(c.as_ref()).to_owned()).collect();
-                ureq::tls::RootCerts::new_with_certs(&certs)
-            }
-            None => ureq::tls::RootCerts::WebPki,
-        };
-        let tls = ureq::tls::TlsConfig::builder().root_certs(roots).build();
-        let mut config = ureq::Agent::config_builder()
-            .tls_config(tls)
-            .http_status_as_error(false)
-            .timeout_global(Some(API_CLIENT_TIMEOUT))
-            .user_agent(format!("culvert-admin/{}", env!("CARGO_PKG_VERSION")));
-        if !proxy_from_env {
-            config = config.proxy(None);
-        }
-        let agent = ureq::Agent::new_with_config(config.build());
-        Ok(Client { agent, base: format!("{edge}{API_PREFIX}"), key: key.to_string() })
-    }
-
-    /// `GET <path>` with query parameters; the JSON answer.
-    pub fn get(&self, path: &str, query: &[(&str, &str)]) -> Result<Value, AdminError> {
-        let url = self.url(path);
-        let mut request = self.agent.get(&url).header("authorization", self.bearer());
-        for (k, v) in query {
-            request = request.query(*k, *v);
-        }
-        self.answer(&url, request.call())
-    }
-
-    /// `POST <path>` with a JSON body; the JSON answer and whether it was 201.
-    pub fn post(&self, path: &str, body: &impl Serialize) -> Result<(Value, bool), AdminError> {
-        let url = self.url(path);
-        let result = self.agent.post(&url).header("authorization", self.bearer()).send_json(body);
-        let created = matches!(&result, Ok(r) if r.status().as_u16() == 201);
-        Ok((self.answer(&url, result)?, created))
-    }
-
-    /// `DELETE <path>`; the JSON answer.
-    pub fn delete(&self, path: &str) -> Result<Value, AdminError> {
-        let url = self.url(path);
-        let result = self.agent.delete(&url).header("authorization", self.bearer()).call();
-        self.answer(&url, result)
-    }
-
-    fn url(&self, path: &str) -> String {
-        format!("{}{path}", self.base)
-    }
-
-    fn bearer(&self) -> String {
-        format!("Bearer {}", self.key)
-    }
-
-    fn answer(
-        &self,
-        url: &str,
-        result: Result<http::Response<ureq::Body>, ureq::Error>,
-    ) -> Result<Value, AdminError> {
-        let mut response = result.map_err(|source| {
-            let hint = if is_tls_error(&source) {
-                "; if the edge uses a self-signed certificate (culvert edge --self-signed), pass --ca-file with its CA (DATA_DIR/ca.pem)"
-            } else {
-                ""
-            };
-            AdminError::Connect { url: url.to_string(), source, hint }
-        })?;
-        let status = response.status().as_u16();
-        let text = response.body_mut().read_to_string().map_err(|source| AdminError::Connect {
-            url: url.to_string(),
-            source,
-            hint: "",
-        })?;
-        let unexpected =
-            |detail: String| AdminError::UnexpectedAnswer { url: url.to_string(), status, detail };
-        if status >= 400 {
-            let body: ErrorBody = serde_json::from_str(&text).map_err(|_| unexpected(snippet(&text)))?;
-            return Err(AdminError::Refused { status, code: body.error.code, message: body.error.message });
-        }
-        if !(200..300).contains(&status) {
-            return Err(unexpected(snippet(&text)));
-        }
-        serde_json::from_str(&text).map_err(|e| unexpected(format!("not JSON: {e}")))
-    }
-}
-
-fn snippet(text: &str) -> String {
-    let t: String = text.trim().chars().take(80).collect();
-    if t.is_empty() { "an empty body".into() } else { format!("body starts with {t:?}") }
-}
-
-pub(crate) fn is_tls_error(e: &ureq::Error) -> bool {
-    match e {
-        ureq::Error::Tls(_) | ureq::Error::Rustls(_) | ureq::Error::Pem(_) => true,
-        ureq::Error::Io(io) => {
-            io.get_ref().is_some_and(|inner| inner.is::<rustls::Error>())
-                || io.to_string().to_ascii_lowercase().contains("certificate")
-        }
-        _ => false,
-    }
-}
-
-/// Escapes a path segment (host names and ids never need it; stray input must not change the path).
-fn segment(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.trim().bytes() {
-        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
 }
 
 fn labels_of(pairs: &[(String, String)]) -> Labels {
     pairs.iter().cloned().collect()
 }
 
-fn decode<T: DeserializeOwned>(value: Value) -> Result<T, AdminError> {
-    serde_json::from_value(value).map_err(|e| AdminError::UnexpectedAnswer {
-        url: "the edge".into(),
-        status: 200,
-        detail: format!("unexpected JSON: {e}"),
-    })
-}
-
 /// Runs one command with `client`, writing what it prints to `out`.
-pub fn execute(
+pub(crate) async fn execute(
     client: &Client,
     command: &AdminCommand,
     output: Output,
@@ -449,144 +260,121 @@ pub fn execute(
         writeln!(out, "{}", serde_json::to_string_pretty(v).unwrap_or_else(|_| v.to_string()))?;
         Ok(())
     };
+    let selector = |s: &Option<String>| -> Vec<(&'static str, String)> {
+        s.iter().map(|s| ("selector", s.clone())).collect()
+    };
+    macro_rules! answer {
+        ($call:expr) => {{
+            let answer = $call.await?;
+            if json_mode {
+                return print_json(out, &answer.value);
+            }
+            answer
+        }};
+    }
+    let get = |path: String, q: Vec<(&'static str, String)>| async move {
+        let q: Vec<(&str, &str)> = q.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        client.get(&path, &q).await
+    };
     match command {
         AdminCommand::Info => {
-            let v = client.get("info", &[])?;
-            if json_mode {
-                return print_json(out, &v);
-            }
-            write!(out, "{}", info_table(&decode(v)?))?;
+            let a = answer!(get("info".into(), vec![]));
+            write!(out, "{}", info_table(&a.decode()?))?;
         }
         AdminCommand::Domain(cmd) => match cmd {
             DomainCommand::Reserve { name, fqdn, labels } => {
-                let body = json!({"name": name, "fqdn": fqdn, "labels": labels_of(labels)});
-                let body = strip_nulls(body);
-                let (v, created) = client.post("domains", &body)?;
-                if json_mode {
-                    return print_json(out, &v);
-                }
-                let r: Reservation = decode(v)?;
+                let request = ReserveDomainRequest {
+                    name: name.clone(),
+                    fqdn: fqdn.clone(),
+                    labels: labels_of(labels),
+                };
+                let a = answer!(client.post("domains", &request));
+                let created = a.created;
+                let r: Reservation = a.decode()?;
                 if !created {
                     eprintln!("note: this key already holds {}", r.target());
                 }
                 writeln!(out, "{}", r.target())?;
             }
-            DomainCommand::List { selector } => {
-                let query: Vec<(&str, &str)> = selector.iter().map(|s| ("selector", s.as_str())).collect();
-                let v = client.get("domains", &query)?;
-                if json_mode {
-                    return print_json(out, &v);
-                }
-                let list: List<Reservation> = decode(v)?;
+            DomainCommand::List { selector: s } => {
+                let a = answer!(get("domains".into(), selector(s)));
+                let list: List<Reservation> = a.decode()?;
                 write!(out, "{}", domains_table(&list.items))?;
             }
             DomainCommand::Show { host } => {
-                let v = client.get(&format!("domains/{}", segment(host)), &[])?;
-                if json_mode {
-                    return print_json(out, &v);
-                }
-                write!(out, "{}", domains_table(&[decode(v)?]))?;
+                let a = answer!(get(format!("domains/{}", segment(host)), vec![]));
+                write!(out, "{}", domains_table(&[a.decode()?]))?;
             }
             DomainCommand::Release { host } => {
-                let v = client.delete(&format!("domains/{}", segment(host)))?;
-                if json_mode {
-                    return print_json(out, &v);
-                }
-                write!(out, "{}", released(&decode(v)?))?;
+                let a = answer!(client.delete(&format!("domains/{}", segment(host))));
+                write!(out, "{}", released(&a.decode()?))?;
             }
         },
         AdminCommand::Port(cmd) => match cmd {
             PortCommand::Reserve { port, labels } => {
-                let body = strip_nulls(json!({"port": port, "labels": labels_of(labels)}));
-                let (v, created) = client.post("ports", &body)?;
-                if json_mode {
-                    return print_json(out, &v);
-                }
-                let r: Reservation = decode(v)?;
+                let request = ReservePortRequest { port: *port, labels: labels_of(labels) };
+                let a = answer!(client.post("ports", &request));
+                let created = a.created;
+                let r: Reservation = a.decode()?;
                 if !created {
                     eprintln!("note: this key already holds {}", r.target());
                 }
                 writeln!(out, "{}", r.port.map(|p| p.to_string()).unwrap_or_default())?;
             }
-            PortCommand::List { selector } => {
-                let query: Vec<(&str, &str)> = selector.iter().map(|s| ("selector", s.as_str())).collect();
-                let v = client.get("ports", &query)?;
-                if json_mode {
-                    return print_json(out, &v);
-                }
-                let list: List<Reservation> = decode(v)?;
+            PortCommand::List { selector: s } => {
+                let a = answer!(get("ports".into(), selector(s)));
+                let list: List<Reservation> = a.decode()?;
                 write!(out, "{}", ports_table(&list.items))?;
             }
             PortCommand::Show { port } => {
-                let v = client.get(&format!("ports/{port}"), &[])?;
-                if json_mode {
-                    return print_json(out, &v);
-                }
-                write!(out, "{}", ports_table(&[decode(v)?]))?;
+                let a = answer!(get(format!("ports/{port}"), vec![]));
+                write!(out, "{}", ports_table(&[a.decode()?]))?;
             }
             PortCommand::Release { port } => {
-                let v = client.delete(&format!("ports/{port}"))?;
-                if json_mode {
-                    return print_json(out, &v);
-                }
-                write!(out, "{}", released(&decode(v)?))?;
+                let a = answer!(client.delete(&format!("ports/{port}")));
+                write!(out, "{}", released(&a.decode()?))?;
             }
         },
         AdminCommand::TunnelKey(cmd) => match cmd {
             TunnelKeyCommand::Create { domain, port, protocol, labels } => {
-                let body = strip_nulls(json!({
-                    "domain": domain,
-                    "port": port,
-                    "protocol": protocol,
-                    "labels": labels_of(labels),
-                }));
-                let (v, _) = client.post("tunnel-keys", &body)?;
-                if json_mode {
-                    return print_json(out, &v);
-                }
-                let made: CreatedTunnelKey = decode(v)?;
+                let request = CreateTunnelKeyRequest {
+                    domain: domain.clone(),
+                    port: *port,
+                    protocol: *protocol,
+                    labels: labels_of(labels),
+                };
+                let a = answer!(client.post("tunnel-keys", &request));
+                let made: CreatedTunnelKey = a.decode()?;
                 eprintln!(
                     "tunnel key {} publishes {} ({}); the key is shown only once",
                     made.key.id, made.url, made.key.protocol
                 );
                 writeln!(out, "{}", made.secret)?;
             }
-            TunnelKeyCommand::List { selector, all } => {
-                let mut query: Vec<(&str, &str)> =
-                    selector.iter().map(|s| ("selector", s.as_str())).collect();
+            TunnelKeyCommand::List { selector: s, all } => {
+                let mut q = selector(s);
                 if *all {
-                    query.push(("revoked", "true"));
+                    q.push(("revoked", "true".into()));
                 }
-                let v = client.get("tunnel-keys", &query)?;
-                if json_mode {
-                    return print_json(out, &v);
-                }
-                let list: List<TunnelKey> = decode(v)?;
+                let a = answer!(get("tunnel-keys".into(), q));
+                let list: List<TunnelKey> = a.decode()?;
                 write!(out, "{}", tunnel_keys_table(&list.items, *all))?;
             }
             TunnelKeyCommand::Show { id } => {
-                let v = client.get(&format!("tunnel-keys/{}", segment(id)), &[])?;
-                if json_mode {
-                    return print_json(out, &v);
-                }
-                write!(out, "{}", tunnel_keys_table(&[decode(v)?], true))?;
+                let a = answer!(get(format!("tunnel-keys/{}", segment(id)), vec![]));
+                write!(out, "{}", tunnel_keys_table(&[a.decode()?], true))?;
             }
             TunnelKeyCommand::Revoke { id } => {
-                let v = client.delete(&format!("tunnel-keys/{}", segment(id)))?;
-                if json_mode {
-                    return print_json(out, &v);
-                }
-                let key: TunnelKey = decode(v)?;
+                let a = answer!(client.delete(&format!("tunnel-keys/{}", segment(id))));
+                let key: TunnelKey = a.decode()?;
                 writeln!(out, "revoked tunnel key {} ({})", key.id, key.reservation.target())?;
             }
         },
         AdminCommand::ApiKey(cmd) => match cmd {
             ApiKeyCommand::Create { name, scope } => {
-                let (v, _) = client.post("api-keys", &json!({"name": name, "scope": scope}))?;
-                if json_mode {
-                    return print_json(out, &v);
-                }
-                let made: CreatedApiKey = decode(v)?;
+                let request = CreateApiKeyRequest { name: name.clone(), scope: *scope };
+                let a = answer!(client.post("api-keys", &request));
+                let made: CreatedApiKey = a.decode()?;
                 eprintln!(
                     "{} key {} ({}); the key is shown only once",
                     made.key.scope, made.key.id, made.key.name
@@ -594,26 +382,17 @@ pub fn execute(
                 writeln!(out, "{}", made.secret)?;
             }
             ApiKeyCommand::List => {
-                let v = client.get("api-keys", &[])?;
-                if json_mode {
-                    return print_json(out, &v);
-                }
-                let list: List<ApiKey> = decode(v)?;
+                let a = answer!(get("api-keys".into(), vec![]));
+                let list: List<ApiKey> = a.decode()?;
                 write!(out, "{}", api_keys_table(&list.items))?;
             }
             ApiKeyCommand::Show { id } => {
-                let v = client.get(&format!("api-keys/{}", segment(id)), &[])?;
-                if json_mode {
-                    return print_json(out, &v);
-                }
-                write!(out, "{}", api_keys_table(&[decode(v)?]))?;
+                let a = answer!(get(format!("api-keys/{}", segment(id)), vec![]));
+                write!(out, "{}", api_keys_table(&[a.decode()?]))?;
             }
             ApiKeyCommand::Revoke { id } => {
-                let v = client.delete(&format!("api-keys/{}", segment(id)))?;
-                if json_mode {
-                    return print_json(out, &v);
-                }
-                let key: ApiKey = decode(v)?;
+                let a = answer!(client.delete(&format!("api-keys/{}", segment(id))));
+                let key: ApiKey = a.decode()?;
                 writeln!(out, "revoked api key {} ({})", key.id, key.name)?;
             }
         },
@@ -621,18 +400,9 @@ pub fn execute(
     Ok(())
 }
 
-/// Drops `null` members and empty `labels` so the request says only what was given.
-fn strip_nulls(mut v: Value) -> Value {
-    if let Value::Object(map) = &mut v {
-        let empty_labels = |k: &str, v: &Value| k == "labels" && v.as_object().is_some_and(|m| m.is_empty());
-        map.retain(|k, v| !(v.is_null() || empty_labels(k, v)));
-    }
-    v
-}
-
 /// Renders aligned columns: a header row, then one line per row; columns are
 /// separated by two spaces and the last one is not padded.
-pub fn render_table(headers: &[&str], rows: &[Vec<String>]) -> String {
+pub(crate) fn render_table(headers: &[&str], rows: &[Vec<String>]) -> String {
     let mut widths: Vec<usize> = headers.iter().map(|h| h.chars().count()).collect();
     for row in rows {
         for (i, cell) in row.iter().enumerate() {
@@ -674,7 +444,7 @@ fn info_table(info: &Info) -> String {
             "protocol".into(),
             format!("{} (accepts agents from {})", info.protocol_version, info.min_protocol_version),
         ],
-        vec!["tcp ports".into(), info.tcp_ports.clone()],
+        vec!["tcp ports".into(), info.tcp_ports.to_string()],
         vec!["public host".into(), info.public_host.clone()],
         vec!["https port".into(), info.public_https_port.to_string()],
         vec!["your key".into(), format!("{} ({}, {})", info.caller.id, info.caller.scope, info.caller.name)],
@@ -846,20 +616,24 @@ mod tests {
     }
 
     #[test]
-    fn request_bodies_and_paths() {
-        assert_eq!(strip_nulls(json!({"name": "a", "fqdn": null, "labels": {}})), json!({"name": "a"}));
-        assert_eq!(segment("blog.example.com"), "blog.example.com");
-        assert_eq!(segment("../x?y"), "..%2Fx%3Fy");
-        for bad in ["https://", "ftp://x", "https://x/path", ""] {
-            assert!(matches!(Client::new(bad, "k", None, false), Err(AdminError::BadEdge(_))), "{bad}");
-        }
-        let c = Client::new("edge.example.com/", "k", None, false).unwrap();
-        assert_eq!(c.base, "https://edge.example.com/_culvert/v1/api/");
+    fn request_bodies_say_only_what_was_given() {
+        use serde_json::json;
+        let domain = ReserveDomainRequest { name: Some("a".into()), ..Default::default() };
+        assert_eq!(body(&domain), json!({"name": "a"}));
+        let port = ReservePortRequest { port: None, labels: labels_of(&[("k".into(), "v".into())]) };
+        assert_eq!(body(&port), json!({"labels": {"k": "v"}}));
+        let key =
+            CreateTunnelKeyRequest { port: Some(20000), protocol: Some(Protocol::Tcp), ..Default::default() };
+        assert_eq!(body(&key), json!({"port": 20000, "protocol": "tcp"}));
+    }
+
+    fn body(request: &impl serde::Serialize) -> Value {
+        serde_json::to_value(request).unwrap()
     }
 
     #[test]
     fn error_messages() {
-        let e = AdminError::Refused {
+        let e = ClientError::Refused {
             status: 409,
             code: "already_reserved".into(),
             message: "domain blog.example.com is held by another key; reserve another name".into(),
@@ -889,7 +663,7 @@ mod tests {
         use hyper::service::service_fn;
         use hyper_util::rt::TokioIo;
 
-        use crate::cli::PortRange;
+        use crate::api::PortRange;
         use crate::edge::api::ApiContext;
         use crate::edge::store::Store;
 
@@ -959,7 +733,8 @@ mod tests {
         }
         let parsed = T::try_parse_from(std::iter::once("admin").chain(args.iter().copied())).unwrap();
         let mut out = Vec::new();
-        execute(client, &parsed.admin.command, parsed.admin.output, &mut out)?;
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(execute(client, &parsed.admin.command, parsed.admin.output, &mut out))?;
         Ok(String::from_utf8(out).unwrap())
     }
 
@@ -1014,13 +789,13 @@ mod tests {
         );
         let err = run(&ep_client, &["api-key", "list"]).unwrap_err();
         assert!(
-            matches!(&err, AdminError::Refused { status: 403, code, .. } if code == "admin_required"),
+            matches!(&err, AdminError::Client(ClientError::Refused { status: 403, code, .. }) if code == "admin_required"),
             "{err}"
         );
         let tunnel_client = Client::new(&edge, secret.trim(), None, false).unwrap();
         let err = run(&tunnel_client, &["info"]).unwrap_err();
         assert!(
-            matches!(&err, AdminError::Refused { code, .. } if code == "tunnel_key_not_allowed"),
+            matches!(&err, AdminError::Client(ClientError::Refused { code, .. }) if code == "tunnel_key_not_allowed"),
             "{err}"
         );
         assert_eq!(
@@ -1076,7 +851,7 @@ mod tests {
         assert!(run_args(&trusted, &["info"]).unwrap().contains("edge.test"));
         assert!(matches!(
             Client::new(&edge, &admin, Some(&dir.path().join("missing.pem")), false),
-            Err(AdminError::CaFile(_))
+            Err(ClientError::CaFile(_))
         ));
         runtime.shutdown_background();
     }

@@ -1,7 +1,7 @@
 //! Control API types, shared by the edge, the operator and `culvert admin`.
 //!
 //! Everything is JSON in camelCase under [`crate::constants::API_PREFIX`]; the
-//! routes are served by `edge::api` and called by [`crate::admin`]. Lists are
+//! routes are served by `edge::api` and called by [`crate::api_client`]. Lists are
 //! wrapped as `{"items": [...]}` so they can grow fields later.
 
 use std::collections::BTreeMap;
@@ -47,6 +47,54 @@ impl Protocol {
 impl std::fmt::Display for Protocol {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.as_str())
+    }
+}
+
+/// An inclusive range of TCP ports; `FIRST-LAST` (or one `PORT`) in flags and JSON.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PortRange {
+    pub first: u16,
+    pub last: u16,
+}
+
+impl PortRange {
+    pub fn contains(&self, port: u16) -> bool {
+        (self.first..=self.last).contains(&port)
+    }
+
+    /// Parses `FIRST-LAST` or `PORT` (`--tcp-ports`, `Info.tcpPorts`).
+    pub fn parse(s: &str) -> Result<PortRange, String> {
+        let (a, b) = s.split_once('-').unwrap_or((s, s));
+        let port = |p: &str| -> Result<u16, String> {
+            match p.trim().parse::<u16>() {
+                Ok(0) | Err(_) => Err(format!("`{p}` is not a port (1-65535)")),
+                Ok(n) => Ok(n),
+            }
+        };
+        let (first, last) = (port(a)?, port(b)?);
+        if first > last {
+            return Err(format!("port range `{s}` is empty: write FIRST-LAST with FIRST <= LAST"));
+        }
+        Ok(PortRange { first, last })
+    }
+}
+
+impl std::fmt::Display for PortRange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}-{}", self.first, self.last)
+    }
+}
+
+impl Serialize for PortRange {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for PortRange {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(deserializer)?;
+        PortRange::parse(&s).map_err(serde::de::Error::custom)
     }
 }
 
@@ -148,13 +196,6 @@ impl CertificateStatus {
             CertificateStatus::Failed => "failed",
             CertificateStatus::Expired => "expired",
         }
-    }
-
-    /// Parses the JSON spelling.
-    pub fn parse(s: &str) -> Option<CertificateStatus> {
-        [Self::Pending, Self::Ready, Self::DnsMismatch, Self::Failed, Self::Expired]
-            .into_iter()
-            .find(|c| c.as_str() == s)
     }
 }
 
@@ -334,8 +375,8 @@ pub struct Info {
     pub protocol_version: u32,
     /// Oldest agent protocol version the edge accepts.
     pub min_protocol_version: u32,
-    /// TCP port range for TCP reservations, `FIRST-LAST`.
-    pub tcp_ports: String,
+    /// TCP port range for TCP reservations, `FIRST-LAST` on the wire.
+    pub tcp_ports: PortRange,
     /// Host name public TCP addresses are reported with.
     pub public_host: String,
     /// Port of public HTTPS (and the tunnel endpoint).
@@ -570,6 +611,19 @@ pub fn parse_label(s: &str) -> Result<(String, String), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn port_ranges() {
+        assert_eq!(PortRange::parse("20000-20999").unwrap(), PortRange { first: 20000, last: 20999 });
+        assert_eq!(PortRange::parse("8080").unwrap(), PortRange { first: 8080, last: 8080 });
+        assert!(PortRange::parse("0-10").is_err());
+        assert!(PortRange::parse("10-5").is_err());
+        assert!(PortRange::parse("70000").is_err());
+        let range = PortRange { first: 20000, last: 20009 };
+        assert_eq!(serde_json::to_string(&range).unwrap(), "\"20000-20009\"");
+        assert_eq!(serde_json::from_str::<PortRange>("\"20000-20009\"").unwrap(), range);
+        assert!(serde_json::from_str::<PortRange>("\"x\"").is_err());
+    }
 
     fn labels(pairs: &[(&str, &str)]) -> Labels {
         pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()

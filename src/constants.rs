@@ -1,4 +1,7 @@
-//! Every timeout, limit, header name and path of the wire protocol, in one place.
+//! The timeouts, limits, header names and paths of the wire protocol and the
+//! roles, in one place. Limits private to one module live beside their code
+//! (`edge::public`'s retry attempts, `tunnel::proxy`'s proxy answer size,
+//! `api_client`'s answer size, `operator::reservation`'s certificate recheck).
 
 use std::time::Duration;
 
@@ -66,16 +69,16 @@ pub const DEAD_PEER_TIMEOUT: Duration = Duration::from_secs(30);
 /// coalesced up to this, so a small response is never stuck behind a bulk one.
 pub const WS_MAX_BATCH: usize = 64 * 1024;
 
-/// HTTP/2 initial stream window on the tunnel (adaptive windows grow it).
+/// HTTP/2 stream window on the tunnel (fixed: the adaptive window is off, see `tunnel::h2_client`).
 pub const H2_STREAM_WINDOW: u32 = 1024 * 1024;
-/// HTTP/2 initial connection window on the tunnel.
+/// HTTP/2 connection window on the tunnel (fixed).
 pub const H2_CONN_WINDOW: u32 = 8 * 1024 * 1024;
 /// HTTP/2 max frame size on the tunnel.
 pub const H2_MAX_FRAME: u32 = 64 * 1024;
 /// Concurrent streams one tunnel connection accepts.
 pub const H2_MAX_STREAMS: u32 = 10_000;
 
-/// Reconnect backoff: first delay, cap, and the jitter fraction.
+/// Reconnect backoff: first delay and cap (each delay is drawn from the upper half of its step).
 pub const BACKOFF_INITIAL: Duration = Duration::from_millis(100);
 pub const BACKOFF_MAX: Duration = Duration::from_secs(30);
 /// A connection that stayed up this long resets the backoff.
@@ -90,8 +93,6 @@ pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Dialing a backend must succeed within this.
 pub const BACKEND_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-/// Revoking a key closes its live connections within this.
-pub const REVOKE_CLOSE_WITHIN: Duration = Duration::from_secs(1);
 /// Timeout of one control API call made by `culvert admin` and the operator.
 pub const API_CLIENT_TIMEOUT: Duration = Duration::from_secs(30);
 

@@ -2,8 +2,11 @@
 
 use std::process::ExitCode;
 
+mod cli;
+
 use clap::Parser;
-use culvert::cli::{Cli, Command};
+use cli::{Cli, Command};
+use culvert::api::Protocol;
 
 fn main() -> ExitCode {
     match run() {
@@ -39,11 +42,11 @@ fn run() -> anyhow::Result<()> {
                 match command {
                     Command::Edge(args) => culvert::edge::run(*args).await.map_err(anyhow::Error::from),
                     Command::Http(args) => {
-                        culvert::agent::run_standalone(args, false).await.map_err(Into::into)
+                        culvert::agent::run_standalone(args, Protocol::Http).await.map_err(Into::into)
                     }
                     Command::Operator(args) => culvert::operator::run(args).await,
                     Command::Tcp(args) => {
-                        culvert::agent::run_standalone(args, true).await.map_err(Into::into)
+                        culvert::agent::run_standalone(args, Protocol::Tcp).await.map_err(Into::into)
                     }
                     Command::Admin(_) | Command::Crd | Command::Probe(_) => unreachable!("handled above"),
                 }

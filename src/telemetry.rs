@@ -3,7 +3,12 @@
 
 use tracing_subscriber::EnvFilter;
 
-use crate::cli::LogFormat;
+/// Log format on stderr (`--log-format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
 
 pub fn init(format: LogFormat) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));

@@ -102,7 +102,7 @@ pub fn certified_key(
 }
 
 /// A certificate and key made in memory (PEM), ready to serve.
-pub fn certified_key_from_pem(cert_pem: &str, key_pem: &str) -> Result<Arc<CertifiedKey>, TlsError> {
+pub(crate) fn certified_key_from_pem(cert_pem: &str, key_pem: &str) -> Result<Arc<CertifiedKey>, TlsError> {
     let path = Path::new("(generated)");
     let certs = CertificateDer::pem_slice_iter(cert_pem.as_bytes())
         .collect::<Result<Vec<_>, _>>()
@@ -132,15 +132,16 @@ impl CertResolver {
     }
 
     /// Serves `key` for the exact host name `name` (lower case).
-    pub fn set(&self, name: &str, key: Arc<CertifiedKey>) {
+    pub(crate) fn set(&self, name: &str, key: Arc<CertifiedKey>) {
         self.by_name.write().expect("poisoned").insert(name.to_ascii_lowercase(), key);
     }
 
-    pub fn remove(&self, name: &str) {
+    pub(crate) fn remove(&self, name: &str) {
         self.by_name.write().expect("poisoned").remove(&name.to_ascii_lowercase());
     }
 
-    pub fn set_default(&self, key: Arc<CertifiedKey>) {
+    /// Replaces the certificate served when no name matches (reloads).
+    pub(crate) fn set_default(&self, key: Arc<CertifiedKey>) {
         *self.default.write().expect("poisoned") = key;
     }
 
@@ -150,11 +151,11 @@ impl CertResolver {
     }
 
     /// Answers TLS-ALPN-01 validation of `name` with `key` (until removed).
-    pub fn set_acme_challenge(&self, name: &str, key: Arc<CertifiedKey>) {
+    pub(crate) fn set_acme_challenge(&self, name: &str, key: Arc<CertifiedKey>) {
         self.acme_challenges.write().expect("poisoned").insert(name.to_ascii_lowercase(), key);
     }
 
-    pub fn remove_acme_challenge(&self, name: &str) {
+    pub(crate) fn remove_acme_challenge(&self, name: &str) {
         self.acme_challenges.write().expect("poisoned").remove(&name.to_ascii_lowercase());
     }
 }
@@ -219,7 +220,7 @@ pub fn tunnel_client_config(ca_file: Option<&Path>) -> Result<Arc<rustls::Client
 }
 
 /// Files of the private CA made by `culvert edge --self-signed`.
-pub struct SelfSignedFiles {
+pub(crate) struct SelfSignedFiles {
     /// The CA certificate agents and clients trust (`--ca-file`).
     pub ca_cert: PathBuf,
     pub cert: PathBuf,
@@ -229,7 +230,7 @@ pub struct SelfSignedFiles {
 /// Makes (on first use) and loads a private CA and a serving certificate for
 /// `domain`, `*.domain`, `localhost`, 127.0.0.1 and ::1, kept in `dir` so a
 /// restart serves the same chain. The CA's key is not kept.
-pub fn self_signed(dir: &Path, domain: &str) -> Result<SelfSignedFiles, TlsError> {
+pub(crate) fn self_signed(dir: &Path, domain: &str) -> Result<SelfSignedFiles, TlsError> {
     let files = SelfSignedFiles {
         ca_cert: dir.join("ca.pem"),
         cert: dir.join("self-signed-cert.pem"),
@@ -277,7 +278,7 @@ pub fn generate_pki(names: &[String]) -> Result<GeneratedPki, TlsError> {
 }
 
 /// Writes a file with the given Unix mode, creating it only readable as asked.
-pub fn write_file(path: &Path, contents: &[u8], mode: u32) -> Result<(), TlsError> {
+pub(crate) fn write_file(path: &Path, contents: &[u8], mode: u32) -> Result<(), TlsError> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let write = || -> std::io::Result<()> {

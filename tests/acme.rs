@@ -22,8 +22,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use culvert::agent::Target;
-use culvert::cli::{AcmeChallenge, Dns01Kind, EdgeArgs};
 use culvert::edge::acme::dns01::{Dns01Provider, TsigAlgorithm, TsigKey};
+use culvert::edge::{AcmeChallenge, Dns01Kind, EdgeArgs};
 use net::{HttpsClient, TestAgent, TestEdge};
 use rustls_pki_types::CertificateDer;
 use serde_json::{Value, json};

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::header::{self, HeaderMap, HeaderValue};
 use http::{Request, Response, StatusCode, Uri};
 use hyper::body::Incoming;
 use tokio::net::TcpStream;
@@ -17,6 +17,7 @@ use tracing::warn;
 use super::backend::{self, Access, RouteOptions, Scheme};
 use super::guard::{IdleTimeoutBody, LimitedBody};
 use crate::constants::ERROR_HEADER;
+use crate::http::{error_chain, strip_culvert_headers, strip_hop_by_hop};
 use crate::tunnel::body::{self, BoxBody};
 
 /// A response the agent makes itself, marked so the edge can tell.
@@ -29,42 +30,6 @@ pub fn agent_error(status: StatusCode, message: &str) -> Response<BoxBody> {
         h.insert(ERROR_HEADER, v);
     }
     resp
-}
-
-/// Headers that belong to one hop and are never forwarded.
-pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let listed: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
-        .collect();
-    for name in listed {
-        headers.remove(name);
-    }
-    for name in [
-        header::CONNECTION,
-        header::TRANSFER_ENCODING,
-        header::UPGRADE,
-        header::TE,
-        header::TRAILER,
-        header::PROXY_AUTHORIZATION,
-        header::PROXY_AUTHENTICATE,
-    ] {
-        headers.remove(name);
-    }
-    headers.remove("keep-alive");
-    headers.remove("proxy-connection");
-}
-
-/// Removes culvert's own wire headers.
-pub fn strip_culvert_headers(headers: &mut HeaderMap) {
-    let ours: Vec<HeaderName> =
-        headers.keys().filter(|k| k.as_str().starts_with("culvert-")).cloned().collect();
-    for name in ours {
-        headers.remove(name);
-    }
 }
 
 /// The request head as the backend sees it: origin-form URI, the public Host.
@@ -82,18 +47,6 @@ pub fn backend_request(
         parts.headers.insert(header::HOST, host);
     }
     Ok(parts)
-}
-
-/// An error and its sources on one line.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut msg = e.to_string();
-    let mut src = e.source();
-    while let Some(s) = src {
-        msg.push_str(": ");
-        msg.push_str(&s.to_string());
-        src = s.source();
-    }
-    msg
 }
 
 /// Checks the request's credentials (removing them, so the backend never
@@ -225,23 +178,4 @@ pub async fn tls_connect(
         .connect(name, tcp)
         .await
         .map_err(|e| format!("backend {authority}: TLS handshake failed: {e}"))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn hop_by_hop_headers_are_stripped() {
-        let mut h = HeaderMap::new();
-        h.insert(header::CONNECTION, HeaderValue::from_static("close, x-secret"));
-        h.insert("x-secret", HeaderValue::from_static("1"));
-        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
-        h.insert("culvert-stream", HeaderValue::from_static("tcp"));
-        h.insert("x-kept", HeaderValue::from_static("1"));
-        strip_hop_by_hop(&mut h);
-        strip_culvert_headers(&mut h);
-        assert_eq!(h.len(), 1);
-        assert!(h.contains_key("x-kept"));
-    }
 }

@@ -2,14 +2,16 @@
 //! streams the edge opens on it by dialing backends.
 //!
 //! [`run_tunnel`] is the reconnect loop shared by the standalone agent
-//! (`culvert http|tcp`) and, later, the operator; [`serve`] answers streams.
+//! (`culvert http|tcp`) and the operator (`operator::agents`); `serve`
+//! answers streams.
 
-pub mod backend;
-pub mod dispatch;
-pub mod forward;
-pub mod guard;
-pub mod pipe;
-pub mod serve;
+pub(crate) mod backend;
+mod config;
+pub(crate) mod dispatch;
+pub(crate) mod forward;
+pub(crate) mod guard;
+pub(crate) mod pipe;
+pub(crate) mod serve;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -18,12 +20,13 @@ use hyper_util::rt::TokioIo;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, info, warn};
 
-use crate::cli::AgentArgs;
+use crate::api::Protocol;
 use crate::constants::{BACKOFF_RESET_AFTER, DRAIN_GRACE, DRAIN_TIMEOUT, GOODBYE_ACK_TIMEOUT, MSG_GOODBYE};
 use crate::tls;
 use crate::tunnel::backoff::Backoff;
 use crate::tunnel::connect::{ConnectError, Connected, Dialer, EdgeUrl, TunnelInfo};
-pub use serve::{Resolver, Target};
+pub use config::AgentArgs;
+pub use serve::{Resolver, Target, fixed};
 
 /// Why the agent stopped.
 #[derive(Debug, thiserror::Error)]
@@ -151,37 +154,32 @@ async fn serve_connection(
 fn describe_end(r: Result<(), hyper::Error>) -> String {
     match r {
         Ok(()) => "closed by the edge".into(),
-        Err(e) => {
-            let mut msg = e.to_string();
-            let mut src = std::error::Error::source(&e);
-            while let Some(s) = src {
-                msg.push_str(": ");
-                msg.push_str(&s.to_string());
-                src = s.source();
-            }
-            msg
-        }
+        Err(e) => crate::http::error_chain(&e),
     }
 }
 
 /// A random id for this agent process (logs and metrics at the edge).
 pub fn agent_id() -> String {
-    use ring::rand::{SecureRandom, SystemRandom};
-    let mut b = [0u8; 6];
-    let _ = SystemRandom::new().fill(&mut b);
+    // Only tells agents apart in logs: zeros if the source fails.
+    let b: [u8; 6] = crate::random_bytes().unwrap_or_default();
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-/// `culvert http|tcp`: publish one local port until SIGINT/SIGTERM.
-pub async fn run_standalone(args: AgentArgs, tcp: bool) -> Result<(), AgentError> {
-    let target = if tcp { Target::parse_tcp(&args.target) } else { Target::parse_http(&args.target) }
-        .map_err(|why| AgentError::BadTarget { target: args.target.clone(), why })?;
+/// `culvert http|tcp`: publish one local port (`protocol` is `Http` or
+/// `Tcp`) until SIGINT/SIGTERM.
+pub async fn run_standalone(args: AgentArgs, protocol: Protocol) -> Result<(), AgentError> {
+    let target = match protocol {
+        Protocol::Tcp => Target::parse_tcp(&args.target),
+        Protocol::Http => Target::parse_http(&args.target),
+        Protocol::Tls => Err("the standalone agent publishes http or tcp".to_string()),
+    }
+    .map_err(|why| AgentError::BadTarget { target: args.target.clone(), why })?;
     let dialer = Dialer {
         edge: EdgeUrl::parse(&args.edge)?,
         key: args.key.clone(),
         agent_id: agent_id(),
         tls: tls::tunnel_client_config(args.ca_file.as_deref())?,
-        protocol: Some(if tcp { crate::api::Protocol::Tcp } else { crate::api::Protocol::Http }),
+        protocol: Some(protocol),
     };
     let shutdown = CancellationToken::new();
     tokio::spawn(crate::shutdown_on_signal(shutdown.clone()));

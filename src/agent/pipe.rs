@@ -11,8 +11,9 @@ use tokio::net::TcpStream;
 use tracing::{Instrument, debug, warn};
 
 use super::backend::{RouteOptions, Scheme};
-use super::forward::{self, agent_error, backend_request, strip_hop_by_hop};
+use super::forward::{self, agent_error, backend_request};
 use crate::constants::{BACKEND_CONNECT_TIMEOUT, STATUS_HEADER, UPGRADE_HEADER};
+use crate::http::strip_hop_by_hop;
 use crate::tunnel::body::{self, BoxBody, ReadBody};
 
 /// A PROXY protocol header (HAProxy's, versions 1 and 2) written to a TCP

@@ -1,8 +1,6 @@
 //! The surface of stream serving, for the rest of the crate: the agent
 //! answers the edge's streams in [`super::dispatch`] (by kind), forwards HTTP
 //! in [`super::forward`] and pipes bytes in [`super::pipe`]. The HTTP
-//! helpers the edge shares are re-exported here.
+//! helpers the edge shares are in [`crate::http`].
 
 pub use super::dispatch::{Resolver, Target, fixed, service};
-pub use super::forward::{error_chain, strip_culvert_headers, strip_hop_by_hop};
-pub use super::pipe::ProxyHeader;

@@ -8,7 +8,6 @@ use http::header::{self, HeaderValue};
 use http::{Request, Response, StatusCode};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
-use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
 use tracing::{Instrument, info, warn};
 
 use super::Edge;
@@ -117,7 +116,7 @@ pub async fn accept(edge: Arc<Edge>, mut req: Request<Incoming>, peer: SocketAdd
             let reason = tokio::select! {
                 r = conn => match r {
                     Ok(()) => "closed".to_string(),
-                    Err(e) => crate::agent::serve::error_chain(&e),
+                    Err(e) => crate::http::error_chain(&e),
                 },
                 _ = registered.cancel.cancelled() => if edge.shutdown.is_cancelled() {
                     "edge shutting down".into()
@@ -140,7 +139,8 @@ pub async fn accept(edge: Arc<Edge>, mut req: Request<Incoming>, peer: SocketAdd
     h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
     h.insert(
         header::SEC_WEBSOCKET_ACCEPT,
-        HeaderValue::from_str(&derive_accept_key(ws_key.as_bytes())).expect("base64 is ascii"),
+        HeaderValue::from_str(&crate::tunnel::handshake::accept_key(ws_key.as_bytes()))
+            .expect("base64 is ascii"),
     );
     h.insert(TUNNEL_PROTOCOL_HEADER, HeaderValue::from_static(protocol.as_str()));
     if let Ok(v) = HeaderValue::from_str(&public_url) {

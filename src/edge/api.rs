@@ -29,13 +29,14 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::store::{ApiKeyAuth, CertificateRecord, Store, StoreError, unix_now};
+use crate::api::PortRange;
 use crate::api::{
     ApiKey, ApiKeyScope, CreateApiKeyRequest, CreateTunnelKeyRequest, CreatedApiKey, CreatedTunnelKey,
     ErrorBody, Info, List, Protocol, ReleaseResponse, Reservation, ReservationKind, ReserveDomainRequest,
     ReservePortRequest, Selector, TunnelKey, validate_labels,
 };
-use crate::cli::PortRange;
 use crate::constants::{API_BODY_TIMEOUT, API_MAX_BODY, API_PREFIX, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION};
+use crate::http::percent_decode;
 
 /// What the control API needs from the running edge.
 pub trait EdgeHooks: Send + Sync + 'static {
@@ -508,7 +509,7 @@ fn info(ctx: &ApiContext, caller: ApiKey) -> Info {
         version: env!("CARGO_PKG_VERSION").to_string(),
         protocol_version: PROTOCOL_VERSION,
         min_protocol_version: MIN_PROTOCOL_VERSION,
-        tcp_ports: ctx.tcp_ports.to_string(),
+        tcp_ports: ctx.tcp_ports,
         public_host: ctx.public_host.clone(),
         public_https_port: ctx.public_https_port,
         caller,
@@ -937,25 +938,6 @@ impl Query {
             }),
         }
     }
-}
-
-/// Decodes `%XX` escapes; `None` if an escape is malformed or the result is not UTF-8.
-fn percent_decode(s: &str) -> Option<String> {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = bytes.get(i + 1..i + 3)?;
-            let hex = std::str::from_utf8(hex).ok()?;
-            out.push(u8::from_str_radix(hex, 16).ok()?);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).ok()
 }
 
 #[cfg(test)]

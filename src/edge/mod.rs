@@ -3,17 +3,18 @@
 //! admin port, all state in an SQLite store.
 
 pub mod acme;
-pub mod agents;
-pub mod api;
-pub mod certfile;
-pub mod idle;
-pub mod metrics;
-pub mod public;
-pub mod registry;
-pub mod routes;
-pub mod sni;
-pub mod store;
-pub mod tcp;
+pub(crate) mod agents;
+pub(crate) mod api;
+pub(crate) mod certfile;
+mod config;
+pub(crate) mod idle;
+pub(crate) mod metrics;
+pub(crate) mod public;
+pub(crate) mod registry;
+pub(crate) mod routes;
+pub(crate) mod sni;
+pub(crate) mod store;
+pub(crate) mod tcp;
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
@@ -25,10 +26,11 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{error, info, warn};
 
+use crate::api::PortRange;
 use crate::api::Reservation;
-use crate::cli::{EdgeArgs, PortRange};
 use crate::tls::{self, CertResolver, TlsError};
 use api::{ApiContext, EdgeHooks};
+pub use config::{AcmeArgs, AcmeChallenge, Dns01Kind, EdgeArgs};
 use metrics::Metrics;
 use registry::Registry;
 use routes::RouteIndex;

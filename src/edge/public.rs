@@ -21,12 +21,12 @@ use tracing::{Instrument, debug, warn};
 
 use super::{Edge, sni};
 use crate::BoxError;
-use crate::agent::serve::{error_chain, strip_culvert_headers, strip_hop_by_hop};
 use crate::api::{Protocol, Reservation, ReservationKind};
 use crate::constants::{
     API_PREFIX, CONNECT_PATH, ERROR_HEADER, HANDSHAKE_TIMEOUT, HEADER_READ_TIMEOUT, MAX_HEADER_BYTES,
     MAX_PUBLIC_CONNECTIONS, RESERVED_PREFIX, STATUS_HEADER, STREAM_HEADER, UPGRADE_HEADER,
 };
+use crate::http::{error_chain, error_page, strip_culvert_headers, strip_hop_by_hop, text};
 use crate::tunnel::StreamKind;
 use crate::tunnel::body::{self, BoxBody, ChannelBody, Counted};
 use crate::tunnel::readahead::ReadAhead;
@@ -274,31 +274,6 @@ fn redirect(edge: &Edge, req: &Request<Incoming>) -> Response<BoxBody> {
     if let Ok(v) = HeaderValue::from_str(&location) {
         r.headers_mut().insert(header::LOCATION, v);
     }
-    r
-}
-
-fn text(status: StatusCode, msg: &str) -> Response<BoxBody> {
-    let mut r = Response::new(body::full(msg.to_string()));
-    *r.status_mut() = status;
-    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
-    r
-}
-
-/// A short error page naming the host and the reason.
-pub fn error_page(status: StatusCode, host: &str, reason: &str) -> Response<BoxBody> {
-    let esc =
-        |s: &str| s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;");
-    let title = format!("{} {}", status.as_u16(), status.canonical_reason().unwrap_or(""));
-    let page = format!(
-        "<!doctype html><html><head><meta charset=\"utf-8\"><title>{title}</title></head>\
-         <body><h1>{title}</h1><p><b>{}</b>: {}</p><hr><p>culvert edge</p></body></html>\n",
-        esc(host),
-        esc(reason)
-    );
-    let mut r = Response::new(body::full(page));
-    *r.status_mut() = status;
-    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/html; charset=utf-8"));
-    r.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     r
 }
 

@@ -24,15 +24,14 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use ring::rand::{SecureRandom, SystemRandom};
 use rusqlite::types::Type;
 use rusqlite::{Connection, OptionalExtension, Row, TransactionBehavior, params};
 
+use crate::api::PortRange;
 use crate::api::{
     ApiKey, ApiKeyScope, CertificateState, CertificateStatus, Labels, Protocol, Reservation, ReservationKind,
     ReservationRef, TunnelKey,
 };
-use crate::cli::PortRange;
 use crate::constants::RENEW_BEFORE_EXPIRY;
 
 /// File name of the database inside the data directory.
@@ -1091,9 +1090,7 @@ fn labels_to_json(labels: &Labels) -> Result<String, StoreError> {
 }
 
 fn random_bytes<const N: usize>() -> Result<[u8; N], StoreError> {
-    let mut buf = [0u8; N];
-    SystemRandom::new().fill(&mut buf).map_err(|_| StoreError::Random)?;
-    Ok(buf)
+    crate::random_bytes().map_err(|_| StoreError::Random)
 }
 
 /// A new secret: `prefix` + 64 hex digits of 32 random bytes.

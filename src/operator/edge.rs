@@ -1,44 +1,33 @@
-//! The operator's client of the edge's control API: the blocking admin
-//! client, run on the blocking pool.
+//! The operator's client of the edge's control API: the shared async client
+//! ([`crate::api_client`]) behind a cheap clone, with 404 read as "absent".
 
 use std::path::Path;
 use std::sync::Arc;
 
+use serde::Serialize;
 use serde::de::DeserializeOwned;
-use serde_json::Value;
 
-use crate::admin::{AdminError, Client};
-use crate::api::Info;
+use crate::api::{
+    CreateTunnelKeyRequest, CreatedTunnelKey, Info, Reservation, ReserveDomainRequest, ReservePortRequest,
+};
+use crate::api_client::{Client, ClientError};
 
 #[derive(Clone)]
 pub struct EdgeClient(Arc<Client>);
 
 impl EdgeClient {
-    pub fn new(edge: &str, key: &str, ca_file: Option<&Path>) -> Result<Self, AdminError> {
+    pub fn new(edge: &str, key: &str, ca_file: Option<&Path>) -> Result<Self, ClientError> {
         Ok(EdgeClient(Arc::new(Client::new(edge, key, ca_file, true)?)))
     }
 
-    async fn blocking<T: Send + 'static>(
-        &self,
-        f: impl FnOnce(&Client) -> Result<T, AdminError> + Send + 'static,
-    ) -> Result<T, AdminError> {
-        let client = self.0.clone();
-        tokio::task::spawn_blocking(move || f(&client)).await.expect("edge API call panicked")
-    }
-
     /// Checks the key and learns the edge's domain.
-    pub async fn check(&self) -> Result<Info, AdminError> {
-        let v = self.blocking(|c| c.get("info", &[])).await?;
-        decode(v)
+    pub async fn check(&self) -> Result<Info, ClientError> {
+        self.0.info().await
     }
 
     /// `GET path`; `None` when the edge answers 404.
-    pub async fn get<T: DeserializeOwned>(&self, path: String) -> Result<Option<T>, AdminError> {
-        match self.blocking(move |c| c.get(&path, &[])).await {
-            Ok(v) => decode(v).map(Some),
-            Err(AdminError::Refused { status: 404, .. }) => Ok(None),
-            Err(e) => Err(e),
-        }
+    pub async fn get<T: DeserializeOwned>(&self, path: String) -> Result<Option<T>, ClientError> {
+        absent_as_none(self.0.get(&path, &[]).await)?.map(|a| a.decode()).transpose()
     }
 
     /// Lists `path` (`domains`, `tunnel-keys`...) with a label selector.
@@ -46,31 +35,47 @@ impl EdgeClient {
         &self,
         path: &'static str,
         selector: String,
-    ) -> Result<Vec<T>, AdminError> {
-        let v = self.blocking(move |c| c.get(path, &[("selector", &selector)])).await?;
-        let list: crate::api::List<T> = decode(v)?;
-        Ok(list.items)
+    ) -> Result<Vec<T>, ClientError> {
+        self.0.list(path, &selector).await
     }
 
-    pub async fn post<T: DeserializeOwned>(&self, path: &'static str, body: Value) -> Result<T, AdminError> {
-        let (v, _) = self.blocking(move |c| c.post(path, &body)).await?;
-        decode(v)
+    /// `POST path` with a JSON body (one of the request types of [`crate::api`]).
+    pub async fn post<T: DeserializeOwned>(
+        &self,
+        path: &'static str,
+        body: impl Serialize,
+    ) -> Result<T, ClientError> {
+        self.0.post(path, &body).await?.decode()
+    }
+
+    /// `POST domains`; the reservation and whether it is new.
+    pub async fn reserve_domain(&self, r: &ReserveDomainRequest) -> Result<(Reservation, bool), ClientError> {
+        self.0.reserve_domain(r).await
+    }
+
+    /// `POST ports`; the reservation and whether it is new.
+    pub async fn reserve_port(&self, r: &ReservePortRequest) -> Result<(Reservation, bool), ClientError> {
+        self.0.reserve_port(r).await
+    }
+
+    /// `POST tunnel-keys`: a new key and its secret.
+    pub async fn create_tunnel_key(
+        &self,
+        r: &CreateTunnelKeyRequest,
+    ) -> Result<CreatedTunnelKey, ClientError> {
+        self.0.create_tunnel_key(r).await
     }
 
     /// `DELETE path`; `false` when it was already gone.
-    pub async fn delete(&self, path: String) -> Result<bool, AdminError> {
-        match self.blocking(move |c| c.delete(&path)).await {
-            Ok(_) => Ok(true),
-            Err(AdminError::Refused { status: 404, .. }) => Ok(false),
-            Err(e) => Err(e),
-        }
+    pub async fn delete(&self, path: String) -> Result<bool, ClientError> {
+        Ok(absent_as_none(self.0.delete(&path).await)?.is_some())
     }
 }
 
-fn decode<T: DeserializeOwned>(v: Value) -> Result<T, AdminError> {
-    serde_json::from_value(v).map_err(|e| AdminError::UnexpectedAnswer {
-        url: "the edge".into(),
-        status: 200,
-        detail: format!("unexpected JSON: {e}"),
-    })
+fn absent_as_none<T>(r: Result<T, ClientError>) -> Result<Option<T>, ClientError> {
+    match r {
+        Ok(v) => Ok(Some(v)),
+        Err(ClientError::Refused { status: 404, .. }) => Ok(None),
+        Err(e) => Err(e),
+    }
 }

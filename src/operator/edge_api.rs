@@ -5,14 +5,14 @@
 use std::future::Future;
 
 use crate::api::{
-    CreateTunnelKeyRequest, CreatedTunnelKey, Info, Reservation, ReserveDomainRequest, ReservePortRequest,
+    CreateTunnelKeyRequest, CreatedTunnelKey, Reservation, ReserveDomainRequest, ReservePortRequest,
     TunnelKey,
 };
 
 use super::edge::EdgeClient;
 
 /// The error of every call to the edge: the control-API client's.
-pub type EdgeError = crate::admin::AdminError;
+pub type EdgeError = crate::api_client::ClientError;
 
 /// The two kinds of reservation, by their collection at the edge.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,8 +41,6 @@ pub enum ReserveRequest {
 /// The edge's control API as the controllers use it. Lookups answer `None`
 /// for 404; removals answer `false` when the thing was already gone.
 pub trait EdgeApi: Send + Sync {
-    /// `GET info`: checks the key and learns the edge's domain.
-    fn info(&self) -> impl Future<Output = Result<Info, EdgeError>> + Send;
     /// `GET domains/{host}` or `GET ports/{port}`.
     fn reservation(
         &self,
@@ -102,10 +100,6 @@ fn body(request: &impl serde::Serialize) -> serde_json::Value {
 }
 
 impl EdgeApi for EdgeClient {
-    async fn info(&self) -> Result<Info, EdgeError> {
-        self.check().await
-    }
-
     async fn reservation(&self, collection: Collection, key: &str) -> Result<Option<Reservation>, EdgeError> {
         self.get(format!("{}/{key}", collection.as_str())).await
     }
@@ -158,7 +152,7 @@ pub mod fake {
     use std::sync::Mutex;
 
     use super::*;
-    use crate::api::{ApiKey, ApiKeyScope, Labels, Protocol, ReservationKind, ReservationRef};
+    use crate::api::{Labels, Protocol, ReservationKind, ReservationRef};
 
     pub const DOMAIN: &str = "edge.test";
 
@@ -244,26 +238,6 @@ pub mod fake {
     }
 
     impl EdgeApi for FakeEdge {
-        async fn info(&self) -> Result<Info, EdgeError> {
-            drop(self.up()?);
-            Ok(Info {
-                domain: DOMAIN.into(),
-                version: "test".into(),
-                protocol_version: 1,
-                min_protocol_version: 1,
-                tcp_ports: "20000-20099".into(),
-                public_host: DOMAIN.into(),
-                public_https_port: 443,
-                caller: ApiKey {
-                    id: "ak_1".into(),
-                    name: "test".into(),
-                    scope: ApiKeyScope::Admin,
-                    created_at: "2026-12-01T00:00:00Z".into(),
-                    revoked_at: None,
-                },
-            })
-        }
-
         async fn reservation(&self, _: Collection, key: &str) -> Result<Option<Reservation>, EdgeError> {
             let s = self.up()?;
             if s.foreign.iter().any(|f| f == key) {

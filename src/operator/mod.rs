@@ -7,16 +7,16 @@
 //! → apply (edge, then Kubernetes) → status. Everything external lives behind
 //! a finalizer.
 
-pub mod agents;
-pub mod edge;
-pub mod edge_api;
+pub(crate) mod agents;
+pub(crate) mod edge;
+pub(crate) mod edge_api;
 pub mod ingress;
-pub mod leader;
-pub mod reservation;
-pub mod routes;
-pub mod service;
-pub mod status;
-pub mod tunnel;
+pub(crate) mod leader;
+pub(crate) mod reservation;
+pub(crate) mod routes;
+pub(crate) mod service;
+pub(crate) mod status;
+pub(crate) mod tunnel;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -176,7 +176,7 @@ pub enum Error {
     #[error("kubernetes API call failed: {0}")]
     Kube(#[from] kube::Error),
     #[error("edge API call failed: {0}")]
-    Edge(#[from] crate::admin::AdminError),
+    Edge(#[from] crate::api_client::ClientError),
     #[error("{0}")]
     Invalid(String),
     #[error("{0}")]
@@ -220,7 +220,7 @@ impl Error {
             Error::Kube(e) => code(e),
             // The edge no longer has what the object refers to (a Domain or
             // TcpPort released a moment ago); the status says so if it lasts.
-            Error::Edge(crate::admin::AdminError::Refused { status, .. }) => Some(*status),
+            Error::Edge(crate::api_client::ClientError::Refused { status, .. }) => Some(*status),
             Error::Finalizer(f) => match &**f {
                 F::ApplyFailed(e) | F::CleanupFailed(e) => return e.is_deletion_race(deleting),
                 F::AddFinalizer(e) | F::RemoveFinalizer(e) => code(e),
@@ -330,8 +330,8 @@ impl Place {
 
 /// Why the operator cannot use the edge at `edge` and what to do about it,
 /// for the real cause (the network, TLS, the key), in the words of `place`.
-pub fn edge_start_error(e: &crate::admin::AdminError, edge: &str, place: Place) -> String {
-    use crate::admin::AdminError as E;
+pub fn edge_start_error(e: &crate::api_client::ClientError, edge: &str, place: Place) -> String {
+    use crate::api_client::ClientError as E;
     let (url, ca, key, proxy) = match place {
         Place::Pod => (
             "the chart value edge.url (or the edge-url key of the credentials Secret)",
@@ -348,7 +348,7 @@ pub fn edge_start_error(e: &crate::admin::AdminError, edge: &str, place: Place) 
     };
     let make_key = "`culvert admin api-key create --name operator --scope endpoints` on the edge";
     match e {
-        E::Connect { source, .. } if crate::admin::is_tls_error(source) => format!(
+        E::Connect { source, .. } if crate::api_client::is_tls_error(source) => format!(
             "the edge at {edge} has a certificate the operator does not trust ({source}): for an edge \
              started with --self-signed or a private CA, give its CA certificate (the edge's DATA_DIR/ca.pem) \
              in {ca}; a public edge needs a certificate for the host name of {url}"
@@ -373,7 +373,6 @@ pub fn edge_start_error(e: &crate::admin::AdminError, edge: &str, place: Place) 
             format!("cannot load the edge's CA certificate ({err}): {ca} must hold PEM certificates")
         }
         E::BadEdge(_) => format!("{e}: set {url}"),
-        other => other.to_string(),
     }
 }
 
@@ -401,7 +400,7 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
 pub async fn start(client: Client, args: OperatorArgs, shutdown: CancellationToken) -> anyhow::Result<()> {
     check_crds(&client, args.watch_namespace.as_deref()).await.map_err(anyhow::Error::msg)?;
     let place = Place::detect();
-    let advice = |e: crate::admin::AdminError| anyhow::anyhow!(edge_start_error(&e, &args.edge, place));
+    let advice = |e: crate::api_client::ClientError| anyhow::anyhow!(edge_start_error(&e, &args.edge, place));
     let edge = EdgeClient::new(&args.edge, &args.api_key, args.ca_file.as_deref()).map_err(advice)?;
     let info = edge.check().await.map_err(advice)?;
     let cluster_id = Api::<Namespace>::all(client.clone())
@@ -499,18 +498,16 @@ mod tests {
 
     #[test]
     fn start_up_errors_say_what_to_do_where_the_operator_runs() {
-        use crate::admin::AdminError as E;
+        use crate::api_client::ClientError as E;
         let refused = |status: u16| E::Refused { status, code: "x".into(), message: "no such key".into() };
         let tls_error = || E::Connect {
             url: "https://edge.example.com/v1/info".into(),
-            source: ureq::Error::Rustls(rustls::Error::InvalidCertificate(
-                rustls::CertificateError::UnknownIssuer,
-            )),
+            source: Box::new(rustls::Error::InvalidCertificate(rustls::CertificateError::UnknownIssuer)),
             hint: "",
         };
         let unreachable = || E::Connect {
             url: "https://edge.example.com/v1/info".into(),
-            source: ureq::Error::Io(std::io::Error::from(std::io::ErrorKind::ConnectionRefused)),
+            source: Box::new(std::io::Error::from(std::io::ErrorKind::ConnectionRefused)),
             hint: "",
         };
         // (error, place, what the message must name, what it must not)
@@ -567,7 +564,7 @@ mod tests {
             (Error::Kube(api(500)), true, false),
             (Error::Kube(api(403)), false, false),
             (
-                Error::Edge(crate::admin::AdminError::Refused {
+                Error::Edge(crate::api_client::ClientError::Refused {
                     status: 404,
                     code: "not_found".into(),
                     message: "gone".into(),
@@ -576,7 +573,7 @@ mod tests {
                 true,
             ),
             (
-                Error::Edge(crate::admin::AdminError::Refused {
+                Error::Edge(crate::api_client::ClientError::Refused {
                     status: 401,
                     code: "unknown_key".into(),
                     message: "no".into(),
@@ -585,7 +582,7 @@ mod tests {
                 false,
             ),
             (
-                fin(F::ApplyFailed(Error::Edge(crate::admin::AdminError::Refused {
+                fin(F::ApplyFailed(Error::Edge(crate::api_client::ClientError::Refused {
                     status: 404,
                     code: "not_found".into(),
                     message: "gone".into(),

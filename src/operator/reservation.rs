@@ -230,12 +230,8 @@ pub fn certificate_condition(
     }
 }
 
-/// The edge labels that say an object of this cluster and namespace holds a thing.
-pub fn owner_labels(ctx: &Context, kind: &str, obj: &impl ResourceExt) -> BTreeMap<String, String> {
-    labels_of(&ctx.cluster_id, kind, obj)
-}
-
-/// [`owner_labels`] for the cluster `cluster_id`.
+/// The edge labels that say an object of the cluster `cluster_id` and its
+/// namespace holds a thing.
 pub fn labels_of(cluster_id: &str, kind: &str, obj: &impl ResourceExt) -> BTreeMap<String, String> {
     BTreeMap::from([
         (LABEL_CLUSTER.to_string(), cluster_id.to_string()),

@@ -90,10 +90,6 @@ impl<B> Table<B> {
         self.rules.iter().find(|r| r.matches(path)).map(|r| &r.backend).or(self.default.as_ref())
     }
 
-    pub fn rules(&self) -> &[Rule<B>] {
-        &self.rules
-    }
-
     pub fn default_backend(&self) -> Option<&B> {
         self.default.as_ref()
     }

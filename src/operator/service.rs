@@ -135,11 +135,6 @@ pub fn plan(svc: &Service) -> Plan {
     plan
 }
 
-fn parse_range(s: &str) -> Option<(u16, u16)> {
-    let (a, b) = s.split_once('-')?;
-    Some((a.trim().parse().ok()?, b.trim().parse().ok()?))
-}
-
 /// The port to ask the edge for: the Service's own when inside the edge's
 /// range, unless asking for it already failed (then any free one).
 fn wanted_port(port: u16, range: Option<(u16, u16)>, existing: Option<&TcpPort>) -> Option<u16> {
@@ -329,7 +324,7 @@ async fn apply(svc: Arc<Service>, ctx: &Ctx, ns: &str) -> Result<Action, Error> 
     let existing_ports: BTreeMap<String, TcpPort> =
         port_api.list(&children).await?.items.into_iter().map(|p| (p.name_any(), p)).collect();
     let existing_tunnels = tunnel_api.list(&children).await?.items;
-    let range = parse_range(&base.edge_info.tcp_ports);
+    let range = Some((base.edge_info.tcp_ports.first, base.edge_info.tcp_ports.last));
 
     let wanted: Vec<Option<u16>> =
         plan.ports.iter().map(|p| wanted_port(p.port, range, existing_ports.get(&p.name))).collect();

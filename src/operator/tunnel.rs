@@ -237,8 +237,6 @@ pub struct Observed {
     /// The key the Tunnel's Secret names, as the edge knows it (`None`: no
     /// Secret, no key id in it, or no such key at the edge).
     pub key: Option<TunnelKey>,
-    /// The key id the Secret names, even when the edge does not know it.
-    pub key_id: Option<String>,
 }
 
 /// Keeps what the user can fix, fails on the rest.
@@ -274,7 +272,7 @@ async fn observe<E: EdgeApi>(edge: &E, t: &Tunnel, ctx: &Context) -> Result<Obse
         Some(id) => edge.tunnel_key(id).await?,
         None => None,
     };
-    Ok(Observed { publish, routes, default, auth, key, key_id })
+    Ok(Observed { publish, routes, default, auth, key })
 }
 
 /// What to do about the Tunnel's key.
@@ -887,7 +885,6 @@ mod tests {
             routes: Vec::new(),
             default: Some(Ok(vec!["10.0.0.1:80".into()])),
             auth: Auth::default(),
-            key_id: key.as_ref().map(|k| k.id.clone()),
             key,
         }
     }

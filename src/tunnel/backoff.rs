@@ -40,12 +40,10 @@ impl Backoff {
 
 /// A random number in [0, 1).
 fn random_unit() -> f64 {
-    use ring::rand::{SecureRandom, SystemRandom};
-    let mut b = [0u8; 4];
-    if SystemRandom::new().fill(&mut b).is_err() {
-        return 0.5;
+    match crate::random_bytes::<4>() {
+        Ok(b) => u32::from_le_bytes(b) as f64 / (u32::MAX as f64 + 1.0),
+        Err(_) => 0.5,
     }
-    u32::from_le_bytes(b) as f64 / (u32::MAX as f64 + 1.0)
 }
 
 #[cfg(test)]

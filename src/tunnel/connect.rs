@@ -9,7 +9,6 @@ use http_body_util::{BodyExt, Empty, Limited};
 use hyper::upgrade::Upgraded;
 use hyper_util::rt::TokioIo;
 use tokio_rustls::TlsConnector;
-use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
 
 use super::proxy::{self, Proxy};
 use super::readahead::ReadAhead;
@@ -163,8 +162,8 @@ impl Dialer {
         tokio::spawn(async move {
             let _ = conn.with_upgrades().await;
         });
-        let mut ws_key = [0u8; 16];
-        let _ = ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut ws_key);
+        // A nonce, not a secret: zeros if the source fails.
+        let ws_key: [u8; 16] = crate::random_bytes().unwrap_or_default();
         let ws_key = base64::engine::general_purpose::STANDARD.encode(ws_key);
         let bearer =
             HeaderValue::from_str(&format!("Bearer {}", self.key)).map_err(|_| ConnectError::Refused {
@@ -194,19 +193,14 @@ impl Dialer {
             return Err(refusal(resp).await);
         }
         let accept = resp.headers().get(header::SEC_WEBSOCKET_ACCEPT).and_then(|v| v.to_str().ok());
-        if accept != Some(derive_accept_key(ws_key.as_bytes()).as_str()) {
+        if accept != Some(super::handshake::accept_key(ws_key.as_bytes()).as_str()) {
             return Err(ConnectError::WebSocket(
                 "the edge answered with a wrong Sec-WebSocket-Accept".into(),
             ));
         }
         let header = |name: &str| resp.headers().get(name).and_then(|v| v.to_str().ok());
         let info = TunnelInfo {
-            protocol: header(TUNNEL_PROTOCOL_HEADER).and_then(|p| match p {
-                "http" => Some(Protocol::Http),
-                "tcp" => Some(Protocol::Tcp),
-                "tls" => Some(Protocol::Tls),
-                _ => None,
-            }),
+            protocol: header(TUNNEL_PROTOCOL_HEADER).and_then(Protocol::parse),
             public_url: header(PUBLIC_URL_HEADER).map(str::to_string),
         };
         let upgraded = hyper::upgrade::on(resp).await.map_err(|e| ConnectError::WebSocket(e.into()))?;

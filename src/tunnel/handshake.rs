@@ -7,6 +7,16 @@ use hyper::StatusCode;
 use crate::api::ErrorBody;
 use crate::constants::{MIN_PROTOCOL_VERSION, PROTOCOL_VERSION};
 
+/// `Sec-WebSocket-Accept` for a `Sec-WebSocket-Key` (RFC 6455 section 4.2.2):
+/// base64 of the SHA-1 of the key and the protocol's GUID.
+pub(crate) fn accept_key(key: &[u8]) -> String {
+    use base64::Engine;
+    let mut ctx = ring::digest::Context::new(&ring::digest::SHA1_FOR_LEGACY_USE_ONLY);
+    ctx.update(key);
+    ctx.update(b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11");
+    base64::engine::general_purpose::STANDARD.encode(ctx.finish())
+}
+
 /// Why the edge refused a tunnel connection.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Refusal {
@@ -109,6 +119,14 @@ impl Refusal {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn accept_keys_are_rfc_6455() {
+        // The example of RFC 6455 section 1.3, and tungstenite's answer.
+        assert_eq!(accept_key(b"dGhlIHNhbXBsZSBub25jZQ=="), "s3pPLMBiTxaQ9kYGzzhZRbK+xOo=");
+        let key = b"x3JJHMbDL1EzLkh9GBhXDw==";
+        assert_eq!(accept_key(key), tokio_tungstenite::tungstenite::handshake::derive_accept_key(key));
+    }
 
     #[test]
     fn versions() {

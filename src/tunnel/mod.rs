@@ -1,4 +1,4 @@
-//! The wire between agent and edge (see DESIGN.md "The tunnel"):
+//! The wire between agent and edge (see ARCHITECTURE.md, "The wire"):
 //!
 //! ```text
 //! agent ──TCP──▶ (HTTP CONNECT proxy) ──▶ edge:443, TLS 1.3,
@@ -54,13 +54,13 @@ macro_rules! write_through_inner {
 }
 pub(crate) use write_through_inner;
 
-pub mod backoff;
-pub mod body;
+pub(crate) mod backoff;
+pub(crate) mod body;
 pub mod connect;
-pub mod handshake;
-pub mod proxy;
-pub mod readahead;
-pub mod ws;
+pub(crate) mod handshake;
+pub(crate) mod proxy;
+pub(crate) mod readahead;
+pub(crate) mod ws;
 
 use hyper_util::rt::TokioExecutor;
 

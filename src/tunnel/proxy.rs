@@ -32,7 +32,7 @@ impl Proxy {
         };
         let authority = rest.split('/').next().unwrap_or_default();
         let (credentials, hostport) = match authority.rsplit_once('@') {
-            Some((userinfo, hostport)) => (Some(percent_decode(userinfo)), hostport),
+            Some((userinfo, hostport)) => (Some(crate::http::percent_decode_lossy(userinfo)), hostport),
             None => (None, authority),
         };
         let (host, port) = split_host_port(hostport, 80)
@@ -76,26 +76,6 @@ pub fn no_proxy_matches(no_proxy: &str, host: &str) -> bool {
         let bare = entry.trim_start_matches("*.").trim_start_matches('.');
         host == bare || host.ends_with(&format!(".{bare}"))
     })
-}
-
-fn percent_decode(s: &str) -> String {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%'
-            && i + 2 < bytes.len()
-            && let Some(b) =
-                std::str::from_utf8(&bytes[i + 1..i + 3]).ok().and_then(|h| u8::from_str_radix(h, 16).ok())
-        {
-            out.push(b);
-            i += 3;
-            continue;
-        }
-        out.push(bytes[i]);
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Splits `host[:port]` (IPv6 in brackets), defaulting the port.

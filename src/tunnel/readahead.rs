@@ -32,10 +32,6 @@ impl<S> ReadAhead<S> {
     pub fn new(inner: S) -> Self {
         ReadAhead { inner, buf: BytesMut::new(), busy: false }
     }
-
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
 }
 
 impl<S: AsyncRead + Unpin> AsyncRead for ReadAhead<S> {

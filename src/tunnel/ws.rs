@@ -194,8 +194,8 @@ where
     pub fn new(io: S, role: Role, control: Arc<Control>) -> Self {
         let mut ping = tokio::time::interval_at(Instant::now() + PING_INTERVAL, PING_INTERVAL);
         ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut seed = [0u8; 8];
-        let _ = ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut seed);
+        // Seeds the masking keys, which are not secrets: zeros if the source fails.
+        let seed: [u8; 8] = crate::random_bytes().unwrap_or_default();
         WsStream {
             io,
             role,

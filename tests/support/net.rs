@@ -13,7 +13,8 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use culvert::agent::{self, OnReady, Target, TunnelOptions};
-use culvert::cli::{EdgeArgs, PortRange};
+use culvert::api::PortRange;
+use culvert::edge::EdgeArgs;
 use culvert::edge::{self, EdgeHandle};
 use culvert::tunnel::connect::{Dialer, EdgeUrl};
 use http::{Request, Response, StatusCode};
@@ -28,7 +29,7 @@ pub const DOMAIN: &str = "edge.test";
 
 pub fn init() {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    culvert::telemetry::init(culvert::cli::LogFormat::Text);
+    culvert::telemetry::init(culvert::telemetry::LogFormat::Text);
 }
 
 /// A free contiguous range of `n` ports on 127.0.0.1 (checked by binding),
@@ -301,8 +302,7 @@ impl TestAgent {
         let on_ready: OnReady = Arc::new(move |_| r.notify_one());
         let shutdown = CancellationToken::new();
         let options = TunnelOptions { stop_on_permanent_error: stop_on_permanent, on_ready: Some(on_ready) };
-        let task =
-            tokio::spawn(agent::run_tunnel(dialer, agent::serve::fixed(target), options, shutdown.clone()));
+        let task = tokio::spawn(agent::run_tunnel(dialer, agent::fixed(target), options, shutdown.clone()));
         (TestAgent { shutdown, task }, ready)
     }
 

@@ -73,7 +73,7 @@ impl Fixture {
     /// A fixture whose edge runs with changed arguments.
     pub async fn new_with(
         prefix: &str,
-        configure: impl FnOnce(&mut culvert::cli::EdgeArgs),
+        configure: impl FnOnce(&mut culvert::edge::EdgeArgs),
     ) -> Option<Fixture> {
         let env = kube_env::connect().await?;
         kube_env::install_culvert_crds(&env.client).await;

@@ -66,10 +66,7 @@ async fn query(server: SocketAddr, name: &str, qtype: u16) -> Result<BTreeSet<Ip
         if server.is_ipv4() { (Ipv4Addr::UNSPECIFIED, 0).into() } else { (Ipv6Addr::UNSPECIFIED, 0).into() };
     let socket = UdpSocket::bind(bind).await.map_err(lookup)?;
     socket.connect(server).await.map_err(lookup)?;
-    let mut id = [0u8; 2];
-    ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut id)
-        .map_err(|_| lookup(std::io::Error::other("the system random number generator failed")))?;
-    let id = u16::from_be_bytes(id);
+    let id = u16::from_be_bytes(crate::random_bytes().map_err(|e| lookup(std::io::Error::other(e)))?);
     let message =
         encode_query(id, name, qtype).ok_or_else(|| DnsError::Malformed { server, name: name.into() })?;
     socket.send(&message).await.map_err(lookup)?;

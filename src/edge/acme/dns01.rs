@@ -212,10 +212,7 @@ async fn update(
     fqdn: &str,
     value: &str,
 ) -> Result<(), Dns01Error> {
-    let mut id = [0u8; 2];
-    ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut id)
-        .map_err(|_| Dns01Error::Config("the system random number generator failed".into()))?;
-    let id = u16::from_be_bytes(id);
+    let id = u16::from_be_bytes(crate::random_bytes().map_err(|e| Dns01Error::Config(e.to_string()))?);
     let now = super::super::store::unix_now();
     let (message, request_mac) = encode_update(id, zone, fqdn, value, add, key, now)?;
     let exchange = async {

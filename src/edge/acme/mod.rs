@@ -18,9 +18,9 @@
 //! without a restart. Releasing a custom domain deletes its certificate
 //! (in the store's release transaction) and the next scan stops serving it.
 
-pub mod dns;
+pub(crate) mod dns;
 pub mod dns01;
-pub mod x509;
+pub(crate) mod x509;
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -46,9 +46,9 @@ use tokio::sync::{Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, warn};
 
+use super::config::{AcmeArgs, AcmeChallenge, Dns01Kind};
 use super::store::{CertificateRecord, Store, StoreError, StoredCertificateStatus, unix_now};
 use crate::api::ReservationKind;
-use crate::cli::{AcmeArgs, AcmeChallenge, Dns01Kind};
 use crate::constants::{
     ACME_DNS_RECHECK_INITIAL, ACME_DNS_RECHECK_MAX, ACME_DNS01_HOOK_TIMEOUT, ACME_ORDER_BACKOFF_INITIAL,
     ACME_ORDER_BACKOFF_MAX, ACME_ORDER_TIMEOUT, ACME_SCAN_INTERVAL, API_CLIENT_TIMEOUT,
@@ -459,7 +459,7 @@ impl Acme {
                 };
                 let delay = backoff(record.failures, initial, max);
                 record.next_attempt = now + delay.as_secs();
-                record.last_error = Some(crate::agent::serve::error_chain(&e));
+                record.last_error = Some(crate::http::error_chain(&e));
                 // A name that still has a valid certificate keeps serving it.
                 if record.chain_pem.is_none() {
                     record.status = if dns {

@@ -1,0 +1,176 @@
+//! HTTP helpers shared by the edge and the agent: what is stripped from a
+//! forwarded head, the text and error pages either side answers with, error
+//! chains for messages, and percent-decoding. A leaf: it depends on no role.
+
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+
+/// The body type of the pages built here (the same type as
+/// `tunnel::body::BoxBody`).
+pub type BoxBody = http_body_util::combinators::UnsyncBoxBody<Bytes, crate::BoxError>;
+
+fn full(data: impl Into<Bytes>) -> BoxBody {
+    Full::new(data.into()).map_err(|never| match never {}).boxed_unsync()
+}
+
+/// Headers that belong to one hop and are never forwarded.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let listed: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect();
+    for name in listed {
+        headers.remove(name);
+    }
+    for name in [
+        header::CONNECTION,
+        header::TRANSFER_ENCODING,
+        header::UPGRADE,
+        header::TE,
+        header::TRAILER,
+        header::PROXY_AUTHORIZATION,
+        header::PROXY_AUTHENTICATE,
+    ] {
+        headers.remove(name);
+    }
+    headers.remove("keep-alive");
+    headers.remove("proxy-connection");
+}
+
+/// Removes culvert's own wire headers.
+pub fn strip_culvert_headers(headers: &mut HeaderMap) {
+    let ours: Vec<HeaderName> =
+        headers.keys().filter(|k| k.as_str().starts_with("culvert-")).cloned().collect();
+    for name in ours {
+        headers.remove(name);
+    }
+}
+
+/// An error and its sources on one line.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut msg = e.to_string();
+    let mut src = e.source();
+    while let Some(s) = src {
+        msg.push_str(": ");
+        msg.push_str(&s.to_string());
+        src = s.source();
+    }
+    msg
+}
+
+/// A plain-text answer.
+pub fn text(status: StatusCode, msg: &str) -> Response<BoxBody> {
+    let mut r = Response::new(full(msg.to_string()));
+    *r.status_mut() = status;
+    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
+    r
+}
+
+/// A short error page naming the host and the reason.
+pub fn error_page(status: StatusCode, host: &str, reason: &str) -> Response<BoxBody> {
+    let esc =
+        |s: &str| s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;");
+    let title = format!("{} {}", status.as_u16(), status.canonical_reason().unwrap_or(""));
+    let page = format!(
+        "<!doctype html><html><head><meta charset=\"utf-8\"><title>{title}</title></head>\
+         <body><h1>{title}</h1><p><b>{}</b>: {}</p><hr><p>culvert edge</p></body></html>\n",
+        esc(host),
+        esc(reason)
+    );
+    let mut r = Response::new(full(page));
+    *r.status_mut() = status;
+    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/html; charset=utf-8"));
+    r.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    r
+}
+
+/// Decodes `%XX` escapes; `None` when an escape is bad or the result is not UTF-8.
+pub fn percent_decode(s: &str) -> Option<String> {
+    let (bytes, clean) = decode_escapes(s);
+    if !clean {
+        return None;
+    }
+    String::from_utf8(bytes).ok()
+}
+
+/// Decodes the `%XX` escapes that are good and keeps the rest as written;
+/// bytes that are not UTF-8 become U+FFFD.
+pub fn percent_decode_lossy(s: &str) -> String {
+    String::from_utf8_lossy(&decode_escapes(s).0).into_owned()
+}
+
+/// The decoded bytes, and whether every `%` began a good escape.
+fn decode_escapes(s: &str) -> (Vec<u8>, bool) {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut clean = true;
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = bytes.get(i + 1..i + 3).and_then(|h| std::str::from_utf8(h).ok());
+            if let Some(b) = hex.and_then(|h| u8::from_str_radix(h, 16).ok()) {
+                out.push(b);
+                i += 3;
+                continue;
+            }
+            clean = false;
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    (out, clean)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percent_decoding() {
+        assert_eq!(percent_decode("a%3Db%2Cc").as_deref(), Some("a=b,c"));
+        assert_eq!(percent_decode("%zz"), None);
+        assert_eq!(percent_decode("%4"), None);
+        assert_eq!(percent_decode("%ff"), None);
+        assert_eq!(percent_decode_lossy("us%65r%zz%4"), "user%zz%4");
+        assert_eq!(percent_decode_lossy("p%40ss"), "p@ss");
+    }
+
+    #[test]
+    fn error_chains() {
+        let inner = std::io::Error::other("refused");
+        let outer = std::io::Error::other(Wrap(inner));
+        assert_eq!(error_chain(&outer), "wrapped: refused");
+    }
+
+    #[derive(Debug)]
+    struct Wrap(std::io::Error);
+    impl std::fmt::Display for Wrap {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("wrapped")
+        }
+    }
+    impl std::error::Error for Wrap {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+
+    #[test]
+    fn hop_by_hop_headers_are_stripped() {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONNECTION, HeaderValue::from_static("close, x-secret"));
+        h.insert("x-secret", HeaderValue::from_static("1"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert("culvert-stream", HeaderValue::from_static("tcp"));
+        h.insert("x-kept", HeaderValue::from_static("1"));
+        strip_hop_by_hop(&mut h);
+        strip_culvert_headers(&mut h);
+        assert_eq!(h.len(), 1);
+        assert!(h.contains_key("x-kept"));
+    }
+}
