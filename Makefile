@@ -25,11 +25,12 @@ demo: ## Edge + app + agent on this machine, ending with a curl through the edge
 test: ## Run every test (starts the real Kubernetes control plane first)
 	scripts/test
 
-lint: ## rustfmt check, clippy with warnings as errors, shellcheck, actionlint of the workflows, README names exist
+lint: ## rustfmt check, clippy with warnings as errors, shellcheck, pyflakes, actionlint of the workflows, README names exist
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy -j2 --all-targets -- -D warnings
 	shellcheck -S warning $(filter-out scripts/check-readme scripts/check-deps scripts/lib,$(wildcard scripts/*)) scripts/lib/*.sh .ci/run
 	shellcheck -S warning deploy/install-edge.sh deploy/certbot-deploy-hook
+	pyflakes3 bench/run scripts/check-readme scripts/check-deps tools/chart-readme.py
 	scripts/actionlint
 	scripts/check-readme
 	scripts/check-deps
