@@ -364,25 +364,19 @@ pub fn unix_now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
+/// RFC 3339 UTC with seconds, e.g. `2025-01-31T12:00:00Z`. Past the year
+/// 9999 (beyond jiff's range) it reads as `9999-12-31T23:59:59Z`.
 pub fn rfc3339(unix_secs: u64) -> String {
-    let (days, rem) = (unix_secs / 86_400, unix_secs % 86_400);
-    let (y, m, d) = civil_from_days(days as i64);
-    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
-}
-
-/// Days since 1970-01-01 to (year, month, day), proleptic Gregorian
-/// (H. Hinnant's `civil_from_days`).
-fn civil_from_days(days: i64) -> (i64, u32, u32) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    (y, m, d)
+    // Civil time rather than `Timestamp`: its range ends a day early.
+    let at = i64::try_from(unix_secs)
+        .ok()
+        .and_then(|s| {
+            jiff::civil::DateTime::constant(1970, 1, 1, 0, 0, 0, 0)
+                .checked_add(jiff::SignedDuration::from_secs(s))
+                .ok()
+        })
+        .unwrap_or(jiff::civil::DateTime::MAX);
+    at.strftime("%Y-%m-%dT%H:%M:%SZ").to_string()
 }
 
 #[cfg(test)]
@@ -410,6 +404,17 @@ mod tests {
         assert_eq!(rfc3339(951_782_400), "2000-02-29T00:00:00Z");
         assert_eq!(rfc3339(1_735_689_599), "2024-12-31T23:59:59Z");
         assert_eq!(rfc3339(4_107_542_400), "2100-03-01T00:00:00Z");
+        // What the hand-written calendar (replaced by jiff) answered.
+        assert_eq!(rfc3339(86_399), "1970-01-01T23:59:59Z");
+        assert_eq!(rfc3339(951_868_799), "2000-02-29T23:59:59Z");
+        assert_eq!(rfc3339(1_000_000_000), "2001-09-09T01:46:40Z");
+        assert_eq!(rfc3339(1_709_164_800), "2024-02-29T00:00:00Z");
+        assert_eq!(rfc3339(2_147_483_647), "2038-01-19T03:14:07Z");
+        assert_eq!(rfc3339(4_102_444_800), "2100-01-01T00:00:00Z");
+        assert_eq!(rfc3339(253_402_300_799), "9999-12-31T23:59:59Z");
+        // Past jiff's range.
+        assert_eq!(rfc3339(253_402_300_800), "9999-12-31T23:59:59Z");
+        assert_eq!(rfc3339(u64::MAX), "9999-12-31T23:59:59Z");
     }
 
     #[test]
