@@ -10,7 +10,7 @@ use crate::constants::DNS_QUERY_TIMEOUT;
 
 const TYPE_A: u16 = 1;
 const TYPE_AAAA: u16 = 28;
-const CLASS_IN: u16 = 1;
+pub(super) const CLASS_IN: u16 = 1;
 const RCODE_NXDOMAIN: u8 = 3;
 
 #[derive(Debug, thiserror::Error)]
@@ -156,7 +156,7 @@ fn decode_answer(m: &[u8], id: u16) -> Answer {
 }
 
 /// The offset after a (possibly compressed) name.
-fn skip_name(m: &[u8], mut at: usize) -> Option<usize> {
+pub(super) fn skip_name(m: &[u8], mut at: usize) -> Option<usize> {
     loop {
         let len = *m.get(at)?;
         match len {

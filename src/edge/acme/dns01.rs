@@ -15,12 +15,12 @@ use ring::hmac;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+use super::dns::{CLASS_IN, skip_name};
 use crate::constants::{ACME_DNS01_HOOK_TIMEOUT, DNS01_UPDATE_TIMEOUT};
 
 const TYPE_SOA: u16 = 6;
 const TYPE_TXT: u16 = 16;
 const TYPE_TSIG: u16 = 250;
-const CLASS_IN: u16 = 1;
 const CLASS_NONE: u16 = 254;
 const CLASS_ANY: u16 = 255;
 /// TTL of the TXT records (short: they live for one validation).
@@ -318,19 +318,6 @@ fn push_tsig_variables(out: &mut Vec<u8>, key_wire: &[u8], alg_wire: &[u8], time
     out.extend_from_slice(&FUDGE.to_be_bytes());
     out.extend_from_slice(&error.to_be_bytes());
     out.extend_from_slice(&0u16.to_be_bytes()); // other len
-}
-
-/// The offset after a (possibly compressed) name.
-fn skip_name(m: &[u8], mut at: usize) -> Option<usize> {
-    loop {
-        let len = *m.get(at)?;
-        match len {
-            0 => return Some(at + 1),
-            l if l & 0xc0 == 0xc0 => return m.get(at + 1).map(|_| at + 2),
-            l if l < 64 => at += 1 + usize::from(l),
-            _ => return None,
-        }
-    }
 }
 
 /// The TSIG record of an answer: where it starts, its error and MAC.
