@@ -179,7 +179,7 @@ impl Pebble {
         tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
 
         // Pebble logs before it binds: wait for both listening sockets.
-        let ports = wait_for(Duration::from_secs(10), || {
+        let ports = net::wait_for("pebble listening", Duration::from_secs(10), || {
             let ports = listening_ports(pid);
             (ports.len() >= 2).then_some(ports)
         })
@@ -235,18 +235,6 @@ async fn forward(listener: TcpListener, to: SocketAddr) {
                 let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
             }
         });
-    }
-}
-
-/// Polls `probe` every 50 ms until it yields, failing the test after `limit`.
-async fn wait_for<T>(limit: Duration, mut probe: impl FnMut() -> Option<T>) -> T {
-    let deadline = tokio::time::Instant::now() + limit;
-    loop {
-        if let Some(v) = probe() {
-            return v;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "condition not met within {limit:?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
@@ -395,7 +383,10 @@ async fn http01_issue_serve_restart_release() {
     // Release: the certificate is no longer served, and not kept.
     let (s, v) = w.edge.api("DELETE", &format!("domains/{host}"), None).await;
     assert_eq!(s, 200, "{v}");
-    wait_for(Duration::from_secs(10), || w.edge.edge().certs.get(host).is_none().then_some(())).await;
+    net::wait_for("the released certificate no longer served", Duration::from_secs(10), || {
+        w.edge.edge().certs.get(host).is_none().then_some(())
+    })
+    .await;
     assert!(w.served_leaf(host).await.is_err(), "the default certificate is not pebble's");
     assert!(w.edge.edge().store.certificate(host).unwrap().is_none());
     assert!(w.edge.edge().store.certificate(second).unwrap().is_some());
@@ -664,7 +655,7 @@ async fn dns01_rfc2136_issues_the_edges_own_wildcard() {
     })
     .await;
     let own = format!("*.{}", net::DOMAIN);
-    let error = wait_for(ISSUE_TIMEOUT, || {
+    let error = net::wait_for("an order error stored", ISSUE_TIMEOUT, || {
         let record = w.edge.edge().store.certificate(&own).unwrap()?;
         record.last_error
     })
@@ -744,7 +735,7 @@ EOF
     }
     assert!(w.jobs("issued") >= 2);
     assert_eq!(w.jobs("failed"), 0);
-    wait_for(Duration::from_secs(10), || {
+    net::wait_for("every DNS-01 record removed", Duration::from_secs(10), || {
         let log = std::fs::read_to_string(&calls).unwrap();
         let count = |a: &str| log.lines().filter(|l| *l == format!("{a} {name}")).count();
         // The renewal may reuse still valid authorizations (fewer records): every record set is removed.

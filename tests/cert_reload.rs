@@ -84,13 +84,9 @@ fn reloads(edge: &TestEdge, result: &str) -> u64 {
     edge.edge().metrics.encode().lines().find_map(|l| l.strip_prefix(&prefix)?.parse().ok()).unwrap_or(0)
 }
 
-/// Polls `probe` every 50 ms until it yields, failing the test after `limit`.
-async fn wait_for(what: &str, mut probe: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + LIMIT;
-    while !probe() {
-        assert!(tokio::time::Instant::now() < deadline, "{what}: not within {LIMIT:?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+/// Waits until `cond` holds (see [`net::wait_for`]).
+async fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
+    net::wait_for(what, LIMIT, || cond().then_some(())).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

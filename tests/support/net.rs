@@ -452,3 +452,16 @@ pub fn rss_kib() -> u64 {
         .and_then(|v| v.parse().ok())
         .unwrap_or(0)
 }
+
+/// Polls `probe` every 50 ms until it yields, failing the test with
+/// "`what` not met within `limit`" after `limit`.
+pub async fn wait_for<T>(what: &str, limit: std::time::Duration, mut probe: impl FnMut() -> Option<T>) -> T {
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        if let Some(v) = probe() {
+            return v;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{what} not met within {limit:?}");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
