@@ -585,15 +585,8 @@ impl Acme {
             let mut authorizations = order.authorizations();
             while let Some(authorization) = authorizations.next().await {
                 let mut authorization = authorization?;
-                match authorization.status {
-                    AuthorizationStatus::Pending => {}
-                    AuthorizationStatus::Valid => continue,
-                    status => {
-                        return Err(AcmeError::Invalid {
-                            host: host.into(),
-                            detail: format!("the authorization is {status:?}"),
-                        });
-                    }
+                if !needs_challenge(&authorization.status, host)? {
+                    continue;
                 }
                 let mut challenge = authorization
                     .challenge(kind.clone())
@@ -652,15 +645,8 @@ impl Acme {
             let mut authorizations = order.authorizations();
             while let Some(authorization) = authorizations.next().await {
                 let mut authorization = authorization?;
-                match authorization.status {
-                    AuthorizationStatus::Pending => {}
-                    AuthorizationStatus::Valid => continue,
-                    status => {
-                        return Err(AcmeError::Invalid {
-                            host: host.clone(),
-                            detail: format!("the authorization is {status:?}"),
-                        });
-                    }
+                if !needs_challenge(&authorization.status, &host)? {
+                    continue;
                 }
                 let mut challenge =
                     authorization.challenge(ChallengeType::Dns01).ok_or_else(|| AcmeError::NoChallenge {
@@ -684,6 +670,18 @@ impl Acme {
             }
         }
         finish_order(&mut order, &host).await
+    }
+}
+
+/// Whether an authorization still needs its challenge answered (`Pending`),
+/// is done already (`Valid`), or failed the order (anything else).
+fn needs_challenge(status: &AuthorizationStatus, host: &str) -> Result<bool, AcmeError> {
+    match status {
+        AuthorizationStatus::Pending => Ok(true),
+        AuthorizationStatus::Valid => Ok(false),
+        status => {
+            Err(AcmeError::Invalid { host: host.into(), detail: format!("the authorization is {status:?}") })
+        }
     }
 }
 
