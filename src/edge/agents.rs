@@ -53,7 +53,8 @@ pub async fn accept(edge: Arc<Edge>, mut req: Request<Incoming>, peer: SocketAdd
     else {
         return refuse(&edge, Refusal::MissingKey, peer);
     };
-    let grant = match edge.store.authenticate_tunnel_key(secret) {
+    let secret = secret.to_string();
+    let grant = match edge.store.run(move |s| s.authenticate_tunnel_key(&secret)).await {
         Ok(TunnelKeyAuth::Valid(grant)) => grant,
         Ok(TunnelKeyAuth::Unknown) => return refuse(&edge, Refusal::UnknownKey, peer),
         Ok(TunnelKeyAuth::Revoked) => return refuse(&edge, Refusal::RevokedKey, peer),
@@ -108,7 +109,8 @@ pub async fn accept(edge: Arc<Edge>, mut req: Request<Incoming>, peer: SocketAdd
             drop(slot);
             edge.metrics.tunnels_connected.inc();
             // Revoked while we were setting up? Then close right away.
-            if !edge.store.live_tunnel_key_ids().map(|l| l.contains(&grant.key_id)).unwrap_or(true) {
+            let live = edge.store.run(|s| s.live_tunnel_key_ids()).await;
+            if !live.map(|l| l.contains(&grant.key_id)).unwrap_or(true) {
                 registered.cancel.cancel();
             }
             control.send(MSG_READY);

@@ -20,6 +20,13 @@ pub struct EdgeArgs {
     #[arg(long, env = "CULVERT_DATA_DIR", default_value = "/var/lib/culvert")]
     pub data_dir: PathBuf,
 
+    /// The store: a PostgreSQL URL shared by several edges
+    /// (`postgres://USER:PASSWORD@HOST:PORT/DATABASE?sslmode=verify-full`), or
+    /// `sqlite` (the default: `culvert.db` in --data-dir). Better given in
+    /// the environment than on the command line (it may hold a password).
+    #[arg(long, env = "CULVERT_STORE", hide_env_values = true)]
+    pub store: Option<String>,
+
     /// PEM certificate chain for `<domain>` and `*.<domain>`.
     #[arg(long, env = "CULVERT_TLS_CERT", requires = "tls_key", conflicts_with = "self_signed")]
     pub tls_cert: Option<PathBuf>,

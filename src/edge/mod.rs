@@ -1,6 +1,7 @@
 //! The public edge: public HTTPS (and the tunnel endpoint) on one port, the
 //! HTTP redirect port, TCP reservation listeners, the control API and the
-//! admin port, all state in an SQLite store.
+//! admin port, all state in the store (SQLite, or PostgreSQL shared by
+//! several edges, whose changes reach every edge by the store's change feed).
 
 pub mod acme;
 pub(crate) mod agents;
@@ -18,6 +19,7 @@ pub(crate) mod tcp;
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock, Weak};
 use std::time::Duration;
 
@@ -34,7 +36,7 @@ pub use config::{AcmeArgs, AcmeChallenge, Dns01Kind, EdgeArgs};
 use metrics::Metrics;
 use registry::Registry;
 use routes::RouteIndex;
-use store::{Store, StoreError};
+use store::{Location, Store, StoreError};
 
 /// Why the edge could not start.
 #[derive(Debug, thiserror::Error)]
@@ -104,6 +106,10 @@ pub struct Edge {
     /// ACME for custom domains (`--acme`).
     pub acme: Option<Arc<acme::Acme>>,
     routes: RwLock<Arc<RouteIndex>>,
+    /// Reloads are numbered; one reads the store, then applies what it read
+    /// unless a later one already did (the applied number is kept here).
+    reloads: AtomicU64,
+    reloaded: AtomicU64,
     tcp: tcp::TcpListeners,
     /// Cancelled when the edge stops accepting public connections (SIGTERM:
     /// the drain begins).
@@ -132,9 +138,28 @@ impl Edge {
     }
 
     /// Reloads routes and TCP listeners from the store and closes
-    /// connections of revoked keys and released reservations.
-    pub fn reload(self: &Arc<Self>) {
-        let reservations = match self.store.reservations() {
+    /// connections of revoked keys and released reservations. The reads run
+    /// on the blocking pool.
+    pub async fn reload(self: &Arc<Self>) {
+        let ticket = self.reloads.fetch_add(1, Ordering::AcqRel) + 1;
+        let read = self.store.run(|s| Ok((s.reservations()?, s.live_tunnel_key_ids()))).await;
+        self.apply(ticket, read);
+    }
+
+    /// [`Edge::reload`] on the calling thread (the control API, after a change of its own).
+    pub fn reload_now(self: &Arc<Self>) {
+        let ticket = self.reloads.fetch_add(1, Ordering::AcqRel) + 1;
+        let read = self.store.reservations().map(|r| (r, self.store.live_tunnel_key_ids()));
+        self.apply(ticket, read);
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn apply(
+        self: &Arc<Self>,
+        ticket: u64,
+        read: Result<(Vec<Reservation>, Result<std::collections::HashSet<String>, StoreError>), StoreError>,
+    ) {
+        let (reservations, live) = match read {
             Ok(r) => r,
             Err(e) => {
                 error!(error = %e, "failed to load reservations; keeping the current routes");
@@ -142,9 +167,16 @@ impl Edge {
             }
         };
         let index = Arc::new(RouteIndex::build(reservations));
-        *self.routes.write().expect("poisoned") = index.clone();
+        {
+            let mut routes = self.routes.write().expect("poisoned");
+            if self.reloaded.load(Ordering::Acquire) > ticket {
+                return; // a later read is already applied
+            }
+            self.reloaded.store(ticket, Ordering::Release);
+            *routes = index.clone();
+        }
         self.tcp.reconcile(self, index.ports().collect());
-        match self.store.live_tunnel_key_ids() {
+        match live {
             Ok(live) => self.registry.close_invalid(&live, |id| index.contains_id(id)),
             Err(e) => error!(error = %e, "failed to list tunnel keys"),
         }
@@ -160,7 +192,7 @@ struct Hooks(Weak<Edge>);
 impl EdgeHooks for Hooks {
     fn state_changed(&self) {
         if let Some(edge) = self.0.upgrade() {
-            edge.reload();
+            edge.reload_now();
         }
     }
 
@@ -242,9 +274,12 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
         _ => return Err(EdgeError::NoCertificate),
     };
     create_private_dir(&args.data_dir)?;
-    let store = Store::open(&args.data_dir)?;
+    let location = Location::parse(args.store.as_deref(), &args.data_dir)?;
+    let store = tokio::task::spawn_blocking(move || Store::open_location(&location))
+        .await
+        .map_err(|e| StoreError::Unavailable(format!("opening the store failed: {e}")))??;
     let admin_key_file = args.data_dir.join("admin.key");
-    let new_admin_key = store.ensure_admin_key()?;
+    let new_admin_key = store.run(|s| s.ensure_admin_key()).await?;
     if let Some(key) = &new_admin_key {
         tls::write_file(&admin_key_file, format!("{key}\n").as_bytes(), 0o600)?;
         info!(file = %admin_key_file.display(), "created the admin key (shown once; keep the file safe)");
@@ -312,14 +347,23 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
         cert_files,
         acme: acme.clone(),
         routes: RwLock::default(),
+        reloads: AtomicU64::new(0),
+        reloaded: AtomicU64::new(0),
         tcp: tcp::TcpListeners::default(),
         shutdown,
         stopped: CancellationToken::new(),
         connections: TaskTracker::new(),
     });
-    edge.reload();
+    edge.reload().await;
 
     let mut tasks = tokio::task::JoinSet::new();
+    if edge.store.kind() != "sqlite" {
+        // Other edges change the store too: follow them.
+        let changed = Arc::new(tokio::sync::Notify::new());
+        let notify = changed.clone();
+        edge.store.watch(Arc::new(move || notify.notify_one()), edge.stopped.clone());
+        tasks.spawn(follow_store(edge.clone(), changed));
+    }
     tasks.spawn(public::serve_https(edge.clone(), https, tls_config));
     tasks.spawn(public::serve_redirect(edge.clone(), http));
     tasks.spawn(public::serve_admin(edge.clone(), admin));
@@ -338,6 +382,23 @@ enum Given {
     SelfSigned,
     /// ACME DNS-01 (`--acme-dns01`).
     Acme,
+}
+
+/// Reloads on every change the store's feed reports, and every
+/// [`STORE_RESYNC_INTERVAL`](crate::constants::STORE_RESYNC_INTERVAL) in
+/// case a notification was lost, until the edge stops.
+async fn follow_store(edge: Arc<Edge>, changed: Arc<tokio::sync::Notify>) {
+    let mut tick = tokio::time::interval(crate::constants::STORE_RESYNC_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
+    loop {
+        tokio::select! {
+            _ = changed.notified() => {}
+            _ = tick.tick() => {}
+            _ = edge.stopped.cancelled() => return,
+        }
+        edge.reload().await;
+    }
 }
 
 /// Polls the certificate files until the edge stops.

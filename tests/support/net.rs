@@ -65,6 +65,7 @@ pub fn edge_args(dir: &Path, https: SocketAddr, tcp_ports: PortRange) -> EdgeArg
     EdgeArgs {
         domain: DOMAIN.into(),
         data_dir: dir.to_path_buf(),
+        store: None,
         tls_cert: None,
         tls_key: None,
         tls_watch_seconds: 1,

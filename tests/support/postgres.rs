@@ -184,10 +184,23 @@ impl Postgres {
     pub fn fresh_database(&self) -> String {
         static NEXT: AtomicU32 = AtomicU32::new(0);
         let name = format!("t{}_{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
-        let mut admin = postgres::Client::connect(&self.url("postgres"), postgres::NoTls)
-            .unwrap_or_else(|e| panic!("connecting to the test PostgreSQL: {e}\n{}", self.log()));
-        admin.batch_execute(&format!("CREATE DATABASE {name}")).expect("CREATE DATABASE");
+        self.sql("postgres", &format!("CREATE DATABASE {name}"));
         self.url(&name)
+    }
+
+    /// Runs SQL statements in database `db` (from any thread, async tests included).
+    pub fn sql(&self, db: &str, statements: &str) {
+        let url = self.url(db);
+        // The blocking client runs its own runtime: not on an async test's thread.
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let mut c = postgres::Client::connect(&url, postgres::NoTls)
+                    .unwrap_or_else(|e| panic!("connecting to the test PostgreSQL: {e}\n{}", self.log()));
+                c.batch_execute(statements).unwrap_or_else(|e| panic!("{statements}: {e}"));
+            })
+            .join()
+            .unwrap()
+        })
     }
 
     /// Stops the server and removes its directory once this process is
