@@ -646,7 +646,9 @@ mod tests {
 
     struct Hooks;
     impl crate::edge::api::EdgeHooks for Hooks {
-        fn state_changed(&self) {}
+        fn state_changed(&self) -> futures_util::future::BoxFuture<'_, ()> {
+            Box::pin(std::future::ready(()))
+        }
         fn connections_for_key(&self, _: &str) -> usize {
             0
         }
@@ -669,7 +671,7 @@ mod tests {
 
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(dir.path()).unwrap();
-        let admin = store.ensure_admin_key().unwrap().unwrap();
+        let admin = store.engine().ensure_admin_key().unwrap().unwrap();
         let ctx = ApiContext {
             store,
             domain: "edge.test".into(),

@@ -31,8 +31,10 @@ const BOUND: Duration = Duration::from_secs(1);
 
 /// An edge process with its own data dir (CA, admin key file) on the shared store.
 struct EdgeProc {
-    child: Child,
-    lines: Lines<BufReader<ChildStdout>>,
+    /// Killed when dropped.
+    _child: Child,
+    /// Kept open so the edge's stdout never breaks.
+    _lines: Lines<BufReader<ChildStdout>>,
     _dir: tempfile::TempDir,
     https: SocketAddr,
     ca_file: PathBuf,
@@ -46,7 +48,14 @@ impl EdgeProc {
             .args(["edge", "--domain", net::DOMAIN, "--self-signed"])
             .arg("--data-dir")
             .arg(dir.path())
-            .args(["--https-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0"])
+            .args([
+                "--https-addr",
+                "127.0.0.1:0",
+                "--http-addr",
+                "127.0.0.1:0",
+                "--admin-addr",
+                "127.0.0.1:0",
+            ])
             .args(["--tcp-ports", tcp_ports, "--tcp-bind", tcp_bind, "--public-host", tcp_bind])
             .env("CULVERT_STORE", store)
             .env("RUST_LOG", "info")
@@ -74,8 +83,8 @@ impl EdgeProc {
             https: field("https").parse().unwrap(),
             ca_file: field("ca_file").into(),
             admin_key_file: field("admin_key_file").into(),
-            child,
-            lines,
+            _child: child,
+            _lines: lines,
             _dir: dir,
         }
     }
@@ -99,7 +108,10 @@ impl EdgeProc {
         let resp = self.client().send("127.0.0.1", req, false).await.expect("api call");
         let status = resp.status();
         let bytes = resp.into_body().collect().await.unwrap().to_bytes();
-        (status, serde_json::from_slice(&bytes).unwrap_or(Value::String(String::from_utf8_lossy(&bytes).into())))
+        (
+            status,
+            serde_json::from_slice(&bytes).unwrap_or(Value::String(String::from_utf8_lossy(&bytes).into())),
+        )
     }
 }
 
@@ -191,5 +203,4 @@ async fn changes_on_one_edge_reach_the_other() {
     .await;
     eprintln!("port released on A, closed on B after {took:?}");
     tcp_agent.stop().await;
-    drop((a.lines, b.lines));
 }

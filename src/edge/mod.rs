@@ -146,13 +146,6 @@ impl Edge {
         self.apply(ticket, read);
     }
 
-    /// [`Edge::reload`] on the calling thread (the control API, after a change of its own).
-    pub fn reload_now(self: &Arc<Self>) {
-        let ticket = self.reloads.fetch_add(1, Ordering::AcqRel) + 1;
-        let read = self.store.reservations().map(|r| (r, self.store.live_tunnel_key_ids()));
-        self.apply(ticket, read);
-    }
-
     #[allow(clippy::type_complexity)]
     fn apply(
         self: &Arc<Self>,
@@ -190,10 +183,12 @@ impl Edge {
 struct Hooks(Weak<Edge>);
 
 impl EdgeHooks for Hooks {
-    fn state_changed(&self) {
-        if let Some(edge) = self.0.upgrade() {
-            edge.reload_now();
-        }
+    fn state_changed(&self) -> futures_util::future::BoxFuture<'_, ()> {
+        Box::pin(async move {
+            if let Some(edge) = self.0.upgrade() {
+                edge.reload().await;
+            }
+        })
     }
 
     fn connections_for_key(&self, key_id: &str) -> usize {
@@ -315,13 +310,16 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
     let public_host = args.public_host.clone().unwrap_or_else(|| domain.clone());
     let shutdown = CancellationToken::new();
     let acme = match acme_config {
-        Some(config) => Some(acme::Acme::new(
-            config,
-            store.clone(),
-            certs.clone(),
-            metrics.acme_orders.clone(),
-            shutdown.clone(),
-        )?),
+        Some(config) => Some(
+            acme::Acme::new(
+                config,
+                store.clone(),
+                certs.clone(),
+                metrics.acme_orders.clone(),
+                shutdown.clone(),
+            )
+            .await?,
+        ),
         None => None,
     };
     let edge = Arc::new_cyclic(|weak: &Weak<Edge>| Edge {
@@ -438,7 +436,7 @@ pub async fn run(args: EdgeArgs) -> Result<(), EdgeError> {
             let mut own = false;
             if let Some(acme) = &edge.acme {
                 // A failed DNS-01 order of the edge's own certificate is tried again now.
-                own = acme.retry_own_now();
+                own = acme.retry_own_now().await;
                 acme.wake();
             }
             if !files && !own {

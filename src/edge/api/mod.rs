@@ -54,8 +54,9 @@ pub use error::ApiError;
 pub trait EdgeHooks: Send + Sync + 'static {
     /// Reservations or tunnel keys were added, released or revoked: the edge
     /// reloads its routes and TCP listeners and closes connections of keys
-    /// that are no longer valid (within a second).
-    fn state_changed(&self);
+    /// that are no longer valid (within a second). Done when the edge has
+    /// reloaded (its reads run off the request threads).
+    fn state_changed(&self) -> futures_util::future::BoxFuture<'_, ()>;
     /// Agents connected now with this tunnel key.
     fn connections_for_key(&self, key_id: &str) -> usize;
     /// Can the edge listen on this TCP port (no other program holds it)?
@@ -147,7 +148,7 @@ where
 {
     let path = req.uri().path().to_string();
     let query = Query::parse(req.uri().query())?;
-    let caller = auth::authenticate(&ctx.store, req.headers())?;
+    let caller = auth::authenticate(&ctx.store, req.headers()).await?;
     let route = Route::parse(&path).ok_or_else(|| ApiError::NotFound {
         message: format!(
             "no API route {path}; routes are info, domains, ports, tunnel-keys and api-keys under {API_PREFIX}"
@@ -171,73 +172,73 @@ where
         }
         (Route::Domains, &Method::GET) => {
             query.only(&["selector"])?;
-            reservations::list(ctx, &caller, &query.selector()?, false)
+            reservations::list(ctx, &caller, &query.selector()?, false).await
         }
         (Route::Domains, &Method::POST) => {
             query.only(&[])?;
-            reservations::reserve_domain(ctx, &caller, read_json(body, &headers).await?)
+            reservations::reserve_domain(ctx, &caller, read_json(body, &headers).await?).await
         }
         (Route::Domain(host), &Method::GET) => {
             query.only(&[])?;
-            let reservation = reservations::domain_of(ctx, &caller, host)?;
-            Ok(reservations::get(ctx, reservation))
+            let reservation = reservations::domain_of(ctx, &caller, host).await?;
+            Ok(reservations::get(ctx, reservation).await)
         }
         (Route::Domain(host), &Method::DELETE) => {
             query.only(&[])?;
-            let reservation = reservations::domain_of(ctx, &caller, host)?;
-            reservations::release(ctx, &caller, reservation)
+            let reservation = reservations::domain_of(ctx, &caller, host).await?;
+            reservations::release(ctx, &caller, reservation).await
         }
         (Route::Ports, &Method::GET) => {
             query.only(&["selector"])?;
-            reservations::list(ctx, &caller, &query.selector()?, true)
+            reservations::list(ctx, &caller, &query.selector()?, true).await
         }
         (Route::Ports, &Method::POST) => {
             query.only(&[])?;
-            reservations::reserve_port(ctx, &caller, read_json(body, &headers).await?)
+            reservations::reserve_port(ctx, &caller, read_json(body, &headers).await?).await
         }
         (Route::Port(port), &Method::GET) => {
             query.only(&[])?;
-            let reservation = reservations::port_of(ctx, &caller, port)?;
-            Ok(reservations::get(ctx, reservation))
+            let reservation = reservations::port_of(ctx, &caller, port).await?;
+            Ok(reservations::get(ctx, reservation).await)
         }
         (Route::Port(port), &Method::DELETE) => {
             query.only(&[])?;
-            let reservation = reservations::port_of(ctx, &caller, port)?;
-            reservations::release(ctx, &caller, reservation)
+            let reservation = reservations::port_of(ctx, &caller, port).await?;
+            reservations::release(ctx, &caller, reservation).await
         }
         (Route::TunnelKeys, &Method::GET) => {
             query.only(&["selector", "revoked"])?;
             let selector = query.selector()?;
             let include_revoked = query.flag("revoked")?;
-            tunnel_keys::list(ctx, &caller, &selector, include_revoked)
+            tunnel_keys::list(ctx, &caller, &selector, include_revoked).await
         }
         (Route::TunnelKeys, &Method::POST) => {
             query.only(&[])?;
-            tunnel_keys::create(ctx, &caller, read_json(body, &headers).await?)
+            tunnel_keys::create(ctx, &caller, read_json(body, &headers).await?).await
         }
         (Route::TunnelKey(id), &Method::GET) => {
             query.only(&[])?;
-            tunnel_keys::get(ctx, &caller, id)
+            tunnel_keys::get(ctx, &caller, id).await
         }
         (Route::TunnelKey(id), &Method::DELETE) => {
             query.only(&[])?;
-            tunnel_keys::revoke(ctx, &caller, id)
+            tunnel_keys::revoke(ctx, &caller, id).await
         }
         (Route::ApiKeys, &Method::GET) => {
             query.only(&[])?;
-            api_keys::list(ctx)
+            api_keys::list(ctx).await
         }
         (Route::ApiKeys, &Method::POST) => {
             query.only(&[])?;
-            api_keys::create(ctx, &caller, read_json(body, &headers).await?)
+            api_keys::create(ctx, &caller, read_json(body, &headers).await?).await
         }
         (Route::ApiKey(id), &Method::GET) => {
             query.only(&[])?;
-            api_keys::get(ctx, id)
+            api_keys::get(ctx, id).await
         }
         (Route::ApiKey(id), &Method::DELETE) => {
             query.only(&[])?;
-            api_keys::revoke(ctx, &caller, id)
+            api_keys::revoke(ctx, &caller, id).await
         }
         _ => Err(not_allowed()),
     }

@@ -35,7 +35,9 @@ use rusqlite::{Connection, Row, TransactionBehavior, params};
 use tokio_util::sync::CancellationToken;
 
 use crate::api::PortRange;
-use crate::api::{ApiKey, Labels, Reservation, TunnelKey};
+use std::collections::HashSet;
+
+use crate::api::{ApiKey, ApiKeyScope, Labels, Protocol, Reservation, ReservationKind, TunnelKey};
 
 mod certificates;
 mod keys;
@@ -359,14 +361,6 @@ impl std::fmt::Debug for Store {
     }
 }
 
-impl std::ops::Deref for Store {
-    type Target = dyn Engine;
-
-    fn deref(&self) -> &dyn Engine {
-        &*self.engine
-    }
-}
-
 impl Store {
     /// Opens (creating if needed) `<dir>/culvert.db`.
     pub fn open(dir: &Path) -> Result<Store, StoreError> {
@@ -400,16 +394,192 @@ impl Store {
         }
     }
 
-    /// [`Reservations::reserve_usable_port`] with any closure.
-    pub fn reserve_usable_port(
+    /// `sqlite` or `postgres`.
+    pub fn kind(&self) -> &'static str {
+        self.engine.kind()
+    }
+
+    /// Starts the engine's change feed (see [`Engine::watch`]).
+    pub fn watch(&self, on_change: ChangeCallback, stop: CancellationToken) {
+        self.engine.watch(on_change, stop)
+    }
+
+    /// [`Reservations::reserve_usable_port`] off the runtime threads.
+    pub async fn reserve_usable_port(
         &self,
         port: Option<u16>,
         range: PortRange,
         owner: &str,
         labels: &Labels,
-        usable: impl Fn(u16) -> bool,
+        usable: impl Fn(u16) -> bool + Send + 'static,
     ) -> Result<(Reservation, bool), StoreError> {
-        self.engine.reserve_usable_port(port, range, owner, labels, &usable)
+        let (owner, labels) = (owner.to_string(), labels.clone());
+        self.run(move |e| e.reserve_usable_port(port, range, &owner, &labels, &usable)).await
+    }
+}
+
+/// The engine's calls, each run on the blocking pool (see the traits for what they do).
+impl Store {
+    // Keys
+    pub async fn ensure_admin_key(&self) -> Result<Option<String>, StoreError> {
+        self.run(move |e| e.ensure_admin_key()).await
+    }
+
+    pub async fn create_api_key(
+        &self,
+        name: &str,
+        scope: ApiKeyScope,
+    ) -> Result<(ApiKey, String), StoreError> {
+        let name = name.to_string();
+        self.run(move |e| e.create_api_key(&name, scope)).await
+    }
+
+    pub async fn api_keys(&self) -> Result<Vec<ApiKey>, StoreError> {
+        self.run(move |e| e.api_keys()).await
+    }
+
+    pub async fn api_key(&self, id: &str) -> Result<Option<ApiKey>, StoreError> {
+        let id = id.to_string();
+        self.run(move |e| e.api_key(&id)).await
+    }
+
+    pub async fn revoke_api_key(&self, id: &str) -> Result<ApiKey, StoreError> {
+        let id = id.to_string();
+        self.run(move |e| e.revoke_api_key(&id)).await
+    }
+
+    pub async fn authenticate_api_key(&self, secret: &str) -> Result<ApiKeyAuth, StoreError> {
+        let secret = secret.to_string();
+        self.run(move |e| e.authenticate_api_key(&secret)).await
+    }
+
+    pub async fn authenticate_tunnel_key(&self, secret: &str) -> Result<TunnelKeyAuth, StoreError> {
+        let secret = secret.to_string();
+        self.run(move |e| e.authenticate_tunnel_key(&secret)).await
+    }
+
+    pub async fn create_tunnel_key(
+        &self,
+        reservation_id: &str,
+        protocol: Protocol,
+        labels: &Labels,
+        created_by: &str,
+    ) -> Result<(TunnelKey, String), StoreError> {
+        let reservation_id = reservation_id.to_string();
+        let labels = labels.clone();
+        let created_by = created_by.to_string();
+        self.run(move |e| e.create_tunnel_key(&reservation_id, protocol, &labels, &created_by)).await
+    }
+
+    pub async fn tunnel_keys(&self, include_revoked: bool) -> Result<Vec<TunnelKey>, StoreError> {
+        self.run(move |e| e.tunnel_keys(include_revoked)).await
+    }
+
+    pub async fn tunnel_key(&self, id: &str) -> Result<Option<TunnelKey>, StoreError> {
+        let id = id.to_string();
+        self.run(move |e| e.tunnel_key(&id)).await
+    }
+
+    pub async fn revoke_tunnel_key(&self, id: &str) -> Result<TunnelKey, StoreError> {
+        let id = id.to_string();
+        self.run(move |e| e.revoke_tunnel_key(&id)).await
+    }
+
+    pub async fn live_tunnel_key_ids(&self) -> Result<HashSet<String>, StoreError> {
+        self.run(move |e| e.live_tunnel_key_ids()).await
+    }
+
+    // Reservations
+    pub async fn reserve_domain(
+        &self,
+        kind: ReservationKind,
+        hostname: &str,
+        owner: &str,
+        labels: &Labels,
+    ) -> Result<(Reservation, bool), StoreError> {
+        let hostname = hostname.to_string();
+        let owner = owner.to_string();
+        let labels = labels.clone();
+        self.run(move |e| e.reserve_domain(kind, &hostname, &owner, &labels)).await
+    }
+
+    pub async fn reserve_port(
+        &self,
+        port: Option<u16>,
+        range: PortRange,
+        owner: &str,
+        labels: &Labels,
+    ) -> Result<(Reservation, bool), StoreError> {
+        let owner = owner.to_string();
+        let labels = labels.clone();
+        self.run(move |e| e.reserve_port(port, range, &owner, &labels)).await
+    }
+
+    pub async fn reservations(&self) -> Result<Vec<Reservation>, StoreError> {
+        self.run(move |e| e.reservations()).await
+    }
+
+    pub async fn reservation_by_hostname(&self, hostname: &str) -> Result<Option<Reservation>, StoreError> {
+        let hostname = hostname.to_string();
+        self.run(move |e| e.reservation_by_hostname(&hostname)).await
+    }
+
+    pub async fn reservation_by_port(&self, port: u16) -> Result<Option<Reservation>, StoreError> {
+        self.run(move |e| e.reservation_by_port(port)).await
+    }
+
+    pub async fn reservation(&self, id: &str) -> Result<Option<Reservation>, StoreError> {
+        let id = id.to_string();
+        self.run(move |e| e.reservation(&id)).await
+    }
+
+    pub async fn release_reservation(&self, id: &str) -> Result<(Reservation, Vec<String>), StoreError> {
+        let id = id.to_string();
+        self.run(move |e| e.release_reservation(&id)).await
+    }
+
+    // Certificates
+    pub async fn acme_account(&self, directory: &str) -> Result<Option<String>, StoreError> {
+        let directory = directory.to_string();
+        self.run(move |e| e.acme_account(&directory)).await
+    }
+
+    pub async fn put_acme_account(&self, directory: &str, credentials: &str) -> Result<(), StoreError> {
+        let directory = directory.to_string();
+        let credentials = credentials.to_string();
+        self.run(move |e| e.put_acme_account(&directory, &credentials)).await
+    }
+
+    pub async fn certificates(&self) -> Result<Vec<CertificateRecord>, StoreError> {
+        self.run(move |e| e.certificates()).await
+    }
+
+    pub async fn certificate(&self, hostname: &str) -> Result<Option<CertificateRecord>, StoreError> {
+        let hostname = hostname.to_string();
+        self.run(move |e| e.certificate(&hostname)).await
+    }
+
+    pub async fn put_certificate(&self, c: &CertificateRecord) -> Result<bool, StoreError> {
+        let c = c.clone();
+        self.run(move |e| e.put_certificate(&c)).await
+    }
+
+    pub async fn delete_certificate(&self, hostname: &str) -> Result<(), StoreError> {
+        let hostname = hostname.to_string();
+        self.run(move |e| e.delete_certificate(&hostname)).await
+    }
+
+    // Engine
+    pub async fn try_lease(&self, name: &str, holder: &str, ttl: Duration) -> Result<bool, StoreError> {
+        let name = name.to_string();
+        let holder = holder.to_string();
+        self.run(move |e| e.try_lease(&name, &holder, ttl)).await
+    }
+
+    pub async fn release_lease(&self, name: &str, holder: &str) -> Result<(), StoreError> {
+        let name = name.to_string();
+        let holder = holder.to_string();
+        self.run(move |e| e.release_lease(&name, &holder)).await
     }
 }
 
