@@ -3,6 +3,7 @@
 //! admin port, all state in the store (SQLite, or PostgreSQL shared by
 //! several edges, whose changes reach every edge by the store's change feed).
 
+mod accept;
 pub mod acme;
 pub(crate) mod agents;
 pub(crate) mod api;
