@@ -4,7 +4,10 @@
 //!
 //! - a name reserved on edge A is routed by edge B, to an agent connected to B;
 //! - a tunnel key revoked on A cuts the live tunnel on B within 1 s;
-//! - a TCP port reserved on A listens on B; released on A, B closes it.
+//! - a TCP port reserved on A listens on B; released on A, B closes it;
+//! - PostgreSQL stopped under load: the edge keeps serving, changes are
+//!   refused with 503, and succeed once it is back;
+//! - `culvert migrate-store`: an SQLite edge's data served from PostgreSQL.
 
 #[path = "support/net.rs"]
 mod net;
@@ -32,10 +35,10 @@ const BOUND: Duration = Duration::from_secs(1);
 /// An edge process with its own data dir (CA, admin key file) on the shared store.
 struct EdgeProc {
     /// Killed when dropped.
-    _child: Child,
+    child: Child,
     /// Kept open so the edge's stdout never breaks.
     _lines: Lines<BufReader<ChildStdout>>,
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
     https: SocketAddr,
     ca_file: PathBuf,
     admin_key_file: PathBuf,
@@ -43,7 +46,10 @@ struct EdgeProc {
 
 impl EdgeProc {
     async fn start(store: &str, tcp_bind: &str, tcp_ports: &str) -> EdgeProc {
-        let dir = tempfile::tempdir().unwrap();
+        EdgeProc::start_in(tempfile::tempdir().unwrap(), store, tcp_bind, tcp_ports).await
+    }
+
+    async fn start_in(dir: tempfile::TempDir, store: &str, tcp_bind: &str, tcp_ports: &str) -> EdgeProc {
         let mut child = Command::new(BIN)
             .args(["edge", "--domain", net::DOMAIN, "--self-signed"])
             .arg("--data-dir")
@@ -83,10 +89,17 @@ impl EdgeProc {
             https: field("https").parse().unwrap(),
             ca_file: field("ca_file").into(),
             admin_key_file: field("admin_key_file").into(),
-            _child: child,
+            child,
             _lines: lines,
-            _dir: dir,
+            dir,
         }
+    }
+
+    /// SIGKILL; the data dir stays.
+    async fn kill(mut self) -> tempfile::TempDir {
+        self.child.start_kill().unwrap();
+        self.child.wait().await.unwrap();
+        self.dir
     }
 
     fn client(&self) -> HttpsClient {
@@ -203,4 +216,127 @@ async fn changes_on_one_edge_reach_the_other() {
     .await;
     eprintln!("port released on A, closed on B after {took:?}");
     tcp_agent.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_down_the_edge_serves_what_it_knows_and_refuses_changes() {
+    net::init();
+    let Some(pg) = postgres::Postgres::start() else { return };
+    let pg = std::sync::Arc::new(pg);
+    let store = pg.fresh_database();
+    let edge = EdgeProc::start(&store, "127.0.0.1", &net::free_port_range(2).to_string()).await;
+    let key = std::fs::read_to_string(&edge.admin_key_file).unwrap().trim().to_string();
+    let (s, r) = edge.api(&key, "POST", "domains", Some(json!({"name": "blog"}))).await;
+    assert!(s.is_success(), "{r}");
+    let host = r["hostname"].as_str().unwrap().to_string();
+    let (s, k) =
+        edge.api(&key, "POST", "tunnel-keys", Some(json!({"domain": host, "protocol": "http"}))).await;
+    assert!(s.is_success(), "{k}");
+    let backend = net::http_backend().await;
+    let agent = TestAgent::start_at(
+        &edge.url(),
+        &edge.ca_file,
+        k["secret"].as_str().unwrap(),
+        Target::http(backend.to_string()),
+    )
+    .await;
+    let client = edge.client();
+    assert_eq!(client.get(&host, "/").await.0, StatusCode::OK);
+
+    // Bounded load for the whole outage: requests one after the other.
+    let stop = tokio_util::sync::CancellationToken::new();
+    let load = tokio::spawn({
+        let (client, host, stop) = (client.clone(), host.clone(), stop.clone());
+        async move {
+            let (mut ok, mut failed) = (0u32, 0u32);
+            while !stop.is_cancelled() {
+                match client.get(&host, "/").await {
+                    (StatusCode::OK, body) if body == "hello from backend" => ok += 1,
+                    _ => failed += 1,
+                }
+            }
+            (ok, failed)
+        }
+    });
+
+    let down = pg.clone();
+    tokio::task::spawn_blocking(move || down.stop()).await.unwrap();
+    let (s, err) = edge.api(&key, "POST", "domains", Some(json!({"name": "other"}))).await;
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE, "{err}");
+    assert_eq!(err["error"]["code"], "store_unavailable", "{err}");
+    assert!(err["error"]["message"].as_str().unwrap().starts_with("the store is unavailable: "), "{err}");
+    assert_eq!(client.get(&host, "/").await.0, StatusCode::OK, "still served with PostgreSQL down");
+
+    let up = pg.clone();
+    tokio::task::spawn_blocking(move || up.start_again()).await.unwrap().unwrap();
+    let (s, r) = edge.api(&key, "POST", "domains", Some(json!({"name": "other"}))).await;
+    assert_eq!(s, StatusCode::CREATED, "the first change after PostgreSQL is back: {r}");
+    stop.cancel();
+    let (ok, failed) = load.await.unwrap();
+    eprintln!("PostgreSQL stopped and started under load: {ok} requests served, {failed} failed");
+    assert_eq!(failed, 0);
+    assert!(ok > 0);
+    // Nothing acknowledged is lost.
+    let (_, list) = edge.api(&key, "GET", "domains", None).await;
+    let names: Vec<&str> =
+        list["items"].as_array().unwrap().iter().map(|r| r["hostname"].as_str().unwrap()).collect();
+    assert_eq!(names, ["blog.edge.test", "other.edge.test"], "{list}");
+    agent.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_store_moves_an_sqlite_edge_to_postgres() {
+    net::init();
+    let Some(pg) = postgres::Postgres::shared() else { return };
+    let store = pg.fresh_database();
+    let ports = net::free_port_range(2).to_string();
+    let sqlite = EdgeProc::start("sqlite", "127.0.0.1", &ports).await;
+    let key = std::fs::read_to_string(&sqlite.admin_key_file).unwrap().trim().to_string();
+    let (s, r) =
+        sqlite.api(&key, "POST", "domains", Some(json!({"name": "blog", "labels": {"ns": "web"}}))).await;
+    assert!(s.is_success(), "{r}");
+    let (s, k) =
+        sqlite.api(&key, "POST", "tunnel-keys", Some(json!({"domain": "blog", "protocol": "http"}))).await;
+    assert!(s.is_success(), "{k}");
+    let secret = k["secret"].as_str().unwrap().to_string();
+    let (s, r) = sqlite.api(&key, "POST", "ports", Some(json!({}))).await;
+    assert!(s.is_success(), "{r}");
+    let data = sqlite.kill().await;
+
+    let migrate = |to: String| {
+        let from = data.path().to_path_buf();
+        async move {
+            let out = Command::new(BIN)
+                .args(["migrate-store", "--from"])
+                .arg(from)
+                .args(["--to", &to])
+                .output()
+                .await
+                .unwrap();
+            let text = |b: &[u8]| String::from_utf8_lossy(b).trim().to_string();
+            (out.status.success(), text(&out.stdout), text(&out.stderr))
+        }
+    };
+    let (ok, out, err) = migrate(store.clone()).await;
+    assert!(ok, "{out} {err}");
+    assert!(out.contains("copied 1 API keys, 2 reservations, 1 tunnel keys"), "{out}");
+    // Into a database that already holds data: refused.
+    let (ok, _, err) = migrate(store.clone()).await;
+    assert!(!ok);
+    assert!(err.contains("already holds culvert data"), "{err}");
+
+    // An edge on PostgreSQL (a new data dir): the old keys work, the data is there.
+    let edge = EdgeProc::start(&store, "127.0.0.1", &ports).await;
+    assert!(!edge.admin_key_file.exists(), "the migrated admin key is used, no new one");
+    let (s, list) = edge.api(&key, "GET", "domains", None).await;
+    assert_eq!(s, StatusCode::OK, "{list}");
+    assert_eq!(list["items"][0]["hostname"], "blog.edge.test", "{list}");
+    assert_eq!(list["items"][0]["labels"]["ns"], "web", "{list}");
+    let (_, ports_list) = edge.api(&key, "GET", "ports", None).await;
+    assert_eq!(ports_list["items"].as_array().unwrap().len(), 1, "{ports_list}");
+    let backend = net::http_backend().await;
+    let agent =
+        TestAgent::start_at(&edge.url(), &edge.ca_file, &secret, Target::http(backend.to_string())).await;
+    assert_eq!(edge.client().get("blog.edge.test", "/").await, (StatusCode::OK, "hello from backend".into()));
+    agent.stop().await;
 }

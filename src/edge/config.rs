@@ -86,6 +86,19 @@ pub struct EdgeArgs {
     pub acme: AcmeArgs,
 }
 
+/// `culvert migrate-store`: copy an SQLite edge's store into PostgreSQL.
+#[derive(Debug, Clone, Args)]
+pub struct MigrateStoreArgs {
+    /// The SQLite edge's --data-dir (holds culvert.db).
+    #[arg(long)]
+    pub from: PathBuf,
+
+    /// The PostgreSQL URL the edges will use as --store; its database must
+    /// not hold culvert data yet.
+    #[arg(long, env = "CULVERT_STORE", hide_env_values = true)]
+    pub to: String,
+}
+
 /// Certificates for custom domains from an ACME CA (Let's Encrypt by default).
 #[derive(Debug, Clone, Args)]
 pub struct AcmeArgs {

@@ -33,7 +33,7 @@ use crate::api::PortRange;
 use crate::api::Reservation;
 use crate::tls::{self, CertResolver, TlsError};
 use api::{ApiContext, EdgeHooks};
-pub use config::{AcmeArgs, AcmeChallenge, Dns01Kind, EdgeArgs};
+pub use config::{AcmeArgs, AcmeChallenge, Dns01Kind, EdgeArgs, MigrateStoreArgs};
 use metrics::Metrics;
 use registry::Registry;
 use routes::RouteIndex;
@@ -420,6 +420,46 @@ fn create_private_dir(path: &std::path::Path) -> Result<(), EdgeError> {
         .mode(0o700)
         .create(path)
         .map_err(|source| EdgeError::DataDir { path: path.into(), source })
+}
+
+/// `culvert migrate-store`: copies the SQLite store of `--from` into
+/// the empty PostgreSQL database of `--to`, in one transaction.
+pub async fn migrate_store(args: MigrateStoreArgs) -> Result<(), EdgeError> {
+    let file = args.from.join(store::DB_FILE);
+    if !file.is_file() {
+        return Err(EdgeError::Store(StoreError::BadLocation(format!(
+            "--from {}: there is no {} in it; give the SQLite edge's --data-dir",
+            args.from.display(),
+            store::DB_FILE
+        ))));
+    }
+    let to = match Location::parse(Some(&args.to), &args.from)? {
+        Location::Postgres(url) => url,
+        Location::Sqlite(_) => {
+            return Err(EdgeError::Store(StoreError::BadLocation(
+                "--to must be a postgres:// URL (the store the edges will share)".into(),
+            )));
+        }
+    };
+    let summary = tokio::task::spawn_blocking(move || -> Result<String, StoreError> {
+        let snapshot = store::Engine::export(&store::Sqlite::open(&args.from)?)?;
+        let target = store::pg::Postgres::open(&to)?;
+        store::Engine::import(&target, &snapshot)?;
+        Ok(format!(
+            "copied {} API keys, {} reservations, {} tunnel keys, {} ACME accounts and {} certificates to {}",
+            snapshot.api_keys.len(),
+            snapshot.reservations.len(),
+            snapshot.tunnel_keys.len(),
+            snapshot.acme_accounts.len(),
+            snapshot.certificates.len(),
+            store::pg::redact(&to)
+        ))
+    })
+    .await
+    .map_err(|e| StoreError::Unavailable(format!("the migration stopped: {e}")))??;
+    info!("{summary}");
+    println!("{summary}; start the edges with --store (CULVERT_STORE) set to it");
+    Ok(())
 }
 
 /// `culvert edge`: runs until SIGINT/SIGTERM; SIGHUP reloads the certificate files.

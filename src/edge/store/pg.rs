@@ -255,23 +255,48 @@ impl Postgres {
         self.config.connect(self.tls.clone()).map_err(|e| StoreError::Unavailable(describe(&e)))
     }
 
-    /// An idle connection, or a new one; back to the idle list when dropped.
-    fn client(&self) -> Result<Pooled<'_>, StoreError> {
+    /// An idle connection (`true`: reused), or a new one; back to the idle
+    /// list when dropped.
+    fn client(&self) -> Result<(Pooled<'_>, bool), StoreError> {
         let reused = {
             let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
             std::iter::from_fn(|| idle.pop()).find(|c| !c.is_closed())
         };
+        let was_reused = reused.is_some();
         let client = match reused {
             Some(c) => c,
             None => self.connect()?,
         };
-        Ok(Pooled { pg: self, client: Some(client) })
+        Ok((Pooled { pg: self, client: Some(client) }, was_reused))
+    }
+
+    /// Runs `f` on a connection. A reused connection that turns out dead
+    /// (the server restarted since it was last used) is dropped with the
+    /// other idle ones, and `f` runs once more on a new connection: the
+    /// first call after PostgreSQL is back succeeds.
+    fn with_client<T>(
+        &self,
+        mut f: impl FnMut(&mut Client) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let (mut pooled, reused) = self.client()?;
+        match f(pooled.get()) {
+            Err(StoreError::Unavailable(_)) if reused => {
+                pooled.client = None;
+                self.idle.lock().unwrap_or_else(|p| p.into_inner()).clear();
+                let (mut fresh, _) = self.client()?;
+                f(fresh.get())
+            }
+            Err(e @ StoreError::Unavailable(_)) => {
+                pooled.client = None;
+                Err(e)
+            }
+            other => other,
+        }
     }
 
     /// Runs a read.
-    fn read<T>(&self, f: impl FnOnce(&mut Client) -> Result<T, StoreError>) -> Result<T, StoreError> {
-        let mut client = self.client()?;
-        f(client.get())
+    fn read<T>(&self, f: impl FnMut(&mut Client) -> Result<T, StoreError>) -> Result<T, StoreError> {
+        self.with_client(f)
     }
 
     /// Runs `f` in a SERIALIZABLE transaction that notifies the change feed
@@ -280,26 +305,27 @@ impl Postgres {
         &self,
         mut f: impl FnMut(&mut Transaction<'_>) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
-        let mut client = self.client()?;
-        let mut attempt = 0;
-        loop {
-            attempt += 1;
-            let result = (|| {
-                let mut tx =
-                    client.get().build_transaction().isolation_level(IsolationLevel::Serializable).start()?;
-                let value = f(&mut tx)?;
-                tx.execute("SELECT pg_notify($1, '')", &[&CHANNEL])?;
-                tx.commit()?;
-                Ok(value)
-            })();
-            match result {
-                Err(StoreError::Retry(_)) if attempt < MAX_ATTEMPTS => {
-                    std::thread::sleep(Duration::from_millis(attempt as u64 * 2));
+        self.with_client(|client| {
+            let mut attempt = 0;
+            loop {
+                attempt += 1;
+                let result = (|| {
+                    let mut tx =
+                        client.build_transaction().isolation_level(IsolationLevel::Serializable).start()?;
+                    let value = f(&mut tx)?;
+                    tx.execute("SELECT pg_notify($1, '')", &[&CHANNEL])?;
+                    tx.commit()?;
+                    Ok(value)
+                })();
+                match result {
+                    Err(StoreError::Retry(_)) if attempt < MAX_ATTEMPTS => {
+                        std::thread::sleep(Duration::from_millis(attempt as u64 * 2));
+                    }
+                    Err(StoreError::Retry(message)) => return Err(StoreError::Postgres(message)),
+                    other => return other,
                 }
-                Err(StoreError::Retry(message)) => return Err(StoreError::Postgres(message)),
-                other => return other,
             }
-        }
+        })
     }
 }
 
@@ -988,20 +1014,21 @@ impl Engine for Postgres {
     fn try_lease(&self, name: &str, holder: &str, ttl: Duration) -> Result<bool, StoreError> {
         let now = unix_now() as i64;
         let until = now + ttl.as_secs() as i64;
-        let mut client = self.client()?;
         // One statement: atomic without a transaction of our own, and no NOTIFY.
-        let changed = client.get().execute(
-            "INSERT INTO leases (name, holder, expires_at) VALUES ($1, $2, $3)
-             ON CONFLICT (name) DO UPDATE SET holder = excluded.holder, expires_at = excluded.expires_at
-             WHERE leases.holder = excluded.holder OR leases.expires_at <= $4",
-            &[&name, &holder, &until, &now],
-        );
-        match changed {
-            Ok(n) => Ok(n == 1),
-            // Two first inserts of one name at once: the other one has it.
-            Err(e) if e.code() == Some(&SqlState::UNIQUE_VIOLATION) => Ok(false),
-            Err(e) => Err(e.into()),
-        }
+        self.with_client(|c| {
+            let changed = c.execute(
+                "INSERT INTO leases (name, holder, expires_at) VALUES ($1, $2, $3)
+                 ON CONFLICT (name) DO UPDATE SET holder = excluded.holder, expires_at = excluded.expires_at
+                 WHERE leases.holder = excluded.holder OR leases.expires_at <= $4",
+                &[&name, &holder, &until, &now],
+            );
+            match changed {
+                Ok(n) => Ok(n == 1),
+                // Two first inserts of one name at once: the other one has it.
+                Err(e) if e.code() == Some(&SqlState::UNIQUE_VIOLATION) => Ok(false),
+                Err(e) => Err(e.into()),
+            }
+        })
     }
 
     fn release_lease(&self, name: &str, holder: &str) -> Result<(), StoreError> {
