@@ -44,7 +44,16 @@ impl Postgres {
 
     /// A server of one's own (to stop and start again), stopped when dropped.
     pub fn start() -> Option<Postgres> {
-        match Postgres::try_start() {
+        Postgres::start_with(None)
+    }
+
+    /// [`Postgres::start`] with TLS on (`ssl = on`), serving this PEM chain and key.
+    pub fn start_tls(cert_pem: &str, key_pem: &str) -> Option<Postgres> {
+        Postgres::start_with(Some((cert_pem, key_pem)))
+    }
+
+    fn start_with(tls: Option<(&str, &str)>) -> Option<Postgres> {
+        match Postgres::try_start(tls) {
             Ok(pg) => Some(pg),
             Err(e) if std::env::var_os("CI").is_some() => {
                 panic!("PostgreSQL for the tests could not be started: {e} (scripts/deps installs it)")
@@ -58,7 +67,7 @@ impl Postgres {
         }
     }
 
-    fn try_start() -> Result<Postgres, String> {
+    fn try_start(tls: Option<(&str, &str)>) -> Result<Postgres, String> {
         let bin = bin_dir()
             .ok_or("no initdb and pg_ctl found in /usr/lib/postgresql/*/bin (or $CULVERT_PG_BIN)")?;
         let dir = tempfile::Builder::new().prefix("culvert-pg-").tempdir().map_err(|e| e.to_string())?;
@@ -84,9 +93,25 @@ impl Postgres {
                 "--no-sync".as_ref(),
             ],
         )?;
-        let conf = format!(
-            "\nlisten_addresses = '127.0.0.1'\nport = {port}\nunix_socket_directories = ''\nfsync = off\nsynchronous_commit = off\nfull_page_writes = off\nmax_connections = 200\n"
-        );
+        let mut conf = String::new();
+        if let Some((cert, key)) = tls {
+            use std::os::unix::fs::PermissionsExt;
+            for (name, pem, mode) in [("server.crt", cert, 0o644), ("server.key", key, 0o600)] {
+                let path = data.join(name);
+                std::fs::write(&path, pem).map_err(|e| format!("{name}: {e}"))?;
+                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode))
+                    .map_err(|e| e.to_string())?;
+                if let Some(user) = pg.run_as {
+                    std::os::unix::fs::chown(&path, Some(id(user, "-u")?), Some(id(user, "-g")?))
+                        .map_err(|e| format!("chown {name}: {e}"))?;
+                }
+            }
+            conf.push_str("\nssl = on\nssl_cert_file = 'server.crt'\nssl_key_file = 'server.key'\n");
+        }
+        let conf = conf
+            + &format!(
+                "\nlisten_addresses = '127.0.0.1'\nport = {port}\nunix_socket_directories = ''\nfsync = off\nsynchronous_commit = off\nfull_page_writes = off\nmax_connections = 200\n"
+            );
         use std::io::Write;
         std::fs::OpenOptions::new()
             .append(true)

@@ -1438,4 +1438,46 @@ mod tests {
         assert!(err.to_string().contains("sslmode=always is not one of"), "{err}");
         assert!(!err.to_string().contains("hunter2"), "{err}");
     }
+
+    /// TLS to a real PostgreSQL with `ssl = on` and a certificate for
+    /// `db.example` from a test CA, after each `sslmode`.
+    #[test]
+    fn tls_after_sslmode() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let pki = crate::tls::generate_pki(&["db.example".to_string()]).unwrap();
+        let Some(server) = super::super::test_postgres::Postgres::start_tls(&pki.cert_pem, &pki.key_pem)
+        else {
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("ca.pem");
+        std::fs::write(&ca, &pki.ca_pem).unwrap();
+        let other = dir.path().join("other-ca.pem");
+        std::fs::write(&other, crate::tls::generate_pki(&["db.example".to_string()]).unwrap().ca_pem)
+            .unwrap();
+        let port = server.port;
+        // The TLS name is the URL's host; hostaddr says where to connect.
+        let url = |host: &str, query: &str| {
+            format!("postgres://culvert@{host}:{port}/postgres?hostaddr=127.0.0.1&{query}")
+        };
+        let open = |u: String| Postgres::open(&u).map(|_| ()).map_err(|e| e.to_string());
+        let ca = ca.display();
+        open(url("db.example", &format!("sslmode=verify-full&sslrootcert={ca}")))
+            .expect("verify-full with the CA");
+        open(url("db.example", "sslmode=require")).expect("require: encrypted, not checked");
+        open(url("db.example", "sslmode=prefer")).expect("prefer");
+        // The name does not match: verify-full refuses, verify-ca (the chain only) accepts.
+        let err = open(url("127.0.0.1", &format!("sslmode=verify-full&sslrootcert={ca}"))).unwrap_err();
+        assert!(err.contains("the store is unavailable") && err.contains("certificate"), "{err}");
+        open(url("127.0.0.1", &format!("sslmode=verify-ca&sslrootcert={ca}")))
+            .expect("verify-ca ignores the name");
+        // Another CA, or the built-in roots: refused.
+        let err = open(url("db.example", &format!("sslmode=verify-ca&sslrootcert={}", other.display())))
+            .unwrap_err();
+        assert!(err.contains("certificate"), "{err}");
+        let err = open(url("db.example", "sslmode=verify-full")).unwrap_err();
+        assert!(err.contains("certificate"), "{err}");
+        let err = open(url("db.example", "sslmode=verify-full&sslrootcert=/nonexistent/ca.pem")).unwrap_err();
+        assert!(err.contains("sslrootcert"), "{err}");
+    }
 }
