@@ -83,6 +83,17 @@ pub const BACKOFF_INITIAL: Duration = Duration::from_millis(100);
 pub const BACKOFF_MAX: Duration = Duration::from_secs(30);
 /// A connection that stayed up this long resets the backoff.
 pub const BACKOFF_RESET_AFTER: Duration = Duration::from_secs(30);
+/// While nothing answers at an edge's address (connection refused, timed
+/// out), the agent probes it this often (jittered by a third either way)
+/// instead of backing off: it is back within one interval of the edge.
+pub const PROBE_INTERVAL: Duration = Duration::from_millis(150);
+/// After this long without an answer, probes slow down to [`PROBE_SLOW_INTERVAL`].
+pub const PROBE_SLOW_AFTER: Duration = Duration::from_secs(300);
+pub const PROBE_SLOW_INTERVAL: Duration = Duration::from_secs(2);
+/// Longest `Retry-After` an agent honours.
+pub const RETRY_AFTER_MAX: Duration = Duration::from_secs(300);
+/// How often an agent resolves an edge's name again (one connection per address).
+pub const EDGE_RESOLVE_INTERVAL: Duration = Duration::from_secs(30);
 
 /// An agent that says goodbye waits this long for the edge's ack.
 pub const GOODBYE_ACK_TIMEOUT: Duration = Duration::from_secs(2);
