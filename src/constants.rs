@@ -102,6 +102,10 @@ pub const DRAIN_GRACE: Duration = Duration::from_millis(200);
 /// Longest time a draining agent waits for open streams to finish.
 pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// For this long after an edge starts, a request for a host whose agents have
+/// not reconnected yet waits for them instead of failing (502).
+pub const AGENT_RETURN_GRACE: Duration = Duration::from_secs(3);
+
 /// Dialing a backend must succeed within this.
 pub const BACKEND_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Timeout of one control API call made by `culvert admin` and the operator.
