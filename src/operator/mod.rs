@@ -336,7 +336,7 @@ pub fn edge_start_error(e: &crate::api_client::ClientError, edge: &str, place: P
     use crate::api_client::ClientError as E;
     let (url, ca, key, proxy) = match place {
         Place::Pod => (
-            "the chart value edge.url (or the edge-url key of the credentials Secret)",
+            "the chart value edge.url or edge.urls (or the edge-url key of the credentials Secret)",
             "the chart value edge.caBundle",
             "the credentials Secret (chart value credentials.existingSecret, or credentials.apiKey)",
             "the chart value proxy.httpsProxy",
