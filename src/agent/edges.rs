@@ -97,9 +97,11 @@ impl Shared {
         let mut links: BTreeMap<Option<SocketAddr>, CancellationToken> = BTreeMap::new();
         let mut tasks = JoinSet::new();
         loop {
-            let resolved = tokio::net::lookup_host((url.host.as_str(), url.port))
-                .await
-                .map(|addrs| addrs.collect::<Vec<_>>());
+            let lookup = tokio::net::lookup_host((url.host.as_str(), url.port));
+            let resolved = tokio::select! {
+                r = lookup => r.map(|addrs| addrs.collect::<Vec<_>>()),
+                _ = self.stop.cancelled() => break,
+            };
             let want = match resolved {
                 Ok(addrs) if !addrs.is_empty() => one_family(addrs).into_iter().map(Some).collect(),
                 result => {
