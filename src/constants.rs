@@ -48,6 +48,10 @@ pub const MSG_GOODBYE_ACK: &str = "goodbye-ack";
 /// WebSocket text message: the edge routes streams to this connection now.
 pub const MSG_READY: &str = "ready";
 
+/// An agent's TCP connect to an edge (without a proxy) must succeed within
+/// this; an edge whose machine is gone (no answer at all) is then probed
+/// again soon instead of after the kernel's SYN retries.
+pub const EDGE_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// TLS handshake plus WebSocket upgrade must finish within this.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Public clients must send a complete request head within this (slowloris).

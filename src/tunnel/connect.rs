@@ -17,8 +17,8 @@ use super::readahead::ReadAhead;
 use super::ws::{self, Control, WsStream};
 use crate::api::{ErrorBody, Protocol};
 use crate::constants::{
-    AGENT_ID_HEADER, CONNECT_PATH, HANDSHAKE_TIMEOUT, PROTOCOL_VERSION, PUBLIC_URL_HEADER,
-    TUNNEL_PROTOCOL_HEADER, VERSION_HEADER,
+    AGENT_ID_HEADER, CONNECT_PATH, EDGE_CONNECT_TIMEOUT, HANDSHAKE_TIMEOUT, PROTOCOL_VERSION,
+    PUBLIC_URL_HEADER, TUNNEL_PROTOCOL_HEADER, VERSION_HEADER,
 };
 
 /// Where the edge is: parsed from `--edge https://host[:port]`.
@@ -215,14 +215,18 @@ impl Dialer {
         let addr = self.edge.authority();
         let dialed = match self.edge.addr {
             // A resolved address of the name: no proxy (the set was resolved here).
-            Some(pinned) => tokio::net::TcpStream::connect(pinned).await.and_then(|s| {
-                s.set_nodelay(true)?;
-                Ok(s)
-            }),
-            None => {
-                let proxy = Proxy::from_env(&self.edge.host).map_err(ConnectError::Proxy)?;
-                proxy::dial(&self.edge.host, self.edge.port, proxy.as_ref()).await
+            Some(pinned) => {
+                direct(async move {
+                    let s = tokio::net::TcpStream::connect(pinned).await?;
+                    s.set_nodelay(true)?;
+                    Ok(s)
+                })
+                .await
             }
+            None => match Proxy::from_env(&self.edge.host).map_err(ConnectError::Proxy)? {
+                None => direct(proxy::dial(&self.edge.host, self.edge.port, None)).await,
+                Some(p) => proxy::dial(&self.edge.host, self.edge.port, Some(&p)).await,
+            },
         };
         let tcp = dialed.map_err(|source| ConnectError::Dial { addr: self.edge.to_string(), source })?;
         let server_name = rustls_pki_types::ServerName::try_from(self.edge.host.clone())
@@ -289,6 +293,19 @@ impl Dialer {
     }
 }
 
+/// A direct dial (no proxy) within [`EDGE_CONNECT_TIMEOUT`].
+async fn direct(
+    dial: impl std::future::Future<Output = std::io::Result<tokio::net::TcpStream>>,
+) -> std::io::Result<tokio::net::TcpStream> {
+    match tokio::time::timeout(EDGE_CONNECT_TIMEOUT, dial).await {
+        Ok(r) => r,
+        Err(_) => Err(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("no answer within {EDGE_CONNECT_TIMEOUT:?}"),
+        )),
+    }
+}
+
 /// Turns a non-101 upgrade response into a [`ConnectError::Refused`] with the
 /// edge's reason.
 async fn refusal(resp: http::Response<hyper::body::Incoming>) -> ConnectError {
@@ -335,6 +352,39 @@ mod tests {
         let pinned = name.pinned("192.0.2.7:8443".parse().unwrap());
         assert_eq!(pinned.authority(), "edges.example.com:8443", "the name stays for TLS and Host");
         assert_eq!(pinned.to_string(), "edges.example.com:8443@192.0.2.7:8443");
+    }
+
+    /// An address that does not answer at all (a listener whose accept queue
+    /// is full drops SYNs, like a machine that is gone): the dial gives up
+    /// after EDGE_CONNECT_TIMEOUT, and that is a reason to probe.
+    #[tokio::test]
+    async fn an_edge_that_does_not_answer_times_out_soon() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let listener = socket.listen(0).unwrap();
+        let addr = listener.local_addr().unwrap();
+        // Fill the accept queue (nothing accepts).
+        let mut held = Vec::new();
+        while let Ok(Ok(s)) =
+            tokio::time::timeout(Duration::from_millis(300), tokio::net::TcpStream::connect(addr)).await
+        {
+            held.push(s);
+            assert!(held.len() < 64, "the accept queue never filled");
+        }
+        let dialer = Dialer {
+            edge: EdgeUrl::parse(&format!("https://{addr}")).unwrap(),
+            key: "culvert_t_x".into(),
+            agent_id: "test".into(),
+            tls: crate::tls::tunnel_client_config(None).unwrap(),
+            protocol: None,
+        };
+        let t0 = std::time::Instant::now();
+        let err = dialer.connect().await.err().expect("no connection");
+        assert!(matches!(&err, ConnectError::Dial { .. }) && err.is_unreachable(), "{err}");
+        let took = t0.elapsed();
+        assert!(took >= EDGE_CONNECT_TIMEOUT && took < HANDSHAKE_TIMEOUT, "{took:?}");
+        drop(listener);
     }
 
     #[test]
