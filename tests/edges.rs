@@ -202,12 +202,17 @@ struct Counts {
     /// Tried the next edge after a connection that broke before any response
     /// byte (the edge was killed with the request in flight).
     next_after_reset: AtomicU64,
+    /// Answered by edge A, B, C.
+    by_edge: [AtomicU64; 3],
+    /// Why connections broke (printed).
+    resets: std::sync::Mutex<Vec<String>>,
 }
 
 impl Counts {
     fn show(&self) -> String {
+        let by: Vec<u64> = self.by_edge.iter().map(|n| n.load(Ordering::Relaxed)).collect();
         format!(
-            "ok={} failed={} next-edge-after-refused={} next-edge-after-reset={}",
+            "ok={} failed={} next-edge-after-refused={} next-edge-after-reset={} answered-by-A/B/C={by:?}",
             self.ok.load(Ordering::Relaxed),
             self.failed.load(Ordering::Relaxed),
             self.next_after_refused.load(Ordering::Relaxed),
@@ -229,7 +234,8 @@ async fn get_via_any(
 ) -> Result<(), String> {
     let mut last = String::new();
     for i in 0..addrs.len() {
-        let addr = addrs[(first + i) % addrs.len()];
+        let index = (first + i) % addrs.len();
+        let addr = addrs[index];
         let tcp = match tokio::net::TcpStream::connect(addr).await {
             Ok(t) => t,
             Err(e) => {
@@ -252,7 +258,8 @@ async fn get_via_any(
             Ok(Ok(resp)) => resp,
             Ok(Err(e)) => {
                 counts.next_after_reset.fetch_add(1, Ordering::Relaxed);
-                last = format!("{addr}: {e}");
+                last = format!("{addr}: {e:?}");
+                counts.resets.lock().unwrap().push(last.clone());
                 continue;
             }
             Err(_) => return Err(format!("{addr}: no answer in 10 s")),
@@ -261,7 +268,10 @@ async fn get_via_any(
         let status = resp.status();
         let body = resp.into_body().collect().await.map_err(|e| format!("{addr}: body: {e}"))?.to_bytes();
         return match status {
-            StatusCode::OK => Ok(()),
+            StatusCode::OK => {
+                counts.by_edge[index].fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            }
             s => Err(format!("{addr}: {s} {}", String::from_utf8_lossy(&body))),
         };
     }
@@ -346,15 +356,18 @@ async fn no_request_fails_while_edges_are_killed_and_restarted() {
     b.proc.exited().await;
     b.restart().await;
     agent.line("Forwarding").await;
-    let after_restart = counts.ok.load(Ordering::Relaxed);
+    let (after_restart, b_before) =
+        (counts.ok.load(Ordering::Relaxed), counts.by_edge[1].load(Ordering::Relaxed));
     served(after_restart + 100).await;
     stop.store(true, Ordering::Relaxed);
     while workers.join_next().await.is_some() {}
     println!("after SIGTERM and restart of edge B: {}", counts.show());
+    println!("broken connections (retried on the next edge): {:?}", counts.resets.lock().unwrap());
 
     let errors = errors.lock().unwrap();
     assert_eq!(counts.failed.load(Ordering::Relaxed), 0, "failed requests: {errors:?}");
     assert!(counts.next_after_refused.load(Ordering::Relaxed) > 0, "the client met the dead edge");
+    assert!(counts.by_edge[1].load(Ordering::Relaxed) > b_before, "B serves again after its restart");
     drop(c);
 }
 
