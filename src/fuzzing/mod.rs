@@ -209,16 +209,22 @@ pub fn ws_read(stream: &[u8], role: crate::tunnel::ws::Role, sizes: &[u8], read_
     })
 }
 
-/// Target `ws_frames`: the first byte picks the role and the read size,
-/// the next 8 the delivery pieces, the rest is the stream.
+/// Target `ws_frames`: the first byte picks the role (bit 0: server or
+/// client) and the read size, the next 8 the sizes of the pieces the
+/// stream arrives in (0: not ready yet), the rest is the stream. What is
+/// read does not depend on the pieces.
 pub fn ws_frames(data: &[u8]) {
     let Some((&first, rest)) = data.split_first() else { return };
     let (sizes, stream) = rest.split_at(rest.len().min(8));
     let role = if first & 1 == 0 { crate::tunnel::ws::Role::Server } else { crate::tunnel::ws::Role::Client };
     let out = ws_read(stream, role, sizes, (first >> 1) as usize + 1);
     assert!(out.data.len() <= stream.len(), "no more payload than input");
-    // Pongs echo at most what pings carried; a close reply is 2-byte long.
-    assert!(out.written <= stream.len() + 16, "{} bytes written for {} read", out.written, stream.len());
+    // A pong echoes its ping's payload; the smallest ping (2 bytes, from
+    // the edge) gets a masked 6-byte pong: at most 3 times the input.
+    assert!(out.written <= 3 * stream.len() + 16, "{} bytes written for {} read", out.written, stream.len());
+    let whole = ws_read(stream, role, &[255], 4096);
+    assert!(whole.data == out.data, "the payload depends on how the stream was split");
+    assert_eq!(whole.error.map(|e| e.kind()), out.error.map(|e| e.kind()));
 }
 
 /// Target `htpasswd`: the input is `auth` text, a NUL, `token` text, a NUL,
