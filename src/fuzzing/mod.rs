@@ -20,7 +20,7 @@ use crate::agent::guard::Credentials;
 use crate::agent::pipe::ProxyHeader;
 use crate::api::{self, ApiKeyScope, PortRange};
 use crate::constants::API_PREFIX;
-use crate::edge::api::{ApiContext, EdgeHooks};
+use crate::edge::api::{ApiContext, EdgeHooks, names};
 use crate::edge::store::Store;
 
 mod oracle;
@@ -294,16 +294,16 @@ pub fn names(text: &str) {
             assert!(selector.matches(&api::Labels::from([(k, v)])));
         }
     }
-    if let Ok(host) = crate::edge::api::normalize_hostname(text) {
+    if let Ok(host) = names::normalize_hostname(text) {
         assert!(host.len() <= 253);
-        assert_eq!(crate::edge::api::normalize_hostname(&host).ok().as_deref(), Some(host.as_str()));
+        assert_eq!(names::normalize_hostname(&host).ok().as_deref(), Some(host.as_str()));
         assert_eq!(crate::edge::routes::normalize_host(&host), host);
     }
     let domain = "edge.example.com";
-    if let Ok(host) = crate::edge::api::subdomain(text, domain) {
-        assert_eq!(crate::edge::api::custom_or_subdomain(&host, domain).ok().map(|(_, h)| h), Some(host));
+    if let Ok(host) = names::subdomain(text, domain) {
+        assert_eq!(names::custom_or_subdomain(&host, domain).ok().map(|(_, h)| h), Some(host));
     }
-    let _ = crate::edge::api::custom_or_subdomain(text, domain);
+    let _ = names::custom_or_subdomain(text, domain);
     let _ = crate::edge::routes::normalize_host(text);
     let _ = crate::agent::guard::parse_size(text);
     if let Some(decoded) = crate::http::percent_decode(text) {

@@ -365,9 +365,9 @@ proptest! {
     #[test]
     fn host_names_normalise_once(name in host_name(), dot in any::<bool>()) {
         let given = if dot { format!("{name}.") } else { name.clone() };
-        if let Ok(host) = crate::edge::api::normalize_hostname(&given) {
+        if let Ok(host) = crate::edge::api::names::normalize_hostname(&given) {
             prop_assert_eq!(&host, &name.to_ascii_lowercase());
-            prop_assert_eq!(crate::edge::api::normalize_hostname(&host).unwrap(), host.clone());
+            prop_assert_eq!(crate::edge::api::names::normalize_hostname(&host).unwrap(), host.clone());
             prop_assert_eq!(crate::edge::routes::normalize_host(&format!("{given}:443")), host);
         } else {
             // Only one label, or an all-digit last label, is refused here.
