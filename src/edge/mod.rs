@@ -13,6 +13,7 @@ pub(crate) mod public;
 pub(crate) mod registry;
 pub(crate) mod routes;
 pub(crate) mod sni;
+pub mod status;
 pub(crate) mod store;
 pub(crate) mod tcp;
 
@@ -103,6 +104,8 @@ pub struct Edge {
     pub cert_files: Option<certfile::CertFiles>,
     /// ACME for custom domains (`--acme`).
     pub acme: Option<Arc<acme::Acme>>,
+    /// The status page: history, sessions, live views.
+    pub monitor: status::Monitor,
     routes: RwLock<Arc<RouteIndex>>,
     tcp: tcp::TcpListeners,
     /// Cancelled when the edge stops accepting public connections (SIGTERM:
@@ -311,6 +314,12 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
         certs,
         cert_files,
         acme: acme.clone(),
+        monitor: status::Monitor::new(
+            [("https", https_addr), ("http", http_addr), ("admin", admin_addr)]
+                .map(|(name, a)| status::model::Listener { name: name.into(), address: a.to_string() })
+                .into(),
+            args.public_status,
+        ),
         routes: RwLock::default(),
         tcp: tcp::TcpListeners::default(),
         shutdown,
@@ -323,6 +332,7 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
     tasks.spawn(public::serve_https(edge.clone(), https, tls_config));
     tasks.spawn(public::serve_redirect(edge.clone(), http));
     tasks.spawn(public::serve_admin(edge.clone(), admin));
+    tasks.spawn(status::sample(edge.clone()));
     if let Some(acme) = acme {
         tasks.spawn(acme.run());
     }

@@ -3,6 +3,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
 use hyper::client::conn::http2::SendRequest;
@@ -13,12 +14,24 @@ use crate::api::Protocol;
 use crate::tunnel::body::BoxBody;
 use crate::tunnel::ws::Control;
 
+/// Where an agent connection comes from (for the status page).
+#[derive(Debug, Clone)]
+pub struct Origin {
+    /// The agent's address as the edge sees it.
+    pub peer: SocketAddr,
+    /// The tunnel protocol version it spoke.
+    pub protocol_version: u32,
+    /// Unix seconds of the connection.
+    pub since: u64,
+}
+
 /// One agent connection.
 pub struct AgentConn {
     pub id: u64,
     pub key_id: String,
     pub reservation_id: String,
     pub agent_id: String,
+    pub origin: Origin,
     /// What the connection's key publishes.
     pub protocol: Protocol,
     pub sender: SendRequest<BoxBody>,
@@ -31,6 +44,11 @@ pub struct AgentConn {
 impl AgentConn {
     pub fn usable(&self) -> bool {
         !self.control.peer_is_draining() && !self.sender.is_closed() && !self.cancel.is_cancelled()
+    }
+
+    /// Streams open on this connection.
+    pub fn streams(&self) -> usize {
+        self.open_streams.load(Ordering::Relaxed)
     }
 }
 
@@ -79,6 +97,7 @@ impl Registry {
         key_id: String,
         reservation_id: String,
         agent_id: String,
+        origin: Origin,
         protocol: Protocol,
         sender: SendRequest<BoxBody>,
         control: Arc<Control>,
@@ -88,6 +107,7 @@ impl Registry {
             key_id,
             reservation_id: reservation_id.clone(),
             agent_id,
+            origin,
             protocol,
             sender,
             control,
@@ -121,6 +141,11 @@ impl Registry {
         conn.open_streams.fetch_add(1, Ordering::Relaxed);
         self.streams_open.inc();
         Some(StreamGuard { conn, gauge: self.streams_open.clone() })
+    }
+
+    /// Every connection, by reservation id.
+    pub fn connections(&self) -> HashMap<String, Vec<Arc<AgentConn>>> {
+        self.by_reservation.lock().expect("poisoned").clone()
     }
 
     /// Connections open with this tunnel key.
@@ -211,7 +236,8 @@ mod tests {
     }
 
     async fn add(r: &Registry, key: &str, reservation: &str, protocol: Protocol) -> Arc<AgentConn> {
-        r.add(key.into(), reservation.into(), "agent".into(), protocol, sender().await, Arc::default())
+        let origin = Origin { peer: "127.0.0.1:1".parse().unwrap(), protocol_version: 1, since: 0 };
+        r.add(key.into(), reservation.into(), "agent".into(), origin, protocol, sender().await, Arc::default())
     }
 
     #[tokio::test]
