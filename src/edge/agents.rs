@@ -101,8 +101,7 @@ pub async fn accept(edge: Arc<Edge>, mut req: Request<Incoming>, peer: SocketAdd
             let registered = edge.registry.add(
                 grant.key_id.clone(),
                 grant.reservation.id.clone(),
-                agent_id,
-                super::registry::Origin { peer, protocol_version, since: super::store::unix_now() },
+                super::registry::Origin { agent_id, peer, protocol_version, since: super::store::unix_now() },
                 grant.protocol,
                 sender,
                 control.clone(),

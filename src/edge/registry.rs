@@ -2,8 +2,8 @@
 //! to the connection with the fewest open streams that is not draining.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use hyper::client::conn::http2::SendRequest;
@@ -14,9 +14,11 @@ use crate::api::Protocol;
 use crate::tunnel::body::BoxBody;
 use crate::tunnel::ws::Control;
 
-/// Where an agent connection comes from (for the status page).
+/// Who an agent connection is and where it comes from (for the status page).
 #[derive(Debug, Clone)]
 pub struct Origin {
+    /// The agent's own id (`culvert-agent-id`), `-` when it sent none.
+    pub agent_id: String,
     /// The agent's address as the edge sees it.
     pub peer: SocketAddr,
     /// The tunnel protocol version it spoke.
@@ -30,7 +32,6 @@ pub struct AgentConn {
     pub id: u64,
     pub key_id: String,
     pub reservation_id: String,
-    pub agent_id: String,
     pub origin: Origin,
     /// What the connection's key publishes.
     pub protocol: Protocol,
@@ -96,7 +97,6 @@ impl Registry {
         &self,
         key_id: String,
         reservation_id: String,
-        agent_id: String,
         origin: Origin,
         protocol: Protocol,
         sender: SendRequest<BoxBody>,
@@ -106,7 +106,6 @@ impl Registry {
             id: self.next_id.fetch_add(1, Ordering::Relaxed),
             key_id,
             reservation_id: reservation_id.clone(),
-            agent_id,
             origin,
             protocol,
             sender,
@@ -236,8 +235,13 @@ mod tests {
     }
 
     async fn add(r: &Registry, key: &str, reservation: &str, protocol: Protocol) -> Arc<AgentConn> {
-        let origin = Origin { peer: "127.0.0.1:1".parse().unwrap(), protocol_version: 1, since: 0 };
-        r.add(key.into(), reservation.into(), "agent".into(), origin, protocol, sender().await, Arc::default())
+        let origin = Origin {
+            agent_id: "agent".into(),
+            peer: "127.0.0.1:1".parse().unwrap(),
+            protocol_version: 1,
+            since: 0,
+        };
+        r.add(key.into(), reservation.into(), origin, protocol, sender().await, Arc::default())
     }
 
     #[tokio::test]

@@ -19,7 +19,7 @@
 //! served at once. The assets are compiled in (no CDN, no build step).
 
 pub mod model;
-mod page;
+pub(crate) mod page;
 pub(crate) mod session;
 pub(crate) mod traffic;
 
@@ -97,6 +97,16 @@ impl Monitor {
             skipped: AtomicU64::new(0),
             bytes_sent: AtomicU64::new(0),
         }
+    }
+
+    /// Event streams open now.
+    pub fn events_open(&self) -> u64 {
+        (MAX_SUBSCRIBERS - self.subscribers.available_permits()) as u64
+    }
+
+    /// Bytes of events made for subscribers since the start.
+    pub fn events_bytes_sent(&self) -> u64 {
+        self.bytes_sent.load(Ordering::Relaxed)
     }
 
     fn events(&self) -> EventsStatus {
@@ -178,7 +188,7 @@ pub fn snapshot(edge: &Edge, limit: usize) -> Status {
                     .iter()
                     .take(MAX_AGENTS_LISTED)
                     .map(|c| AgentStatus {
-                        agent_id: c.agent_id.clone(),
+                        agent_id: c.origin.agent_id.clone(),
                         connection: c.id,
                         address: c.origin.peer.to_string(),
                         since: rfc3339(c.origin.since),
@@ -265,13 +275,15 @@ mod proc {
     /// Resident memory (bytes) against the cgroup's `memory.max`.
     pub fn memory() -> Usage {
         let used = std::fs::read_to_string("/proc/self/status").ok().and_then(|s| {
-            let kib: u64 = s.lines().find_map(|l| l.strip_prefix("VmRSS:"))?.split_whitespace().next()?.parse().ok()?;
+            let kib: u64 =
+                s.lines().find_map(|l| l.strip_prefix("VmRSS:"))?.split_whitespace().next()?.parse().ok()?;
             Some(kib * 1024)
         });
         // cgroup v2: "0::/path".
         let budget = std::fs::read_to_string("/proc/self/cgroup").ok().and_then(|c| {
             let path = c.lines().find_map(|l| l.strip_prefix("0::"))?;
-            let max = std::fs::read_to_string(format!("/sys/fs/cgroup{}/memory.max", path.trim_end())).ok()?;
+            let max =
+                std::fs::read_to_string(format!("/sys/fs/cgroup{}/memory.max", path.trim_end())).ok()?;
             max.trim().parse().ok()
         });
         Usage { used, budget }
@@ -311,7 +323,10 @@ impl Body for Events {
     type Data = Bytes;
     type Error = BoxError;
 
-    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = self.get_mut();
         if this.edge.stopped.is_cancelled() {
             return Poll::Ready(None);
@@ -322,7 +337,8 @@ impl Body for Events {
         let now = Instant::now();
         if let Some(last) = this.last {
             // Ticks that passed while the connection could not take more.
-            let missed = (now.duration_since(last).as_millis() / EVENT_INTERVAL.as_millis()).saturating_sub(1);
+            let missed =
+                (now.duration_since(last).as_millis() / EVENT_INTERVAL.as_millis()).saturating_sub(1);
             this.edge.monitor.skipped.fetch_add(missed as u64, Ordering::Relaxed);
         }
         this.last = Some(now);
@@ -381,27 +397,16 @@ const HTML: &str = "text/html; charset=utf-8";
 const JSON: &str = "application/json";
 const TEXT: &str = "text/plain; charset=utf-8";
 
-fn limit_of<B>(req: &Request<B>) -> Result<usize, Response<BoxBody>> {
-    let Some(q) = req.uri().query() else { return Ok(DEFAULT_LIMIT) };
+/// The `limit` query parameter; the error says what to send instead.
+pub fn limit_of(query: Option<&str>) -> Result<usize, String> {
     let mut limit = DEFAULT_LIMIT;
-    for kv in q.split('&').filter(|kv| !kv.is_empty()) {
+    for kv in query.unwrap_or_default().split('&').filter(|kv| !kv.is_empty()) {
         match kv.split_once('=') {
             Some(("limit", v)) => {
-                limit = v.parse().map_err(|_| {
-                    respond(
-                        StatusCode::BAD_REQUEST,
-                        TEXT,
-                        format!("limit must be a number of tunnels, 1 to {MAX_LIMIT}\n"),
-                    )
-                })?;
+                limit =
+                    v.parse().map_err(|_| format!("limit must be a number of tunnels, 1 to {MAX_LIMIT}"))?;
             }
-            _ => {
-                return Err(respond(
-                    StatusCode::BAD_REQUEST,
-                    TEXT,
-                    format!("unknown query {kv:?}; the only parameter is limit (1 to {MAX_LIMIT})\n"),
-                ));
-            }
+            _ => return Err(format!("unknown query {kv:?}; the only parameter is limit (1 to {MAX_LIMIT})")),
         }
     }
     Ok(limit.clamp(1, MAX_LIMIT))
@@ -420,9 +425,9 @@ fn serve_view(edge: &Arc<Edge>, req: &Request<Incoming>, side: Side, rest: &str)
         r.headers_mut().insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
         return r;
     }
-    let limit = match limit_of(req) {
+    let limit = match limit_of(req.uri().query()) {
         Ok(l) => l,
-        Err(r) => return r,
+        Err(e) => return respond(StatusCode::BAD_REQUEST, TEXT, format!("{e}\n")),
     };
     match rest {
         "" | "/" => {
@@ -521,7 +526,9 @@ async fn read_key(req: Request<Incoming>) -> Result<String, Response<BoxBody>> {
     let body = match tokio::time::timeout(API_BODY_TIMEOUT, limited.collect()).await {
         Ok(Ok(b)) => b.to_bytes(),
         Ok(Err(_)) => return Err(respond(StatusCode::PAYLOAD_TOO_LARGE, TEXT, "the form is too large\n")),
-        Err(_) => return Err(respond(StatusCode::REQUEST_TIMEOUT, TEXT, "the form did not arrive in time\n")),
+        Err(_) => {
+            return Err(respond(StatusCode::REQUEST_TIMEOUT, TEXT, "the form did not arrive in time\n"));
+        }
     };
     let body = String::from_utf8_lossy(&body);
     let key = body
@@ -563,7 +570,11 @@ pub async fn serve_public(edge: Arc<Edge>, req: Request<Incoming>) -> Response<B
     match rest {
         "/login" if req.method() == Method::POST => {
             if !same_origin(&req) {
-                return respond(StatusCode::FORBIDDEN, TEXT, "refused: the login form was sent from another site\n");
+                return respond(
+                    StatusCode::FORBIDDEN,
+                    TEXT,
+                    "refused: the login form was sent from another site\n",
+                );
             }
             let key = match read_key(req).await {
                 Ok(k) => k,
@@ -590,7 +601,9 @@ pub async fn serve_public(edge: Arc<Edge>, req: Request<Incoming>) -> Response<B
                     "This is a tunnel key: the status page needs an admin key.",
                 ),
                 Ok(ApiKeyAuth::Revoked(_)) => refused(StatusCode::UNAUTHORIZED, "This key was revoked."),
-                Ok(ApiKeyAuth::Unknown) => refused(StatusCode::UNAUTHORIZED, "Wrong key: the edge does not know it."),
+                Ok(ApiKeyAuth::Unknown) => {
+                    refused(StatusCode::UNAUTHORIZED, "Wrong key: the edge does not know it.")
+                }
                 Err(e) => {
                     tracing::error!(error = %e, "status page login: store failed");
                     refused(StatusCode::INTERNAL_SERVER_ERROR, "The edge's store failed; see its log.")
@@ -599,7 +612,11 @@ pub async fn serve_public(edge: Arc<Edge>, req: Request<Incoming>) -> Response<B
         }
         "/logout" if req.method() == Method::POST => {
             if !same_origin(&req) {
-                return respond(StatusCode::FORBIDDEN, TEXT, "refused: the logout was sent from another site\n");
+                return respond(
+                    StatusCode::FORBIDDEN,
+                    TEXT,
+                    "refused: the logout was sent from another site\n",
+                );
             }
             edge.monitor.sessions.close(req.headers());
             see_page(session::clear_cookie())

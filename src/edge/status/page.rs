@@ -104,7 +104,11 @@ fn edge_items(e: &EdgeStatus) -> String {
     };
     item("version", "Version", format!("{} (tunnel protocol {})", esc(&e.version), e.protocol_version));
     let draining = if e.draining { " <strong>draining</strong>" } else { "" };
-    item("uptime", "Uptime", format!("{} since {}{draining}", duration(e.uptime_seconds), esc(&e.started_at)));
+    item(
+        "uptime",
+        "Uptime",
+        format!("{} since {}{draining}", duration(e.uptime_seconds), esc(&e.started_at)),
+    );
     let mut listeners: Vec<String> =
         e.listeners.iter().map(|l| format!("{} {}", esc(&l.name), esc(&l.address))).collect();
     listeners.push(format!("{} TCP port{}", e.tcp_listeners, if e.tcp_listeners == 1 { "" } else { "s" }));
@@ -114,7 +118,11 @@ fn edge_items(e: &EdgeStatus) -> String {
     let store = match (&e.store.ok, &e.store.error) {
         (true, _) => format!("{}: ok ({:.1} ms)", esc(&e.store.engine), e.store.latency_ms),
         (false, err) => {
-            format!("{}: <strong>failing</strong>: {}", esc(&e.store.engine), esc(err.as_deref().unwrap_or("")))
+            format!(
+                "{}: <strong>failing</strong>: {}",
+                esc(&e.store.engine),
+                esc(err.as_deref().unwrap_or(""))
+            )
         }
     };
     item("store", "Store", store);
@@ -133,11 +141,7 @@ fn edge_items(e: &EdgeStatus) -> String {
         }
     };
     item("acme", "ACME", acme);
-    item(
-        "events",
-        "Live views",
-        format!("{} of {} open", e.events.subscribers, e.events.max_subscribers),
-    );
+    item("events", "Live views", format!("{} of {} open", e.events.subscribers, e.events.max_subscribers));
     out
 }
 
@@ -151,7 +155,9 @@ fn chart(h: &History) -> String {
         values
             .iter()
             .enumerate()
-            .map(|(i, v)| format!("{:.1},{:.1}", x0 + step * i as f64, ht - 1.0 - (ht - 2.0) * *v as f64 / max))
+            .map(|(i, v)| {
+                format!("{:.1},{:.1}", x0 + step * i as f64, ht - 1.0 - (ht - 2.0) * *v as f64 / max)
+            })
             .collect::<Vec<_>>()
             .join(" ")
     };
@@ -264,7 +270,9 @@ fn shown(s: &Status) -> String {
 pub fn render(s: &Status, base: &str, logout: bool) -> String {
     let rows: String = s.tunnels.iter().map(row).collect();
     let logout = if logout {
-        format!("<form method=\"post\" action=\"{base}/logout\"><button type=\"submit\">Log out</button></form>")
+        format!(
+            "<form method=\"post\" action=\"{base}/logout\"><button type=\"submit\">Log out</button></form>"
+        )
     } else {
         String::new()
     };
@@ -287,7 +295,8 @@ pub fn render(s: &Status, base: &str, logout: bool) -> String {
 
 /// The login form, with why the last try was refused.
 pub fn login(base: &str, message: Option<&str>) -> String {
-    let message = message.map(|m| format!("<p class=\"refused\" role=\"alert\">{}</p>", esc(m))).unwrap_or_default();
+    let message =
+        message.map(|m| format!("<p class=\"refused\" role=\"alert\">{}</p>", esc(m))).unwrap_or_default();
     fill(LOGIN, &[("base", esc(base)), ("message", message)])
 }
 

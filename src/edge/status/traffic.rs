@@ -117,6 +117,9 @@ impl Histories {
                 Some(track) => {
                     let s = Sample::between(&track.last, &now);
                     track.last = now;
+                    if track.samples.is_empty() && s.is_zero() {
+                        continue; // quiet: no history kept
+                    }
                     if track.samples.len() == POINTS {
                         track.samples.pop_front();
                     }
@@ -129,19 +132,26 @@ impl Histories {
                 }
             }
         }
-        // Counters that are gone, and tracks quiet for the whole window.
-        tracks.retain(|name, t| {
-            seen.contains(name) && (t.samples.len() < POINTS || t.samples.iter().any(|s| !s.is_zero()))
-        });
-        if tracks.len() > MAX_TUNNELS {
-            let mut by_weight: Vec<(u64, String)> = tracks
-                .iter()
-                .map(|(n, t)| (t.samples.iter().map(Sample::weight).fold(0, u64::saturating_add), n.clone()))
-                .collect();
-            by_weight.sort();
-            let drop = tracks.len() - MAX_TUNNELS;
-            for (_, name) in by_weight.into_iter().take(drop) {
-                tracks.remove(&name);
+        // Counters that are gone are forgotten; a history quiet for the whole
+        // window is dropped.
+        tracks.retain(|name, _| seen.contains(name));
+        for t in tracks.values_mut() {
+            if t.samples.len() == POINTS && t.samples.iter().all(Sample::is_zero) {
+                t.samples = VecDeque::new();
+            }
+        }
+        let mut busy: Vec<(u64, String)> = tracks
+            .iter()
+            .filter(|(_, t)| !t.samples.is_empty())
+            .map(|(n, t)| (t.samples.iter().map(Sample::weight).fold(0, u64::saturating_add), n.clone()))
+            .collect();
+        if busy.len() > MAX_TUNNELS {
+            busy.sort();
+            let quietest = busy.len() - MAX_TUNNELS;
+            for (_, name) in busy.into_iter().take(quietest) {
+                if let Some(t) = tracks.get_mut(&name) {
+                    t.samples = VecDeque::new();
+                }
             }
         }
     }
@@ -176,7 +186,7 @@ impl Histories {
 
     /// Tunnels with a history now.
     pub fn len(&self) -> usize {
-        self.tracks.lock().expect("poisoned").len()
+        self.tracks.lock().expect("poisoned").values().filter(|t| !t.samples.is_empty()).count()
     }
 }
 
@@ -198,7 +208,10 @@ mod tests {
         c.answered(StatusCode::BAD_GATEWAY);
         c.offline();
         let t = c.totals(3, 4);
-        assert_eq!((t.requests, t.errors4xx, t.errors5xx, t.offline, t.bytes_in, t.bytes_out), (2, 1, 1, 1, 3, 4));
+        assert_eq!(
+            (t.requests, t.errors4xx, t.errors5xx, t.offline, t.bytes_in, t.bytes_out),
+            (2, 1, 1, 1, 3, 4)
+        );
     }
 
     #[test]
@@ -218,12 +231,15 @@ mod tests {
         for _ in 0..POINTS {
             h.sample([("a".to_string(), t(10 + POINTS as u64 + 5, 0))]);
         }
-        h.sample([("a".to_string(), t(10 + POINTS as u64 + 5, 0))]);
-        assert_eq!(h.len(), 0);
+        assert!(h.of("a").0.requests.is_empty(), "a quiet window is dropped");
+        assert_eq!(h.weight("a"), 0);
         // Gone from the counters: forgotten.
         h.sample([("b".to_string(), t(1, 1))]);
+        h.sample([("b".to_string(), t(2, 1))]);
+        assert_eq!(h.len(), 1);
         h.sample([]);
         assert_eq!(h.len(), 0);
+        assert!(h.tracks.lock().unwrap().is_empty());
     }
 
     #[test]
