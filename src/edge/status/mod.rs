@@ -402,14 +402,18 @@ pub fn limit_of(query: Option<&str>) -> Result<usize, String> {
     let mut limit = DEFAULT_LIMIT;
     for kv in query.unwrap_or_default().split('&').filter(|kv| !kv.is_empty()) {
         match kv.split_once('=') {
-            Some(("limit", v)) => {
-                limit =
-                    v.parse().map_err(|_| format!("limit must be a number of tunnels, 1 to {MAX_LIMIT}"))?;
-            }
+            Some(("limit", v)) => limit = parse_limit(v)?,
             _ => return Err(format!("unknown query {kv:?}; the only parameter is limit (1 to {MAX_LIMIT})")),
         }
     }
-    Ok(limit.clamp(1, MAX_LIMIT))
+    Ok(limit)
+}
+
+/// A `limit` value: tunnels to list, clamped to 1..=[`MAX_LIMIT`].
+pub fn parse_limit(v: &str) -> Result<usize, String> {
+    let n: usize =
+        v.trim().parse().map_err(|_| format!("limit must be a number of tunnels, 1 to {MAX_LIMIT}"))?;
+    Ok(n.clamp(1, MAX_LIMIT))
 }
 
 /// The status document as JSON (also the control API's `GET status`).
@@ -551,6 +555,11 @@ fn see_page(set_cookie: String) -> Response<BoxBody> {
         r.headers_mut().insert(header::SET_COOKIE, v);
     }
     r
+}
+
+/// Is `path` the status page's on the public port (`/_culvert/status…`)?
+pub fn is_public_path(path: &str) -> bool {
+    path.strip_prefix(PUBLIC_BASE).is_some_and(|r| r.is_empty() || r.starts_with('/'))
 }
 
 /// `/_culvert/status…` on the public port of the edge's own domain.
