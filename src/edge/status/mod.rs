@@ -134,15 +134,22 @@ pub fn snapshot(edge: &Edge, limit: usize) -> Status {
     let monitor = &edge.monitor;
     let routes = edge.routes();
     let conns = edge.registry.connections();
-    let mut all: Vec<(bool, u64, String, &Reservation)> = routes
+    let mut all: Vec<(bool, (u64, u64), String, &Reservation)> = routes
         .all()
         .map(|r| {
             let name = name_of(r);
-            (conns.contains_key(&r.id), monitor.histories.weight(&name), name, r)
+            let ever = edge.metrics.tunnel(&name).map_or(0, |c| {
+                c.tunnel
+                    .totals(0, 0)
+                    .requests
+                    .saturating_add(c.inbound.get())
+                    .saturating_add(c.outbound.get())
+            });
+            (conns.contains_key(&r.id), (monitor.histories.weight(&name), ever), name, r)
         })
         .collect();
     let total = all.len();
-    // Connected first, then the busiest, then by name.
+    // Connected first, then the busiest (in the window, then since the start), then by name.
     all.sort_by(|a, b| b.0.cmp(&a.0).then(b.1.cmp(&a.1)).then_with(|| a.2.cmp(&b.2)));
     all.truncate(limit);
 
@@ -375,7 +382,8 @@ fn harden(mut r: Response<BoxBody>) -> Response<BoxBody> {
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     h.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
     h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
-    h.insert(header::REFERRER_POLICY, HeaderValue::from_static("no-referrer"));
+    // Not no-referrer: with it, browsers send `Origin: null` on the login post.
+    h.insert(header::REFERRER_POLICY, HeaderValue::from_static("same-origin"));
     h.insert(
         header::CONTENT_SECURITY_POLICY,
         HeaderValue::from_static(
