@@ -172,6 +172,10 @@ impl EdgeHooks for Hooks {
         self.0.upgrade().map_or(0, |e| e.registry.count_for_key(key_id))
     }
 
+    fn status(&self, limit: usize) -> Option<status::model::Status> {
+        self.0.upgrade().map(|e| status::snapshot(&e, limit))
+    }
+
     fn port_usable(&self, port: u16) -> bool {
         self.0.upgrade().is_none_or(|e| tcp::can_listen(SocketAddr::new(e.tcp_bind, port)))
     }

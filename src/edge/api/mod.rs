@@ -3,6 +3,7 @@
 //! | method | path | who |
 //! |---|---|---|
 //! | GET | `info` | any API key |
+//! | GET | `status` (`?limit=N`) | admin |
 //! | GET, POST | `domains` | admin, endpoints |
 //! | GET, DELETE | `domains/{hostname or label}` | admin, endpoints (own) |
 //! | GET, POST | `ports` | admin, endpoints |
@@ -19,8 +20,8 @@
 //! what to do.
 //!
 //! The router (this module) parses the path, the query and the JSON body and
-//! calls one handler per resource: [`info`], [`reservations`] (domains and
-//! ports), [`tunnel_keys`], [`api_keys`]. [`auth`] finds the caller's key and
+//! calls one handler per resource: [`info`], [`status`], [`reservations`]
+//! (domains and ports), [`tunnel_keys`], [`api_keys`]. [`auth`] finds the caller's key and
 //! its scope, [`names`] checks host names, [`error`] maps failures to
 //! responses.
 
@@ -30,6 +31,7 @@ mod error;
 mod info;
 mod names;
 mod reservations;
+mod status;
 #[cfg(test)]
 mod test_support;
 mod tunnel_keys;
@@ -58,6 +60,10 @@ pub trait EdgeHooks: Send + Sync + 'static {
     fn state_changed(&self);
     /// Agents connected now with this tunnel key.
     fn connections_for_key(&self, key_id: &str) -> usize;
+    /// The status document listing at most `limit` tunnels (`None`: the edge is gone).
+    fn status(&self, _limit: usize) -> Option<crate::edge::status::model::Status> {
+        None
+    }
     /// Can the edge listen on this TCP port (no other program holds it)?
     fn port_usable(&self, _port: u16) -> bool {
         true
@@ -101,6 +107,7 @@ where
 /// One routed call: the path segments after the prefix.
 enum Route {
     Info,
+    Status,
     Domains,
     Domain(String),
     Ports,
@@ -120,6 +127,7 @@ impl Route {
         let item = |s: &str| percent_decode(s).filter(|s| !s.is_empty());
         Some(match segments.as_slice() {
             ["info"] => Route::Info,
+            ["status"] => Route::Status,
             ["domains"] => Route::Domains,
             ["domains", host] => Route::Domain(item(host)?),
             ["ports"] => Route::Ports,
@@ -134,7 +142,7 @@ impl Route {
 
     fn allowed(&self) -> &'static str {
         match self {
-            Route::Info => "GET",
+            Route::Info | Route::Status => "GET",
             Route::Domains | Route::Ports | Route::TunnelKeys | Route::ApiKeys => "GET, POST",
             Route::Domain(_) | Route::Port(_) | Route::TunnelKey(_) | Route::ApiKey(_) => "GET, DELETE",
         }
@@ -150,7 +158,7 @@ where
     let caller = auth::authenticate(&ctx.store, req.headers())?;
     let route = Route::parse(&path).ok_or_else(|| ApiError::NotFound {
         message: format!(
-            "no API route {path}; routes are info, domains, ports, tunnel-keys and api-keys under {API_PREFIX}"
+            "no API route {path}; routes are info, status, domains, ports, tunnel-keys and api-keys under {API_PREFIX}"
         ),
     })?;
     let method = req.method().clone();
@@ -168,6 +176,10 @@ where
         (Route::Info, &Method::GET) => {
             query.only(&[])?;
             Ok(json_response(StatusCode::OK, &info::info(ctx, caller)))
+        }
+        (Route::Status, &Method::GET) => {
+            query.only(&["limit"])?;
+            status::get(ctx, &caller, query.get("limit"))
         }
         (Route::Domains, &Method::GET) => {
             query.only(&["selector"])?;
