@@ -494,7 +494,7 @@ impl Cdp {
 
     /// Waits until `expr` is truthy in the page (after a navigation, say).
     async fn until(&mut self, what: &str, expr: &str) -> Value {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
         loop {
             let r = self.call("Runtime.evaluate", json!({"expression": expr, "returnByValue": true})).await;
             let v = r["result"]["value"].clone();
@@ -509,7 +509,7 @@ impl Cdp {
                 .await;
             assert!(
                 tokio::time::Instant::now() < deadline,
-                "{what}: not met within 30 s; page: {}",
+                "{what}: not met within 90 s; page: {}",
                 page["result"]["value"]
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -628,7 +628,8 @@ async fn the_page_in_headless_chromium() {
             let _ = client
                 .get(&format!("{name}.edge.test"), &format!("/bytes?n={}", 2000 + (i * 7919) % 30000))
                 .await;
-            tokio::time::sleep(Duration::from_millis(40)).await;
+            // Bursts and lulls, for a chart with a shape.
+            tokio::time::sleep(Duration::from_millis(20 + (i / 40 % 6) * 25)).await;
         }
     });
     let profile = tempfile::tempdir().unwrap();
@@ -652,19 +653,25 @@ async fn the_page_in_headless_chromium() {
          return n('alpha.edge.test') > {a0} && n('beta.edge.test') > {b0}; }})()"
     );
     cdp.until("the counters to move without a reload", &moved).await;
-    // A chart with a few points of history, then the screenshot.
+    // A chart with a few points of history (for the README's screenshot a
+    // minute of it), then the screenshot.
+    let update = std::env::var_os("CULVERT_UPDATE_SCREENSHOT").is_some();
+    let points = if update { 14 } else { 3 };
     cdp.until(
         "a chart with history",
-        "[...document.querySelectorAll('tr[data-name=\"alpha.edge.test\"] polyline.requests')].some(p => p.getAttribute('points').split(' ').length >= 3)",
+        &format!(
+            "[...document.querySelectorAll('tr[data-name=\"alpha.edge.test\"] polyline.requests')]\
+             .some(p => p.getAttribute('points').split(' ').length >= {points})"
+        ),
     )
     .await;
     let shot = cdp.call("Page.captureScreenshot", json!({"format": "png"})).await;
     use base64::Engine;
     let png = base64::engine::general_purpose::STANDARD.decode(shot["data"].as_str().unwrap()).unwrap();
     assert!(png.starts_with(b"\x89PNG"), "a PNG");
-    let file = match std::env::var_os("CULVERT_UPDATE_SCREENSHOT") {
-        Some(_) => std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("docs/status-page.png"),
-        None => std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("status-page.png"),
+    let file = match update {
+        true => std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("docs/status-page.png"),
+        false => std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("status-page.png"),
     };
     std::fs::write(&file, &png).unwrap();
     eprintln!("screenshot: {}", file.display());

@@ -59,7 +59,7 @@
   }
 
   function chart(h) {
-    var w = 120, ht = 28, step = w / (Math.max(h.points, 2) - 1);
+    var w = 180, ht = 32, step = w / (Math.max(h.points, 2) - 1);
     function line(values) {
       var max = Math.max.apply(null, values.concat([1])), x0 = w - step * Math.max(values.length - 1, 0);
       return values.map(function (v, i) {
@@ -72,6 +72,7 @@
       ' per ' + h.intervalSeconds + ' s';
     return el('svg:svg', { 'class': 'chart', viewBox: '0 0 ' + w + ' ' + ht, width: w, height: ht, role: 'img', 'aria-label': label }, [
       el('svg:title', {}, [label]),
+      el('svg:line', { 'class': 'axis', x1: 0, y1: ht, x2: w, y2: ht }),
       el('svg:polyline', { 'class': 'bytes', points: line(total) }),
       el('svg:polyline', { 'class': 'requests', points: line(h.requests) })
     ]);

@@ -147,7 +147,7 @@ fn edge_items(e: &EdgeStatus) -> String {
 
 /// A small chart of requests (line) and bytes (area) per interval.
 fn chart(h: &History) -> String {
-    let (w, ht) = (120.0, 28.0);
+    let (w, ht) = (180.0, 32.0);
     let step = w / (h.points.max(2) - 1) as f64;
     let line = |values: &[u64]| -> String {
         let max = values.iter().copied().max().unwrap_or(0).max(1) as f64;
@@ -172,7 +172,8 @@ fn chart(h: &History) -> String {
     );
     format!(
         "<svg class=\"chart\" viewBox=\"0 0 {w} {ht}\" width=\"{w}\" height=\"{ht}\" role=\"img\" aria-label=\"{label}\">\
-         <title>{label}</title><polyline class=\"bytes\" points=\"{}\"/><polyline class=\"requests\" points=\"{}\"/></svg>",
+         <title>{label}</title><line class=\"axis\" x1=\"0\" y1=\"{ht}\" x2=\"{w}\" y2=\"{ht}\"/>\
+         <polyline class=\"bytes\" points=\"{}\"/><polyline class=\"requests\" points=\"{}\"/></svg>",
         line(&bytes_total),
         line(&h.requests),
     )
