@@ -271,6 +271,16 @@ async fn the_public_path_needs_an_admin_key() {
     let (s, body) = edge.client().get("alpha.edge.test", "/_culvert/status").await;
     assert_eq!((s, body.as_str()), (StatusCode::OK, "hello from backend"));
 
+    // A live view with the session; the logout below ends it.
+    let resp = edge
+        .client()
+        .send(net::DOMAIN, get_with("/_culvert/status/events", Some(&cookie)), false)
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut events = resp.into_body();
+    assert_eq!(read_events(&mut events, 1).await[0]["tunnelsTotal"], 4);
+
     // Logout ends the session.
     let logout = Request::post("/_culvert/status/logout")
         .header("cookie", &cookie)
@@ -280,6 +290,11 @@ async fn the_public_path_needs_an_admin_key() {
     let (s, h, _) = send(&edge, logout).await;
     assert_eq!(s, StatusCode::SEE_OTHER);
     assert!(h["set-cookie"].to_str().unwrap().contains("Max-Age=0"));
+    let ended = tokio::time::timeout(Duration::from_secs(10), async {
+        while let Some(Ok(_)) = events.frame().await {}
+    })
+    .await;
+    assert!(ended.is_ok(), "the live view ends with the session");
     assert_eq!(
         send(&edge, get_with("/_culvert/status/json", Some(&cookie))).await.0,
         StatusCode::UNAUTHORIZED

@@ -31,7 +31,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::header::{self, HeaderValue};
+use http::header::{self, HeaderMap, HeaderValue};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use hyper::body::{Body, Frame, Incoming};
@@ -323,6 +323,9 @@ struct Events {
     tick: tokio::time::Interval,
     last: Option<Instant>,
     seq: u64,
+    /// The public path: the request's cookie, checked before every event
+    /// (a logout or a revoked key ends the stream).
+    session: Option<HeaderMap>,
     _permit: OwnedSemaphorePermit,
 }
 
@@ -340,6 +343,11 @@ impl Body for Events {
         }
         if this.tick.poll_tick(cx).is_pending() {
             return Poll::Pending;
+        }
+        if let Some(headers) = &this.session
+            && session_key(&this.edge, headers).is_none()
+        {
+            return Poll::Ready(None);
         }
         let now = Instant::now();
         if let Some(last) = this.last {
@@ -460,7 +468,15 @@ fn serve_view(edge: &Arc<Edge>, req: &Request<Incoming>, side: Side, rest: &str)
             };
             let mut tick = tokio::time::interval(EVENT_INTERVAL);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-            let events = Events { edge: edge.clone(), limit, tick, last: None, seq: 0, _permit: permit };
+            let session = (side == Side::Public).then(|| {
+                let mut h = HeaderMap::new();
+                for v in req.headers().get_all(header::COOKIE) {
+                    h.append(header::COOKIE, v.clone());
+                }
+                h
+            });
+            let events =
+                Events { edge: edge.clone(), limit, tick, last: None, seq: 0, session, _permit: permit };
             let mut r = Response::new(body::boxed(events));
             r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
             harden(r)
@@ -492,8 +508,8 @@ pub fn serve_admin(edge: &Arc<Edge>, req: &Request<Incoming>) -> Option<Response
 
 /// The admin key id of the request's session, if it is open and its key is
 /// still a live admin key.
-fn session_key(edge: &Edge, req: &Request<Incoming>) -> Option<String> {
-    let id = edge.monitor.sessions.key_of(req.headers())?;
+fn session_key(edge: &Edge, headers: &HeaderMap) -> Option<String> {
+    let id = edge.monitor.sessions.key_of(headers)?;
     match edge.store.api_key(&id) {
         Ok(Some(k)) if k.revoked_at.is_none() && k.scope == ApiKeyScope::Admin => Some(id),
         Ok(_) => {
@@ -645,7 +661,7 @@ pub async fn serve_public(edge: Arc<Edge>, req: Request<Incoming>) -> Response<B
         }
         // The assets hold nothing secret (the login page uses the style).
         "/page.js" | "/page.css" => serve_view(&edge, &req, Side::Public, rest),
-        _ if session_key(&edge, &req).is_some() => serve_view(&edge, &req, Side::Public, rest),
+        _ if session_key(&edge, req.headers()).is_some() => serve_view(&edge, &req, Side::Public, rest),
         "" | "/" => login_page(StatusCode::UNAUTHORIZED, None),
         _ => respond(StatusCode::UNAUTHORIZED, TEXT, format!("log in first: {PUBLIC_BASE}\n")),
     }
