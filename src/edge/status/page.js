@@ -24,6 +24,7 @@
     if (m > 0) return m + 'm ' + (s % 60) + 's';
     return s + 's';
   }
+  function plural(n, what) { return n + ' ' + what + (n === 1 ? '' : 's'); }
   function rate(n) { return n === 0 ? '0' : n < 10 ? n.toFixed(1) : String(Math.round(n)); }
   function usage(u, fmt) {
     if (u.used == null) return ['unknown'];
@@ -47,7 +48,7 @@
     item('memory', 'Memory (RSS)', usage(e.memory, bytes));
     item('store', 'Store', e.store.ok ? [e.store.engine + ': ok (' + e.store.latencyMs.toFixed(1) + ' ms)']
       : [e.store.engine + ': ', el('strong', {}, ['failing']), ': ' + (e.store.error || '')]);
-    item('agents', 'Agents', [e.agentsConnected + ' connected, ' + e.streamsOpen + ' streams open']);
+    item('agents', 'Agents', [e.agentsConnected + ' connected, ' + plural(e.streamsOpen, 'stream') + ' open']);
     var acme = ['off'];
     if (e.acme) {
       acme = [e.acme.inFlight.length + ' in flight' + (e.acme.inFlight.length ? ': ' + e.acme.inFlight.join(', ') : '')];
@@ -91,7 +92,7 @@
     var agents = [el('span', { 'class': 'count' }, [String(t.agentsConnected)])];
     if (t.agents.length) {
       agents.push(el('ul', {}, t.agents.map(function (a) {
-        return el('li', {}, [a.agentId + ' · ' + a.address + ' · since ' + a.since + ' · v' + a.protocolVersion + ' · ' + a.streamsOpen + ' streams']);
+        return el('li', {}, [a.agentId + ' · ' + a.address + ' · since ' + a.since + ' · v' + a.protocolVersion + ' · ' + plural(a.streamsOpen, 'stream')]);
       })));
     }
     var tot = t.totals;

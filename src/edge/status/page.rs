@@ -73,6 +73,11 @@ pub fn duration(s: u64) -> String {
     }
 }
 
+/// `1 stream`, `2 streams`.
+fn plural(n: u64, what: &str) -> String {
+    format!("{n} {what}{}", if n == 1 { "" } else { "s" })
+}
+
 fn rate(n: f64) -> String {
     if n == 0.0 {
         "0".into()
@@ -126,7 +131,11 @@ fn edge_items(e: &EdgeStatus) -> String {
         }
     };
     item("store", "Store", store);
-    item("agents", "Agents", format!("{} connected, {} streams open", e.agents_connected, e.streams_open));
+    item(
+        "agents",
+        "Agents",
+        format!("{} connected, {} open", e.agents_connected, plural(e.streams_open, "stream")),
+    );
     let acme = match &e.acme {
         None => "off".to_string(),
         Some(a) => {
@@ -214,12 +223,12 @@ fn row(t: &TunnelStatus) -> String {
         for a in &t.agents {
             let _ = write!(
                 agents,
-                "<li>{} · {} · since {} · v{} · {} streams</li>",
+                "<li>{} · {} · since {} · v{} · {}</li>",
                 esc(&a.agent_id),
                 esc(&a.address),
                 esc(&a.since),
                 a.protocol_version,
-                a.streams_open
+                plural(a.streams_open, "stream")
             );
         }
         agents.push_str("</ul>");
