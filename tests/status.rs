@@ -327,9 +327,24 @@ async fn the_public_path_is_off_by_default() {
 async fn the_control_api_and_culvert_admin_status() {
     let (edge, _agents) = two_tunnels(|_| {}).await;
     traffic(&edge, "alpha", 2).await;
+    // A TCP port: connections count as requests.
+    let echo = net::tcp_echo().await;
+    let (port, key) = edge.tcp_tunnel_key().await;
+    let _tcp_agent = TestAgent::start(&edge, &key, Target::Tcp { addr: echo.to_string(), proxy: None }).await;
+    for _ in 0..3 {
+        let mut s = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+        s.write_all(b"ping").await.unwrap();
+        let mut got = [0u8; 4];
+        s.read_exact(&mut got).await.unwrap();
+    }
     let (s, doc) = edge.api("GET", "status", None).await;
     assert_eq!(s, StatusCode::OK, "{doc}");
     assert_eq!(tunnel(&doc, "alpha.edge.test")["totals"]["requests"], 2);
+    let tcp = tunnel(&doc, &format!(":{port}"));
+    assert_eq!((tcp["kind"].as_str(), tcp["agentsConnected"].as_u64()), (Some("tcp"), Some(1)));
+    assert_eq!(tcp["totals"]["requests"], 3);
+    assert_eq!(tcp["agents"][0]["protocol"], "tcp");
+    assert_eq!(doc["edge"]["tcpListeners"], 1);
     let (s, endpoints) =
         edge.api("POST", "api-keys", Some(json!({"name": "ops", "scope": "endpoints"}))).await;
     assert!(s.is_success());
