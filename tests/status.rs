@@ -491,6 +491,11 @@ struct Cdp {
 
 impl Cdp {
     async fn call(&mut self, method: &str, params: Value) -> Value {
+        self.try_call(method, params).await.unwrap_or_else(|e| panic!("{method}: {e}"))
+    }
+
+    /// A call; its error (a navigation that replaced the page, say) as `Err`.
+    async fn try_call(&mut self, method: &str, params: Value) -> Result<Value, Value> {
         use futures_util::SinkExt;
         use tokio_tungstenite::tungstenite::Message;
         self.next += 1;
@@ -509,8 +514,10 @@ impl Cdp {
             let Message::Text(text) = m else { continue };
             let v: Value = serde_json::from_str(&text).unwrap();
             if v["id"] == id {
-                assert!(v.get("error").is_none(), "{method}: {v}");
-                return v["result"].clone();
+                return match v.get("error") {
+                    Some(e) => Err(e.clone()),
+                    None => Ok(v["result"].clone()),
+                };
             }
         }
     }
@@ -522,26 +529,24 @@ impl Cdp {
         r["result"]["value"].clone()
     }
 
-    /// Waits until `expr` is truthy in the page (after a navigation, say).
+    /// Waits until `expr` is truthy in the page (after a navigation, say;
+    /// an evaluation cut by the navigation counts as "not yet").
     async fn until(&mut self, what: &str, expr: &str) -> Value {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
+        let eval = json!({"expression": expr, "returnByValue": true});
         loop {
-            let r = self.call("Runtime.evaluate", json!({"expression": expr, "returnByValue": true})).await;
-            let v = r["result"]["value"].clone();
-            if r.get("exceptionDetails").is_none() && !v.is_null() && v != json!(false) {
-                return v;
+            if let Ok(r) = self.try_call("Runtime.evaluate", eval.clone()).await {
+                let v = r["result"]["value"].clone();
+                if r.get("exceptionDetails").is_none() && !v.is_null() && v != json!(false) {
+                    return v;
+                }
             }
-            let page = self
-                .call(
-                    "Runtime.evaluate",
-                    json!({"expression": "document.body && document.body.innerText", "returnByValue": true}),
-                )
-                .await;
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "{what}: not met within 90 s; page: {}",
-                page["result"]["value"]
-            );
+            if tokio::time::Instant::now() >= deadline {
+                let text =
+                    json!({"expression": "document.body && document.body.innerText", "returnByValue": true});
+                let page = self.try_call("Runtime.evaluate", text).await;
+                panic!("{what}: not met within 90 s; page: {page:?}");
+            }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }

@@ -29,7 +29,7 @@ mod api_keys;
 mod auth;
 mod error;
 mod info;
-mod names;
+pub(crate) mod names;
 mod reservations;
 mod status;
 #[cfg(test)]
