@@ -43,9 +43,10 @@ pub async fn accept(edge: Arc<Edge>, mut req: Request<Incoming>, peer: SocketAdd
         (Some(true), Some(key), Some("13")) => key.to_string(),
         _ => return refuse(&edge, Refusal::NotWebSocket, peer),
     };
-    if let Err(r) = Refusal::check_version(header(&req, VERSION_HEADER)) {
-        return refuse(&edge, r, peer);
-    }
+    let protocol_version = match Refusal::check_version(header(&req, VERSION_HEADER)) {
+        Ok(v) => v,
+        Err(r) => return refuse(&edge, r, peer),
+    };
     let Some(secret) = header(&req, header::AUTHORIZATION)
         .and_then(|a| a.strip_prefix("Bearer ").or_else(|| a.strip_prefix("bearer ")))
         .map(str::trim)
@@ -101,7 +102,7 @@ pub async fn accept(edge: Arc<Edge>, mut req: Request<Incoming>, peer: SocketAdd
             let registered = edge.registry.add(
                 grant.key_id.clone(),
                 grant.reservation.id.clone(),
-                agent_id,
+                super::registry::Origin { agent_id, peer, protocol_version, since: super::store::unix_now() },
                 grant.protocol,
                 sender,
                 control.clone(),

@@ -82,6 +82,12 @@ pub struct EdgeArgs {
     #[arg(long, env = "CULVERT_PLAIN_HTTP", value_parser = clap::builder::BoolishValueParser::new())]
     pub plain_http: bool,
 
+    /// Also serve the status page on the public port, under /_culvert/status
+    /// of --domain, behind a login with an admin key (it is always on the
+    /// admin port, at /status).
+    #[arg(long, env = "CULVERT_PUBLIC_STATUS", value_parser = clap::builder::BoolishValueParser::new())]
+    pub public_status: bool,
+
     #[command(flatten)]
     pub acme: AcmeArgs,
 }

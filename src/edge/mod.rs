@@ -15,6 +15,7 @@ pub(crate) mod public;
 pub(crate) mod registry;
 pub(crate) mod routes;
 pub(crate) mod sni;
+pub mod status;
 pub(crate) mod store;
 pub(crate) mod tcp;
 
@@ -106,6 +107,8 @@ pub struct Edge {
     pub cert_files: Option<certfile::CertFiles>,
     /// ACME for custom domains (`--acme`).
     pub acme: Option<Arc<acme::Acme>>,
+    /// The status page: history, sessions, live views.
+    pub monitor: status::Monitor,
     routes: RwLock<Arc<RouteIndex>>,
     /// Reloads are numbered; one reads the store, then applies what it read
     /// unless a later one already did (the applied number is kept here).
@@ -194,6 +197,10 @@ impl EdgeHooks for Hooks {
 
     fn connections_for_key(&self, key_id: &str) -> usize {
         self.0.upgrade().map_or(0, |e| e.registry.count_for_key(key_id))
+    }
+
+    fn status(&self, limit: usize) -> Option<status::model::Status> {
+        self.0.upgrade().map(|e| status::snapshot(&e, limit))
     }
 
     fn port_usable(&self, port: u16) -> bool {
@@ -345,6 +352,12 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
         certs,
         cert_files,
         acme: acme.clone(),
+        monitor: status::Monitor::new(
+            [("https", https_addr), ("http", http_addr), ("admin", admin_addr)]
+                .map(|(name, a)| status::model::Listener { name: name.into(), address: a.to_string() })
+                .into(),
+            args.public_status,
+        ),
         routes: RwLock::default(),
         reloads: AtomicU64::new(0),
         reloaded: AtomicU64::new(0),
@@ -366,6 +379,7 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
     tasks.spawn(public::serve_https(edge.clone(), https, tls_config));
     tasks.spawn(public::serve_redirect(edge.clone(), http));
     tasks.spawn(public::serve_admin(edge.clone(), admin));
+    tasks.spawn(status::sample(edge.clone()));
     if let Some(acme) = acme {
         tasks.spawn(acme.run());
     }

@@ -80,6 +80,7 @@ pub fn edge_args(dir: &Path, https: SocketAddr, tcp_ports: PortRange) -> EdgeArg
         drain_seconds: 0,
         acme: Default::default(),
         plain_http: false,
+        public_status: false,
     }
 }
 

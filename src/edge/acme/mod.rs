@@ -325,6 +325,13 @@ impl Acme {
         self.config.own.as_ref().is_some_and(|o| o.record_key() == host)
     }
 
+    /// Host names whose DNS check or order runs now, sorted.
+    pub fn in_flight(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.in_flight.lock().expect("poisoned").iter().cloned().collect();
+        names.sort();
+        names
+    }
+
     /// Something changed (a reservation was made or released): scan now.
     pub fn wake(&self) {
         self.wake.notify_one();

@@ -3,6 +3,7 @@
 //! | method | path | who |
 //! |---|---|---|
 //! | GET | `info` | any API key |
+//! | GET | `status` (`?limit=N`) | admin |
 //! | GET, POST | `domains` | admin, endpoints |
 //! | GET, DELETE | `domains/{hostname or label}` | admin, endpoints (own) |
 //! | GET, POST | `ports` | admin, endpoints |
@@ -19,8 +20,8 @@
 //! what to do.
 //!
 //! The router (this module) parses the path, the query and the JSON body and
-//! calls one handler per resource: [`info`], [`reservations`] (domains and
-//! ports), [`tunnel_keys`], [`api_keys`]. [`auth`] finds the caller's key and
+//! calls one handler per resource: [`info`], [`status`], [`reservations`]
+//! (domains and ports), [`tunnel_keys`], [`api_keys`]. [`auth`] finds the caller's key and
 //! its scope, [`names`] checks host names, [`error`] maps failures to
 //! responses.
 
@@ -30,6 +31,7 @@ mod error;
 mod info;
 pub(crate) mod names;
 mod reservations;
+mod status;
 #[cfg(test)]
 mod test_support;
 mod tunnel_keys;
@@ -59,6 +61,10 @@ pub trait EdgeHooks: Send + Sync + 'static {
     fn state_changed(&self) -> futures_util::future::BoxFuture<'_, ()>;
     /// Agents connected now with this tunnel key.
     fn connections_for_key(&self, key_id: &str) -> usize;
+    /// The status document listing at most `limit` tunnels (`None`: the edge is gone).
+    fn status(&self, _limit: usize) -> Option<crate::edge::status::model::Status> {
+        None
+    }
     /// Can the edge listen on this TCP port (no other program holds it)?
     fn port_usable(&self, _port: u16) -> bool {
         true
@@ -102,6 +108,7 @@ where
 /// One routed call: the path segments after the prefix.
 enum Route {
     Info,
+    Status,
     Domains,
     Domain(String),
     Ports,
@@ -121,6 +128,7 @@ impl Route {
         let item = |s: &str| percent_decode(s).filter(|s| !s.is_empty());
         Some(match segments.as_slice() {
             ["info"] => Route::Info,
+            ["status"] => Route::Status,
             ["domains"] => Route::Domains,
             ["domains", host] => Route::Domain(item(host)?),
             ["ports"] => Route::Ports,
@@ -135,7 +143,7 @@ impl Route {
 
     fn allowed(&self) -> &'static str {
         match self {
-            Route::Info => "GET",
+            Route::Info | Route::Status => "GET",
             Route::Domains | Route::Ports | Route::TunnelKeys | Route::ApiKeys => "GET, POST",
             Route::Domain(_) | Route::Port(_) | Route::TunnelKey(_) | Route::ApiKey(_) => "GET, DELETE",
         }
@@ -151,7 +159,7 @@ where
     let caller = auth::authenticate(&ctx.store, req.headers()).await?;
     let route = Route::parse(&path).ok_or_else(|| ApiError::NotFound {
         message: format!(
-            "no API route {path}; routes are info, domains, ports, tunnel-keys and api-keys under {API_PREFIX}"
+            "no API route {path}; routes are info, status, domains, ports, tunnel-keys and api-keys under {API_PREFIX}"
         ),
     })?;
     let method = req.method().clone();
@@ -169,6 +177,10 @@ where
         (Route::Info, &Method::GET) => {
             query.only(&[])?;
             Ok(json_response(StatusCode::OK, &info::info(ctx, caller)))
+        }
+        (Route::Status, &Method::GET) => {
+            query.only(&["limit"])?;
+            status::get(ctx, &caller, query.get("limit"))
         }
         (Route::Domains, &Method::GET) => {
             query.only(&["selector"])?;
