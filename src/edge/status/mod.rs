@@ -155,7 +155,7 @@ pub fn snapshot(edge: &Edge, limit: usize) -> Status {
 
     let now = unix_now();
     let certificates = match &edge.acme {
-        Some(_) => edge.store.certificates().unwrap_or_else(|e| {
+        Some(_) => edge.store.engine().certificates().unwrap_or_else(|e| {
             tracing::warn!(error = %e, "status: failed to read the certificates");
             Vec::new()
         }),
@@ -231,9 +231,9 @@ pub fn snapshot(edge: &Edge, limit: usize) -> Status {
     });
 
     let started = Instant::now();
-    let store = edge.store.schema_version();
+    let store = edge.store.engine().schema_version();
     let store = StoreHealth {
-        engine: "sqlite".into(),
+        engine: edge.store.kind().into(),
         ok: store.is_ok(),
         latency_ms: started.elapsed().as_secs_f64() * 1000.0,
         error: store.err().map(|e| e.to_string()),
@@ -510,7 +510,7 @@ pub fn serve_admin(edge: &Arc<Edge>, req: &Request<Incoming>) -> Option<Response
 /// still a live admin key.
 fn session_key(edge: &Edge, headers: &HeaderMap) -> Option<String> {
     let id = edge.monitor.sessions.key_of(headers)?;
-    match edge.store.api_key(&id) {
+    match edge.store.engine().api_key(&id) {
         Ok(Some(k)) if k.revoked_at.is_none() && k.scope == ApiKeyScope::Admin => Some(id),
         Ok(_) => {
             edge.monitor.sessions.close_key(&id);
@@ -620,7 +620,7 @@ pub async fn serve_public(edge: Arc<Edge>, req: Request<Incoming>) -> Response<B
             if key.is_empty() {
                 return refused(StatusCode::UNAUTHORIZED, "Enter the edge's admin key.");
             }
-            match edge.store.authenticate_api_key(&key) {
+            match edge.store.authenticate_api_key(&key).await {
                 Ok(ApiKeyAuth::Valid(k)) if k.scope == ApiKeyScope::Admin => {
                     tracing::info!(key = %k.id, "status page login");
                     see_page(session::set_cookie(&edge.monitor.sessions.open(&k.id)))
