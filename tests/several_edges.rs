@@ -5,8 +5,9 @@
 //! - a name reserved on edge A is routed by edge B, to an agent connected to B;
 //! - a tunnel key revoked on A cuts the live tunnel on B within 1 s;
 //! - a TCP port reserved on A listens on B; released on A, B closes it;
-//! - PostgreSQL stopped under load: the edge keeps serving, changes are
-//!   refused with 503, and succeed once it is back;
+//! - PostgreSQL stopped under load: the edge keeps serving (and lets in an
+//!   agent that reconnects with a key it knows), changes are refused with
+//!   503, and succeed once it is back;
 //! - `culvert migrate-store`: an SQLite edge's data served from PostgreSQL.
 
 #[path = "support/net.rs"]
@@ -233,13 +234,9 @@ async fn postgres_down_the_edge_serves_what_it_knows_and_refuses_changes() {
         edge.api(&key, "POST", "tunnel-keys", Some(json!({"domain": host, "protocol": "http"}))).await;
     assert!(s.is_success(), "{k}");
     let backend = net::http_backend().await;
-    let agent = TestAgent::start_at(
-        &edge.url(),
-        &edge.ca_file,
-        k["secret"].as_str().unwrap(),
-        Target::http(backend.to_string()),
-    )
-    .await;
+    let secret = k["secret"].as_str().unwrap().to_string();
+    let agent =
+        TestAgent::start_at(&edge.url(), &edge.ca_file, &secret, Target::http(backend.to_string())).await;
     let client = edge.client();
     assert_eq!(client.get(&host, "/").await.0, StatusCode::OK);
 
@@ -266,6 +263,9 @@ async fn postgres_down_the_edge_serves_what_it_knows_and_refuses_changes() {
     assert_eq!(err["error"]["code"], "store_unavailable", "{err}");
     assert!(err["error"]["message"].as_str().unwrap().starts_with("the store is unavailable: "), "{err}");
     assert_eq!(client.get(&host, "/").await.0, StatusCode::OK, "still served with PostgreSQL down");
+    // An agent that reconnects meanwhile with a key this edge knows is let in.
+    let again =
+        TestAgent::start_at(&edge.url(), &edge.ca_file, &secret, Target::http(backend.to_string())).await;
 
     let up = pg.clone();
     tokio::task::spawn_blocking(move || up.start_again()).await.unwrap().unwrap();
@@ -281,6 +281,7 @@ async fn postgres_down_the_edge_serves_what_it_knows_and_refuses_changes() {
     let names: Vec<&str> =
         list["items"].as_array().unwrap().iter().map(|r| r["hostname"].as_str().unwrap()).collect();
     assert_eq!(names, ["blog.edge.test", "other.edge.test"], "{list}");
+    again.stop().await;
     agent.stop().await;
 }
 

@@ -11,7 +11,7 @@ use hyper_util::rt::TokioIo;
 use tracing::{Instrument, info, warn};
 
 use super::Edge;
-use super::store::TunnelKeyAuth;
+use super::store::{StoreError, TunnelKeyAuth};
 use crate::constants::{
     AGENT_ID_HEADER, MSG_READY, PUBLIC_URL_HEADER, TUNNEL_PROTOCOL_HEADER, VERSION_HEADER,
 };
@@ -54,9 +54,21 @@ pub async fn accept(edge: Arc<Edge>, mut req: Request<Incoming>, peer: SocketAdd
     else {
         return refuse(&edge, Refusal::MissingKey, peer);
     };
+    let digest = crate::edge::store::secret_digest(secret);
     let secret = secret.to_string();
     let grant = match edge.store.run(move |s| s.authenticate_tunnel_key(&secret)).await {
-        Ok(TunnelKeyAuth::Valid(grant)) => grant,
+        Ok(TunnelKeyAuth::Valid(grant)) => {
+            edge.known_grants.lock().expect("poisoned").insert(digest, grant.clone());
+            grant
+        }
+        // PostgreSQL down: a key this edge accepted before (and no reload
+        // has found revoked since) still opens its tunnel.
+        Err(StoreError::Unavailable(e))
+            if edge.known_grants.lock().expect("poisoned").contains_key(&digest) =>
+        {
+            warn!(error = %e, "the store is unavailable; accepting a tunnel key this edge knows");
+            edge.known_grants.lock().expect("poisoned")[&digest].clone()
+        }
         Ok(TunnelKeyAuth::Unknown) => return refuse(&edge, Refusal::UnknownKey, peer),
         Ok(TunnelKeyAuth::Revoked) => return refuse(&edge, Refusal::RevokedKey, peer),
         Ok(TunnelKeyAuth::NotATunnelKey) => return refuse(&edge, Refusal::NotATunnelKey, peer),

@@ -114,6 +114,10 @@ pub struct Edge {
     /// unless a later one already did (the applied number is kept here).
     reloads: AtomicU64,
     reloaded: AtomicU64,
+    /// Tunnel keys this edge accepted, by the SHA-256 of their secret: when
+    /// the store is unavailable, an agent that reconnects with one is still
+    /// let in. Forgotten when a reload no longer finds the key live.
+    pub(crate) known_grants: std::sync::Mutex<std::collections::HashMap<String, store::TunnelGrant>>,
     tcp: tcp::TcpListeners,
     /// Cancelled when the edge stops accepting public connections (SIGTERM:
     /// the drain begins).
@@ -174,7 +178,13 @@ impl Edge {
         }
         self.tcp.reconcile(self, index.ports().collect());
         match live {
-            Ok(live) => self.registry.close_invalid(&live, |id| index.contains_id(id)),
+            Ok(live) => {
+                self.known_grants
+                    .lock()
+                    .expect("poisoned")
+                    .retain(|_, g| live.contains(&g.key_id) && index.contains_id(&g.reservation.id));
+                self.registry.close_invalid(&live, |id| index.contains_id(id))
+            }
             Err(e) => error!(error = %e, "failed to list tunnel keys"),
         }
         if let Some(acme) = &self.acme {
@@ -361,6 +371,7 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
         routes: RwLock::default(),
         reloads: AtomicU64::new(0),
         reloaded: AtomicU64::new(0),
+        known_grants: Default::default(),
         tcp: tcp::TcpListeners::default(),
         shutdown,
         stopped: CancellationToken::new(),

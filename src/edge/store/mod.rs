@@ -45,7 +45,7 @@ pub mod pg;
 mod reservations;
 
 pub use certificates::{CertificateRecord, Certificates, StoredCertificateStatus};
-pub use keys::{ApiKeyAuth, Keys, TunnelKeyAuth};
+pub use keys::{ApiKeyAuth, Keys, TunnelGrant, TunnelKeyAuth};
 pub use reservations::Reservations;
 
 /// File name of the database inside the data directory.
@@ -795,6 +795,12 @@ fn random_bytes<const N: usize>() -> Result<[u8; N], StoreError> {
 /// A new secret: `prefix` + 64 hex digits of 32 random bytes.
 fn new_secret(prefix: &str) -> Result<String, StoreError> {
     Ok(format!("{prefix}{}", hex(&random_bytes::<32>()?)))
+}
+
+/// What the edge keeps in memory to recognise a secret it has seen (the
+/// same SHA-256 as the store's).
+pub fn secret_digest(secret: &str) -> String {
+    hash_secret(secret.trim())
 }
 
 /// SHA-256 of the whole secret (prefix included), hex.
