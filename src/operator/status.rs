@@ -345,4 +345,32 @@ impl Ctx {
         let key = (obj.meta().uid.clone().unwrap_or_default(), topic.to_string());
         self.reported.lock().expect("poisoned").remove(&key);
     }
+
+    /// Reports each topic's note ([`Ctx::report`]), or forgets the topics
+    /// without one ([`Ctx::forget`]), in order.
+    pub async fn report_all<K>(&self, obj: &K, notes: Vec<(String, Option<Note>)>)
+    where
+        K: Resource<DynamicType = ()>,
+    {
+        for (topic, note) in notes {
+            match note {
+                Some(n) => self.report(obj, &topic, n.warning, &n.reason, n.message).await,
+                None => self.forget(obj, &topic),
+            }
+        }
+    }
+}
+
+/// An event a reconcile decided on: Warning or Normal, a reason, a message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Note {
+    pub warning: bool,
+    pub reason: String,
+    pub message: String,
+}
+
+impl Note {
+    pub fn new(warning: bool, reason: impl Into<String>, message: impl Into<String>) -> Note {
+        Note { warning, reason: reason.into(), message: message.into() }
+    }
 }
