@@ -299,28 +299,12 @@ pub fn retry_soon<K: Resource>(kind: &str, obj: &K, e: &Error) -> Action {
     Action::requeue(std::time::Duration::from_secs(5))
 }
 
-/// Publishes an event about `obj`; failures to publish are only logged.
-pub async fn event<K>(ctx: &Context, obj: &K, warning: bool, reason: &str, note: String)
-where
-    K: Resource<DynamicType = ()>,
-{
-    let ev = Event {
-        type_: if warning { EventType::Warning } else { EventType::Normal },
-        reason: reason.into(),
-        note: Some(note),
-        action: "Reconcile".into(),
-        secondary: None,
-    };
-    if let Err(e) = ctx.recorder.publish(&ev, &obj.object_ref(&())).await {
-        tracing::debug!(error = %e, "failed to publish an event");
-    }
-}
-
-/// A controller's context: the operator's, and what was last reported, so
-/// events are published on transitions only (while this replica leads). The
-/// one reporting path of the controllers that have no status of their own
-/// to compare with (Ingress, Service); Domain, TcpPort and Tunnel report a
-/// change of their own conditions through [`event`].
+/// A controller's context: the operator's, and the one reporting path of
+/// every controller. [`Ctx::event`] publishes an event; [`Ctx::report`]
+/// publishes one on transitions only, from what was last reported (for the
+/// Ingress and Service controllers, which have no conditions of their own to
+/// compare with; Domain, TcpPort and Tunnel compare their conditions and call
+/// [`Ctx::event`] on a change).
 pub struct Ctx {
     pub base: Arc<Context>,
     /// (object uid, topic) → last event.
@@ -347,7 +331,24 @@ impl Ctx {
             }
             seen.insert(key, line);
         }
-        event(&self.base, obj, warning, reason, message).await;
+        self.event(obj, &Note::new(warning, reason, message)).await;
+    }
+
+    /// Publishes an event about `obj`; failures to publish are only logged.
+    pub async fn event<K>(&self, obj: &K, note: &Note)
+    where
+        K: Resource<DynamicType = ()>,
+    {
+        let ev = Event {
+            type_: if note.warning { EventType::Warning } else { EventType::Normal },
+            reason: note.reason.clone(),
+            note: Some(note.message.clone()),
+            action: "Reconcile".into(),
+            secondary: None,
+        };
+        if let Err(e) = self.base.recorder.publish(&ev, &obj.object_ref(&())).await {
+            tracing::debug!(error = %e, "failed to publish an event");
+        }
     }
 
     /// The topic is fine again: its next problem is reported.
