@@ -4,14 +4,8 @@
 //! inside a network namespace the test creates (Service endpoints may not be
 //! loopback addresses).
 
-#[path = "support/operator.rs"]
-mod fixture;
-#[path = "support/kube.rs"]
-mod kube_env;
-#[path = "support/net.rs"]
-mod net;
-#[path = "support/netns.rs"]
-mod netns;
+mod support;
+use support::{kube as kube_env, netns, operator as fixture};
 
 use std::net::SocketAddr;
 use std::time::Duration;

@@ -3,19 +3,8 @@
 //! namespace per test and an in-process operator watching only it; helpers to
 //! create objects, wait for events and statuses, and clean up.
 //!
-//! Include it after the modules it builds on:
-//!
-//! ```ignore
-//! #[path = "support/kube.rs"]
-//! mod kube_env;
-//! #[path = "support/net.rs"]
-//! mod net;
-//! #[path = "support/netns.rs"]
-//! mod netns;
-//! #[path = "support/operator.rs"]
-//! mod fixture;
-//! ```
-#![allow(dead_code)]
+//! Used as `support::operator` (see `support/mod.rs`); it builds on
+//! `support::kube`, `support::net` and `support::netns`.
 
 use std::time::Duration;
 
@@ -31,9 +20,9 @@ use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::kube_env::{self, TestNamespace, wait_until};
-use crate::net::TestEdge;
-use crate::netns::NetnsHost;
+use super::kube::{self as kube_env, TestNamespace, wait_until};
+use super::net::TestEdge;
+use super::netns::NetnsHost;
 
 pub const WAIT: Duration = Duration::from_secs(60);
 
