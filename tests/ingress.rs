@@ -309,8 +309,16 @@ async fn two_ingresses_share_a_host_and_conflicts_are_reported() {
 
     f.create::<Ingress>(ingress("first", Some(&class), &host, &[("/x", "Prefix", "a")])).await;
     f.wait_ingress_published("first", &host).await;
-    // Creation timestamps have a one-second resolution: "second" must be younger.
-    tokio::time::sleep(Duration::from_millis(1100)).await;
+    // Creation timestamps have a one-second resolution: "second" must be
+    // younger, so it is made once the clock has left the second "first" was
+    // made in (at once, mostly: publishing takes longer than that).
+    let made = f.api::<Ingress>().get("first").await.unwrap().metadata.creation_timestamp.unwrap().0;
+    let next_second = made.checked_add(k8s_openapi::jiff::SignedDuration::from_secs(1)).unwrap();
+    wait_until("a second after the first Ingress was made", WAIT, || async move {
+        Ok((k8s_openapi::jiff::Timestamp::now() >= next_second).then_some(()))
+    })
+    .await
+    .unwrap();
     f.create::<Ingress>(ingress(
         "second",
         Some(&class),
