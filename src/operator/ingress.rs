@@ -15,9 +15,10 @@
 //! last one, and their own finalizers release the reservation and revoke the
 //! key. No finalizer is put on the Ingress.
 //!
-//! Phases: read (fresh lists of the namespace's Ingresses, Tunnels and
-//! Domains) → translate and merge (pure, below) → apply the Domain and Tunnel
-//! of each host → Ingress status and events.
+//! Phases: observe (fresh lists of the namespace's IngressClasses,
+//! Ingresses, Tunnels and Domains) → plan (pure: translate, merge, and what
+//! each host needs) → execute (the Domain and Tunnel of each host) → report
+//! (pure: the Ingress status and events) → write the status → events.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;

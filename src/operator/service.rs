@@ -15,6 +15,10 @@
 //! their finalizers release the ports (unless `culvert.dev/reclaim-policy:
 //! Retain`); a Service that stops being managed (type, class, annotation) has
 //! them deleted here, and its annotation and status withdrawn.
+//!
+//! Phases: observe (the TcpPorts and Tunnels made for the Service) → plan
+//! (pure: nothing, withdraw, or publish each port) → execute (the children)
+//! → report (pure: the annotation, status and events) → write them.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
