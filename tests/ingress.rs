@@ -357,7 +357,8 @@ async fn ingress_classes_and_the_default_class() {
     let theirs = format!("nginx-{}", f.suffix());
     f.ingress_class(&ours, CONTROLLER, false).await;
     f.ingress_class(&theirs, "k8s.io/ingress-nginx", false).await;
-    let (stop, task) = f.operator();
+    let (args, admin) = fixture::serving_metrics(f.args("solo"));
+    let (stop, task) = f.operator_with(args);
     let host = |n: &str| format!("{n}{}.edge.test", f.suffix());
 
     // Made before any class is default: stays class-less.
@@ -366,8 +367,10 @@ async fn ingress_classes_and_the_default_class() {
     f.create::<Ingress>(ingress("mine", Some(&ours), &host("m"), &[("/", "Prefix", "a")])).await;
     f.wait_ingress_published("mine", &host("m")).await;
     f.get_until(&host("m"), "/", |s, b| s == StatusCode::OK && b == "A /").await;
-    // Reconciled by now (same operator, same namespace) and left alone.
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Reconciled, and left alone.
+    for name in ["classless", "other"] {
+        f.wait_reconciled(admin, "Ingress", &f.ns.name, name).await;
+    }
     assert_eq!(f.api::<Tunnel>().list(&Default::default()).await.unwrap().items.len(), 1, "only `mine`");
     for name in ["classless", "other"] {
         let i = f.api::<Ingress>().get(name).await.unwrap();
@@ -650,12 +653,15 @@ async fn which_load_balancers_are_managed() {
         args.watch_namespace = Some(SYSTEM_NS.into());
         args.namespace = SYSTEM_NS.into();
         args.manage_classless_load_balancers = manage_classless;
-        f.operator_with(args)
+        let (args, admin) = fixture::serving_metrics(args);
+        let (stop, task) = f.operator_with(args);
+        (stop, task, admin)
     };
 
     // Default: our class and the annotated "1" only, in every namespace.
-    let (stop, task) = f.operator();
-    let (sys_stop, sys_task) = system_operator(false);
+    let (args, admin) = fixture::serving_metrics(f.args("solo"));
+    let (stop, task) = f.operator_with(args);
+    let (sys_stop, sys_task, sys_admin) = system_operator(false);
     for name in ["optin", "classed"] {
         wait_until(&format!("{name} published"), WAIT, || async { Ok(published(name).await.then_some(())) })
             .await
@@ -666,8 +672,11 @@ async fn which_load_balancers_are_managed() {
     })
     .await
     .unwrap();
-    // Both operators have reconciled every Service by now (one resync is 1 s).
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Both operators have reconciled the Services they leave alone.
+    for name in ["plain", "optout", "foreign"] {
+        f.wait_reconciled(admin, "Service", &f.ns.name, name).await;
+    }
+    f.wait_reconciled(sys_admin, "Service", SYSTEM_NS, &ks_plain).await;
     for name in ["plain", "optout", "foreign"] {
         assert!(!published(name).await, "{name} is not managed by default");
         assert!(f.api::<Tunnel>().get_opt(&format!("lb-{name}-7000")).await.unwrap().is_none());
@@ -682,12 +691,16 @@ async fn which_load_balancers_are_managed() {
     // but never kube-system's without the annotation.
     let mut args = f.args("classless");
     args.manage_classless_load_balancers = true;
+    let (args, admin) = fixture::serving_metrics(args);
     let (stop, task) = f.operator_with(args);
-    let (sys_stop, sys_task) = system_operator(true);
+    let (sys_stop, sys_task, sys_admin) = system_operator(true);
     wait_until("plain published", WAIT, || async { Ok(published("plain").await.then_some(())) })
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    for name in ["optout", "foreign"] {
+        f.wait_reconciled(admin, "Service", &f.ns.name, name).await;
+    }
+    f.wait_reconciled(sys_admin, "Service", SYSTEM_NS, &ks_plain).await;
     for name in ["optout", "foreign"] {
         assert!(!published(name).await, "{name} is not managed");
     }

@@ -702,7 +702,7 @@ fn passthrough_backend(
 async fn reconcile(ing: Arc<Ingress>, ctx: Arc<Ctx>) -> Result<Action, Error> {
     let ns = ing.namespace().unwrap_or_default();
     let span = tracing::info_span!("reconcile", kind = "Ingress", namespace = %ns, name = %ing.name_any());
-    ctx.base.metrics.measure("Ingress", apply(ing.clone(), &ctx, &ns).instrument(span)).await
+    ctx.base.metrics.measure("Ingress", &*ing, apply(ing.clone(), &ctx, &ns).instrument(span)).await
 }
 
 /// What a reconcile writes after the hosts: the Ingress's status, its

@@ -611,7 +611,7 @@ async fn apply(svc: Arc<Service>, ctx: &Ctx, ns: &str) -> Result<Action, Error> 
 async fn reconcile(svc: Arc<Service>, ctx: Arc<Ctx>) -> Result<Action, Error> {
     let ns = svc.namespace().unwrap_or_default();
     let span = tracing::info_span!("reconcile", kind = "Service", namespace = %ns, name = %svc.name_any());
-    ctx.base.metrics.measure("Service", apply(svc.clone(), &ctx, &ns).instrument(span)).await
+    ctx.base.metrics.measure("Service", &*svc, apply(svc.clone(), &ctx, &ns).instrument(span)).await
 }
 
 fn error_policy(obj: Arc<Service>, e: &Error, _ctx: Arc<Ctx>) -> Action {

@@ -30,11 +30,15 @@ use crate::tunnel::body;
 
 type Labels = Vec<(&'static str, String)>;
 
-/// The operator's metrics (one registry; never labelled by object name).
+/// The operator's metrics (one registry; only `object_reconciles` is
+/// labelled by object name).
 #[derive(Clone)]
 pub struct Metrics {
     registry: Arc<Registry>,
     reconciles: Family<Labels, Counter>,
+    /// Reconciles by object: what tests wait on before asserting that
+    /// nothing happened to an object.
+    object_reconciles: Family<Labels, Counter>,
     failures: Family<Labels, Counter>,
     durations: Family<Labels, Histogram>,
     pub tunnels_connected: Gauge,
@@ -50,6 +54,12 @@ impl Default for Metrics {
         let mut r = Registry::with_prefix("culvert_operator");
         let reconciles = Family::<Labels, Counter>::default();
         r.register("reconciles", "Reconcile runs by kind", reconciles.clone());
+        let object_reconciles = Family::<Labels, Counter>::default();
+        r.register(
+            "object_reconciles",
+            "Reconcile runs by kind, namespace and name",
+            object_reconciles.clone(),
+        );
         let failures = Family::<Labels, Counter>::default();
         r.register("reconcile_failures", "Failed reconciles by kind and error category", failures.clone());
         let durations = Family::<Labels, Histogram>::new_with_constructor(|| {
@@ -73,6 +83,7 @@ impl Default for Metrics {
         Metrics {
             registry: Arc::new(r),
             reconciles,
+            object_reconciles,
             failures,
             durations,
             tunnels_connected,
@@ -84,15 +95,23 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    /// Runs one reconcile of a `kind` object and records its count, duration
-    /// and failure category.
-    pub async fn measure<T>(
+    /// Runs one reconcile of the `kind` object `obj` and records its count,
+    /// duration and failure category.
+    pub async fn measure<T, K: Resource>(
         &self,
         kind: &'static str,
+        obj: &K,
         reconcile: impl std::future::Future<Output = Result<T, super::Error>>,
     ) -> Result<T, super::Error> {
         let started = std::time::Instant::now();
         let result = reconcile.await;
+        let meta = obj.meta();
+        let object = vec![
+            ("kind", kind.to_string()),
+            ("namespace", meta.namespace.clone().unwrap_or_default()),
+            ("name", meta.name.clone().unwrap_or_default()),
+        ];
+        self.object_reconciles.get_or_create(&object).inc();
         self.reconciled(
             kind,
             started.elapsed().as_secs_f64(),
@@ -277,6 +296,7 @@ where
 {
     let namespace = obj.namespace().unwrap_or_default();
     let api: Api<K> = Api::namespaced(ctx.client.clone(), &namespace);
+    let measured = obj.clone();
     let span = tracing::info_span!("reconcile", kind, namespace = %namespace, name = %obj.name_any());
     let reconcile = async {
         let Some(obj) = fresh_for_finalizer(&api, obj).await? else { return Ok(Action::await_change()) };
@@ -290,7 +310,7 @@ where
         .map_err(|e| Error::Finalizer(Box::new(e)))
     }
     .instrument(span);
-    ctx.metrics.measure(kind, reconcile).await
+    ctx.metrics.measure(kind, &*measured, reconcile).await
 }
 
 /// The error policy of those controllers: log, and try again in 5 seconds.
