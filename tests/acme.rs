@@ -12,8 +12,8 @@
 //! DNS-01 for the edge's own wildcard runs against a real BIND (`named`,
 //! scripts/deps installs bind9 and dnsutils) that pebble resolves through.
 
-#[path = "support/net.rs"]
-mod net;
+mod support;
+use support::net;
 
 use std::collections::{HashMap, HashSet};
 use std::net::{Ipv4Addr, SocketAddr};

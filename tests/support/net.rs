@@ -1,11 +1,6 @@
 //! Test support for tunnel tests: an in-process edge with a self-signed CA on
 //! 127.0.0.1 port 0, real backends, agents, and HTTPS clients.
-//!
-//! ```ignore
-//! #[path = "support/net.rs"]
-//! mod net;
-//! ```
-#![allow(dead_code)]
+//! Used as `support::net` (see `support/mod.rs`).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
