@@ -10,10 +10,8 @@
 //!   503, and succeed once it is back;
 //! - `culvert migrate-store`: an SQLite edge's data served from PostgreSQL.
 
-#[path = "support/net.rs"]
-mod net;
-#[path = "support/postgres.rs"]
-mod postgres;
+mod support;
+use support::{net, postgres};
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

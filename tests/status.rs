@@ -4,8 +4,8 @@
 //! `culvert admin status`, the bounds (many tunnels, a client that never
 //! reads), and the page in headless Chromium.
 
-#[path = "support/net.rs"]
-mod net;
+mod support;
+use support::net;
 
 use std::net::SocketAddr;
 use std::time::Duration;

@@ -19,3 +19,5 @@ pub mod net;
 pub mod netns;
 /// The operator fixture (needs `kube`, `net` and `netns`).
 pub mod operator;
+/// A real PostgreSQL from Debian on 127.0.0.1 (also used by the store suite in the lib).
+pub mod postgres;

@@ -9,8 +9,8 @@
 //! stderr, or fails when `CI` is set. `scripts/deps` installs it.
 //!
 //! ```ignore
-//! #[path = "support/postgres.rs"]
-//! mod postgres;
+//! mod support;
+//! use support::postgres;
 //! let pg = postgres::Postgres::shared().unwrap(); // None: skipped
 //! let url = pg.fresh_database();
 //! ```
