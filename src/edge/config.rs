@@ -134,6 +134,10 @@ pub struct AcmeArgs {
     #[arg(long = "acme-dns01-tsig-secret", env = "CULVERT_ACME_DNS01_TSIG_SECRET", hide_env_values = true)]
     pub dns01_tsig_secret: Option<String>,
 
+    /// rfc2136: read the TSIG secret from this file instead (wins over --acme-dns01-tsig-secret).
+    #[arg(long = "acme-dns01-tsig-secret-file", env = "CULVERT_ACME_DNS01_TSIG_SECRET_FILE")]
+    pub dns01_tsig_secret_file: Option<PathBuf>,
+
     /// rfc2136: the TSIG key's algorithm.
     #[arg(long = "acme-dns01-tsig-algorithm", env = "CULVERT_ACME_DNS01_TSIG_ALGORITHM", value_enum, default_value_t = TsigAlgorithm::HmacSha256)]
     pub dns01_tsig_algorithm: TsigAlgorithm,
@@ -184,6 +188,7 @@ impl Default for AcmeArgs {
             dns01_zone: None,
             dns01_tsig_key: None,
             dns01_tsig_secret: None,
+            dns01_tsig_secret_file: None,
             dns01_tsig_algorithm: TsigAlgorithm::HmacSha256,
             dns01_hook: None,
             dns01_propagation_seconds: 0,

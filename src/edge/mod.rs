@@ -353,13 +353,18 @@ async fn watch_certificate(edge: Arc<Edge>, every: Duration) {
     }
 }
 
+/// Creates the data dir with mode 0700, or tightens an existing one to 0700
+/// (it holds the admin key and the store).
 fn create_private_dir(path: &std::path::Path) -> Result<(), EdgeError> {
-    use std::os::unix::fs::DirBuilderExt;
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(path)
-        .map_err(|source| EdgeError::DataDir { path: path.into(), source })
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    let err = |source| EdgeError::DataDir { path: path.into(), source };
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(path).map_err(err)?;
+    let mode = std::fs::metadata(path).map_err(err)?.permissions().mode() & 0o777;
+    if mode != 0o700 {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o700)).map_err(err)?;
+        warn!(dir = %path.display(), was = format!("{mode:o}"), "tightened the data dir to mode 700");
+    }
+    Ok(())
 }
 
 /// `culvert edge`: runs until SIGINT/SIGTERM; SIGHUP reloads the certificate files.

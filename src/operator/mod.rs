@@ -121,9 +121,19 @@ pub struct OperatorArgs {
     /// The edge's URL, e.g. https://edge.example.com.
     #[arg(long, env = "CULVERT_EDGE")]
     pub edge: String,
-    /// An API key of scope `endpoints` (it cannot carry traffic).
-    #[arg(long, env = "CULVERT_API_KEY", hide_env_values = true)]
+    /// An API key of scope `endpoints` (it cannot carry traffic). Prefer
+    /// --api-key-file or the environment: a flag is visible to every local user.
+    #[arg(
+        long,
+        env = "CULVERT_API_KEY",
+        hide_env_values = true,
+        default_value = "",
+        hide_default_value = true
+    )]
     pub api_key: String,
+    /// Read the API key from this file (a mounted Secret); wins over --api-key.
+    #[arg(long, env = "CULVERT_API_KEY_FILE")]
+    pub api_key_file: Option<PathBuf>,
     /// Trust this PEM CA instead of the built-in Mozilla roots.
     #[arg(long, env = "CULVERT_CA_FILE")]
     pub ca_file: Option<PathBuf>,
@@ -372,7 +382,7 @@ pub fn edge_start_error(e: &crate::api_client::ClientError, edge: &str, place: P
         E::CaFile(err) => {
             format!("cannot load the edge's CA certificate ({err}): {ca} must hold PEM certificates")
         }
-        E::BadEdge(_) => format!("{e}: set {url}"),
+        E::BadEdge(_) | E::PlainHttp(_) => format!("{e}: set {url}"),
     }
 }
 
@@ -401,7 +411,12 @@ pub async fn start(client: Client, args: OperatorArgs, shutdown: CancellationTok
     check_crds(&client, args.watch_namespace.as_deref()).await.map_err(anyhow::Error::msg)?;
     let place = Place::detect();
     let advice = |e: crate::api_client::ClientError| anyhow::anyhow!(edge_start_error(&e, &args.edge, place));
-    let edge = EdgeClient::new(&args.edge, &args.api_key, args.ca_file.as_deref()).map_err(advice)?;
+    let api_key =
+        crate::secret::key_from(Some(&args.api_key), args.api_key_file.as_deref(), "--api-key-file")?
+            .ok_or_else(|| {
+                anyhow::anyhow!("no API key given: pass --api-key-file FILE or set CULVERT_API_KEY")
+            })?;
+    let edge = EdgeClient::new(&args.edge, &api_key, args.ca_file.as_deref()).map_err(advice)?;
     let info = edge.check().await.map_err(advice)?;
     let cluster_id = Api::<Namespace>::all(client.clone())
         .get("kube-system")

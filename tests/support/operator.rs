@@ -99,6 +99,7 @@ impl Fixture {
         OperatorArgs {
             edge: self.edge.url(),
             api_key: self.endpoints_key.clone(),
+            api_key_file: None,
             ca_file: Some(self.edge.ca_file.clone()),
             namespace: self.ns.name.clone(),
             identity: Some(identity.into()),

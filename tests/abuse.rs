@@ -1,0 +1,202 @@
+//! The edge under attack (issue 18), on 127.0.0.1: each hole found by probing
+//! the edge has a test here that failed before its fix. The edge runs as a
+//! real process where its file descriptors, RSS and resource limits matter
+//! (read from /proc/PID), in this process otherwise.
+
+#[path = "support/net.rs"]
+mod net;
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, BufReader, Lines};
+use tokio::process::{Child, ChildStdout, Command};
+
+const BIN: &str = env!("CARGO_BIN_EXE_culvert");
+
+/// A `culvert edge` process with a self-signed CA.
+#[allow(dead_code)]
+struct EdgeProc {
+    child: Child,
+    _lines: Lines<BufReader<ChildStdout>>,
+    https: String,
+    ca: PathBuf,
+    admin_key_file: PathBuf,
+    admin_key: String,
+    tcp_ports: culvert::api::PortRange,
+}
+
+#[allow(dead_code)]
+impl EdgeProc {
+    /// Starts an edge on `dir`; `nofile` lowers RLIMIT_NOFILE (soft and hard) first.
+    async fn start(dir: &Path, nofile: Option<u64>, extra: &[&str]) -> EdgeProc {
+        let tcp_ports = net::free_port_range(4);
+        let mut cmd = Command::new(BIN);
+        cmd.args(["edge", "--domain", net::DOMAIN, "--data-dir", dir.to_str().unwrap(), "--self-signed"])
+            .args([
+                "--https-addr",
+                "127.0.0.1:0",
+                "--http-addr",
+                "127.0.0.1:0",
+                "--admin-addr",
+                "127.0.0.1:0",
+            ])
+            .args([
+                "--tcp-ports",
+                &tcp_ports.to_string(),
+                "--tcp-bind",
+                "127.0.0.1",
+                "--public-host",
+                "127.0.0.1",
+            ])
+            .args(extra)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true);
+        if let Some(n) = nofile {
+            // SAFETY: setrlimit is async-signal-safe; nothing else runs between fork and exec.
+            unsafe {
+                cmd.pre_exec(move || {
+                    let lim = libc::rlimit { rlim_cur: n, rlim_max: n };
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
+        let mut child = cmd.spawn().expect("culvert edge runs");
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let ready = tokio::time::timeout(Duration::from_secs(30), async {
+            loop {
+                match lines.next_line().await.unwrap() {
+                    Some(l) if l.starts_with("culvert edge ready") => return l,
+                    Some(_) => continue,
+                    None => panic!("the edge ended before it was ready"),
+                }
+            }
+        })
+        .await
+        .expect("edge ready line");
+        let field = |k: &str| {
+            ready.split_whitespace().find_map(|w| w.strip_prefix(&format!("{k}="))).unwrap().to_string()
+        };
+        let admin_key_file = PathBuf::from(field("admin_key_file"));
+        let admin_key = std::fs::read_to_string(&admin_key_file).unwrap().trim().to_string();
+        EdgeProc {
+            https: field("https"),
+            ca: PathBuf::from(field("ca_file")),
+            admin_key_file,
+            admin_key,
+            child,
+            _lines: lines,
+            tcp_ports,
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("https://{}", self.https)
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id().unwrap()
+    }
+
+    /// Open file descriptors of the edge process.
+    fn fds(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.pid())).map(|d| d.count()).unwrap_or(0)
+    }
+
+    /// Resident memory of the edge process in KiB.
+    fn rss_kib(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+            .unwrap_or(0)
+    }
+}
+
+/// Runs `culvert admin` with `args`; (success, stdout, stderr).
+async fn admin(args: &[&str], env: &[(&str, &str)]) -> (bool, String, String) {
+    let out = Command::new(BIN).arg("admin").args(args).envs(env.iter().copied()).output().await.unwrap();
+    let text = |b: &[u8]| String::from_utf8_lossy(b).trim().to_string();
+    (out.status.success(), text(&out.stdout), text(&out.stderr))
+}
+
+/// The CLIs: keys from files and the environment, plain HTTP refused off
+/// loopback, a pre-existing data dir tightened to 0700.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cli_keys_from_files_plain_http_refused_data_dir_tightened() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    std::fs::set_permissions(&data, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let edge = EdgeProc::start(&data, None, &[]).await;
+    let mode = std::fs::metadata(&data).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o700, "the data dir is tightened to 0700 (was 0755)");
+
+    let (url, ca) = (edge.url(), edge.ca.to_str().unwrap().to_string());
+    let key_file = edge.admin_key_file.to_str().unwrap().to_string();
+    // --key-file, and the environment.
+    let (ok, out, err) =
+        admin(&["--edge", &url, "--ca-file", &ca, "--key-file", &key_file, "info"], &[]).await;
+    assert!(ok && out.contains("edge.test"), "{out} {err}");
+    let (ok, out, err) =
+        admin(&["--edge", &url, "--ca-file", &ca, "info"], &[("CULVERT_ADMIN_KEY_FILE", &key_file)]).await;
+    assert!(ok && out.contains("edge.test"), "{out} {err}");
+    let (ok, _, err) =
+        admin(&["--edge", &url, "--ca-file", &ca, "info"], &[("CULVERT_ADMIN_KEY", &edge.admin_key)]).await;
+    assert!(ok, "{err}");
+    let (ok, _, err) = admin(&["--edge", &url, "--key-file", "/nonexistent/key", "info"], &[]).await;
+    assert!(!ok && err.contains("failed to read --key-file /nonexistent/key"), "{err}");
+
+    // Plain HTTP to anything but loopback: refused before a byte is sent.
+    let (ok, _, err) = admin(&["--edge", "http://192.0.2.1", "--key-file", &key_file, "info"], &[]).await;
+    assert!(!ok && err.contains("plain HTTP") && err.contains("use https://"), "{err}");
+
+    // The agent takes its tunnel key from a file too.
+    let (ok, _, err) =
+        admin(&["--edge", &url, "--ca-file", &ca, "--key-file", &key_file, "port", "reserve"], &[]).await;
+    assert!(ok, "{err}");
+    let (ok, secret, err) = admin(
+        &[
+            "--edge",
+            &url,
+            "--ca-file",
+            &ca,
+            "--key-file",
+            &key_file,
+            "tunnel-key",
+            "create",
+            "--port",
+            &edge.tcp_ports.first.to_string(),
+        ],
+        &[],
+    )
+    .await;
+    assert!(ok && secret.starts_with("culvert_t_"), "{secret} {err}");
+    let tunnel_key = dir.path().join("tunnel.key");
+    std::fs::write(&tunnel_key, format!("{secret}\n")).unwrap();
+    net::init();
+    let echo = net::tcp_echo().await.port().to_string();
+    let mut agent = Command::new(BIN)
+        .args(["tcp", &echo, "--edge", &url, "--ca-file", &ca, "--key-file", tunnel_key.to_str().unwrap()])
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(agent.stdout.take().unwrap()).lines();
+    let line = tokio::time::timeout(Duration::from_secs(20), lines.next_line()).await.unwrap().unwrap();
+    assert!(line.is_some_and(|l| l.starts_with("Forwarding tcp://")), "the agent connects with --key-file");
+    let args: Vec<String> = std::fs::read_to_string(format!("/proc/{}/cmdline", agent.id().unwrap()))
+        .unwrap()
+        .split('\0')
+        .map(str::to_string)
+        .collect();
+    assert!(!args.iter().any(|a| a.contains(&secret)), "the key is not on the command line");
+}
