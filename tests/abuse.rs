@@ -10,7 +10,10 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
-use tokio::io::{AsyncBufReadExt, BufReader, Lines};
+use culvert::agent::Target;
+use net::{TestAgent, TestEdge};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, Lines};
+use tokio::net::{TcpListener, TcpStream};
 use tokio::process::{Child, ChildStdout, Command};
 
 const BIN: &str = env!("CARGO_BIN_EXE_culvert");
@@ -199,4 +202,101 @@ async fn cli_keys_from_files_plain_http_refused_data_dir_tightened() {
         .map(str::to_string)
         .collect();
     assert!(!args.iter().any(|a| a.contains(&secret)), "the key is not on the command line");
+}
+
+/// A backend that reads what it is sent and then holds the connection open
+/// without a byte or a close: it ignores the half-close.
+async fn deaf_backend() -> std::net::SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        loop {
+            let Ok((mut tcp, _)) = listener.accept().await else { return };
+            let mut buf = [0u8; 1024];
+            while tcp.read(&mut buf).await.is_ok_and(|n| n > 0) {}
+            held.push(tcp);
+        }
+    });
+    addr
+}
+
+fn streams_open(edge: &TestEdge) -> Option<u64> {
+    edge.edge()
+        .metrics
+        .encode()
+        .lines()
+        .find_map(|l| l.strip_prefix("culvert_edge_streams_open "))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// Reads until the edge ends the connection (EOF or reset); how long it took.
+async fn until_closed(s: &mut TcpStream, limit: Duration) -> Duration {
+    let started = tokio::time::Instant::now();
+    let mut buf = [0u8; 1024];
+    let ended =
+        tokio::time::timeout(limit, async { while s.read(&mut buf).await.is_ok_and(|n| n > 0) {} }).await;
+    assert!(ended.is_ok(), "the edge kept the connection open for {limit:?}");
+    started.elapsed()
+}
+
+/// Item 3: a TCP client half-closes, the backend ignores it: the edge closes
+/// the connection and its tunnel stream once silent for
+/// --half-close-timeout-seconds, although nothing reads any more.
+#[tokio::test]
+async fn a_half_close_ignored_by_the_backend_is_closed_after_the_bound() {
+    let edge = TestEdge::start_with(|a| a.half_close_timeout_seconds = 1).await;
+    let backend = deaf_backend().await;
+    let (port, key) = edge.tcp_tunnel_key().await;
+    let _agent = TestAgent::start(&edge, &key, Target::Tcp { addr: backend.to_string(), proxy: None }).await;
+    let mut s = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    s.write_all(b"hello").await.unwrap();
+    s.shutdown().await.unwrap();
+    let took = until_closed(&mut s, Duration::from_secs(10)).await;
+    assert!(took >= Duration::from_millis(900), "closed after the bound, not before: {took:?}");
+    net::wait_for("the tunnel stream closed", Duration::from_secs(5), || {
+        (streams_open(&edge) == Some(0)).then_some(())
+    })
+    .await;
+}
+
+/// Item 2: a TCP reservation's connections have an idle timeout and a cap
+/// per port; over the cap new connections are closed at once, and the
+/// other reservations keep answering.
+#[tokio::test]
+async fn tcp_reservations_have_an_idle_timeout_and_a_cap_per_port() {
+    let edge = TestEdge::start_with(|a| {
+        a.tcp_idle_timeout_seconds = 1;
+        a.max_connections_per_tcp_port = 3;
+    })
+    .await;
+    let echo = net::tcp_echo().await;
+    let (port, key) = edge.tcp_tunnel_key().await;
+    let _agent = TestAgent::start(&edge, &key, Target::Tcp { addr: echo.to_string(), proxy: None }).await;
+    let (other, other_key) = edge.tcp_tunnel_key().await;
+    let _other =
+        TestAgent::start(&edge, &other_key, Target::Tcp { addr: echo.to_string(), proxy: None }).await;
+
+    async fn echo_once(port: u16) -> TcpStream {
+        let mut s = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+        s.write_all(b"ping").await.unwrap();
+        let mut b = [0u8; 4];
+        tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut b)).await.unwrap().unwrap();
+        s
+    }
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(echo_once(port).await);
+    }
+    // The fourth is closed on accept.
+    let mut fourth = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    let took = until_closed(&mut fourth, Duration::from_secs(5)).await;
+    assert!(took < Duration::from_millis(900), "closed at once: {took:?}");
+    // Another reservation is not held back.
+    echo_once(other).await;
+    // The idle ones are closed after --tcp-idle-timeout-seconds.
+    for s in &mut held {
+        until_closed(s, Duration::from_secs(5)).await;
+    }
+    echo_once(port).await;
 }

@@ -75,6 +75,27 @@ pub struct EdgeArgs {
     #[arg(long, env = "CULVERT_PLAIN_HTTP", value_parser = clap::builder::BoolishValueParser::new())]
     pub plain_http: bool,
 
+    /// A TCP reservation's connection with no byte either way for this long
+    /// is closed (seconds).
+    #[arg(long, env = "CULVERT_TCP_IDLE_TIMEOUT_SECONDS", default_value_t = constants::DEFAULT_TCP_IDLE_TIMEOUT_SECONDS, value_parser = clap::value_parser!(u64).range(1..))]
+    pub tcp_idle_timeout_seconds: u64,
+
+    /// A spliced connection (TCP reservation, TLS passthrough, HTTP upgrade)
+    /// that one side has half-closed is closed once silent for this long
+    /// (seconds): a peer that ignores the half-close cannot hold it open.
+    #[arg(long, env = "CULVERT_HALF_CLOSE_TIMEOUT_SECONDS", default_value_t = constants::DEFAULT_HALF_CLOSE_TIMEOUT_SECONDS, value_parser = clap::value_parser!(u64).range(1..))]
+    pub half_close_timeout_seconds: u64,
+
+    /// Public HTTPS connections served at once (also capped at half the
+    /// open file limit); more are closed on accept.
+    #[arg(long, env = "CULVERT_MAX_PUBLIC_CONNECTIONS", default_value_t = constants::MAX_PUBLIC_CONNECTIONS)]
+    pub max_public_connections: usize,
+
+    /// Connections one TCP reservation may hold at once (all TCP
+    /// reservations together get a fifth of the open file limit).
+    #[arg(long, env = "CULVERT_MAX_CONNECTIONS_PER_TCP_PORT", default_value_t = constants::DEFAULT_MAX_CONNECTIONS_PER_TCP_PORT)]
+    pub max_connections_per_tcp_port: usize,
+
     #[command(flatten)]
     pub acme: AcmeArgs,
 }

@@ -8,6 +8,7 @@ pub(crate) mod api;
 pub(crate) mod certfile;
 mod config;
 pub(crate) mod idle;
+pub(crate) mod limits;
 pub(crate) mod metrics;
 pub(crate) mod public;
 pub(crate) mod registry;
@@ -112,6 +113,12 @@ pub struct Edge {
     pub stopped: CancellationToken,
     /// Public connections (HTTP and TCP), waited for while draining.
     pub connections: TaskTracker,
+    /// File descriptors per class of connection.
+    pub fds: limits::FdBudget,
+    /// Idle bound of a TCP reservation's connection.
+    pub tcp_idle_timeout: Duration,
+    /// Bound of a half-closed spliced connection's silence.
+    pub half_close_timeout: Duration,
 }
 
 impl Edge {
@@ -241,6 +248,9 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
         _ if dns01 => Given::Acme,
         _ => return Err(EdgeError::NoCertificate),
     };
+    let nofile = limits::raise_nofile();
+    let fds = limits::FdBudget::new(nofile, args.max_public_connections, args.max_connections_per_tcp_port);
+    info!(open_files = nofile, budget = %fds.describe(), "file descriptors per class of connection");
     create_private_dir(&args.data_dir)?;
     let store = Store::open(&args.data_dir)?;
     let admin_key_file = args.data_dir.join("admin.key");
@@ -316,6 +326,9 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
         shutdown,
         stopped: CancellationToken::new(),
         connections: TaskTracker::new(),
+        fds,
+        tcp_idle_timeout: Duration::from_secs(args.tcp_idle_timeout_seconds),
+        half_close_timeout: Duration::from_secs(args.half_close_timeout_seconds),
     });
     edge.reload();
 

@@ -79,6 +79,10 @@ pub fn edge_args(dir: &Path, https: SocketAddr, tcp_ports: PortRange) -> EdgeArg
         drain_seconds: 0,
         acme: Default::default(),
         plain_http: false,
+        tcp_idle_timeout_seconds: 3600,
+        half_close_timeout_seconds: 60,
+        max_public_connections: 10_000,
+        max_connections_per_tcp_port: 1_000,
     }
 }
 
