@@ -119,6 +119,8 @@ pub struct Edge {
     pub tcp_idle_timeout: Duration,
     /// Bound of a half-closed spliced connection's silence.
     pub half_close_timeout: Duration,
+    /// Refused tunnel handshakes per source address, and their log.
+    pub refusals: agents::Refusals,
 }
 
 impl Edge {
@@ -149,7 +151,12 @@ impl Edge {
             }
         };
         let index = Arc::new(RouteIndex::build(reservations));
-        *self.routes.write().expect("poisoned") = index.clone();
+        let old = std::mem::replace(&mut *self.routes.write().expect("poisoned"), index.clone());
+        // Released reservations: their metrics go with them.
+        let now: std::collections::HashSet<String> = index.metric_names().collect();
+        for name in old.metric_names().filter(|n| !now.contains(n)) {
+            self.metrics.forget(&name);
+        }
         self.tcp.reconcile(self, index.ports().collect());
         match self.store.live_tunnel_key_ids() {
             Ok(live) => self.registry.close_invalid(&live, |id| index.contains_id(id)),
@@ -329,6 +336,7 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
         fds,
         tcp_idle_timeout: Duration::from_secs(args.tcp_idle_timeout_seconds),
         half_close_timeout: Duration::from_secs(args.half_close_timeout_seconds),
+        refusals: Default::default(),
     });
     edge.reload();
 

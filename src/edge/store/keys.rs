@@ -98,7 +98,9 @@ impl Store {
             .optional()?)
     }
 
-    /// Revokes an API key (idempotent). The last live admin key cannot be revoked.
+    /// Revokes an API key (idempotent). The last live admin key cannot be
+    /// revoked. Revoking an `endpoints` key also revokes the tunnel keys it
+    /// made and those of its reservations.
     pub fn revoke_api_key(&self, id: &str) -> Result<ApiKey, StoreError> {
         let mut conn = self.lock();
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
@@ -125,6 +127,13 @@ impl Store {
         }
         let now = now_rfc3339();
         tx.execute("UPDATE api_keys SET revoked_at = ?2 WHERE id = ?1", params![id, now])?;
+        if key.scope == ApiKeyScope::Endpoints {
+            // A tenant's key is gone: so are the tunnel keys it made and those of its reservations.
+            tx.execute(
+                "UPDATE tunnel_keys SET revoked_at = ?2 WHERE (created_by = ?1 OR owner = ?1) AND revoked_at IS NULL",
+                params![id, now],
+            )?;
+        }
         tx.commit()?;
         Ok(ApiKey { revoked_at: Some(now), ..key })
     }
