@@ -65,6 +65,11 @@ pub const DEFAULT_MAX_CONNECTIONS_PER_TCP_PORT: usize = 1_000;
 pub const DEFAULT_TCP_IDLE_TIMEOUT_SECONDS: u64 = 3600;
 /// A half-closed spliced connection silent this long is closed (default of `--half-close-timeout-seconds`).
 pub const DEFAULT_HALF_CLOSE_TIMEOUT_SECONDS: u64 = 60;
+/// Refused tunnel handshakes (bad or revoked keys, not WebSocket...) one
+/// source address may have per [`REFUSED_HANDSHAKES_WINDOW`]; more are
+/// refused with 429 before any key lookup until the window ends.
+pub const MAX_REFUSED_HANDSHAKES: u32 = 30;
+pub const REFUSED_HANDSHAKES_WINDOW: Duration = Duration::from_secs(10);
 /// Agents connected at once with one tunnel key (default of `--max-agents-per-key`).
 pub const DEFAULT_MAX_AGENTS_PER_KEY: usize = 4;
 

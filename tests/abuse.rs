@@ -300,3 +300,89 @@ async fn tcp_reservations_have_an_idle_timeout_and_a_cap_per_port() {
     }
     echo_once(port).await;
 }
+
+/// A raw tunnel handshake from 127.0.0.1 with `auth`; (status, error code).
+async fn handshake(edge: &TestEdge, auth: &str) -> (u16, String) {
+    use bytes::Bytes;
+    use http_body_util::{BodyExt, Full};
+    let req = http::Request::get("/_culvert/v1/connect")
+        .header("connection", "upgrade")
+        .header("upgrade", "websocket")
+        .header("sec-websocket-version", "13")
+        .header("sec-websocket-key", "dGhlIHNhbXBsZSBub25jZQ==")
+        .header("culvert-protocol-version", "1")
+        .header("authorization", format!("Bearer {auth}"))
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let resp = edge.client().send("127.0.0.1", req, false).await.unwrap();
+    let status = resp.status().as_u16();
+    let body = resp.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+    let json: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    (status, json["error"]["code"].as_str().unwrap_or_default().to_string())
+}
+
+/// Item 5: refused handshakes are limited per source address (then 429
+/// before any key lookup, for the rest of the window), and public traffic
+/// does not notice.
+#[tokio::test]
+async fn refused_handshakes_are_limited_per_address() {
+    let edge = TestEdge::start().await;
+    let backend = net::http_backend().await;
+    let (host, key) = edge.http_tunnel_key("steady").await;
+    let _agent = TestAgent::start(&edge, &key, Target::http(backend.to_string())).await;
+    for i in 0..30 {
+        assert_eq!(handshake(&edge, "culvert_t_guess").await, (401, "unknown_key".into()), "attempt {i}");
+    }
+    assert_eq!(handshake(&edge, "culvert_t_guess").await, (429, "too_many_refusals".into()));
+    // Even a good key from this address waits for the window (no key lookup).
+    assert_eq!(handshake(&edge, &key).await.0, 429);
+    assert_eq!(edge.client().get(&host, "/").await.0, http::StatusCode::OK);
+}
+
+/// Item 8: revoking an endpoints key revokes the tunnel keys it made: their
+/// live agents are cut and cannot come back.
+#[tokio::test]
+async fn revoking_an_endpoints_key_revokes_its_tunnel_keys() {
+    use serde_json::json;
+    let edge = TestEdge::start().await;
+    let backend = net::http_backend().await;
+    let (s, k) = edge.api("POST", "api-keys", Some(json!({"name": "tenant", "scope": "endpoints"}))).await;
+    assert!(s.is_success(), "{k}");
+    let (tenant, tenant_id) =
+        (k["secret"].as_str().unwrap().to_string(), k["id"].as_str().unwrap().to_string());
+    let (s, r) = edge.api_as(&tenant, "POST", "domains", Some(json!({"name": "tenant"}))).await;
+    assert!(s.is_success(), "{r}");
+    let host = r["hostname"].as_str().unwrap().to_string();
+    let (s, t) =
+        edge.api_as(&tenant, "POST", "tunnel-keys", Some(json!({"domain": host, "protocol": "http"}))).await;
+    assert!(s.is_success(), "{t}");
+    let tunnel_key = t["secret"].as_str().unwrap().to_string();
+    let agent = TestAgent::start(&edge, &tunnel_key, Target::http(backend.to_string())).await;
+    assert_eq!(edge.client().get(&host, "/").await.0, http::StatusCode::OK);
+
+    let (s, body) = edge.api("DELETE", &format!("api-keys/{tenant_id}"), None).await;
+    assert!(s.is_success(), "{body}");
+    net::wait_for("the tenant's tunnel cut", Duration::from_secs(5), || {
+        (edge.edge().registry.count_for_key(t["id"].as_str().unwrap()) == 0).then_some(())
+    })
+    .await;
+    assert_eq!(handshake(&edge, &tunnel_key).await, (403, "key_revoked".into()));
+    agent.stop().await;
+}
+
+/// Item 8: a released reservation's metrics are removed.
+#[tokio::test]
+async fn a_released_reservation_leaves_no_metrics() {
+    let edge = TestEdge::start().await;
+    let backend = net::http_backend().await;
+    let (other, other_key) = edge.http_tunnel_key("counted").await;
+    let agent = TestAgent::start(&edge, &other_key, Target::http(backend.to_string())).await;
+    assert_eq!(edge.client().get(&other, "/").await.0, http::StatusCode::OK);
+    let counted =
+        |edge: &TestEdge| edge.edge().metrics.encode().contains(&format!("reservation=\"{other}\""));
+    assert!(counted(&edge));
+    let (s, body) = edge.api("DELETE", &format!("domains/{other}"), None).await;
+    assert!(s.is_success(), "{body}");
+    assert!(!counted(&edge), "the released reservation's byte counters are gone");
+    agent.stop().await;
+}

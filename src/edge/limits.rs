@@ -159,6 +159,49 @@ impl LogEvery {
     }
 }
 
+/// Refused tunnel handshakes per source address: after `max` in one
+/// `window`, the address is refused at once (no key lookup) until the window ends.
+#[derive(Debug)]
+pub struct PerAddress {
+    window: std::time::Duration,
+    max: u32,
+    seen: std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, (tokio::time::Instant, u32)>>,
+}
+
+/// Addresses remembered at most (expired ones are dropped first).
+const MAX_ADDRESSES: usize = 16_384;
+
+impl PerAddress {
+    pub fn new(max: u32, window: std::time::Duration) -> PerAddress {
+        PerAddress { window, max: max.max(1), seen: Default::default() }
+    }
+
+    /// `Some(time left)` while `ip` is over its limit.
+    pub fn blocked(&self, ip: std::net::IpAddr) -> Option<std::time::Duration> {
+        let seen = self.seen.lock().expect("poisoned");
+        let (start, n) = seen.get(&ip)?;
+        let left = self.window.checked_sub(start.elapsed())?;
+        (*n >= self.max && !left.is_zero()).then_some(left)
+    }
+
+    /// Counts one refusal of `ip`.
+    pub fn refused(&self, ip: std::net::IpAddr) {
+        let now = tokio::time::Instant::now();
+        let mut seen = self.seen.lock().expect("poisoned");
+        if seen.len() >= MAX_ADDRESSES {
+            seen.retain(|_, (start, _)| now.duration_since(*start) < self.window);
+            if seen.len() >= MAX_ADDRESSES {
+                seen.clear();
+            }
+        }
+        let entry = seen.entry(ip).or_insert((now, 0));
+        if now.duration_since(entry.0) >= self.window {
+            *entry = (now, 0);
+        }
+        entry.1 = entry.1.saturating_add(1);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -180,6 +223,20 @@ mod tests {
         assert_eq!(b.tcp_per_port, 1_000);
         let one = b.try_acquire(Class::Agent).unwrap();
         drop(one);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_address_over_its_refusals_waits_for_the_window() {
+        let limit = PerAddress::new(3, std::time::Duration::from_secs(10));
+        let (a, b) = ("192.0.2.1".parse().unwrap(), "192.0.2.2".parse().unwrap());
+        for _ in 0..3 {
+            assert_eq!(limit.blocked(a), None);
+            limit.refused(a);
+        }
+        assert!(limit.blocked(a).is_some());
+        assert_eq!(limit.blocked(b), None, "other addresses are not held back");
+        tokio::time::advance(std::time::Duration::from_secs(10)).await;
+        assert_eq!(limit.blocked(a), None);
     }
 
     #[tokio::test(start_paused = true)]
