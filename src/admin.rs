@@ -188,6 +188,10 @@ pub enum ApiKeyCommand {
         /// What the key may do.
         #[arg(long, value_enum)]
         scope: ApiKeyScope,
+        /// A custom domain the (endpoints) key may reserve: that name and every
+        /// name under it; `*` for any (repeatable). None: subdomains of the edge only.
+        #[arg(long = "custom-domain")]
+        custom_domains: Vec<String>,
     },
     /// List API keys.
     List,
@@ -377,8 +381,12 @@ pub(crate) async fn execute(
             }
         },
         AdminCommand::ApiKey(cmd) => match cmd {
-            ApiKeyCommand::Create { name, scope } => {
-                let request = CreateApiKeyRequest { name: name.clone(), scope: *scope };
+            ApiKeyCommand::Create { name, scope, custom_domains } => {
+                let request = CreateApiKeyRequest {
+                    name: name.clone(),
+                    scope: *scope,
+                    custom_domains: custom_domains.clone(),
+                };
                 let a = answer!(client.post("api-keys", &request));
                 let made: CreatedApiKey = a.decode()?;
                 eprintln!(

@@ -79,8 +79,13 @@ impl Fixture {
         kube_env::install_culvert_crds(&env.client).await;
         let ns = env.namespace(prefix).await.unwrap();
         let edge = TestEdge::start_with(configure).await;
-        let (s, k) =
-            edge.api("POST", "api-keys", Some(json!({"name": "operator", "scope": "endpoints"}))).await;
+        let (s, k) = edge
+            .api(
+                "POST",
+                "api-keys",
+                Some(json!({"name": "operator", "scope": "endpoints", "customDomains": ["*"]})),
+            )
+            .await;
         assert!(s.is_success(), "{k}");
         Some(Fixture {
             client: env.client.clone(),

@@ -64,16 +64,26 @@ impl Store {
         if live > 0 {
             return Ok(None);
         }
-        let (_, secret) = insert_api_key(&tx, INITIAL_ADMIN_KEY_NAME, ApiKeyScope::Admin)?;
+        let (_, secret) = insert_api_key(&tx, INITIAL_ADMIN_KEY_NAME, ApiKeyScope::Admin, &[])?;
         tx.commit()?;
         Ok(Some(secret))
     }
 
     /// Makes an API key; returns it and its secret (shown once).
     pub fn create_api_key(&self, name: &str, scope: ApiKeyScope) -> Result<(ApiKey, String), StoreError> {
+        self.create_api_key_with(name, scope, &[])
+    }
+
+    /// [`create_api_key`](Self::create_api_key) with the custom domains the key may reserve.
+    pub fn create_api_key_with(
+        &self,
+        name: &str,
+        scope: ApiKeyScope,
+        custom_domains: &[String],
+    ) -> Result<(ApiKey, String), StoreError> {
         let mut conn = self.lock();
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-        let made = insert_api_key(&tx, name, scope)?;
+        let made = insert_api_key(&tx, name, scope, custom_domains)?;
         tx.commit()?;
         Ok(made)
     }
@@ -317,7 +327,13 @@ impl Store {
     }
 }
 
-fn insert_api_key(conn: &Connection, name: &str, scope: ApiKeyScope) -> Result<(ApiKey, String), StoreError> {
+fn insert_api_key(
+    conn: &Connection,
+    name: &str,
+    scope: ApiKeyScope,
+    custom_domains: &[String],
+) -> Result<(ApiKey, String), StoreError> {
+    let domains_json = serde_json::to_string(custom_domains).expect("strings serialize");
     let prefix = match scope {
         ApiKeyScope::Admin => ADMIN_KEY_PREFIX,
         ApiKeyScope::Endpoints => ENDPOINTS_KEY_PREFIX,
@@ -326,14 +342,21 @@ fn insert_api_key(conn: &Connection, name: &str, scope: ApiKeyScope) -> Result<(
     let created_at = now_rfc3339();
     let id = insert_with_fresh_id("ak_", |id| {
         conn.execute(
-            "INSERT INTO api_keys (id, name, scope, secret_hash, created_at) VALUES (?1, ?2, ?3, ?4, ?5)",
-            params![id, name, scope.as_str(), hash_secret(&secret), created_at],
+            "INSERT INTO api_keys (id, name, scope, secret_hash, created_at, custom_domains) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+            params![id, name, scope.as_str(), hash_secret(&secret), created_at, domains_json],
         )
     })?;
-    let key = ApiKey { id, name: name.to_string(), scope, created_at, revoked_at: None };
+    let key = ApiKey {
+        id,
+        name: name.to_string(),
+        scope,
+        created_at,
+        revoked_at: None,
+        custom_domains: custom_domains.to_vec(),
+    };
     Ok((key, secret))
 }
-const API_KEY_COLUMNS: &str = "id, name, scope, created_at, revoked_at";
+const API_KEY_COLUMNS: &str = "id, name, scope, created_at, revoked_at, custom_domains";
 const TUNNEL_KEY_COLUMNS: &str =
     "id, protocol, reservation_id, kind, hostname, port, owner, labels, created_at, revoked_at";
 
@@ -345,6 +368,8 @@ fn api_key_from_row(row: &Row<'_>) -> rusqlite::Result<ApiKey> {
         scope: ApiKeyScope::parse(&scope).ok_or_else(|| invalid(2, format!("unknown scope {scope:?}")))?,
         created_at: row.get(3)?,
         revoked_at: row.get(4)?,
+        custom_domains: serde_json::from_str(&row.get::<_, String>(5)?)
+            .map_err(|e| invalid(5, format!("custom_domains is not a JSON list: {e}")))?,
     })
 }
 

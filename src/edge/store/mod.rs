@@ -119,6 +119,11 @@ pub const MIGRATIONS: &[&str] = &[
         CHECK ((chain_pem IS NULL) = (key_pem IS NULL))
     ) STRICT;
     "#,
+    // 3: the custom domains an endpoints key may reserve (a JSON array of
+    // suffixes; keys made before may reserve none).
+    r#"
+    ALTER TABLE api_keys ADD COLUMN custom_domains TEXT NOT NULL DEFAULT '[]';
+    "#,
 ];
 
 /// Errors of the store. Conflicts and lookups that find nothing are errors
