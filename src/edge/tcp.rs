@@ -98,18 +98,7 @@ async fn accept_loop(edge: Arc<Edge>, listener: TcpListener, port: u16, token: C
     // This port's own share: one reservation's clients cannot take every TCP descriptor.
     let own = Arc::new(tokio::sync::Semaphore::new(edge.fds.tcp_per_port));
     let mut refused = super::limits::LogEvery::default();
-    loop {
-        let (tcp, peer) = tokio::select! {
-            r = listener.accept() => match r {
-                Ok(x) => x,
-                Err(e) => {
-                    warn!(port, error = %e, "accept failed");
-                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            _ = token.cancelled() => return,
-        };
+    super::accept::accept_loop(&listener, &token, |tcp, peer| {
         let permits = own
             .clone()
             .try_acquire_owned()
@@ -120,7 +109,7 @@ async fn accept_loop(edge: Arc<Edge>, listener: TcpListener, port: u16, token: C
             if let Some(more) = refused.tick() {
                 warn!(port, %peer, refused_since_last_line = more, "TCP reservation at its connection limit; closing new connections");
             }
-            continue;
+            return;
         };
         let span = tracing::debug_span!("tcp", port, %peer);
         let edge2 = edge.clone();
@@ -131,7 +120,8 @@ async fn accept_loop(edge: Arc<Edge>, listener: TcpListener, port: u16, token: C
             }
             .instrument(span),
         );
-    }
+    })
+    .await
 }
 async fn serve(edge: Arc<Edge>, tcp: TcpStream, port: u16, peer: SocketAddr) {
     let _ = tcp.set_nodelay(true);
