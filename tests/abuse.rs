@@ -386,3 +386,79 @@ async fn a_released_reservation_leaves_no_metrics() {
     assert!(!counted(&edge), "the released reservation's byte counters are gone");
     agent.stop().await;
 }
+
+/// A backend that switches to any protocol asked for (as an h2c server
+/// would) and otherwise answers 200 with the request head it got.
+async fn switching_backend() -> std::net::SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut tcp, _)) = listener.accept().await else { return };
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut b = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") {
+                    if tcp.read(&mut b).await.unwrap_or(0) == 0 {
+                        return;
+                    }
+                    head.push(b[0]);
+                }
+                let head = String::from_utf8_lossy(&head).to_ascii_lowercase();
+                if let Some(line) = head.lines().find(|l| l.starts_with("upgrade:")) {
+                    let to = line["upgrade:".len()..].trim().to_string();
+                    let answer = format!(
+                        "HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: {to}\r\n\r\n"
+                    );
+                    let _ = tcp.write_all(answer.as_bytes()).await;
+                    let mut sink = Vec::new();
+                    let _ = tcp.read_to_end(&mut sink).await;
+                    return;
+                }
+                let answer = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{head}", head.len());
+                let _ = tcp.write_all(answer.as_bytes()).await;
+            });
+        }
+    });
+    addr
+}
+
+/// Item 4: `Upgrade: h2c` (or any protocol but WebSocket) is not passed to
+/// the backend: the request goes on as a plain one, so the client cannot
+/// switch to HTTP/2 straight to the backend past the edge's header clean-up.
+/// WebSocket still switches.
+#[tokio::test]
+async fn an_h2c_upgrade_is_not_passed_to_the_backend() {
+    use bytes::Bytes;
+    use http_body_util::{BodyExt, Full};
+    let edge = TestEdge::start().await;
+    let backend = switching_backend().await;
+    let (host, key) = edge.http_tunnel_key("h2c").await;
+    let _agent = TestAgent::start(&edge, &key, Target::http(backend.to_string())).await;
+    for (connection, upgrade) in
+        [("Upgrade, HTTP2-Settings", "h2c"), ("upgrade", "websocket, h2c"), ("upgrade", "TLS/1.0")]
+    {
+        let req = http::Request::get("/")
+            .header("connection", connection)
+            .header("upgrade", upgrade)
+            .header("http2-settings", "AAMAAABkAARAAAAAAAIAAAAA")
+            .header("x-forwarded-for", "6.6.6.6")
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let resp = edge.client().send(&host, req, false).await.unwrap();
+        assert_eq!(resp.status(), http::StatusCode::OK, "`Upgrade: {upgrade}` is not switched");
+        let seen = String::from_utf8_lossy(&resp.into_body().collect().await.unwrap().to_bytes()).to_string();
+        assert!(!seen.contains("upgrade"), "the backend got no Upgrade: {seen}");
+        assert!(!seen.contains("6.6.6.6"), "{seen}");
+    }
+    // WebSocket is still passed (the backend switches).
+    let req = http::Request::get("/")
+        .header("connection", "upgrade")
+        .header("upgrade", "websocket")
+        .header("sec-websocket-key", "dGhlIHNhbXBsZSBub25jZQ==")
+        .header("sec-websocket-version", "13")
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let resp = edge.client().send(&host, req, false).await.unwrap();
+    assert_eq!(resp.status(), http::StatusCode::SWITCHING_PROTOCOLS);
+}

@@ -96,6 +96,18 @@ pub struct EdgeArgs {
     #[arg(long, env = "CULVERT_MAX_CONNECTIONS_PER_TCP_PORT", default_value_t = constants::DEFAULT_MAX_CONNECTIONS_PER_TCP_PORT)]
     pub max_connections_per_tcp_port: usize,
 
+    /// An HTTP/1.1 `Upgrade` protocol passed through to backends
+    /// (repeatable). Requests asking for any other (`h2c`, ...) are forwarded
+    /// as plain requests without their `Upgrade` header: a client cannot
+    /// switch to a protocol that bypasses the edge's header clean-up.
+    #[arg(
+        long = "allow-upgrade",
+        env = "CULVERT_ALLOW_UPGRADE",
+        value_delimiter = ',',
+        default_value = "websocket"
+    )]
+    pub allow_upgrade: Vec<String>,
+
     #[command(flatten)]
     pub acme: AcmeArgs,
 }

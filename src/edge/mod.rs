@@ -122,6 +122,8 @@ pub struct Edge {
     pub half_close_timeout: Duration,
     /// Refused tunnel handshakes per source address, and their log.
     pub refusals: agents::Refusals,
+    /// `Upgrade` protocols passed through (lower case; `--allow-upgrade`).
+    pub upgrades: Vec<String>,
 }
 
 impl Edge {
@@ -338,6 +340,12 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
         tcp_idle_timeout: Duration::from_secs(args.tcp_idle_timeout_seconds),
         half_close_timeout: Duration::from_secs(args.half_close_timeout_seconds),
         refusals: Default::default(),
+        upgrades: args
+            .allow_upgrade
+            .iter()
+            .map(|u| u.trim().to_ascii_lowercase())
+            .filter(|u| !u.is_empty())
+            .collect(),
     });
     edge.reload();
 

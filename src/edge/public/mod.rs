@@ -301,7 +301,7 @@ async fn proxy(
     if reservation.kind == ReservationKind::Tcp {
         return error_page(StatusCode::BAD_GATEWAY, host, "this reservation is a TCP port");
     }
-    let upgrade = upgrade::upgrade_of(&req);
+    let upgrade = upgrade::upgrade_of(&req, &edge.upgrades);
     let on_upgrade = upgrade.is_some().then(|| hyper::upgrade::on(&mut req));
     let (mut parts, incoming) = req.into_parts();
     if head::rewrite_request(&mut parts, host, peer, scheme, upgrade.as_ref()).is_err() {
@@ -334,7 +334,7 @@ async fn proxy(
     }
     let down = Counted::new(rbody, bytes_out);
     if let (true, Some(on_upgrade), Some(tx)) = (switched, on_upgrade, upgrade_tx) {
-        return upgrade::switch(rparts, down, upgrade, on_upgrade, tx, guard);
+        return upgrade::switch(rparts, down, upgrade, on_upgrade, tx, guard, &edge.upgrades);
     }
     head::clean_response(&mut rparts.headers);
     Response::from_parts(rparts, body::boxed(down.hold(guard)))
