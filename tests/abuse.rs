@@ -462,3 +462,85 @@ async fn an_h2c_upgrade_is_not_passed_to_the_backend() {
     let resp = edge.client().send(&host, req, false).await.unwrap();
     assert_eq!(resp.status(), http::StatusCode::SWITCHING_PROTOCOLS);
 }
+
+/// Sends `head` (and `body`) raw over TLS to the edge as `host`; the status
+/// line of the answer, or "timeout" if none came within 5 s.
+async fn raw_request(edge: &TestEdge, host: &str, raw: &str) -> String {
+    let mut tls = edge.client().connect(host, false).await;
+    tls.write_all(raw.as_bytes()).await.unwrap();
+    let mut got = Vec::new();
+    let mut b = [0u8; 1024];
+    let read = tokio::time::timeout(Duration::from_secs(5), async {
+        while !got.windows(2).any(|w| w == b"\r\n") {
+            match tls.read(&mut b).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got.extend_from_slice(&b[..n]),
+            }
+        }
+    })
+    .await;
+    if read.is_err() {
+        return "timeout".into();
+    }
+    String::from_utf8_lossy(&got).lines().next().unwrap_or_default().to_string()
+}
+
+/// Item 5 and item 8: two Host headers are a 400; an upgrade with a body is
+/// refused at once rather than left hanging; client address headers from the
+/// client never reach the backend; the edge's own /_culvert/ paths are never
+/// forwarded to a tenant (nor the caller's Authorization with them).
+#[tokio::test]
+async fn bad_heads_are_refused_and_client_address_headers_replaced() {
+    use bytes::Bytes;
+    use http_body_util::{BodyExt, Full};
+    let edge = TestEdge::start().await;
+    let backend = net::http_backend().await;
+    let (host, key) = edge.http_tunnel_key("heads").await;
+    let _agent = TestAgent::start(&edge, &key, Target::http(backend.to_string())).await;
+
+    let two_hosts = format!("GET /echo HTTP/1.1\r\nHost: {host}\r\nHost: other.edge.test\r\n\r\n");
+    assert_eq!(raw_request(&edge, &host, &two_hosts).await, "HTTP/1.1 400 Bad Request");
+    let upgrade_with_body = format!(
+        "GET /ws HTTP/1.1\r\nHost: {host}\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\
+         Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nContent-Length: 5\r\n\r\nhello"
+    );
+    assert_eq!(raw_request(&edge, &host, &upgrade_with_body).await, "HTTP/1.1 400 Bad Request");
+
+    let spoofed = [
+        ("true-client-ip", "6.6.6.1"),
+        ("x-client-ip", "6.6.6.2"),
+        ("cf-connecting-ip", "6.6.6.3"),
+        ("x-original-forwarded-for", "6.6.6.4"),
+        ("x-forwarded-port", "6666"),
+        ("x-forwarded-for", "6.6.6.5"),
+    ];
+    let mut req = http::Request::get("/echo");
+    for (k, v) in spoofed {
+        req = req.header(k, v);
+    }
+    let resp = edge.client().send(&host, req.body(Full::new(Bytes::new())).unwrap(), false).await.unwrap();
+    let echo: serde_json::Value =
+        serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    let headers = &echo["headers"];
+    for (k, _) in spoofed {
+        assert!(
+            !headers.to_string().contains("6.6.6") && !headers.to_string().contains("6666"),
+            "{k}: {headers}"
+        );
+    }
+    assert_eq!(headers["x-forwarded-port"], edge.https.port().to_string(), "{headers}");
+    assert_eq!(headers["x-forwarded-for"], "127.0.0.1", "{headers}");
+
+    // /_culvert/ with a tenant's Host: answered by the edge, never the backend.
+    for path in ["/_culvert/v1/api/info", "/_culvert/anything"] {
+        let req = http::Request::get(path)
+            .header("authorization", format!("Bearer {}", edge.admin_key))
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let resp = edge.client().send(&host, req, false).await.unwrap();
+        let status = resp.status();
+        let body = String::from_utf8_lossy(&resp.into_body().collect().await.unwrap().to_bytes()).to_string();
+        assert_eq!(status, http::StatusCode::NOT_FOUND, "{path}: {body}");
+        assert!(!body.contains("hello from backend") && !body.contains(&edge.admin_key), "{body}");
+    }
+}

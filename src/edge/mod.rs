@@ -92,6 +92,8 @@ pub struct Edge {
     pub public_host: String,
     /// Port of the public HTTPS listener (as bound).
     pub https_port: u16,
+    /// Port of the plain HTTP listener (as bound).
+    pub http_port: u16,
     pub tcp_bind: IpAddr,
     pub max_agents_per_key: usize,
     /// Published HTTP hosts are also served on the plain HTTP port.
@@ -322,6 +324,7 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
         domain,
         public_host,
         https_port: https_addr.port(),
+        http_port: http_addr.port(),
         tcp_bind: args.tcp_bind,
         max_agents_per_key: args.max_agents_per_key.max(1),
         plain_http: args.plain_http,

@@ -176,6 +176,9 @@ pub async fn serve_redirect(edge: Arc<Edge>, listener: TcpListener) {
         {
             return Ok(text(StatusCode::OK, &key_authorization));
         }
+        if let Some(why) = head::refuse_head(&req) {
+            return Ok(text(StatusCode::BAD_REQUEST, &format!("bad request: {why}\n")));
+        }
         if edge.plain_http {
             let host = request_host(&req).unwrap_or_default();
             let routes = edge.routes();
@@ -266,6 +269,9 @@ fn redirect(edge: &Edge, req: &Request<Incoming>) -> Response<BoxBody> {
 }
 
 async fn handle(edge: Arc<Edge>, req: Request<Incoming>, peer: SocketAddr) -> Response<BoxBody> {
+    if let Some(why) = head::refuse_head(&req) {
+        return text(StatusCode::BAD_REQUEST, &format!("bad request: {why}\n"));
+    }
     let host = request_host(&req).unwrap_or_default();
     let routes = edge.routes();
     if let Some(reservation) = routes.host(&host)
@@ -301,10 +307,24 @@ async fn proxy(
     if reservation.kind == ReservationKind::Tcp {
         return error_page(StatusCode::BAD_GATEWAY, host, "this reservation is a TCP port");
     }
+    // The edge's own paths are never a tenant's, whatever the Host.
+    if req.uri().path().starts_with(RESERVED_PREFIX) {
+        return error_page(
+            StatusCode::NOT_FOUND,
+            host,
+            &format!("{RESERVED_PREFIX} is the edge's own; use https://{}{RESERVED_PREFIX}…", edge.domain),
+        );
+    }
     let upgrade = upgrade::upgrade_of(&req, &edge.upgrades);
+    // An upgrade's body would be the new protocol's bytes: one announced
+    // before the switch is refused rather than waited for.
+    if upgrade.is_some() && !req.body().is_end_stream() {
+        return error_page(StatusCode::BAD_REQUEST, host, "an upgrade request cannot have a body");
+    }
     let on_upgrade = upgrade.is_some().then(|| hyper::upgrade::on(&mut req));
     let (mut parts, incoming) = req.into_parts();
-    if head::rewrite_request(&mut parts, host, peer, scheme, upgrade.as_ref()).is_err() {
+    let port = if scheme == "https" { edge.https_port } else { edge.http_port };
+    if head::rewrite_request(&mut parts, host, peer, scheme, port, upgrade.as_ref()).is_err() {
         return error_page(StatusCode::BAD_REQUEST, host, "invalid request target");
     }
 
