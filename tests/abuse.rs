@@ -388,7 +388,8 @@ async fn a_released_reservation_leaves_no_metrics() {
 }
 
 /// A backend that switches to any protocol asked for (as an h2c server
-/// would) and otherwise answers 200 with the request head it got.
+/// would; then it ignores the client's half-close) and otherwise answers
+/// 200 with the request head it got.
 async fn switching_backend() -> std::net::SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -413,7 +414,8 @@ async fn switching_backend() -> std::net::SocketAddr {
                     let _ = tcp.write_all(answer.as_bytes()).await;
                     let mut sink = Vec::new();
                     let _ = tcp.read_to_end(&mut sink).await;
-                    return;
+                    // Ignores the half-close: holds the connection, silent.
+                    std::future::pending::<()>().await;
                 }
                 let answer = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{head}", head.len());
                 let _ = tcp.write_all(answer.as_bytes()).await;
@@ -543,4 +545,38 @@ async fn bad_heads_are_refused_and_client_address_headers_replaced() {
         assert_eq!(status, http::StatusCode::NOT_FOUND, "{path}: {body}");
         assert!(!body.contains("hello from backend") && !body.contains(&edge.admin_key), "{body}");
     }
+}
+
+/// Item 3: an upgraded connection whose client half-closed while the
+/// backend ignores it is closed after --half-close-timeout-seconds, although
+/// nothing reads it any more.
+#[tokio::test]
+async fn a_half_closed_upgrade_is_closed_after_the_bound() {
+    let edge = TestEdge::start_with(|a| a.half_close_timeout_seconds = 1).await;
+    let backend = switching_backend().await;
+    let (host, key) = edge.http_tunnel_key("halfws").await;
+    let _agent = TestAgent::start(&edge, &key, Target::http(backend.to_string())).await;
+    let mut tls = edge.client().connect(&host, false).await;
+    let head = format!(
+        "GET /ws HTTP/1.1\r\nHost: {host}\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\
+         Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+    );
+    tls.write_all(head.as_bytes()).await.unwrap();
+    let mut got = Vec::new();
+    let mut b = [0u8; 1];
+    while !got.ends_with(b"\r\n\r\n") {
+        assert_eq!(tls.read(&mut b).await.unwrap(), 1);
+        got.push(b[0]);
+    }
+    assert!(got.starts_with(b"HTTP/1.1 101"), "{}", String::from_utf8_lossy(&got));
+    tls.shutdown().await.unwrap();
+    let started = tokio::time::Instant::now();
+    let mut rest = Vec::new();
+    let ended = tokio::time::timeout(Duration::from_secs(10), tls.read_to_end(&mut rest)).await;
+    assert!(ended.is_ok(), "the half-closed upgrade is still open after 10 s");
+    assert!(started.elapsed() >= Duration::from_millis(900), "{:?}", started.elapsed());
+    net::wait_for("the tunnel stream closed", Duration::from_secs(5), || {
+        (streams_open(&edge) == Some(0)).then_some(())
+    })
+    .await;
 }

@@ -354,7 +354,7 @@ async fn proxy(
     }
     let down = Counted::new(rbody, bytes_out);
     if let (true, Some(on_upgrade), Some(tx)) = (switched, on_upgrade, upgrade_tx) {
-        return upgrade::switch(rparts, down, upgrade, on_upgrade, tx, guard, &edge.upgrades);
+        return upgrade::switch(rparts, down, upgrade, on_upgrade, tx, guard, &edge);
     }
     head::clean_response(&mut rparts.headers);
     Response::from_parts(rparts, body::boxed(down.hold(guard)))

@@ -13,7 +13,7 @@ use tokio::sync::mpsc;
 use tracing::{Instrument, debug};
 
 use super::head::clean_response;
-use crate::constants::UPGRADE_HEADER;
+use crate::constants::{PUBLIC_IDLE_TIMEOUT, UPGRADE_HEADER};
 use crate::edge::registry::StreamGuard;
 use crate::tunnel::body::{self, BoxBody, ChannelBody, Counted};
 
@@ -57,8 +57,9 @@ pub(super) fn switch(
     on_upgrade: OnUpgrade,
     tx: mpsc::Sender<Bytes>,
     guard: StreamGuard,
-    allowed: &[String],
+    edge: &crate::edge::Edge,
 ) -> Response<BoxBody> {
+    let (allowed, half_close) = (&edge.upgrades, edge.half_close_timeout);
     let upgrade_to = rparts.headers.get(UPGRADE_HEADER).cloned().or(asked);
     // The backend may only switch to what the client asked for (and the edge allows).
     if let Some(to) = &upgrade_to
@@ -86,11 +87,16 @@ pub(super) fn switch(
                 Ok(u) => u,
                 Err(e) => return debug!(error = %e, "public upgrade failed"),
             };
-            let (read, write) = tokio::io::split(TokioIo::new(upgraded));
+            // Bounded whether or not anything reads: idle, or half-closed and silent.
+            let activity = crate::edge::idle::Activity::default();
+            let (read, write) = tokio::io::split(activity.track(TokioIo::new(upgraded)));
             let up = body::copy_to_channel(read, tx);
             let down = body::copy_body(down, write);
-            let (up, down) = tokio::join!(up, down);
-            debug!(?up, ?down, "upgraded stream ended");
+            tokio::select! {
+                (up, down) = async { tokio::join!(up, down) } => debug!(?up, ?down, "upgraded stream ended"),
+                why = activity.expired(PUBLIC_IDLE_TIMEOUT, half_close) => debug!(why, "closing the upgraded stream"),
+            }
+            activity.close();
         }
         .in_current_span(),
     );
