@@ -580,3 +580,58 @@ async fn a_half_closed_upgrade_is_closed_after_the_bound() {
     })
     .await;
 }
+
+/// Item 2: with a low open file limit, public clients that hold every
+/// connection they can get do not make the edge deaf: the control API and
+/// agent handshakes still answer (each class has its own descriptors).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_public_side_leaves_the_control_api_and_agents_answering() {
+    let dir = tempfile::tempdir().unwrap();
+    let edge = EdgeProc::start(dir.path(), Some(256), &[]).await;
+    let https: std::net::SocketAddr = edge.https.parse().unwrap();
+    let client = net::HttpsClient { addr: https, ca_file: edge.ca.clone() };
+    // 400 public clients that each send a request and keep the connection.
+    let mut held = Vec::new();
+    for _ in 0..400 {
+        let Ok(tcp) = TcpStream::connect(https).await else { continue };
+        let name = rustls_pki_types::ServerName::try_from("nobody.edge.test").unwrap();
+        let connector = tokio_rustls::TlsConnector::from(client.tls_config(false));
+        let Ok(Ok(mut tls)) =
+            tokio::time::timeout(Duration::from_millis(500), connector.connect(name, tcp)).await
+        else {
+            continue;
+        };
+        let _ = tls.write_all(b"GET / HTTP/1.1\r\nHost: nobody.edge.test\r\n\r\n").await;
+        held.push(tls);
+    }
+    let fds = edge.fds();
+    // Public HTTPS gets half of what is left after the reserve (96 of 192),
+    // so the edge stays well under its limit, with room for the other classes.
+    assert!(fds < 200, "the edge holds {fds} descriptors for {} public clients", held.len());
+    // The control API answers within a second.
+    let started = tokio::time::Instant::now();
+    let (ok, out, err) = tokio::time::timeout(
+        Duration::from_secs(10),
+        admin(
+            &["--edge", &edge.url(), "--ca-file", edge.ca.to_str().unwrap(), "info"],
+            &[("CULVERT_ADMIN_KEY", &edge.admin_key)],
+        ),
+    )
+    .await
+    .expect("the control API answers while the public side is full");
+    assert!(ok && out.contains("edge.test"), "{out} {err}");
+    assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
+    // An agent handshake is answered (a refusal here: the key is unknown).
+    let mut tls = client.connect("127.0.0.1", false).await;
+    tls.write_all(
+        b"GET /_culvert/v1/connect HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\
+          Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\
+          culvert-protocol-version: 1\r\nAuthorization: Bearer culvert_t_nope\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let mut b = [0u8; 12];
+    tokio::time::timeout(Duration::from_secs(5), tls.read_exact(&mut b)).await.expect("an answer").unwrap();
+    assert_eq!(&b, b"HTTP/1.1 401", "the tunnel endpoint answers");
+    drop(held);
+}
