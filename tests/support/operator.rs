@@ -102,7 +102,7 @@ impl Fixture {
 
     pub fn args(&self, identity: &str) -> OperatorArgs {
         OperatorArgs {
-            edge: self.edge.url(),
+            edge: vec![self.edge.url()],
             api_key: self.endpoints_key.clone(),
             api_key_file: None,
             ca_file: Some(self.edge.ca_file.clone()),
