@@ -80,6 +80,18 @@ pub(super) fn reserve_domain(
             ));
         }
     };
+    if kind == ReservationKind::Subdomain
+        && caller.scope != crate::api::ApiKeyScope::Admin
+        && let Some(label) = hostname.split('.').next().filter(|l| RESERVED_NAMES.contains(l))
+    {
+        return Err(ApiError::invalid(
+            "reserved_name",
+            format!(
+                "{label}.{domain} is kept for the edge's operator (reserved names: {}); pick another name",
+                RESERVED_NAMES.join(", ")
+            ),
+        ));
+    }
     if kind == ReservationKind::Custom
         && !caller.may_reserve_custom(&hostname)
         && !holds(ctx, caller, &hostname)?
@@ -99,6 +111,10 @@ pub(super) fn reserve_domain(
     let status = if created { StatusCode::CREATED } else { StatusCode::OK };
     Ok(json_response(status, &with_url(ctx, reservation)))
 }
+
+/// Names under the edge's domain only an admin key may reserve: they look
+/// like the operator's own (phishing, or a tenant posing as the edge).
+pub const RESERVED_NAMES: &[&str] = &["admin", "api", "edge", "status", "www"];
 
 /// The caller already holds `hostname` (asking again is answered as before).
 fn holds(ctx: &ApiContext, caller: &ApiKey, hostname: &str) -> Result<bool, ApiError> {
@@ -233,6 +249,16 @@ mod tests {
         }
         // The admin may reserve any.
         assert_eq!(reserve(&e.admin, "evil.com").await.0, StatusCode::CREATED);
+        // Names that look like the edge's own are kept for the admin (item 8).
+        for name in ["api", "admin", "www", "edge"] {
+            let (status, v) = e.call("POST", "domains", Some(&plain), Some(json!({"name": name}))).await;
+            assert_eq!((status, code(&v)), (StatusCode::UNPROCESSABLE_ENTITY, "reserved_name"), "{name}");
+        }
+        assert_eq!(
+            reserve(&plain, "www.edge.example.com").await,
+            (StatusCode::UNPROCESSABLE_ENTITY, "reserved_name".into())
+        );
+        assert_eq!(reserve(&e.admin, "www.edge.example.com").await.0, StatusCode::CREATED);
         // A custom domain held from before the permissions existed is still answered.
         e.ctx
             .store
