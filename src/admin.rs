@@ -26,9 +26,14 @@ pub struct AdminArgs {
     #[arg(long, global = true, env = "CULVERT_EDGE")]
     pub edge: Option<String>,
 
-    /// An admin or endpoints API key (falls back to CULVERT_KEY).
+    /// An admin or endpoints API key (falls back to CULVERT_KEY). Prefer
+    /// --key-file or the environment: a flag is visible to every local user.
     #[arg(long, global = true, env = "CULVERT_ADMIN_KEY", hide_env_values = true)]
     pub key: Option<String>,
+
+    /// Read the API key from this file (e.g. the edge's DATA_DIR/admin.key); wins over --key.
+    #[arg(long, global = true, env = "CULVERT_ADMIN_KEY_FILE")]
+    pub key_file: Option<PathBuf>,
 
     /// Trust this PEM CA instead of the built-in Mozilla roots (for --self-signed edges: DATA_DIR/ca.pem).
     #[arg(long, global = true, env = "CULVERT_CA_FILE")]
@@ -189,6 +194,10 @@ pub enum ApiKeyCommand {
         /// What the key may do.
         #[arg(long, value_enum)]
         scope: ApiKeyScope,
+        /// A custom domain the (endpoints) key may reserve: that name and every
+        /// name under it; `*` for any (repeatable). None: subdomains of the edge only.
+        #[arg(long = "custom-domain")]
+        custom_domains: Vec<String>,
     },
     /// List API keys.
     List,
@@ -211,8 +220,11 @@ pub enum AdminError {
     #[error("no edge given: pass --edge https://EDGE or set CULVERT_EDGE")]
     NoEdge,
     /// No `--key`.
-    #[error("no API key given: pass --key or set CULVERT_ADMIN_KEY (or CULVERT_KEY)")]
+    #[error("no API key given: pass --key-file FILE or set CULVERT_ADMIN_KEY (or CULVERT_KEY)")]
     NoKey,
+    /// `--key-file` could not be read.
+    #[error(transparent)]
+    KeyFile(#[from] crate::secret::SecretError),
     /// The call of the control API failed.
     #[error(transparent)]
     Client(#[from] ClientError),
@@ -226,6 +238,7 @@ impl AdminError {
     pub fn category(&self) -> &'static str {
         match self {
             AdminError::NoEdge | AdminError::NoKey => "usage",
+            AdminError::KeyFile(e) => e.category(),
             AdminError::Client(e) => e.category(),
             AdminError::Output(_) => "output",
         }
@@ -234,11 +247,8 @@ impl AdminError {
 
 /// Runs one `culvert admin` command against the edge, printing to stdout.
 pub fn run(args: AdminArgs) -> Result<(), AdminError> {
-    let key = args
-        .key
-        .clone()
-        .or_else(|| std::env::var("CULVERT_KEY").ok())
-        .filter(|k| !k.trim().is_empty())
+    let given = args.key.clone().or_else(|| std::env::var("CULVERT_KEY").ok());
+    let key = crate::secret::key_from(given.as_deref(), args.key_file.as_deref(), "--key-file")?
         .ok_or(AdminError::NoKey)?;
     let edge = args.edge.as_deref().filter(|e| !e.trim().is_empty()).ok_or(AdminError::NoEdge)?;
     let client = Client::new(edge, key.trim(), args.ca_file.as_deref(), true)?;
@@ -381,8 +391,12 @@ pub(crate) async fn execute(
             }
         },
         AdminCommand::ApiKey(cmd) => match cmd {
-            ApiKeyCommand::Create { name, scope } => {
-                let request = CreateApiKeyRequest { name: name.clone(), scope: *scope };
+            ApiKeyCommand::Create { name, scope, custom_domains } => {
+                let request = CreateApiKeyRequest {
+                    name: name.clone(),
+                    scope: *scope,
+                    custom_domains: custom_domains.clone(),
+                };
                 let a = answer!(client.post("api-keys", &request));
                 let made: CreatedApiKey = a.decode()?;
                 eprintln!(

@@ -335,6 +335,23 @@ pub struct ApiKey {
     /// RFC 3339 UTC time of revocation, if revoked.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub revoked_at: Option<String>,
+    /// Custom domains an `endpoints` key may reserve: each entry allows that
+    /// name and every name under it; `*` allows any. Empty: none (admin keys
+    /// may reserve any).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub custom_domains: Vec<String>,
+}
+
+impl ApiKey {
+    /// Whether this key may reserve the custom domain `host` (lower case, no trailing dot).
+    pub fn may_reserve_custom(&self, host: &str) -> bool {
+        self.scope == ApiKeyScope::Admin
+            || self.custom_domains.iter().any(|suffix| {
+                suffix == "*"
+                    || host == suffix
+                    || host.strip_suffix(suffix.as_str()).is_some_and(|head| head.ends_with('.'))
+            })
+    }
 }
 
 /// A tunnel key as listed (never with its secret).
@@ -462,6 +479,9 @@ pub struct CreateApiKeyRequest {
     pub name: String,
     /// What the key may do.
     pub scope: ApiKeyScope,
+    /// Custom domains an `endpoints` key may reserve (see [`ApiKey::custom_domains`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub custom_domains: Vec<String>,
 }
 
 /// `POST api-keys` answer: the key and its secret, shown only here.

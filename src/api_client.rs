@@ -35,6 +35,11 @@ pub enum ClientError {
     /// `--edge` is not a URL we can use.
     #[error("--edge `{0}` is not a URL like https://edge.example.com")]
     BadEdge(String),
+    /// `--edge http://…` to a host that is not loopback: the key would cross the network in clear text.
+    #[error(
+        "--edge `{0}` is plain HTTP: the API key would cross the network in clear text; use https:// (plain http:// is only allowed to loopback: localhost, 127.0.0.0/8, ::1)"
+    )]
+    PlainHttp(String),
     /// `--ca-file` could not be loaded.
     #[error("failed to load --ca-file: {0}")]
     CaFile(#[source] crate::tls::TlsError),
@@ -77,7 +82,7 @@ impl ClientError {
     /// Static category for logs.
     pub fn category(&self) -> &'static str {
         match self {
-            ClientError::BadEdge(_) => "usage",
+            ClientError::BadEdge(_) | ClientError::PlainHttp(_) => "usage",
             ClientError::CaFile(_) => "ca_file",
             ClientError::Connect { .. } => "connect",
             ClientError::Refused { .. } => "refused",
@@ -103,6 +108,12 @@ pub fn is_tls_error(e: &BoxError) -> bool {
         cause = c.source();
     }
     false
+}
+
+/// `localhost`, 127.0.0.0/8 or ::1: a plain HTTP edge there never crosses the network.
+fn is_loopback(host: &str) -> bool {
+    host.eq_ignore_ascii_case("localhost")
+        || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
 }
 
 /// A JSON answer and whether it was `201 Created`.
@@ -153,6 +164,9 @@ impl Client {
         let (host, port) = proxy::split_host_port(authority, default_port).ok_or_else(bad)?;
         if host.is_empty() {
             return Err(bad());
+        }
+        if scheme == "http" && !is_loopback(&host) {
+            return Err(ClientError::PlainHttp(given.to_string()));
         }
         let tls = match scheme {
             "https" => {
@@ -381,6 +395,14 @@ mod tests {
         let c = Client::new("edge.example.com/", "k", None, false).unwrap();
         assert_eq!(c.base, "https://edge.example.com/_culvert/v1/api/");
         assert_eq!((c.host.as_str(), c.port), ("edge.example.com", 443));
+        for plain in ["http://edge.example.com", "http://10.0.0.1:8080", "http://[2001:db8::1]"] {
+            let e = Client::new(plain, "k", None, false).err().expect("plain HTTP off loopback is refused");
+            assert!(matches!(e, ClientError::PlainHttp(_)), "{plain}: {e}");
+            assert!(e.to_string().contains("use https://"), "{e}");
+        }
+        for loopback in ["http://localhost:8080", "http://127.0.0.2", "http://[::1]:80"] {
+            Client::new(loopback, "k", None, false).unwrap();
+        }
         let c = Client::new("http://127.0.0.1:8080", "k", None, false).unwrap();
         assert_eq!((c.host.as_str(), c.port, c.tls.is_none()), ("127.0.0.1", 8080, true));
     }

@@ -60,8 +60,20 @@ pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 pub const PUBLIC_IDLE_TIMEOUT: Duration = Duration::from_secs(600);
 /// Largest request head a public client may send.
 pub const MAX_HEADER_BYTES: usize = 64 * 1024;
-/// Public connections served at once; more are closed on accept.
+/// Public connections served at once (default of `--max-public-connections`;
+/// also capped by the open file limit, see `edge::limits`).
 pub const MAX_PUBLIC_CONNECTIONS: usize = 10_000;
+/// Connections one TCP reservation may hold (default of `--max-connections-per-tcp-port`).
+pub const DEFAULT_MAX_CONNECTIONS_PER_TCP_PORT: usize = 1_000;
+/// A TCP reservation's connection silent this long is closed (default of `--tcp-idle-timeout-seconds`).
+pub const DEFAULT_TCP_IDLE_TIMEOUT_SECONDS: u64 = 3600;
+/// A half-closed spliced connection silent this long is closed (default of `--half-close-timeout-seconds`).
+pub const DEFAULT_HALF_CLOSE_TIMEOUT_SECONDS: u64 = 60;
+/// Refused tunnel handshakes (bad or revoked keys, not WebSocket...) one
+/// source address may have per [`REFUSED_HANDSHAKES_WINDOW`]; more are
+/// refused with 429 before any key lookup until the window ends.
+pub const MAX_REFUSED_HANDSHAKES: u32 = 30;
+pub const REFUSED_HANDSHAKES_WINDOW: Duration = Duration::from_secs(10);
 /// Agents connected at once with one tunnel key (default of `--max-agents-per-key`).
 pub const DEFAULT_MAX_AGENTS_PER_KEY: usize = 4;
 

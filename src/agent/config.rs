@@ -15,9 +15,14 @@ pub struct AgentArgs {
     #[arg(long, env = "CULVERT_EDGE", value_delimiter = ',', required = true)]
     pub edge: Vec<String>,
 
-    /// The tunnel key (made by `culvert admin tunnel-key create`).
-    #[arg(long, env = "CULVERT_KEY", hide_env_values = true)]
-    pub key: String,
+    /// The tunnel key (made by `culvert admin tunnel-key create`). Prefer
+    /// --key-file or CULVERT_KEY: a flag is visible to every local user.
+    #[arg(long, env = "CULVERT_KEY", hide_env_values = true, required_unless_present = "key_file")]
+    pub key: Option<String>,
+
+    /// Read the tunnel key from this file; wins over --key.
+    #[arg(long, env = "CULVERT_KEY_FILE")]
+    pub key_file: Option<PathBuf>,
 
     /// Trust this PEM CA instead of the built-in Mozilla roots (for --self-signed edges).
     #[arg(long, env = "CULVERT_CA_FILE")]

@@ -39,6 +39,10 @@ pub enum AgentError {
     Tls(#[from] tls::TlsError),
     #[error(transparent)]
     Connect(#[from] ConnectError),
+    #[error(transparent)]
+    KeyFile(#[from] crate::secret::SecretError),
+    #[error("no tunnel key given: pass --key-file FILE or set CULVERT_KEY")]
+    NoKey,
 }
 
 impl AgentError {
@@ -47,6 +51,8 @@ impl AgentError {
             AgentError::BadTarget { .. } => "bad_target",
             AgentError::Tls(e) => e.category(),
             AgentError::Connect(e) => e.category(),
+            AgentError::KeyFile(e) => e.category(),
+            AgentError::NoKey => "usage",
         }
     }
 }
@@ -213,7 +219,8 @@ pub async fn run_standalone(args: AgentArgs, protocol: Protocol) -> Result<(), A
     let edges = EdgeSet::parse(&args.edge)?;
     let dialer = Dialer {
         edge: edges.first().clone(),
-        key: args.key.clone(),
+        key: crate::secret::key_from(args.key.as_deref(), args.key_file.as_deref(), "--key-file")?
+            .ok_or(AgentError::NoKey)?,
         agent_id: agent_id(),
         tls: tls::tunnel_client_config(args.ca_file.as_deref())?,
         protocol: Some(protocol),

@@ -19,9 +19,35 @@ use crate::tunnel::body::{self, BoxBody};
 use crate::tunnel::handshake::Refusal;
 use crate::tunnel::ws::{self, Control, WsStream};
 
+/// Refused handshakes: counted per source address, and logged at most once
+/// per [`LOG_EVERY`](super::limits::LOG_EVERY) (with how many went unlogged).
+pub struct Refusals {
+    per_address: super::limits::PerAddress,
+    log: std::sync::Mutex<super::limits::LogEvery>,
+}
+
+impl Default for Refusals {
+    fn default() -> Self {
+        Refusals {
+            per_address: super::limits::PerAddress::new(
+                crate::constants::MAX_REFUSED_HANDSHAKES,
+                crate::constants::REFUSED_HANDSHAKES_WINDOW,
+            ),
+            log: Default::default(),
+        }
+    }
+}
+
 fn refuse(edge: &Edge, refusal: Refusal, peer: SocketAddr) -> Response<BoxBody> {
     edge.metrics.handshake_failed(refusal.code());
-    warn!(%peer, code = refusal.code(), "tunnel refused: {}", refusal.message());
+    // A full slot or a store failure is not the agent's doing.
+    if !matches!(refusal, Refusal::TooManyAgents { .. } | Refusal::Internal | Refusal::TooManyRefusals { .. })
+    {
+        edge.refusals.per_address.refused(peer.ip());
+    }
+    if let Some(unlogged) = edge.refusals.log.lock().expect("poisoned").tick() {
+        warn!(%peer, code = refusal.code(), unlogged, "tunnel refused: {}", refusal.message());
+    }
     let json = serde_json::to_vec(&refusal.body()).expect("serializable");
     let mut r = Response::new(body::full(json));
     *r.status_mut() = refusal.status();
@@ -35,6 +61,9 @@ fn header<B>(req: &Request<B>, name: impl header::AsHeaderName) -> Option<&str> 
 
 /// Answers `GET /_culvert/v1/connect`.
 pub async fn accept(edge: Arc<Edge>, mut req: Request<Incoming>, peer: SocketAddr) -> Response<BoxBody> {
+    if let Some(left) = edge.refusals.per_address.blocked(peer.ip()) {
+        return refuse(&edge, Refusal::TooManyRefusals { retry_in_seconds: left.as_secs().max(1) }, peer);
+    }
     let ws_key = match (
         header(&req, header::UPGRADE).map(|u| u.eq_ignore_ascii_case("websocket")),
         header(&req, header::SEC_WEBSOCKET_KEY),

@@ -87,6 +87,38 @@ pub struct EdgeArgs {
     /// admin port, at /status).
     #[arg(long, env = "CULVERT_PUBLIC_STATUS", value_parser = clap::builder::BoolishValueParser::new())]
     pub public_status: bool,
+    /// A TCP reservation's connection with no byte either way for this long
+    /// is closed (seconds).
+    #[arg(long, env = "CULVERT_TCP_IDLE_TIMEOUT_SECONDS", default_value_t = constants::DEFAULT_TCP_IDLE_TIMEOUT_SECONDS, value_parser = clap::value_parser!(u64).range(1..))]
+    pub tcp_idle_timeout_seconds: u64,
+
+    /// A spliced connection (TCP reservation, TLS passthrough, HTTP upgrade)
+    /// that one side has half-closed is closed once silent for this long
+    /// (seconds): a peer that ignores the half-close cannot hold it open.
+    #[arg(long, env = "CULVERT_HALF_CLOSE_TIMEOUT_SECONDS", default_value_t = constants::DEFAULT_HALF_CLOSE_TIMEOUT_SECONDS, value_parser = clap::value_parser!(u64).range(1..))]
+    pub half_close_timeout_seconds: u64,
+
+    /// Public HTTPS connections served at once (also capped at half the
+    /// open file limit); more are closed on accept.
+    #[arg(long, env = "CULVERT_MAX_PUBLIC_CONNECTIONS", default_value_t = constants::MAX_PUBLIC_CONNECTIONS)]
+    pub max_public_connections: usize,
+
+    /// Connections one TCP reservation may hold at once (all TCP
+    /// reservations together get a fifth of the open file limit).
+    #[arg(long, env = "CULVERT_MAX_CONNECTIONS_PER_TCP_PORT", default_value_t = constants::DEFAULT_MAX_CONNECTIONS_PER_TCP_PORT)]
+    pub max_connections_per_tcp_port: usize,
+
+    /// An HTTP/1.1 `Upgrade` protocol passed through to backends
+    /// (repeatable). Requests asking for any other (`h2c`, ...) are forwarded
+    /// as plain requests without their `Upgrade` header: a client cannot
+    /// switch to a protocol that bypasses the edge's header clean-up.
+    #[arg(
+        long = "allow-upgrade",
+        env = "CULVERT_ALLOW_UPGRADE",
+        value_delimiter = ',',
+        default_value = "websocket"
+    )]
+    pub allow_upgrade: Vec<String>,
 
     #[command(flatten)]
     pub acme: AcmeArgs,
@@ -160,6 +192,10 @@ pub struct AcmeArgs {
     #[arg(long = "acme-dns01-tsig-secret", env = "CULVERT_ACME_DNS01_TSIG_SECRET", hide_env_values = true)]
     pub dns01_tsig_secret: Option<String>,
 
+    /// rfc2136: read the TSIG secret from this file instead (wins over --acme-dns01-tsig-secret).
+    #[arg(long = "acme-dns01-tsig-secret-file", env = "CULVERT_ACME_DNS01_TSIG_SECRET_FILE")]
+    pub dns01_tsig_secret_file: Option<PathBuf>,
+
     /// rfc2136: the TSIG key's algorithm.
     #[arg(long = "acme-dns01-tsig-algorithm", env = "CULVERT_ACME_DNS01_TSIG_ALGORITHM", value_enum, default_value_t = TsigAlgorithm::HmacSha256)]
     pub dns01_tsig_algorithm: TsigAlgorithm,
@@ -210,6 +246,7 @@ impl Default for AcmeArgs {
             dns01_zone: None,
             dns01_tsig_key: None,
             dns01_tsig_secret: None,
+            dns01_tsig_secret_file: None,
             dns01_tsig_algorithm: TsigAlgorithm::HmacSha256,
             dns01_hook: None,
             dns01_propagation_seconds: 0,

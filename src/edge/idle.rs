@@ -117,3 +117,187 @@ mod tests {
         assert!(started.elapsed() >= PUBLIC_IDLE_TIMEOUT);
     }
 }
+
+/// Watches one spliced connection (a TCP reservation's client, an upgraded
+/// HTTP connection): every byte either way, and half-closes. Its
+/// [`expired`](Activity::expired) runs on a timer of its own, whether or not
+/// anything reads: a connection silent for `idle`, or silent for
+/// `half_close` once either side has half-closed (a peer that ignores the
+/// half-close), is ended; [`close`](Activity::close) then fails the reads
+/// still pending elsewhere (the request body a tunnel stream is reading).
+#[derive(Clone)]
+pub struct Activity(std::sync::Arc<ActivityInner>);
+
+struct ActivityInner {
+    start: Instant,
+    /// Milliseconds since `start` of the last byte.
+    last: std::sync::atomic::AtomicU64,
+    /// Bit 0: the reads saw the end; bit 1: the writes were shut down.
+    half_closed: std::sync::atomic::AtomicU8,
+    changed: tokio::sync::Notify,
+    closed: tokio_util::sync::CancellationToken,
+}
+
+impl Default for Activity {
+    fn default() -> Self {
+        Activity(std::sync::Arc::new(ActivityInner {
+            start: Instant::now(),
+            last: Default::default(),
+            half_closed: Default::default(),
+            changed: tokio::sync::Notify::new(),
+            closed: tokio_util::sync::CancellationToken::new(),
+        }))
+    }
+}
+
+impl Activity {
+    fn touch(&self) {
+        let ms = self.0.start.elapsed().as_millis() as u64;
+        self.0.last.store(ms, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn half_close(&self, bit: u8) {
+        if self.0.half_closed.fetch_or(bit, std::sync::atomic::Ordering::AcqRel) & bit == 0 {
+            self.0.changed.notify_one();
+        }
+    }
+
+    /// Ends the connection: pending and later reads through [`Tracked`] fail.
+    pub fn close(&self) {
+        self.0.closed.cancel();
+    }
+
+    /// Resolves when the connection has been silent too long; says why.
+    pub async fn expired(&self, idle: std::time::Duration, half_close: std::time::Duration) -> &'static str {
+        use std::sync::atomic::Ordering;
+        loop {
+            let closed = self.0.half_closed.load(Ordering::Acquire);
+            if closed == 3 {
+                return "closed both ways";
+            }
+            let half = closed != 0;
+            let limit = if half { half_close.min(idle) } else { idle };
+            let last = self.0.start + std::time::Duration::from_millis(self.0.last.load(Ordering::Relaxed));
+            // After a half-close the bound counts from then at the latest.
+            let deadline = last + limit;
+            if Instant::now() >= deadline {
+                return if half { "half-closed and silent" } else { "idle" };
+            }
+            tokio::select! {
+                _ = tokio::time::sleep_until(deadline) => {}
+                _ = self.0.changed.notified() => { self.touch(); }
+            }
+        }
+    }
+
+    /// `io`, watched by this.
+    pub fn track<S>(&self, io: S) -> Tracked<S> {
+        Tracked {
+            inner: io,
+            activity: self.clone(),
+            closed: Box::pin(self.0.closed.clone().cancelled_owned()),
+        }
+    }
+}
+
+/// An IO watched by an [`Activity`].
+pub struct Tracked<S> {
+    inner: S,
+    activity: Activity,
+    closed: Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>,
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Tracked<S> {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if this.closed.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "connection ended: silent too long",
+            )));
+        }
+        let before = buf.filled().len();
+        let r = Pin::new(&mut this.inner).poll_read(cx, buf);
+        if let Poll::Ready(Ok(())) = r {
+            if buf.filled().len() > before {
+                this.activity.touch();
+            } else if buf.remaining() > 0 {
+                this.activity.half_close(1);
+            }
+        }
+        r
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Tracked<S> {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let r = Pin::new(&mut this.inner).poll_write(cx, buf);
+        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
+            this.activity.touch();
+        }
+        r
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let r = Pin::new(&mut this.inner).poll_shutdown(cx);
+        if r.is_ready() {
+            this.activity.half_close(2);
+        }
+        r
+    }
+}
+
+#[cfg(test)]
+mod activity_tests {
+    use super::*;
+    use std::time::Duration;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    #[tokio::test(start_paused = true)]
+    async fn a_half_close_shortens_the_bound_without_any_read() {
+        let (mut client, server) = tokio::io::duplex(64);
+        let activity = Activity::default();
+        let mut s = activity.track(server);
+        client.write_all(b"x").await.unwrap();
+        let mut b = [0u8; 1];
+        s.read_exact(&mut b).await.unwrap();
+        client.shutdown().await.unwrap();
+        assert_eq!(s.read(&mut b).await.unwrap(), 0);
+        let started = Instant::now();
+        // Nothing reads from here on: the timer runs anyway.
+        let why = activity.expired(Duration::from_secs(3600), Duration::from_secs(5)).await;
+        assert_eq!(why, "half-closed and silent");
+        assert!(started.elapsed() <= Duration::from_secs(6), "{:?}", started.elapsed());
+        activity.close();
+        assert!(s.read(&mut b).await.is_err(), "reads fail once closed");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn closed_both_ways_ends_at_once() {
+        let (mut client, server) = tokio::io::duplex(64);
+        let activity = Activity::default();
+        let mut s = activity.track(server);
+        client.shutdown().await.unwrap();
+        let mut b = [0u8; 1];
+        assert_eq!(s.read(&mut b).await.unwrap(), 0);
+        s.shutdown().await.unwrap();
+        let started = Instant::now();
+        let why = activity.expired(Duration::from_secs(3600), Duration::from_secs(5)).await;
+        assert_eq!((why, started.elapsed()), ("closed both ways", Duration::ZERO));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_silent_connection_is_idle_after_the_idle_bound() {
+        let activity = Activity::default();
+        let started = Instant::now();
+        let why = activity.expired(Duration::from_secs(60), Duration::from_secs(5)).await;
+        assert_eq!(why, "idle");
+        assert!(started.elapsed() >= Duration::from_secs(60));
+    }
+}

@@ -20,6 +20,8 @@ pub struct Metrics {
     bytes: Family<Labels, Counter>,
     handshake_failures: Family<Labels, Counter>,
     pub public_connections_rejected: Counter,
+    /// Connections closed because their class had no file descriptor left.
+    connections_refused: Family<Labels, Counter>,
     /// ACME certificate jobs by result (`issued`, `failed`, `dns_mismatch`).
     pub acme_orders: Family<Labels, Counter>,
     /// Reloads of the edge's own certificate files by result (`reloaded`, `failed`).
@@ -66,6 +68,12 @@ impl Default for Metrics {
             "Public connections closed on accept because the limit was reached",
             public_connections_rejected.clone(),
         );
+        let connections_refused = Family::<Labels, Counter>::default();
+        registry.register(
+            "connections_refused",
+            "Connections closed because their class (handshake, public, tcp, agent, control) had no file descriptor left",
+            connections_refused.clone(),
+        );
         let acme_orders = Family::<Labels, Counter>::default();
         registry.register(
             "acme_orders",
@@ -87,6 +95,7 @@ impl Default for Metrics {
             bytes,
             handshake_failures,
             public_connections_rejected,
+            connections_refused,
             byte_counters: RwLock::default(),
         }
     }
@@ -121,6 +130,20 @@ impl Metrics {
     pub fn tunnels(&self) -> Vec<(Arc<str>, ByteCounters)> {
         let map = self.byte_counters.read().expect("poisoned");
         map.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+    }
+
+    pub fn connection_refused(&self, class: super::limits::Class) {
+        self.connections_refused.get_or_create(&vec![("class", class.name().to_string())]).inc();
+    }
+
+    /// Drops the counters of a released reservation.
+    pub fn forget(&self, reservation: &str) {
+        if self.byte_counters.write().expect("poisoned").remove(reservation).is_some() {
+            for direction in ["in", "out"] {
+                self.bytes
+                    .remove(&vec![("reservation", reservation.to_string()), ("direction", direction.into())]);
+            }
+        }
     }
 
     pub fn handshake_failed(&self, reason: &'static str) {

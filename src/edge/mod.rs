@@ -10,6 +10,7 @@ pub(crate) mod api;
 pub(crate) mod certfile;
 mod config;
 pub(crate) mod idle;
+pub(crate) mod limits;
 pub(crate) mod metrics;
 pub(crate) mod public;
 pub(crate) mod registry;
@@ -94,6 +95,8 @@ pub struct Edge {
     pub public_host: String,
     /// Port of the public HTTPS listener (as bound).
     pub https_port: u16,
+    /// Port of the plain HTTP listener (as bound).
+    pub http_port: u16,
     pub tcp_bind: IpAddr,
     pub max_agents_per_key: usize,
     /// Published HTTP hosts are also served on the plain HTTP port.
@@ -126,6 +129,16 @@ pub struct Edge {
     pub stopped: CancellationToken,
     /// Public connections (HTTP and TCP), waited for while draining.
     pub connections: TaskTracker,
+    /// File descriptors per class of connection.
+    pub fds: limits::FdBudget,
+    /// Idle bound of a TCP reservation's connection.
+    pub tcp_idle_timeout: Duration,
+    /// Bound of a half-closed spliced connection's silence.
+    pub half_close_timeout: Duration,
+    /// Refused tunnel handshakes per source address, and their log.
+    pub refusals: agents::Refusals,
+    /// `Upgrade` protocols passed through (lower case; `--allow-upgrade`).
+    pub upgrades: Vec<String>,
 }
 
 impl Edge {
@@ -168,13 +181,18 @@ impl Edge {
             }
         };
         let index = Arc::new(RouteIndex::build(reservations));
-        {
+        let old = {
             let mut routes = self.routes.write().expect("poisoned");
             if self.reloaded.load(Ordering::Acquire) > ticket {
                 return; // a later read is already applied
             }
             self.reloaded.store(ticket, Ordering::Release);
-            *routes = index.clone();
+            std::mem::replace(&mut *routes, index.clone())
+        };
+        // Released reservations: their metrics go with them.
+        let now: std::collections::HashSet<String> = index.metric_names().collect();
+        for name in old.metric_names().filter(|n| !now.contains(n)) {
+            self.metrics.forget(&name);
         }
         self.tcp.reconcile(self, index.ports().collect());
         match live {
@@ -286,6 +304,9 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
         _ if dns01 => Given::Acme,
         _ => return Err(EdgeError::NoCertificate),
     };
+    let nofile = limits::raise_nofile();
+    let fds = limits::FdBudget::new(nofile, args.max_public_connections, args.max_connections_per_tcp_port);
+    info!(open_files = nofile, budget = %fds.describe(), "file descriptors per class of connection");
     create_private_dir(&args.data_dir)?;
     let location = Location::parse(args.store.as_deref(), &args.data_dir)?;
     let store = tokio::task::spawn_blocking(move || Store::open_location(&location))
@@ -353,6 +374,7 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
         domain,
         public_host,
         https_port: https_addr.port(),
+        http_port: http_addr.port(),
         tcp_bind: args.tcp_bind,
         max_agents_per_key: args.max_agents_per_key.max(1),
         plain_http: args.plain_http,
@@ -376,6 +398,16 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
         shutdown,
         stopped: CancellationToken::new(),
         connections: TaskTracker::new(),
+        fds,
+        tcp_idle_timeout: Duration::from_secs(args.tcp_idle_timeout_seconds),
+        half_close_timeout: Duration::from_secs(args.half_close_timeout_seconds),
+        refusals: Default::default(),
+        upgrades: args
+            .allow_upgrade
+            .iter()
+            .map(|u| u.trim().to_ascii_lowercase())
+            .filter(|u| !u.is_empty())
+            .collect(),
     });
     edge.reload().await;
 
@@ -438,13 +470,18 @@ async fn watch_certificate(edge: Arc<Edge>, every: Duration) {
     }
 }
 
+/// Creates the data dir with mode 0700, or tightens an existing one to 0700
+/// (it holds the admin key and the store).
 fn create_private_dir(path: &std::path::Path) -> Result<(), EdgeError> {
-    use std::os::unix::fs::DirBuilderExt;
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(path)
-        .map_err(|source| EdgeError::DataDir { path: path.into(), source })
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    let err = |source| EdgeError::DataDir { path: path.into(), source };
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(path).map_err(err)?;
+    let mode = std::fs::metadata(path).map_err(err)?.permissions().mode() & 0o777;
+    if mode != 0o700 {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o700)).map_err(err)?;
+        warn!(dir = %path.display(), was = format!("{mode:o}"), "tightened the data dir to mode 700");
+    }
+    Ok(())
 }
 
 /// `culvert migrate-store`: copies the SQLite store of `--from` into

@@ -47,6 +47,12 @@ impl RouteIndex {
         self.by_host.values().chain(self.by_port.values())
     }
 
+    /// The names the byte counters of each reservation are kept under
+    /// (host names; `:PORT` for TCP ports).
+    pub fn metric_names(&self) -> impl Iterator<Item = String> + '_ {
+        self.by_host.keys().cloned().chain(self.by_port.keys().map(|p| format!(":{p}")))
+    }
+
     pub fn contains_id(&self, id: &str) -> bool {
         self.by_host.values().chain(self.by_port.values()).any(|r| r.id == id)
     }

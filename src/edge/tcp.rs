@@ -100,13 +100,34 @@ pub fn can_listen(addr: SocketAddr) -> bool {
 }
 
 async fn accept_loop(edge: Arc<Edge>, listener: TcpListener, port: u16, token: CancellationToken) {
+    // This port's own share: one reservation's clients cannot take every TCP descriptor.
+    let own = Arc::new(tokio::sync::Semaphore::new(edge.fds.tcp_per_port));
+    let mut refused = super::limits::LogEvery::default();
     super::accept::accept_loop(&listener, &token, |tcp, peer| {
+        let permits = own
+            .clone()
+            .try_acquire_owned()
+            .ok()
+            .and_then(|p| Some((p, edge.fds.try_acquire(super::limits::Class::Tcp)?)));
+        let Some(permits) = permits else {
+            edge.metrics.connection_refused(super::limits::Class::Tcp);
+            if let Some(more) = refused.tick() {
+                warn!(port, %peer, refused_since_last_line = more, "TCP reservation at its connection limit; closing new connections");
+            }
+            return;
+        };
         let span = tracing::debug_span!("tcp", port, %peer);
-        edge.connections.spawn(serve(edge.clone(), tcp, port, peer).instrument(span));
+        let edge2 = edge.clone();
+        edge.connections.spawn(
+            async move {
+                let _permits = permits;
+                serve(edge2, tcp, port, peer).await
+            }
+            .instrument(span),
+        );
     })
     .await
 }
-
 async fn serve(edge: Arc<Edge>, tcp: TcpStream, port: u16, peer: SocketAddr) {
     let _ = tcp.set_nodelay(true);
     let local = tcp.local_addr().ok();
@@ -127,9 +148,13 @@ pub async fn forward<S>(
     peer: SocketAddr,
     local: Option<SocketAddr>,
 ) where
-    S: AsyncRead + AsyncWrite + Send + 'static,
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let (read, write) = tokio::io::split(io);
+    let activity = super::idle::Activity::default();
+    // Whatever ends this (the stream, a bound), the public reads still
+    // pending in the tunnel stream's request body end too.
+    let _close = CloseOnDrop(activity.clone());
+    let (read, write) = tokio::io::split(activity.track(io));
     let mut tried = Vec::new();
     let counters = edge.metrics.bytes(name);
     counters.tunnel.request();
@@ -150,9 +175,16 @@ pub async fn forward<S>(
         match sender.try_send_request(req).await {
             Ok(resp) if resp.status() == StatusCode::OK => {
                 let down = Counted::new(resp.into_body(), counters.outbound);
-                let r = body::copy_body(down, write).await;
+                let bound = activity.expired(edge.tcp_idle_timeout, edge.half_close_timeout);
+                let mut bound = std::pin::pin!(bound);
+                tokio::select! {
+                    r = body::copy_body(down, write) => debug!(result = ?r, "agent to client ended"),
+                    why = bound.as_mut() => return debug!(why, "closing the connection"),
+                }
+                // The client may still send: until it closes too, or the bound.
+                let why = bound.await;
                 drop(guard);
-                return debug!(result = ?r, "stream ended");
+                return debug!(why, "stream ended");
             }
             Ok(resp) => {
                 let why = resp.headers().get(crate::constants::ERROR_HEADER).cloned();
@@ -174,4 +206,12 @@ pub async fn forward<S>(
         counters.tunnel.answered(StatusCode::BAD_GATEWAY);
     }
     debug!("no agent connected for this reservation; closing");
+}
+
+struct CloseOnDrop(super::idle::Activity);
+
+impl Drop for CloseOnDrop {
+    fn drop(&mut self) {
+        self.0.close();
+    }
 }

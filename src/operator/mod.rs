@@ -124,9 +124,19 @@ pub struct OperatorArgs {
     /// connection to each, API calls go to the first that answers at start.
     #[arg(long, env = "CULVERT_EDGE", value_delimiter = ',', required = true)]
     pub edge: Vec<String>,
-    /// An API key of scope `endpoints` (it cannot carry traffic).
-    #[arg(long, env = "CULVERT_API_KEY", hide_env_values = true)]
+    /// An API key of scope `endpoints` (it cannot carry traffic). Prefer
+    /// --api-key-file or the environment: a flag is visible to every local user.
+    #[arg(
+        long,
+        env = "CULVERT_API_KEY",
+        hide_env_values = true,
+        default_value = "",
+        hide_default_value = true
+    )]
     pub api_key: String,
+    /// Read the API key from this file (a mounted Secret); wins over --api-key.
+    #[arg(long, env = "CULVERT_API_KEY_FILE")]
+    pub api_key_file: Option<PathBuf>,
     /// Trust this PEM CA instead of the built-in Mozilla roots.
     #[arg(long, env = "CULVERT_CA_FILE")]
     pub ca_file: Option<PathBuf>,
@@ -375,7 +385,7 @@ pub fn edge_start_error(e: &crate::api_client::ClientError, edge: &str, place: P
         E::CaFile(err) => {
             format!("cannot load the edge's CA certificate ({err}): {ca} must hold PEM certificates")
         }
-        E::BadEdge(_) => format!("{e}: set {url}"),
+        E::BadEdge(_) | E::PlainHttp(_) => format!("{e}: set {url}"),
     }
 }
 
@@ -406,10 +416,15 @@ async fn first_answering_edge(
     place: Place,
 ) -> anyhow::Result<(EdgeClient, crate::api::Info, String)> {
     let edges = crate::agent::EdgeSet::parse(&args.edge).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let api_key =
+        crate::secret::key_from(Some(&args.api_key), args.api_key_file.as_deref(), "--api-key-file")?
+            .ok_or_else(|| {
+                anyhow::anyhow!("no API key given: pass --api-key-file FILE or set CULVERT_API_KEY")
+            })?;
     let mut first_error = None;
     for url in edges.urls() {
         let base = format!("https://{}", url.authority());
-        let answer = match EdgeClient::new(&base, &args.api_key, args.ca_file.as_deref()) {
+        let answer = match EdgeClient::new(&base, &api_key, args.ca_file.as_deref()) {
             Ok(client) => client.check().await.map(|info| (client, info)),
             Err(e) => Err(e),
         };

@@ -25,11 +25,24 @@ pub enum Refusal {
     RevokedKey,
     NotATunnelKey,
     MissingVersion,
-    VersionTooOld { got: u32 },
-    VersionTooNew { got: u32 },
+    VersionTooOld {
+        got: u32,
+    },
+    VersionTooNew {
+        got: u32,
+    },
     NotWebSocket,
-    TooManyAgents { max: usize },
-    WrongProtocol { key: &'static str, agent: String },
+    TooManyAgents {
+        max: usize,
+    },
+    WrongProtocol {
+        key: &'static str,
+        agent: String,
+    },
+    /// This source address had too many handshakes refused lately.
+    TooManyRefusals {
+        retry_in_seconds: u64,
+    },
     Internal,
 }
 
@@ -44,7 +57,7 @@ impl Refusal {
                 StatusCode::UPGRADE_REQUIRED
             }
             Refusal::NotWebSocket => StatusCode::BAD_REQUEST,
-            Refusal::TooManyAgents { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Refusal::TooManyAgents { .. } | Refusal::TooManyRefusals { .. } => StatusCode::TOO_MANY_REQUESTS,
             Refusal::Internal => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
@@ -62,6 +75,7 @@ impl Refusal {
             Refusal::NotWebSocket => "not_websocket",
             Refusal::TooManyAgents { .. } => "too_many_agents",
             Refusal::WrongProtocol { .. } => "wrong_protocol",
+            Refusal::TooManyRefusals { .. } => "too_many_refusals",
             Refusal::Internal => "internal",
         }
     }
@@ -94,6 +108,9 @@ impl Refusal {
             }
             Refusal::WrongProtocol { key, agent } => format!(
                 "this key publishes {key}, but the agent asked for {agent}: use `culvert {key}` (or a key made with --protocol {agent})"
+            ),
+            Refusal::TooManyRefusals { retry_in_seconds } => format!(
+                "too many refused tunnel handshakes from this address: check the agent's key and retry in {retry_in_seconds} s"
             ),
             Refusal::Internal => "the edge could not check the key; retry".into(),
         }

@@ -76,6 +76,11 @@ pub fn edge_args(dir: &Path, https: SocketAddr, tcp_ports: PortRange) -> EdgeArg
         acme: Default::default(),
         plain_http: false,
         public_status: false,
+        tcp_idle_timeout_seconds: 3600,
+        half_close_timeout_seconds: 60,
+        max_public_connections: 10_000,
+        max_connections_per_tcp_port: 1_000,
+        allow_upgrade: vec!["websocket".into()],
     }
 }
 

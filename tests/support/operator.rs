@@ -69,8 +69,13 @@ impl Fixture {
         kube_env::install_culvert_crds(&env.client).await;
         let ns = env.namespace(prefix).await.unwrap();
         let edge = TestEdge::start_with(configure).await;
-        let (s, k) =
-            edge.api("POST", "api-keys", Some(json!({"name": "operator", "scope": "endpoints"}))).await;
+        let (s, k) = edge
+            .api(
+                "POST",
+                "api-keys",
+                Some(json!({"name": "operator", "scope": "endpoints", "customDomains": ["*"]})),
+            )
+            .await;
         assert!(s.is_success(), "{k}");
         Some(Fixture {
             client: env.client.clone(),
@@ -89,6 +94,7 @@ impl Fixture {
         OperatorArgs {
             edge: vec![self.edge.url()],
             api_key: self.endpoints_key.clone(),
+            api_key_file: None,
             ca_file: Some(self.edge.ca_file.clone()),
             namespace: self.ns.name.clone(),
             identity: Some(identity.into()),

@@ -141,7 +141,13 @@ impl OwnCertificate {
                 let server = args.dns01_server.ok_or_else(|| {
                     config("--acme-dns01 rfc2136 needs --acme-dns01-server: the IP (and port) of the zone's primary DNS server".into())
                 })?;
-                let key = match (&args.dns01_tsig_key, &args.dns01_tsig_secret) {
+                let secret = crate::secret::key_from(
+                    args.dns01_tsig_secret.as_deref(),
+                    args.dns01_tsig_secret_file.as_deref(),
+                    "--acme-dns01-tsig-secret-file",
+                )
+                .map_err(|e| config(e.to_string()))?;
+                let key = match (&args.dns01_tsig_key, &secret) {
                     (Some(name), Some(secret)) => {
                         Some(dns01::TsigKey::new(name, args.dns01_tsig_algorithm, secret)?)
                     }

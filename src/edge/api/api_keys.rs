@@ -6,7 +6,7 @@ use http_body_util::Full;
 use hyper::Response;
 
 use super::{ApiContext, ApiError, json_response};
-use crate::api::{ApiKey, CreateApiKeyRequest, CreatedApiKey, List};
+use crate::api::{ApiKey, ApiKeyScope, CreateApiKeyRequest, CreatedApiKey, List};
 
 /// Longest API key name.
 pub const MAX_KEY_NAME: usize = 100;
@@ -29,7 +29,29 @@ pub(super) async fn create(
             format!("an API key name is 1-{MAX_KEY_NAME} printable characters, e.g. \"operator cluster-a\""),
         ));
     }
-    let (key, secret) = ctx.store.create_api_key(name, request.scope).await?;
+    let mut custom_domains = Vec::new();
+    for d in &request.custom_domains {
+        let d = d.trim().trim_end_matches('.').to_ascii_lowercase();
+        if d == "*" {
+            custom_domains.push(d);
+            continue;
+        }
+        custom_domains.push(super::names::normalize_hostname(&d).map_err(|_| {
+            ApiError::invalid(
+                "invalid_custom_domains",
+                format!(
+                    "customDomains entry `{d}` is not a domain: give names like example.org (it and every name under it), or `*` for any"
+                ),
+            )
+        })?);
+    }
+    if request.scope == ApiKeyScope::Admin && !custom_domains.is_empty() {
+        return Err(ApiError::invalid(
+            "invalid_custom_domains",
+            "customDomains is for endpoints keys: an admin key may reserve any domain".to_string(),
+        ));
+    }
+    let (key, secret) = ctx.store.create_api_key(name, request.scope, &custom_domains).await?;
     tracing::info!(key = %key.id, scope = %key.scope, by = %caller.id, "api key created");
     Ok(json_response(StatusCode::CREATED, &CreatedApiKey { key, secret }))
 }

@@ -81,6 +81,29 @@ pub(super) async fn reserve_domain(
             ));
         }
     };
+    if kind == ReservationKind::Subdomain
+        && caller.scope != crate::api::ApiKeyScope::Admin
+        && let Some(label) = hostname.split('.').next().filter(|l| RESERVED_NAMES.contains(l))
+    {
+        return Err(ApiError::invalid(
+            "reserved_name",
+            format!(
+                "{label}.{domain} is kept for the edge's operator (reserved names: {}); pick another name",
+                RESERVED_NAMES.join(", ")
+            ),
+        ));
+    }
+    if kind == ReservationKind::Custom
+        && !caller.may_reserve_custom(&hostname)
+        && !holds(ctx, caller, &hostname).await?
+    {
+        return Err(ApiError::Forbidden {
+            code: "custom_domain_not_allowed",
+            message: format!(
+                "this key may not reserve the custom domain {hostname}: an admin allows custom domains per key (culvert admin api-key create --custom-domain {hostname} ...), or reserve <name>.{domain}"
+            ),
+        });
+    }
     let (reservation, created) =
         ctx.store.reserve_domain(kind, &hostname, &caller.id, &request.labels).await?;
     if created {
@@ -89,6 +112,20 @@ pub(super) async fn reserve_domain(
     }
     let status = if created { StatusCode::CREATED } else { StatusCode::OK };
     Ok(json_response(status, &with_url(ctx, reservation).await))
+}
+
+/// Names under the edge's domain only an admin key may reserve: they look
+/// like the operator's own (phishing, or a tenant posing as the edge).
+pub const RESERVED_NAMES: &[&str] = &["admin", "api", "edge", "status", "www"];
+
+/// The caller already holds `hostname` (asking again is answered as before).
+async fn holds(ctx: &ApiContext, caller: &ApiKey, hostname: &str) -> Result<bool, ApiError> {
+    Ok(ctx
+        .store
+        .reservation_by_hostname(hostname)
+        .await?
+        .iter()
+        .any(|r| r.owner == caller.id && r.hostname.as_deref() == Some(hostname)))
 }
 
 /// `POST ports`: the port asked for, or a free one of the range.
@@ -184,6 +221,82 @@ mod tests {
     use serde_json::json;
 
     use super::super::test_support::{code, edge};
+
+    /// Custom domains are scoped per endpoints key (issue 18 item 6).
+    #[tokio::test]
+    async fn custom_domains_only_within_what_the_key_is_allowed() {
+        let e = edge();
+        let key = |body: serde_json::Value| {
+            let e = &e;
+            async move {
+                let (status, v) = e.call("POST", "api-keys", Some(&e.admin), Some(body)).await;
+                assert_eq!(status, StatusCode::CREATED, "{v}");
+                (v["secret"].as_str().unwrap().to_string(), v["id"].as_str().unwrap().to_string())
+            }
+        };
+        let (plain, plain_id) = key(json!({"name": "plain", "scope": "endpoints"})).await;
+        let (scoped, _) =
+            key(json!({"name": "scoped", "scope": "endpoints", "customDomains": ["Example.ORG."]})).await;
+        let reserve = |k: &str, fqdn: &str| {
+            let (e, k, fqdn) = (&e, k.to_string(), fqdn.to_string());
+            async move {
+                let (status, v) = e.call("POST", "domains", Some(&k), Some(json!({"fqdn": fqdn}))).await;
+                (status, code(&v).to_string())
+            }
+        };
+        // A key without the permission: no custom domain, subdomains as before.
+        assert_eq!(
+            reserve(&plain, "example.org").await,
+            (StatusCode::FORBIDDEN, "custom_domain_not_allowed".into())
+        );
+        assert_eq!(reserve(&plain, "x.edge.example.com").await.0, StatusCode::CREATED);
+        // A scoped key: its suffix and names under it, nothing else.
+        assert_eq!(reserve(&scoped, "example.org").await.0, StatusCode::CREATED);
+        assert_eq!(reserve(&scoped, "shop.example.org").await.0, StatusCode::CREATED);
+        for other in ["notexample.org", "example.org.evil.com", "edge.test.evil.com"] {
+            assert_eq!(
+                reserve(&scoped, other).await,
+                (StatusCode::FORBIDDEN, "custom_domain_not_allowed".into()),
+                "{other}"
+            );
+        }
+        // The admin may reserve any.
+        assert_eq!(reserve(&e.admin, "evil.com").await.0, StatusCode::CREATED);
+        // Names that look like the edge's own are kept for the admin (item 8).
+        for name in ["api", "admin", "www", "edge"] {
+            let (status, v) = e.call("POST", "domains", Some(&plain), Some(json!({"name": name}))).await;
+            assert_eq!((status, code(&v)), (StatusCode::UNPROCESSABLE_ENTITY, "reserved_name"), "{name}");
+        }
+        assert_eq!(
+            reserve(&plain, "www.edge.example.com").await,
+            (StatusCode::UNPROCESSABLE_ENTITY, "reserved_name".into())
+        );
+        assert_eq!(reserve(&e.admin, "www.edge.example.com").await.0, StatusCode::CREATED);
+        // A custom domain held from before the permissions existed is still answered.
+        e.ctx
+            .store
+            .reserve_domain(
+                crate::api::ReservationKind::Custom,
+                "old.example.net",
+                &plain_id,
+                &Default::default(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(reserve(&plain, "old.example.net").await.0, StatusCode::OK);
+        // What can be given.
+        let (status, v) = e
+            .call(
+                "POST",
+                "api-keys",
+                Some(&e.admin),
+                Some(json!({"name": "x", "scope": "endpoints", "customDomains": ["bad..name"]})),
+            )
+            .await;
+        assert_eq!((status, code(&v)), (StatusCode::UNPROCESSABLE_ENTITY, "invalid_custom_domains"));
+        let (_, v) = e.call("GET", &format!("api-keys/{plain_id}"), Some(&e.admin), None).await;
+        assert!(v.get("customDomains").is_none(), "{v}");
+    }
 
     #[tokio::test]
     async fn domain_reservations() {

@@ -85,7 +85,12 @@ impl Edge {
 
     pub(super) async fn endpoints_key(&self, name: &str) -> String {
         let (status, v) = self
-            .call("POST", "api-keys", Some(&self.admin), Some(json!({"name": name, "scope": "endpoints"})))
+            .call(
+                "POST",
+                "api-keys",
+                Some(&self.admin),
+                Some(json!({"name": name, "scope": "endpoints", "customDomains": ["*"]})),
+            )
             .await;
         assert_eq!(status, StatusCode::CREATED, "{v}");
         v["secret"].as_str().unwrap().to_string()

@@ -10,6 +10,7 @@ use http::uri::InvalidUri;
 use http::{Request, Uri};
 
 use crate::constants::{STREAM_HEADER, UPGRADE_HEADER};
+use crate::edge::routes::normalize_host;
 use crate::http::{strip_culvert_headers, strip_hop_by_hop};
 use crate::tunnel::StreamKind;
 
@@ -19,6 +20,37 @@ pub(super) fn request_host<B>(req: &Request<B>) -> Option<String> {
         .authority()
         .map(|a| a.as_str().to_string())
         .or_else(|| req.headers().get(header::HOST).and_then(|h| h.to_str().ok()).map(str::to_string))
+}
+
+/// Headers that carry a client address or port as some proxy or CDN saw it:
+/// a client's own are never passed on (the edge sets `X-Forwarded-*`).
+const CLIENT_ADDRESS_HEADERS: [&str; 10] = [
+    "x-forwarded-for",
+    "x-forwarded-proto",
+    "x-forwarded-host",
+    "x-forwarded-port",
+    "x-real-ip",
+    "forwarded",
+    "true-client-ip",
+    "x-client-ip",
+    "cf-connecting-ip",
+    "x-original-forwarded-for",
+];
+
+/// Why a public request head is refused before it goes anywhere (400).
+pub(super) fn refuse_head<B: hyper::body::Body>(req: &Request<B>) -> Option<&'static str> {
+    let mut hosts = req.headers().get_all(header::HOST).iter();
+    let host = hosts.next();
+    if hosts.next().is_some() {
+        return Some("more than one Host header");
+    }
+    // h2: a Host next to :authority must name the same host.
+    if let (Some(authority), Some(host)) = (req.uri().authority(), host)
+        && !host.to_str().is_ok_and(|h| normalize_host(h) == normalize_host(authority.as_str()))
+    {
+        return Some("the Host header differs from the request's authority");
+    }
+    None
 }
 
 /// Rewrites a public request's head into the head of one h2 stream to an
@@ -32,6 +64,7 @@ pub(super) fn rewrite_request(
     host: &str,
     peer: SocketAddr,
     scheme: &'static str,
+    port: u16,
     upgrade: Option<&HeaderValue>,
 ) -> Result<(), InvalidUri> {
     let pq = parts.uri.path_and_query().map(|p| p.as_str().to_string()).unwrap_or_else(|| "/".into());
@@ -40,9 +73,10 @@ pub(super) fn rewrite_request(
     strip_culvert_headers(&mut parts.headers);
     let h = &mut parts.headers;
     // Client-supplied forwarding headers are replaced, never trusted.
-    for name in ["x-forwarded-for", "x-forwarded-proto", "x-forwarded-host", "x-real-ip", "forwarded"] {
+    for name in CLIENT_ADDRESS_HEADERS {
         h.remove(name);
     }
+    h.insert("x-forwarded-port", HeaderValue::from(port));
     h.remove(header::HOST);
     h.insert("x-forwarded-for", HeaderValue::from_str(&peer.ip().to_string()).expect("ip is ascii"));
     h.insert("x-forwarded-proto", HeaderValue::from_static(scheme));

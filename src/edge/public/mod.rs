@@ -23,17 +23,18 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::OwnedSemaphorePermit;
 use tokio_rustls::TlsAcceptor;
-use tracing::{Instrument, debug};
+use tracing::{Instrument, debug, warn};
 
 use super::accept::accept_loop;
+use super::limits::Class;
 use super::{Edge, sni};
 use crate::BoxError;
 use crate::api::{Protocol, Reservation, ReservationKind};
 use crate::constants::{
     API_PREFIX, CONNECT_PATH, ERROR_HEADER, HANDSHAKE_TIMEOUT, HEADER_READ_TIMEOUT, MAX_HEADER_BYTES,
-    MAX_PUBLIC_CONNECTIONS, RESERVED_PREFIX, STATUS_HEADER,
+    RESERVED_PREFIX, STATUS_HEADER,
 };
 use crate::http::{error_page, text};
 use crate::tunnel::body::{self, BoxBody, Counted};
@@ -54,10 +55,15 @@ fn http_builder() -> auto::Builder<TokioExecutor> {
 /// a timeout; the loop never waits on a client.
 pub async fn serve_https(edge: Arc<Edge>, listener: TcpListener, tls: Arc<rustls::ServerConfig>) {
     let acceptor = TlsAcceptor::from(tls);
-    let limit = Arc::new(Semaphore::new(MAX_PUBLIC_CONNECTIONS));
+    let mut refused = super::limits::LogEvery::default();
     accept_loop(&listener, &edge.shutdown, |tcp, peer| {
-        let Ok(permit) = limit.clone().try_acquire_owned() else {
+        // Until its first request says what it is, a connection holds a handshake descriptor.
+        let Some(permit) = edge.fds.try_acquire(Class::Handshake) else {
             edge.metrics.public_connections_rejected.inc();
+            edge.metrics.connection_refused(Class::Handshake);
+            if let Some(unlogged) = refused.tick() {
+                warn!(%peer, unlogged, "too many connections in their TLS handshake; closing new ones");
+            }
             return;
         };
         let _ = tcp.set_nodelay(true);
@@ -87,6 +93,10 @@ async fn serve_tls(
     if let Some(reservation) = sni.as_deref().and_then(|h| edge.routes().host(h).cloned())
         && edge.registry.serves(&reservation.id, Protocol::Tls)
     {
+        let Some(_public) = edge.fds.try_acquire(Class::Public) else {
+            return edge.metrics.connection_refused(Class::Public);
+        };
+        drop(_permit);
         let local = tcp.local_addr().ok();
         let name = reservation.hostname.clone().unwrap_or_default();
         let io = sni::Prefixed::new(hello, tcp);
@@ -104,17 +114,72 @@ async fn serve_tls(
     }
     let h2 = tls.get_ref().1.alpn_protocol() == Some(crate::tls::ALPN_H2);
     let builder = if h2 { http_builder().http2_only() } else { http_builder().http1_only() };
+    let slot = Arc::new(std::sync::Mutex::new(Slot { handshake: Some(_permit), class: None }));
     let service = service_fn({
         let edge = edge.clone();
         move |req| {
             let edge = edge.clone();
-            async move { Ok::<_, Infallible>(handle(edge, req, peer).await) }
+            let slot = slot.clone();
+            async move {
+                if let Some(refused) = take_slot(&edge, &slot, &req) {
+                    return Ok::<_, Infallible>(refused);
+                }
+                Ok::<_, Infallible>(handle(edge, req, peer).await)
+            }
         }
     });
     let io = super::idle::IdleTimeout::new(tls);
     let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
     if let Err(e) = drain_on_shutdown(&edge, conn).await {
         debug!(error = %e, "public connection ended");
+    }
+}
+
+/// The descriptor a public HTTPS connection holds: a handshake one until its
+/// first request, then one of the class its requests belong to.
+struct Slot {
+    handshake: Option<OwnedSemaphorePermit>,
+    class: Option<(Class, OwnedSemaphorePermit)>,
+}
+
+/// What a request on the HTTPS port is: a tenant's (public), the tunnel
+/// endpoint (agent) or the control API (control).
+fn class_of<B>(edge: &Edge, req: &Request<B>) -> Class {
+    let host = request_host(req).unwrap_or_default();
+    if edge.routes().host(&host).is_some() {
+        return Class::Public;
+    }
+    match req.uri().path() {
+        CONNECT_PATH => Class::Agent,
+        p if p.starts_with(API_PREFIX) => Class::Control,
+        _ => Class::Public,
+    }
+}
+
+/// Moves the connection to the class of `req` (once, or when its requests
+/// change class); `Some(503)` when that class has no descriptor left: the
+/// connection is closed, other classes are not held back.
+fn take_slot<B>(edge: &Edge, slot: &std::sync::Mutex<Slot>, req: &Request<B>) -> Option<Response<BoxBody>> {
+    let class = class_of(edge, req);
+    let mut slot = slot.lock().expect("poisoned");
+    if slot.class.as_ref().is_some_and(|(c, _)| *c == class) {
+        return None;
+    }
+    match edge.fds.try_acquire(class) {
+        Some(permit) => {
+            slot.class = Some((class, permit));
+            slot.handshake = None;
+            None
+        }
+        None => {
+            edge.metrics.connection_refused(class);
+            let mut r = text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                &format!("the edge is at its limit of {} connections; retry later\n", class.name()),
+            );
+            r.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+            Some(r)
+        }
     }
 }
 
@@ -175,6 +240,9 @@ pub async fn serve_redirect(edge: Arc<Edge>, listener: TcpListener) {
         if let Some(key_authorization) = edge.acme.as_ref().and_then(|a| a.http01_response(req.uri().path()))
         {
             return Ok(text(StatusCode::OK, &key_authorization));
+        }
+        if let Some(why) = head::refuse_head(&req) {
+            return Ok(text(StatusCode::BAD_REQUEST, &format!("bad request: {why}\n")));
         }
         if edge.plain_http {
             let host = request_host(&req).unwrap_or_default();
@@ -274,6 +342,9 @@ fn redirect(edge: &Edge, req: &Request<Incoming>) -> Response<BoxBody> {
 }
 
 async fn handle(edge: Arc<Edge>, req: Request<Incoming>, peer: SocketAddr) -> Response<BoxBody> {
+    if let Some(why) = head::refuse_head(&req) {
+        return text(StatusCode::BAD_REQUEST, &format!("bad request: {why}\n"));
+    }
     let host = request_host(&req).unwrap_or_default();
     let routes = edge.routes();
     if let Some(reservation) = routes.host(&host)
@@ -312,10 +383,24 @@ async fn proxy(
     if reservation.kind == ReservationKind::Tcp {
         return error_page(StatusCode::BAD_GATEWAY, host, "this reservation is a TCP port");
     }
-    let upgrade = upgrade::upgrade_of(&req);
+    // The edge's own paths are never a tenant's, whatever the Host.
+    if req.uri().path().starts_with(RESERVED_PREFIX) {
+        return error_page(
+            StatusCode::NOT_FOUND,
+            host,
+            &format!("{RESERVED_PREFIX} is the edge's own; use https://{}{RESERVED_PREFIX}…", edge.domain),
+        );
+    }
+    let upgrade = upgrade::upgrade_of(&req, &edge.upgrades);
+    // An upgrade's body would be the new protocol's bytes: one announced
+    // before the switch is refused rather than waited for.
+    if upgrade.is_some() && !req.body().is_end_stream() {
+        return error_page(StatusCode::BAD_REQUEST, host, "an upgrade request cannot have a body");
+    }
     let on_upgrade = upgrade.is_some().then(|| hyper::upgrade::on(&mut req));
     let (mut parts, incoming) = req.into_parts();
-    if head::rewrite_request(&mut parts, host, peer, scheme, upgrade.as_ref()).is_err() {
+    let port = if scheme == "https" { edge.https_port } else { edge.http_port };
+    if head::rewrite_request(&mut parts, host, peer, scheme, port, upgrade.as_ref()).is_err() {
         return error_page(StatusCode::BAD_REQUEST, host, "invalid request target");
     }
 
@@ -348,7 +433,7 @@ async fn proxy(
     }
     let down = Counted::new(rbody, bytes_out);
     if let (true, Some(on_upgrade), Some(tx)) = (switched, on_upgrade, upgrade_tx) {
-        return upgrade::switch(rparts, down, upgrade, on_upgrade, tx, guard);
+        return upgrade::switch(rparts, down, upgrade, on_upgrade, tx, guard, &edge);
     }
     head::clean_response(&mut rparts.headers);
     Response::from_parts(rparts, body::boxed(down.hold(guard)))

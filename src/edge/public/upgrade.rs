@@ -13,12 +13,15 @@ use tokio::sync::mpsc;
 use tracing::{Instrument, debug};
 
 use super::head::clean_response;
-use crate::constants::UPGRADE_HEADER;
+use crate::constants::{PUBLIC_IDLE_TIMEOUT, UPGRADE_HEADER};
 use crate::edge::registry::StreamGuard;
 use crate::tunnel::body::{self, BoxBody, ChannelBody, Counted};
 
-/// The public request is an HTTP/1.1 upgrade (WebSocket...).
-pub(super) fn upgrade_of<B>(req: &Request<B>) -> Option<HeaderValue> {
+/// The public request is an HTTP/1.1 upgrade to protocols that are all in
+/// `allowed` (WebSocket by default). Any other upgrade (`h2c`...) is not one:
+/// the request goes on as a plain request, its `Upgrade` dropped with the
+/// other hop-by-hop headers.
+pub(super) fn upgrade_of<B>(req: &Request<B>, allowed: &[String]) -> Option<HeaderValue> {
     let connection_upgrade = req
         .headers()
         .get_all(header::CONNECTION)
@@ -26,7 +29,14 @@ pub(super) fn upgrade_of<B>(req: &Request<B>) -> Option<HeaderValue> {
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
         .any(|t| t.trim().eq_ignore_ascii_case("upgrade"));
-    if connection_upgrade { req.headers().get(header::UPGRADE).cloned() } else { None }
+    let mut values = req.headers().get_all(header::UPGRADE).iter();
+    let (value, None) = (values.next()?, values.next()) else { return None };
+    let all_allowed = value.to_str().ok()?.split(',').map(str::trim).all(|t| is_allowed(t, allowed));
+    (connection_upgrade && all_allowed).then(|| value.clone())
+}
+
+fn is_allowed(token: &str, allowed: &[String]) -> bool {
+    !token.is_empty() && allowed.iter().any(|a| a.eq_ignore_ascii_case(token))
 }
 
 /// The body of an upgrade stream: fed later, from the upgraded public
@@ -47,8 +57,21 @@ pub(super) fn switch(
     on_upgrade: OnUpgrade,
     tx: mpsc::Sender<Bytes>,
     guard: StreamGuard,
+    edge: &crate::edge::Edge,
 ) -> Response<BoxBody> {
+    let (allowed, half_close) = (&edge.upgrades, edge.half_close_timeout);
     let upgrade_to = rparts.headers.get(UPGRADE_HEADER).cloned().or(asked);
+    // The backend may only switch to what the client asked for (and the edge allows).
+    if let Some(to) = &upgrade_to
+        && !to.to_str().is_ok_and(|t| t.split(',').map(str::trim).all(|t| is_allowed(t, allowed)))
+    {
+        debug!(upgrade = ?to, "the backend switched to a protocol the edge does not pass");
+        return crate::http::error_page(
+            StatusCode::BAD_GATEWAY,
+            "",
+            "the backend switched to a protocol the edge does not pass through",
+        );
+    }
     clean_response(&mut rparts.headers);
     let mut out = Response::new(body::empty());
     *out.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
@@ -64,11 +87,16 @@ pub(super) fn switch(
                 Ok(u) => u,
                 Err(e) => return debug!(error = %e, "public upgrade failed"),
             };
-            let (read, write) = tokio::io::split(TokioIo::new(upgraded));
+            // Bounded whether or not anything reads: idle, or half-closed and silent.
+            let activity = crate::edge::idle::Activity::default();
+            let (read, write) = tokio::io::split(activity.track(TokioIo::new(upgraded)));
             let up = body::copy_to_channel(read, tx);
             let down = body::copy_body(down, write);
-            let (up, down) = tokio::join!(up, down);
-            debug!(?up, ?down, "upgraded stream ended");
+            tokio::select! {
+                (up, down) = async { tokio::join!(up, down) } => debug!(?up, ?down, "upgraded stream ended"),
+                why = activity.expired(PUBLIC_IDLE_TIMEOUT, half_close) => debug!(why, "closing the upgraded stream"),
+            }
+            activity.close();
         }
         .in_current_span(),
     );

@@ -56,8 +56,19 @@ pub trait Keys {
     /// returns its secret, once. `None` when an admin key already exists.
     fn ensure_admin_key(&self) -> Result<Option<String>, StoreError>;
 
-    /// Makes an API key; returns it and its secret (shown once).
-    fn create_api_key(&self, name: &str, scope: ApiKeyScope) -> Result<(ApiKey, String), StoreError>;
+    /// Makes an API key with the custom domains it may reserve (suffixes, or
+    /// `*`; endpoints keys only); returns it and its secret (shown once).
+    fn create_api_key_with(
+        &self,
+        name: &str,
+        scope: ApiKeyScope,
+        custom_domains: &[String],
+    ) -> Result<(ApiKey, String), StoreError>;
+
+    /// [`create_api_key_with`](Self::create_api_key_with) with no custom domains.
+    fn create_api_key(&self, name: &str, scope: ApiKeyScope) -> Result<(ApiKey, String), StoreError> {
+        self.create_api_key_with(name, scope, &[])
+    }
 
     /// Every API key, revoked ones included, oldest first.
     fn api_keys(&self) -> Result<Vec<ApiKey>, StoreError>;
@@ -65,7 +76,9 @@ pub trait Keys {
     /// One API key by id.
     fn api_key(&self, id: &str) -> Result<Option<ApiKey>, StoreError>;
 
-    /// Revokes an API key (idempotent). The last live admin key cannot be revoked.
+    /// Revokes an API key (idempotent). The last live admin key cannot be
+    /// revoked. Revoking an `endpoints` key also revokes the tunnel keys it
+    /// made and those of its reservations.
     fn revoke_api_key(&self, id: &str) -> Result<ApiKey, StoreError>;
 
     /// Looks an API key up by its secret.
@@ -112,15 +125,20 @@ impl Keys for Sqlite {
         if live > 0 {
             return Ok(None);
         }
-        let (_, secret) = insert_api_key(&tx, INITIAL_ADMIN_KEY_NAME, ApiKeyScope::Admin)?;
+        let (_, secret) = insert_api_key(&tx, INITIAL_ADMIN_KEY_NAME, ApiKeyScope::Admin, &[])?;
         tx.commit()?;
         Ok(Some(secret))
     }
 
-    fn create_api_key(&self, name: &str, scope: ApiKeyScope) -> Result<(ApiKey, String), StoreError> {
+    fn create_api_key_with(
+        &self,
+        name: &str,
+        scope: ApiKeyScope,
+        custom_domains: &[String],
+    ) -> Result<(ApiKey, String), StoreError> {
         let mut conn = self.lock();
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-        let made = insert_api_key(&tx, name, scope)?;
+        let made = insert_api_key(&tx, name, scope, custom_domains)?;
         tx.commit()?;
         Ok(made)
     }
@@ -169,6 +187,13 @@ impl Keys for Sqlite {
         }
         let now = now_rfc3339();
         tx.execute("UPDATE api_keys SET revoked_at = ?2 WHERE id = ?1", params![id, now])?;
+        if key.scope == ApiKeyScope::Endpoints {
+            // A tenant's key is gone: so are the tunnel keys it made and those of its reservations.
+            tx.execute(
+                "UPDATE tunnel_keys SET revoked_at = ?2 WHERE (created_by = ?1 OR owner = ?1) AND revoked_at IS NULL",
+                params![id, now],
+            )?;
+        }
         tx.commit()?;
         Ok(ApiKey { revoked_at: Some(now), ..key })
     }
@@ -341,7 +366,13 @@ impl Keys for Sqlite {
     }
 }
 
-fn insert_api_key(conn: &Connection, name: &str, scope: ApiKeyScope) -> Result<(ApiKey, String), StoreError> {
+fn insert_api_key(
+    conn: &Connection,
+    name: &str,
+    scope: ApiKeyScope,
+    custom_domains: &[String],
+) -> Result<(ApiKey, String), StoreError> {
+    let domains_json = serde_json::to_string(custom_domains).expect("strings serialize");
     let prefix = match scope {
         ApiKeyScope::Admin => ADMIN_KEY_PREFIX,
         ApiKeyScope::Endpoints => ENDPOINTS_KEY_PREFIX,
@@ -350,14 +381,21 @@ fn insert_api_key(conn: &Connection, name: &str, scope: ApiKeyScope) -> Result<(
     let created_at = now_rfc3339();
     let id = insert_with_fresh_id("ak_", |id| {
         conn.execute(
-            "INSERT INTO api_keys (id, name, scope, secret_hash, created_at) VALUES (?1, ?2, ?3, ?4, ?5)",
-            params![id, name, scope.as_str(), hash_secret(&secret), created_at],
+            "INSERT INTO api_keys (id, name, scope, secret_hash, created_at, custom_domains) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+            params![id, name, scope.as_str(), hash_secret(&secret), created_at, domains_json],
         )
     })?;
-    let key = ApiKey { id, name: name.to_string(), scope, created_at, revoked_at: None };
+    let key = ApiKey {
+        id,
+        name: name.to_string(),
+        scope,
+        created_at,
+        revoked_at: None,
+        custom_domains: custom_domains.to_vec(),
+    };
     Ok((key, secret))
 }
-pub(super) const API_KEY_COLUMNS: &str = "id, name, scope, created_at, revoked_at";
+pub(super) const API_KEY_COLUMNS: &str = "id, name, scope, created_at, revoked_at, custom_domains";
 pub(super) const TUNNEL_KEY_COLUMNS: &str =
     "id, protocol, reservation_id, kind, hostname, port, owner, labels, created_at, revoked_at";
 
@@ -369,6 +407,8 @@ pub(super) fn api_key_from_row(row: &Row<'_>) -> rusqlite::Result<ApiKey> {
         scope: ApiKeyScope::parse(&scope).ok_or_else(|| invalid(2, format!("unknown scope {scope:?}")))?,
         created_at: row.get(3)?,
         revoked_at: row.get(4)?,
+        custom_domains: serde_json::from_str(&row.get::<_, String>(5)?)
+            .map_err(|e| invalid(5, format!("custom_domains is not a JSON list: {e}")))?,
     })
 }
 

@@ -139,6 +139,11 @@ pub const MIGRATIONS: &[&str] = &[
         expires_at INTEGER NOT NULL
     ) STRICT;
     "#,
+    // 4: the custom domains an endpoints key may reserve (a JSON array of
+    // suffixes; keys made before may reserve none).
+    r#"
+    ALTER TABLE api_keys ADD COLUMN custom_domains TEXT NOT NULL DEFAULT '[]';
+    "#,
 ];
 
 /// Errors of the store. Conflicts and lookups that find nothing are errors
@@ -429,9 +434,11 @@ impl Store {
         &self,
         name: &str,
         scope: ApiKeyScope,
+        custom_domains: &[String],
     ) -> Result<(ApiKey, String), StoreError> {
         let name = name.to_string();
-        self.run(move |e| e.create_api_key(&name, scope)).await
+        let custom_domains = custom_domains.to_vec();
+        self.run(move |e| e.create_api_key_with(&name, scope, &custom_domains)).await
     }
 
     pub async fn api_keys(&self) -> Result<Vec<ApiKey>, StoreError> {
@@ -670,7 +677,7 @@ fn sqlite_export(tx: &rusqlite::Transaction<'_>) -> Result<Snapshot, StoreError>
             keys::API_KEY_COLUMNS
         ))?;
         s.api_keys = stmt
-            .query_map([], |r| Ok(ApiKeyRow { key: keys::api_key_from_row(r)?, secret_hash: r.get(5)? }))?
+            .query_map([], |r| Ok(ApiKeyRow { key: keys::api_key_from_row(r)?, secret_hash: r.get(6)? }))?
             .collect::<Result<_, _>>()?;
         let mut stmt = tx.prepare(&format!(
             "SELECT {} FROM reservations ORDER BY rowid",

@@ -68,7 +68,7 @@ const FEED_TICK: Duration = Duration::from_millis(250);
 const MIGRATION_LOCK: i64 = 0x6375_6c76_6572_7401;
 
 /// Schema migrations; migration `i` brings the version from `i` to `i + 1`.
-/// Append only: never edit one that has shipped. Version 1 is SQLite's 3.
+/// Append only: never edit one that has shipped. Version 1 is SQLite's 4.
 pub const MIGRATIONS: &[&str] = &[r#"
     CREATE TABLE api_keys (
         seq         BIGSERIAL NOT NULL,
@@ -77,7 +77,9 @@ pub const MIGRATIONS: &[&str] = &[r#"
         scope       TEXT NOT NULL CHECK (scope IN ('admin', 'endpoints')),
         secret_hash TEXT NOT NULL UNIQUE,
         created_at  TEXT NOT NULL,
-        revoked_at  TEXT
+        revoked_at  TEXT,
+        -- The custom domains an endpoints key may reserve (a JSON array of suffixes).
+        custom_domains TEXT NOT NULL DEFAULT '[]'
     );
 
     CREATE TABLE reservations (
@@ -414,7 +416,7 @@ fn migrate(client: &mut Client) -> Result<(), StoreError> {
     Ok(())
 }
 
-const API_KEY_COLUMNS: &str = "id, name, scope, created_at, revoked_at";
+const API_KEY_COLUMNS: &str = "id, name, scope, created_at, revoked_at, custom_domains";
 const TUNNEL_KEY_COLUMNS: &str =
     "id, protocol, reservation_id, kind, hostname, port, owner, labels, created_at, revoked_at";
 const RESERVATION_COLUMNS: &str = "id, kind, hostname, port, owner, labels, created_at";
@@ -448,6 +450,8 @@ fn api_key_from_row(row: &Row) -> Result<ApiKey, StoreError> {
         scope: ApiKeyScope::parse(&scope).ok_or_else(|| corrupt(format!("unknown scope {scope:?}")))?,
         created_at: get(row, 3)?,
         revoked_at: get(row, 4)?,
+        custom_domains: serde_json::from_str(&get::<String>(row, 5)?)
+            .map_err(|e| corrupt(format!("custom_domains is not a JSON list: {e}")))?,
     })
 }
 
@@ -536,7 +540,9 @@ fn insert_api_key(
     tx: &mut Transaction<'_>,
     name: &str,
     scope: ApiKeyScope,
+    custom_domains: &[String],
 ) -> Result<(ApiKey, String), StoreError> {
+    let domains_json = serde_json::to_string(custom_domains).expect("strings serialize");
     let prefix = match scope {
         ApiKeyScope::Admin => ADMIN_KEY_PREFIX,
         ApiKeyScope::Endpoints => ENDPOINTS_KEY_PREFIX,
@@ -546,10 +552,18 @@ fn insert_api_key(
     // A taken id is a unique violation: the whole transaction is tried again.
     let id = fresh_id("ak_")?;
     tx.execute(
-        "INSERT INTO api_keys (id, name, scope, secret_hash, created_at) VALUES ($1, $2, $3, $4, $5)",
-        &[&id, &name, &scope.as_str(), &hash_secret(&secret), &created_at],
+        "INSERT INTO api_keys (id, name, scope, secret_hash, created_at, custom_domains) VALUES ($1, $2, $3, $4, $5, $6)",
+        &[&id, &name, &scope.as_str(), &hash_secret(&secret), &created_at, &domains_json],
     )?;
-    Ok((ApiKey { id, name: name.to_string(), scope, created_at, revoked_at: None }, secret))
+    let key = ApiKey {
+        id,
+        name: name.to_string(),
+        scope,
+        created_at,
+        revoked_at: None,
+        custom_domains: custom_domains.to_vec(),
+    };
+    Ok((key, secret))
 }
 
 fn insert_reservation(
@@ -597,12 +611,17 @@ impl Keys for Postgres {
             if live > 0 {
                 return Ok(None);
             }
-            Ok(Some(insert_api_key(tx, INITIAL_ADMIN_KEY_NAME, ApiKeyScope::Admin)?.1))
+            Ok(Some(insert_api_key(tx, INITIAL_ADMIN_KEY_NAME, ApiKeyScope::Admin, &[])?.1))
         })
     }
 
-    fn create_api_key(&self, name: &str, scope: ApiKeyScope) -> Result<(ApiKey, String), StoreError> {
-        self.write(|tx| insert_api_key(tx, name, scope))
+    fn create_api_key_with(
+        &self,
+        name: &str,
+        scope: ApiKeyScope,
+        custom_domains: &[String],
+    ) -> Result<(ApiKey, String), StoreError> {
+        self.write(|tx| insert_api_key(tx, name, scope, custom_domains))
     }
 
     fn api_keys(&self) -> Result<Vec<ApiKey>, StoreError> {
@@ -645,6 +664,13 @@ impl Keys for Postgres {
             }
             let now = now_rfc3339();
             tx.execute("UPDATE api_keys SET revoked_at = $2 WHERE id = $1", &[&id, &now])?;
+            if key.scope == ApiKeyScope::Endpoints {
+                // A tenant's key is gone: so are the tunnel keys it made and those of its reservations.
+                tx.execute(
+                    "UPDATE tunnel_keys SET revoked_at = $2 WHERE (created_by = $1 OR owner = $1) AND revoked_at IS NULL",
+                    &[&id, &now],
+                )?;
+            }
             Ok(ApiKey { revoked_at: Some(now), ..key })
         })
     }
@@ -1049,7 +1075,7 @@ impl Engine for Postgres {
             for r in
                 tx.query(&format!("SELECT {API_KEY_COLUMNS}, secret_hash FROM api_keys ORDER BY seq"), &[])?
             {
-                s.api_keys.push(ApiKeyRow { key: api_key_from_row(&r)?, secret_hash: get(&r, 5)? });
+                s.api_keys.push(ApiKeyRow { key: api_key_from_row(&r)?, secret_hash: get(&r, 6)? });
             }
             for r in tx.query(&format!("SELECT {RESERVATION_COLUMNS} FROM reservations ORDER BY seq"), &[])? {
                 s.reservations.push(reservation_from_row(&r)?);
@@ -1098,8 +1124,16 @@ impl Engine for Postgres {
             }
             for k in &s.api_keys {
                 tx.execute(
-                    "INSERT INTO api_keys (id, name, scope, secret_hash, created_at, revoked_at) VALUES ($1, $2, $3, $4, $5, $6)",
-                    &[&k.key.id, &k.key.name, &k.key.scope.as_str(), &k.secret_hash, &k.key.created_at, &k.key.revoked_at],
+                    "INSERT INTO api_keys (id, name, scope, secret_hash, created_at, revoked_at, custom_domains) VALUES ($1, $2, $3, $4, $5, $6, $7)",
+                    &[
+                        &k.key.id,
+                        &k.key.name,
+                        &k.key.scope.as_str(),
+                        &k.secret_hash,
+                        &k.key.created_at,
+                        &k.key.revoked_at,
+                        &serde_json::to_string(&k.key.custom_domains).expect("strings serialize"),
+                    ],
                 )?;
             }
             for r in &s.reservations {

@@ -1,0 +1,637 @@
+//! The edge under attack (issue 18), on 127.0.0.1: each hole found by probing
+//! the edge has a test here that failed before its fix. The edge runs as a
+//! real process where its file descriptors, RSS and resource limits matter
+//! (read from /proc/PID), in this process otherwise.
+
+mod support;
+use support::net;
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use culvert::agent::Target;
+use net::{TestAgent, TestEdge};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, Lines};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::process::{Child, ChildStdout, Command};
+
+const BIN: &str = env!("CARGO_BIN_EXE_culvert");
+
+/// A `culvert edge` process with a self-signed CA.
+#[allow(dead_code)]
+struct EdgeProc {
+    child: Child,
+    _lines: Lines<BufReader<ChildStdout>>,
+    https: String,
+    ca: PathBuf,
+    admin_key_file: PathBuf,
+    admin_key: String,
+    tcp_ports: culvert::api::PortRange,
+}
+
+#[allow(dead_code)]
+impl EdgeProc {
+    /// Starts an edge on `dir`; `nofile` lowers RLIMIT_NOFILE (soft and hard) first.
+    async fn start(dir: &Path, nofile: Option<u64>, extra: &[&str]) -> EdgeProc {
+        let tcp_ports = net::free_port_range(4);
+        let mut cmd = Command::new(BIN);
+        cmd.args(["edge", "--domain", net::DOMAIN, "--data-dir", dir.to_str().unwrap(), "--self-signed"])
+            .args([
+                "--https-addr",
+                "127.0.0.1:0",
+                "--http-addr",
+                "127.0.0.1:0",
+                "--admin-addr",
+                "127.0.0.1:0",
+            ])
+            .args([
+                "--tcp-ports",
+                &tcp_ports.to_string(),
+                "--tcp-bind",
+                "127.0.0.1",
+                "--public-host",
+                "127.0.0.1",
+            ])
+            .args(extra)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true);
+        if let Some(n) = nofile {
+            // SAFETY: setrlimit is async-signal-safe; nothing else runs between fork and exec.
+            unsafe {
+                cmd.pre_exec(move || {
+                    let lim = libc::rlimit { rlim_cur: n, rlim_max: n };
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
+        let mut child = cmd.spawn().expect("culvert edge runs");
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let ready = tokio::time::timeout(Duration::from_secs(30), async {
+            loop {
+                match lines.next_line().await.unwrap() {
+                    Some(l) if l.starts_with("culvert edge ready") => return l,
+                    Some(_) => continue,
+                    None => panic!("the edge ended before it was ready"),
+                }
+            }
+        })
+        .await
+        .expect("edge ready line");
+        let field = |k: &str| {
+            ready.split_whitespace().find_map(|w| w.strip_prefix(&format!("{k}="))).unwrap().to_string()
+        };
+        let admin_key_file = PathBuf::from(field("admin_key_file"));
+        let admin_key = std::fs::read_to_string(&admin_key_file).unwrap().trim().to_string();
+        EdgeProc {
+            https: field("https"),
+            ca: PathBuf::from(field("ca_file")),
+            admin_key_file,
+            admin_key,
+            child,
+            _lines: lines,
+            tcp_ports,
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("https://{}", self.https)
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id().unwrap()
+    }
+
+    /// Open file descriptors of the edge process.
+    fn fds(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.pid())).map(|d| d.count()).unwrap_or(0)
+    }
+
+    /// Resident memory of the edge process in KiB.
+    fn rss_kib(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+            .unwrap_or(0)
+    }
+}
+
+/// Runs `culvert admin` with `args`; (success, stdout, stderr).
+async fn admin(args: &[&str], env: &[(&str, &str)]) -> (bool, String, String) {
+    let out = Command::new(BIN).arg("admin").args(args).envs(env.iter().copied()).output().await.unwrap();
+    let text = |b: &[u8]| String::from_utf8_lossy(b).trim().to_string();
+    (out.status.success(), text(&out.stdout), text(&out.stderr))
+}
+
+/// The CLIs: keys from files and the environment, plain HTTP refused off
+/// loopback, a pre-existing data dir tightened to 0700.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cli_keys_from_files_plain_http_refused_data_dir_tightened() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    std::fs::set_permissions(&data, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let edge = EdgeProc::start(&data, None, &[]).await;
+    let mode = std::fs::metadata(&data).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o700, "the data dir is tightened to 0700 (was 0755)");
+
+    let (url, ca) = (edge.url(), edge.ca.to_str().unwrap().to_string());
+    let key_file = edge.admin_key_file.to_str().unwrap().to_string();
+    // --key-file, and the environment.
+    let (ok, out, err) =
+        admin(&["--edge", &url, "--ca-file", &ca, "--key-file", &key_file, "info"], &[]).await;
+    assert!(ok && out.contains("edge.test"), "{out} {err}");
+    let (ok, out, err) =
+        admin(&["--edge", &url, "--ca-file", &ca, "info"], &[("CULVERT_ADMIN_KEY_FILE", &key_file)]).await;
+    assert!(ok && out.contains("edge.test"), "{out} {err}");
+    let (ok, _, err) =
+        admin(&["--edge", &url, "--ca-file", &ca, "info"], &[("CULVERT_ADMIN_KEY", &edge.admin_key)]).await;
+    assert!(ok, "{err}");
+    let (ok, _, err) = admin(&["--edge", &url, "--key-file", "/nonexistent/key", "info"], &[]).await;
+    assert!(!ok && err.contains("failed to read --key-file /nonexistent/key"), "{err}");
+
+    // Plain HTTP to anything but loopback: refused before a byte is sent.
+    let (ok, _, err) = admin(&["--edge", "http://192.0.2.1", "--key-file", &key_file, "info"], &[]).await;
+    assert!(!ok && err.contains("plain HTTP") && err.contains("use https://"), "{err}");
+
+    // The agent takes its tunnel key from a file too.
+    let (ok, _, err) =
+        admin(&["--edge", &url, "--ca-file", &ca, "--key-file", &key_file, "port", "reserve"], &[]).await;
+    assert!(ok, "{err}");
+    let (ok, secret, err) = admin(
+        &[
+            "--edge",
+            &url,
+            "--ca-file",
+            &ca,
+            "--key-file",
+            &key_file,
+            "tunnel-key",
+            "create",
+            "--port",
+            &edge.tcp_ports.first.to_string(),
+        ],
+        &[],
+    )
+    .await;
+    assert!(ok && secret.starts_with("culvert_t_"), "{secret} {err}");
+    let tunnel_key = dir.path().join("tunnel.key");
+    std::fs::write(&tunnel_key, format!("{secret}\n")).unwrap();
+    net::init();
+    let echo = net::tcp_echo().await.port().to_string();
+    let mut agent = Command::new(BIN)
+        .args(["tcp", &echo, "--edge", &url, "--ca-file", &ca, "--key-file", tunnel_key.to_str().unwrap()])
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(agent.stdout.take().unwrap()).lines();
+    let line = tokio::time::timeout(Duration::from_secs(20), lines.next_line()).await.unwrap().unwrap();
+    assert!(line.is_some_and(|l| l.starts_with("Forwarding tcp://")), "the agent connects with --key-file");
+    let args: Vec<String> = std::fs::read_to_string(format!("/proc/{}/cmdline", agent.id().unwrap()))
+        .unwrap()
+        .split('\0')
+        .map(str::to_string)
+        .collect();
+    assert!(!args.iter().any(|a| a.contains(&secret)), "the key is not on the command line");
+}
+
+/// A backend that reads what it is sent and then holds the connection open
+/// without a byte or a close: it ignores the half-close.
+async fn deaf_backend() -> std::net::SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        loop {
+            let Ok((mut tcp, _)) = listener.accept().await else { return };
+            let mut buf = [0u8; 1024];
+            while tcp.read(&mut buf).await.is_ok_and(|n| n > 0) {}
+            held.push(tcp);
+        }
+    });
+    addr
+}
+
+fn streams_open(edge: &TestEdge) -> Option<u64> {
+    edge.edge()
+        .metrics
+        .encode()
+        .lines()
+        .find_map(|l| l.strip_prefix("culvert_edge_streams_open "))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// Reads until the edge ends the connection (EOF or reset); how long it took.
+async fn until_closed(s: &mut TcpStream, limit: Duration) -> Duration {
+    let started = tokio::time::Instant::now();
+    let mut buf = [0u8; 1024];
+    let ended =
+        tokio::time::timeout(limit, async { while s.read(&mut buf).await.is_ok_and(|n| n > 0) {} }).await;
+    assert!(ended.is_ok(), "the edge kept the connection open for {limit:?}");
+    started.elapsed()
+}
+
+/// Item 3: a TCP client half-closes, the backend ignores it: the edge closes
+/// the connection and its tunnel stream once silent for
+/// --half-close-timeout-seconds, although nothing reads any more.
+#[tokio::test]
+async fn a_half_close_ignored_by_the_backend_is_closed_after_the_bound() {
+    let edge = TestEdge::start_with(|a| a.half_close_timeout_seconds = 1).await;
+    let backend = deaf_backend().await;
+    let (port, key) = edge.tcp_tunnel_key().await;
+    let _agent = TestAgent::start(&edge, &key, Target::Tcp { addr: backend.to_string(), proxy: None }).await;
+    let mut s = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    s.write_all(b"hello").await.unwrap();
+    s.shutdown().await.unwrap();
+    let took = until_closed(&mut s, Duration::from_secs(10)).await;
+    assert!(took >= Duration::from_millis(900), "closed after the bound, not before: {took:?}");
+    net::wait_for("the tunnel stream closed", Duration::from_secs(5), || {
+        (streams_open(&edge) == Some(0)).then_some(())
+    })
+    .await;
+}
+
+/// Item 2: a TCP reservation's connections have an idle timeout and a cap
+/// per port; over the cap new connections are closed at once, and the
+/// other reservations keep answering.
+#[tokio::test]
+async fn tcp_reservations_have_an_idle_timeout_and_a_cap_per_port() {
+    let edge = TestEdge::start_with(|a| {
+        a.tcp_idle_timeout_seconds = 1;
+        a.max_connections_per_tcp_port = 3;
+    })
+    .await;
+    let echo = net::tcp_echo().await;
+    let (port, key) = edge.tcp_tunnel_key().await;
+    let _agent = TestAgent::start(&edge, &key, Target::Tcp { addr: echo.to_string(), proxy: None }).await;
+    let (other, other_key) = edge.tcp_tunnel_key().await;
+    let _other =
+        TestAgent::start(&edge, &other_key, Target::Tcp { addr: echo.to_string(), proxy: None }).await;
+
+    async fn echo_once(port: u16) -> TcpStream {
+        let mut s = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+        s.write_all(b"ping").await.unwrap();
+        let mut b = [0u8; 4];
+        tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut b)).await.unwrap().unwrap();
+        s
+    }
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(echo_once(port).await);
+    }
+    // The fourth is closed on accept.
+    let mut fourth = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    let took = until_closed(&mut fourth, Duration::from_secs(5)).await;
+    assert!(took < Duration::from_millis(900), "closed at once: {took:?}");
+    // Another reservation is not held back.
+    echo_once(other).await;
+    // The idle ones are closed after --tcp-idle-timeout-seconds.
+    for s in &mut held {
+        until_closed(s, Duration::from_secs(5)).await;
+    }
+    echo_once(port).await;
+}
+
+/// A raw tunnel handshake from 127.0.0.1 with `auth`; (status, error code).
+async fn handshake(edge: &TestEdge, auth: &str) -> (u16, String) {
+    use bytes::Bytes;
+    use http_body_util::{BodyExt, Full};
+    let req = http::Request::get("/_culvert/v1/connect")
+        .header("connection", "upgrade")
+        .header("upgrade", "websocket")
+        .header("sec-websocket-version", "13")
+        .header("sec-websocket-key", "dGhlIHNhbXBsZSBub25jZQ==")
+        .header("culvert-protocol-version", "1")
+        .header("authorization", format!("Bearer {auth}"))
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let resp = edge.client().send("127.0.0.1", req, false).await.unwrap();
+    let status = resp.status().as_u16();
+    let body = resp.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+    let json: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    (status, json["error"]["code"].as_str().unwrap_or_default().to_string())
+}
+
+/// Item 5: refused handshakes are limited per source address (then 429
+/// before any key lookup, for the rest of the window), and public traffic
+/// does not notice.
+#[tokio::test]
+async fn refused_handshakes_are_limited_per_address() {
+    let edge = TestEdge::start().await;
+    let backend = net::http_backend().await;
+    let (host, key) = edge.http_tunnel_key("steady").await;
+    let _agent = TestAgent::start(&edge, &key, Target::http(backend.to_string())).await;
+    for i in 0..30 {
+        assert_eq!(handshake(&edge, "culvert_t_guess").await, (401, "unknown_key".into()), "attempt {i}");
+    }
+    assert_eq!(handshake(&edge, "culvert_t_guess").await, (429, "too_many_refusals".into()));
+    // Even a good key from this address waits for the window (no key lookup).
+    assert_eq!(handshake(&edge, &key).await.0, 429);
+    assert_eq!(edge.client().get(&host, "/").await.0, http::StatusCode::OK);
+}
+
+/// Item 8: revoking an endpoints key revokes the tunnel keys it made: their
+/// live agents are cut and cannot come back.
+#[tokio::test]
+async fn revoking_an_endpoints_key_revokes_its_tunnel_keys() {
+    use serde_json::json;
+    let edge = TestEdge::start().await;
+    let backend = net::http_backend().await;
+    let (s, k) = edge.api("POST", "api-keys", Some(json!({"name": "tenant", "scope": "endpoints"}))).await;
+    assert!(s.is_success(), "{k}");
+    let (tenant, tenant_id) =
+        (k["secret"].as_str().unwrap().to_string(), k["id"].as_str().unwrap().to_string());
+    let (s, r) = edge.api_as(&tenant, "POST", "domains", Some(json!({"name": "tenant"}))).await;
+    assert!(s.is_success(), "{r}");
+    let host = r["hostname"].as_str().unwrap().to_string();
+    let (s, t) =
+        edge.api_as(&tenant, "POST", "tunnel-keys", Some(json!({"domain": host, "protocol": "http"}))).await;
+    assert!(s.is_success(), "{t}");
+    let tunnel_key = t["secret"].as_str().unwrap().to_string();
+    let agent = TestAgent::start(&edge, &tunnel_key, Target::http(backend.to_string())).await;
+    assert_eq!(edge.client().get(&host, "/").await.0, http::StatusCode::OK);
+
+    let (s, body) = edge.api("DELETE", &format!("api-keys/{tenant_id}"), None).await;
+    assert!(s.is_success(), "{body}");
+    net::wait_for("the tenant's tunnel cut", Duration::from_secs(5), || {
+        (edge.edge().registry.count_for_key(t["id"].as_str().unwrap()) == 0).then_some(())
+    })
+    .await;
+    assert_eq!(handshake(&edge, &tunnel_key).await, (403, "key_revoked".into()));
+    agent.stop().await;
+}
+
+/// Item 8: a released reservation's metrics are removed.
+#[tokio::test]
+async fn a_released_reservation_leaves_no_metrics() {
+    let edge = TestEdge::start().await;
+    let backend = net::http_backend().await;
+    let (other, other_key) = edge.http_tunnel_key("counted").await;
+    let agent = TestAgent::start(&edge, &other_key, Target::http(backend.to_string())).await;
+    assert_eq!(edge.client().get(&other, "/").await.0, http::StatusCode::OK);
+    let counted =
+        |edge: &TestEdge| edge.edge().metrics.encode().contains(&format!("reservation=\"{other}\""));
+    assert!(counted(&edge));
+    let (s, body) = edge.api("DELETE", &format!("domains/{other}"), None).await;
+    assert!(s.is_success(), "{body}");
+    assert!(!counted(&edge), "the released reservation's byte counters are gone");
+    agent.stop().await;
+}
+
+/// A backend that switches to any protocol asked for (as an h2c server
+/// would; then it ignores the client's half-close) and otherwise answers
+/// 200 with the request head it got.
+async fn switching_backend() -> std::net::SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut tcp, _)) = listener.accept().await else { return };
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut b = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") {
+                    if tcp.read(&mut b).await.unwrap_or(0) == 0 {
+                        return;
+                    }
+                    head.push(b[0]);
+                }
+                let head = String::from_utf8_lossy(&head).to_ascii_lowercase();
+                if let Some(line) = head.lines().find(|l| l.starts_with("upgrade:")) {
+                    let to = line["upgrade:".len()..].trim().to_string();
+                    let answer = format!(
+                        "HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: {to}\r\n\r\n"
+                    );
+                    let _ = tcp.write_all(answer.as_bytes()).await;
+                    let mut sink = Vec::new();
+                    let _ = tcp.read_to_end(&mut sink).await;
+                    // Ignores the half-close: holds the connection, silent.
+                    std::future::pending::<()>().await;
+                }
+                let answer = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{head}", head.len());
+                let _ = tcp.write_all(answer.as_bytes()).await;
+            });
+        }
+    });
+    addr
+}
+
+/// Item 4: `Upgrade: h2c` (or any protocol but WebSocket) is not passed to
+/// the backend: the request goes on as a plain one, so the client cannot
+/// switch to HTTP/2 straight to the backend past the edge's header clean-up.
+/// WebSocket still switches.
+#[tokio::test]
+async fn an_h2c_upgrade_is_not_passed_to_the_backend() {
+    use bytes::Bytes;
+    use http_body_util::{BodyExt, Full};
+    let edge = TestEdge::start().await;
+    let backend = switching_backend().await;
+    let (host, key) = edge.http_tunnel_key("h2c").await;
+    let _agent = TestAgent::start(&edge, &key, Target::http(backend.to_string())).await;
+    for (connection, upgrade) in
+        [("Upgrade, HTTP2-Settings", "h2c"), ("upgrade", "websocket, h2c"), ("upgrade", "TLS/1.0")]
+    {
+        let req = http::Request::get("/")
+            .header("connection", connection)
+            .header("upgrade", upgrade)
+            .header("http2-settings", "AAMAAABkAARAAAAAAAIAAAAA")
+            .header("x-forwarded-for", "6.6.6.6")
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let resp = edge.client().send(&host, req, false).await.unwrap();
+        assert_eq!(resp.status(), http::StatusCode::OK, "`Upgrade: {upgrade}` is not switched");
+        let seen = String::from_utf8_lossy(&resp.into_body().collect().await.unwrap().to_bytes()).to_string();
+        assert!(!seen.contains("upgrade"), "the backend got no Upgrade: {seen}");
+        assert!(!seen.contains("6.6.6.6"), "{seen}");
+    }
+    // WebSocket is still passed (the backend switches).
+    let req = http::Request::get("/")
+        .header("connection", "upgrade")
+        .header("upgrade", "websocket")
+        .header("sec-websocket-key", "dGhlIHNhbXBsZSBub25jZQ==")
+        .header("sec-websocket-version", "13")
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let resp = edge.client().send(&host, req, false).await.unwrap();
+    assert_eq!(resp.status(), http::StatusCode::SWITCHING_PROTOCOLS);
+}
+
+/// Sends `head` (and `body`) raw over TLS to the edge as `host`; the status
+/// line of the answer, or "timeout" if none came within 5 s.
+async fn raw_request(edge: &TestEdge, host: &str, raw: &str) -> String {
+    let mut tls = edge.client().connect(host, false).await;
+    tls.write_all(raw.as_bytes()).await.unwrap();
+    let mut got = Vec::new();
+    let mut b = [0u8; 1024];
+    let read = tokio::time::timeout(Duration::from_secs(5), async {
+        while !got.windows(2).any(|w| w == b"\r\n") {
+            match tls.read(&mut b).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got.extend_from_slice(&b[..n]),
+            }
+        }
+    })
+    .await;
+    if read.is_err() {
+        return "timeout".into();
+    }
+    String::from_utf8_lossy(&got).lines().next().unwrap_or_default().to_string()
+}
+
+/// Item 5 and item 8: two Host headers are a 400; an upgrade with a body is
+/// refused at once rather than left hanging; client address headers from the
+/// client never reach the backend; the edge's own /_culvert/ paths are never
+/// forwarded to a tenant (nor the caller's Authorization with them).
+#[tokio::test]
+async fn bad_heads_are_refused_and_client_address_headers_replaced() {
+    use bytes::Bytes;
+    use http_body_util::{BodyExt, Full};
+    let edge = TestEdge::start().await;
+    let backend = net::http_backend().await;
+    let (host, key) = edge.http_tunnel_key("heads").await;
+    let _agent = TestAgent::start(&edge, &key, Target::http(backend.to_string())).await;
+
+    let two_hosts = format!("GET /echo HTTP/1.1\r\nHost: {host}\r\nHost: other.edge.test\r\n\r\n");
+    assert_eq!(raw_request(&edge, &host, &two_hosts).await, "HTTP/1.1 400 Bad Request");
+    let upgrade_with_body = format!(
+        "GET /ws HTTP/1.1\r\nHost: {host}\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\
+         Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nContent-Length: 5\r\n\r\nhello"
+    );
+    assert_eq!(raw_request(&edge, &host, &upgrade_with_body).await, "HTTP/1.1 400 Bad Request");
+
+    let spoofed = [
+        ("true-client-ip", "6.6.6.1"),
+        ("x-client-ip", "6.6.6.2"),
+        ("cf-connecting-ip", "6.6.6.3"),
+        ("x-original-forwarded-for", "6.6.6.4"),
+        ("x-forwarded-port", "6666"),
+        ("x-forwarded-for", "6.6.6.5"),
+    ];
+    let mut req = http::Request::get("/echo");
+    for (k, v) in spoofed {
+        req = req.header(k, v);
+    }
+    let resp = edge.client().send(&host, req.body(Full::new(Bytes::new())).unwrap(), false).await.unwrap();
+    let echo: serde_json::Value =
+        serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    let headers = &echo["headers"];
+    for (k, _) in spoofed {
+        assert!(
+            !headers.to_string().contains("6.6.6") && !headers.to_string().contains("6666"),
+            "{k}: {headers}"
+        );
+    }
+    assert_eq!(headers["x-forwarded-port"], edge.https.port().to_string(), "{headers}");
+    assert_eq!(headers["x-forwarded-for"], "127.0.0.1", "{headers}");
+
+    // /_culvert/ with a tenant's Host: answered by the edge, never the backend.
+    for path in ["/_culvert/v1/api/info", "/_culvert/anything"] {
+        let req = http::Request::get(path)
+            .header("authorization", format!("Bearer {}", edge.admin_key))
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let resp = edge.client().send(&host, req, false).await.unwrap();
+        let status = resp.status();
+        let body = String::from_utf8_lossy(&resp.into_body().collect().await.unwrap().to_bytes()).to_string();
+        assert_eq!(status, http::StatusCode::NOT_FOUND, "{path}: {body}");
+        assert!(!body.contains("hello from backend") && !body.contains(&edge.admin_key), "{body}");
+    }
+}
+
+/// Item 3: an upgraded connection whose client half-closed while the
+/// backend ignores it is closed after --half-close-timeout-seconds, although
+/// nothing reads it any more.
+#[tokio::test]
+async fn a_half_closed_upgrade_is_closed_after_the_bound() {
+    let edge = TestEdge::start_with(|a| a.half_close_timeout_seconds = 1).await;
+    let backend = switching_backend().await;
+    let (host, key) = edge.http_tunnel_key("halfws").await;
+    let _agent = TestAgent::start(&edge, &key, Target::http(backend.to_string())).await;
+    let mut tls = edge.client().connect(&host, false).await;
+    let head = format!(
+        "GET /ws HTTP/1.1\r\nHost: {host}\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\
+         Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+    );
+    tls.write_all(head.as_bytes()).await.unwrap();
+    let mut got = Vec::new();
+    let mut b = [0u8; 1];
+    while !got.ends_with(b"\r\n\r\n") {
+        assert_eq!(tls.read(&mut b).await.unwrap(), 1);
+        got.push(b[0]);
+    }
+    assert!(got.starts_with(b"HTTP/1.1 101"), "{}", String::from_utf8_lossy(&got));
+    tls.shutdown().await.unwrap();
+    let started = tokio::time::Instant::now();
+    let mut rest = Vec::new();
+    let ended = tokio::time::timeout(Duration::from_secs(10), tls.read_to_end(&mut rest)).await;
+    assert!(ended.is_ok(), "the half-closed upgrade is still open after 10 s");
+    assert!(started.elapsed() >= Duration::from_millis(900), "{:?}", started.elapsed());
+    net::wait_for("the tunnel stream closed", Duration::from_secs(5), || {
+        (streams_open(&edge) == Some(0)).then_some(())
+    })
+    .await;
+}
+
+/// Item 2: with a low open file limit, public clients that hold every
+/// connection they can get do not make the edge deaf: the control API and
+/// agent handshakes still answer (each class has its own descriptors).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_public_side_leaves_the_control_api_and_agents_answering() {
+    let dir = tempfile::tempdir().unwrap();
+    let edge = EdgeProc::start(dir.path(), Some(256), &[]).await;
+    let https: std::net::SocketAddr = edge.https.parse().unwrap();
+    let client = net::HttpsClient { addr: https, ca_file: edge.ca.clone() };
+    // 400 public clients that each send a request and keep the connection.
+    let mut held = Vec::new();
+    for _ in 0..400 {
+        let Ok(tcp) = TcpStream::connect(https).await else { continue };
+        let name = rustls_pki_types::ServerName::try_from("nobody.edge.test").unwrap();
+        let connector = tokio_rustls::TlsConnector::from(client.tls_config(false));
+        let Ok(Ok(mut tls)) =
+            tokio::time::timeout(Duration::from_millis(500), connector.connect(name, tcp)).await
+        else {
+            continue;
+        };
+        let _ = tls.write_all(b"GET / HTTP/1.1\r\nHost: nobody.edge.test\r\n\r\n").await;
+        held.push(tls);
+    }
+    let fds = edge.fds();
+    // Public HTTPS gets half of what is left after the reserve (96 of 192),
+    // so the edge stays well under its limit, with room for the other classes.
+    assert!(fds < 200, "the edge holds {fds} descriptors for {} public clients", held.len());
+    // The control API answers within a second.
+    let started = tokio::time::Instant::now();
+    let (ok, out, err) = tokio::time::timeout(
+        Duration::from_secs(10),
+        admin(
+            &["--edge", &edge.url(), "--ca-file", edge.ca.to_str().unwrap(), "info"],
+            &[("CULVERT_ADMIN_KEY", &edge.admin_key)],
+        ),
+    )
+    .await
+    .expect("the control API answers while the public side is full");
+    assert!(ok && out.contains("edge.test"), "{out} {err}");
+    assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
+    // An agent handshake is answered (a refusal here: the key is unknown).
+    let mut tls = client.connect("127.0.0.1", false).await;
+    tls.write_all(
+        b"GET /_culvert/v1/connect HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\
+          Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\
+          culvert-protocol-version: 1\r\nAuthorization: Bearer culvert_t_nope\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let mut b = [0u8; 12];
+    tokio::time::timeout(Duration::from_secs(5), tls.read_exact(&mut b)).await.expect("an answer").unwrap();
+    assert_eq!(&b, b"HTTP/1.1 401", "the tunnel endpoint answers");
+    drop(held);
+}
