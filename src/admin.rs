@@ -57,6 +57,12 @@ pub enum Output {
 pub enum AdminCommand {
     /// Show the edge's domain, version, TCP port range and the key you use.
     Info,
+    /// Show the edge's status: the edge, its tunnels, agents and traffic (admin key).
+    Status {
+        /// List at most this many tunnels (those with agents first, then the busiest).
+        #[arg(long, default_value_t = crate::edge::status::DEFAULT_LIMIT)]
+        limit: usize,
+    },
     /// Reserve, list and release domains (`<name>.<edge domain>` or custom).
     #[command(subcommand)]
     Domain(DomainCommand),
@@ -281,6 +287,10 @@ pub(crate) async fn execute(
             let a = answer!(get("info".into(), vec![]));
             write!(out, "{}", info_table(&a.decode()?))?;
         }
+        AdminCommand::Status { limit } => {
+            let a = answer!(get("status".into(), vec![("limit", limit.to_string())]));
+            write!(out, "{}", status_table(&a.decode()?))?;
+        }
         AdminCommand::Domain(cmd) => match cmd {
             DomainCommand::Reserve { name, fqdn, labels } => {
                 let request = ReserveDomainRequest {
@@ -434,6 +444,91 @@ fn labels_cell(labels: &Labels) -> String {
         return "-".into();
     }
     labels.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",")
+}
+
+/// The status document as two tables: the edge, then one line per tunnel.
+fn status_table(s: &crate::edge::status::model::Status) -> String {
+    use crate::edge::status::page::{bytes, duration};
+    let e = &s.edge;
+    let usage = |u: &crate::edge::status::model::Usage, f: &dyn Fn(u64) -> String| match (u.used, u.budget) {
+        (Some(used), Some(budget)) => format!("{} of {}", f(used), f(budget)),
+        (Some(used), None) => format!("{} (no limit)", f(used)),
+        (None, _) => "unknown".into(),
+    };
+    let mut listeners: Vec<String> =
+        e.listeners.iter().map(|l| format!("{} {}", l.name, l.address)).collect();
+    listeners.push(format!("{} tcp", e.tcp_listeners));
+    let store = match &e.store.error {
+        None => format!("{} ok ({:.1} ms)", e.store.engine, e.store.latency_ms),
+        Some(err) => format!("{} FAILING: {err}", e.store.engine),
+    };
+    let mut rows = vec![
+        vec!["domain".into(), e.domain.clone()],
+        vec!["version".into(), format!("{} (tunnel protocol {})", e.version, e.protocol_version)],
+        vec![
+            "uptime".into(),
+            format!(
+                "{} since {}{}",
+                duration(e.uptime_seconds),
+                e.started_at,
+                if e.draining { " (draining)" } else { "" }
+            ),
+        ],
+        vec!["listeners".into(), listeners.join(", ")],
+        vec!["open files".into(), usage(&e.fds, &|n| n.to_string())],
+        vec!["memory".into(), usage(&e.memory, &|n| bytes(n as f64))],
+        vec!["store".into(), store],
+        vec!["agents".into(), format!("{} connected, {} streams open", e.agents_connected, e.streams_open)],
+    ];
+    if let Some(acme) = &e.acme {
+        rows.push(vec!["acme in flight".into(), format!("{}", acme.in_flight.len())]);
+        for err in &acme.errors {
+            rows.push(vec!["acme error".into(), format!("{}: {}", err.hostname, err.error)]);
+        }
+    }
+    let mut out = render_table(&["EDGE", "VALUE"], &rows);
+    out.push('\n');
+    let tunnels: Vec<Vec<String>> = s
+        .tunnels
+        .iter()
+        .map(|t| {
+            let x = &t.totals;
+            vec![
+                t.name.clone(),
+                t.kind.to_string(),
+                t.agents_connected.to_string(),
+                t.streams_open.to_string(),
+                x.requests.to_string(),
+                format!("{:.1}", t.rates.requests),
+                bytes(x.bytes_in as f64),
+                bytes(x.bytes_out as f64),
+                format!("{}/{}/{}", x.errors4xx, x.errors5xx, x.offline),
+                t.certificate.as_ref().map(|c| c.status.to_string()).unwrap_or_else(|| "-".into()),
+            ]
+        })
+        .collect();
+    out.push_str(&render_table(
+        &[
+            "TUNNEL",
+            "KIND",
+            "AGENTS",
+            "STREAMS",
+            "REQUESTS",
+            "REQ/S",
+            "IN",
+            "OUT",
+            "4XX/5XX/OFFLINE",
+            "CERTIFICATE",
+        ],
+        &tunnels,
+    ));
+    if s.tunnels_shown < s.tunnels_total {
+        out.push_str(&format!(
+            "({} of {} tunnels shown; --limit shows more)\n",
+            s.tunnels_shown, s.tunnels_total
+        ));
+    }
+    out
 }
 
 fn info_table(info: &Info) -> String {
@@ -646,7 +741,9 @@ mod tests {
 
     struct Hooks;
     impl crate::edge::api::EdgeHooks for Hooks {
-        fn state_changed(&self) {}
+        fn state_changed(&self) -> futures_util::future::BoxFuture<'_, ()> {
+            Box::pin(std::future::ready(()))
+        }
         fn connections_for_key(&self, _: &str) -> usize {
             0
         }
@@ -669,7 +766,7 @@ mod tests {
 
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(dir.path()).unwrap();
-        let admin = store.ensure_admin_key().unwrap().unwrap();
+        let admin = store.engine().ensure_admin_key().unwrap().unwrap();
         let ctx = ApiContext {
             store,
             domain: "edge.test".into(),

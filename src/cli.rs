@@ -27,6 +27,10 @@ pub(crate) struct Cli {
 pub(crate) enum Command {
     /// Run the public edge: public HTTPS, the tunnel endpoint and the control API.
     Edge(Box<EdgeArgs>),
+    /// Copy an SQLite edge's store (API keys, reservations, tunnel keys, ACME
+    /// account, certificates) into an empty PostgreSQL database for several
+    /// edges; every key keeps working. Stop the edge first.
+    MigrateStore(culvert::edge::MigrateStoreArgs),
     /// Publish a local HTTP port through the edge (like `ngrok http 8080`).
     Http(AgentArgs),
     /// Publish a local TCP port through the edge.

@@ -150,6 +150,9 @@ pub const DNS_QUERY_TIMEOUT: Duration = Duration::from_secs(3);
 pub const DNS01_UPDATE_TIMEOUT: Duration = Duration::from_secs(10);
 /// ACME DNS-01: the exec hook may run this long (it may wait for propagation).
 pub const ACME_DNS01_HOOK_TIMEOUT: Duration = Duration::from_secs(300);
+/// Several edges on one PostgreSQL: besides the change feed (LISTEN/NOTIFY),
+/// every edge re-reads the store this often (the safety net).
+pub const STORE_RESYNC_INTERVAL: Duration = Duration::from_secs(10);
 /// ACME: the certificate scan runs at least this often (it also runs on every change).
 pub const ACME_SCAN_INTERVAL: Duration = Duration::from_secs(3600);
 /// Default ACME directory: Let's Encrypt production.

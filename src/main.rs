@@ -41,6 +41,9 @@ fn run() -> anyhow::Result<()> {
                 culvert::memory::spawn_trimmer();
                 match command {
                     Command::Edge(args) => culvert::edge::run(*args).await.map_err(anyhow::Error::from),
+                    Command::MigrateStore(args) => {
+                        culvert::edge::migrate_store(args).await.map_err(anyhow::Error::from)
+                    }
                     Command::Http(args) => {
                         culvert::agent::run_standalone(args, Protocol::Http).await.map_err(Into::into)
                     }

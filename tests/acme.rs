@@ -12,8 +12,8 @@
 //! DNS-01 for the edge's own wildcard runs against a real BIND (`named`,
 //! scripts/deps installs bind9 and dnsutils) that pebble resolves through.
 
-#[path = "support/net.rs"]
-mod net;
+mod support;
+use support::net;
 
 use std::collections::{HashMap, HashSet};
 use std::net::{Ipv4Addr, SocketAddr};
@@ -388,8 +388,8 @@ async fn http01_issue_serve_restart_release() {
     })
     .await;
     assert!(w.served_leaf(host).await.is_err(), "the default certificate is not pebble's");
-    assert!(w.edge.edge().store.certificate(host).unwrap().is_none());
-    assert!(w.edge.edge().store.certificate(second).unwrap().is_some());
+    assert!(w.edge.edge().store.engine().certificate(host).unwrap().is_none());
+    assert!(w.edge.edge().store.engine().certificate(second).unwrap().is_some());
 }
 
 /// TLS-ALPN-01 on the HTTPS port (no HTTP port needed), and renewal of
@@ -656,7 +656,7 @@ async fn dns01_rfc2136_issues_the_edges_own_wildcard() {
     .await;
     let own = format!("*.{}", net::DOMAIN);
     let error = net::wait_for("an order error stored", ISSUE_TIMEOUT, || {
-        let record = w.edge.edge().store.certificate(&own).unwrap()?;
+        let record = w.edge.edge().store.engine().certificate(&own).unwrap()?;
         record.last_error
     })
     .await;

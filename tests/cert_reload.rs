@@ -3,8 +3,8 @@
 //! public connections are kept, bad files keep the old certificate; SIGHUP
 //! on a real `culvert edge` process reloads and never stops it.
 
-#[path = "support/net.rs"]
-mod net;
+mod support;
+use support::net;
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;

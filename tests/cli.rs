@@ -2,8 +2,8 @@
 //! `culvert admin`, `culvert http|tcp`, curl; the edge killed with SIGKILL and
 //! restarted keeps every key and reservation.
 
-#[path = "support/net.rs"]
-mod net;
+mod support;
+use support::net;
 
 use std::path::Path;
 use std::process::Stdio;

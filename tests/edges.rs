@@ -4,8 +4,8 @@
 //! request while one edge is killed (SIGKILL) and another restarted (SIGTERM);
 //! one edge name resolving to several addresses.
 
-#[path = "support/net.rs"]
-mod net;
+mod support;
+use support::net;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

@@ -4,14 +4,8 @@
 //! inside a network namespace the test creates (Service endpoints may not be
 //! loopback addresses).
 
-#[path = "support/operator.rs"]
-mod fixture;
-#[path = "support/kube.rs"]
-mod kube_env;
-#[path = "support/net.rs"]
-mod net;
-#[path = "support/netns.rs"]
-mod netns;
+mod support;
+use support::{kube as kube_env, netns, operator as fixture};
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -315,8 +309,16 @@ async fn two_ingresses_share_a_host_and_conflicts_are_reported() {
 
     f.create::<Ingress>(ingress("first", Some(&class), &host, &[("/x", "Prefix", "a")])).await;
     f.wait_ingress_published("first", &host).await;
-    // Creation timestamps have a one-second resolution: "second" must be younger.
-    tokio::time::sleep(Duration::from_millis(1100)).await;
+    // Creation timestamps have a one-second resolution: "second" must be
+    // younger, so it is made once the clock has left the second "first" was
+    // made in (at once, mostly: publishing takes longer than that).
+    let made = f.api::<Ingress>().get("first").await.unwrap().metadata.creation_timestamp.unwrap().0;
+    let next_second = made.checked_add(k8s_openapi::jiff::SignedDuration::from_secs(1)).unwrap();
+    wait_until("a second after the first Ingress was made", WAIT, || async move {
+        Ok((k8s_openapi::jiff::Timestamp::now() >= next_second).then_some(()))
+    })
+    .await
+    .unwrap();
     f.create::<Ingress>(ingress(
         "second",
         Some(&class),
@@ -355,7 +357,8 @@ async fn ingress_classes_and_the_default_class() {
     let theirs = format!("nginx-{}", f.suffix());
     f.ingress_class(&ours, CONTROLLER, false).await;
     f.ingress_class(&theirs, "k8s.io/ingress-nginx", false).await;
-    let (stop, task) = f.operator();
+    let (args, admin) = fixture::serving_metrics(f.args("solo"));
+    let (stop, task) = f.operator_with(args);
     let host = |n: &str| format!("{n}{}.edge.test", f.suffix());
 
     // Made before any class is default: stays class-less.
@@ -364,8 +367,10 @@ async fn ingress_classes_and_the_default_class() {
     f.create::<Ingress>(ingress("mine", Some(&ours), &host("m"), &[("/", "Prefix", "a")])).await;
     f.wait_ingress_published("mine", &host("m")).await;
     f.get_until(&host("m"), "/", |s, b| s == StatusCode::OK && b == "A /").await;
-    // Reconciled by now (same operator, same namespace) and left alone.
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Reconciled, and left alone.
+    for name in ["classless", "other"] {
+        f.wait_reconciled(admin, "Ingress", &f.ns.name, name).await;
+    }
     assert_eq!(f.api::<Tunnel>().list(&Default::default()).await.unwrap().items.len(), 1, "only `mine`");
     for name in ["classless", "other"] {
         let i = f.api::<Ingress>().get(name).await.unwrap();
@@ -648,12 +653,15 @@ async fn which_load_balancers_are_managed() {
         args.watch_namespace = Some(SYSTEM_NS.into());
         args.namespace = SYSTEM_NS.into();
         args.manage_classless_load_balancers = manage_classless;
-        f.operator_with(args)
+        let (args, admin) = fixture::serving_metrics(args);
+        let (stop, task) = f.operator_with(args);
+        (stop, task, admin)
     };
 
     // Default: our class and the annotated "1" only, in every namespace.
-    let (stop, task) = f.operator();
-    let (sys_stop, sys_task) = system_operator(false);
+    let (args, admin) = fixture::serving_metrics(f.args("solo"));
+    let (stop, task) = f.operator_with(args);
+    let (sys_stop, sys_task, sys_admin) = system_operator(false);
     for name in ["optin", "classed"] {
         wait_until(&format!("{name} published"), WAIT, || async { Ok(published(name).await.then_some(())) })
             .await
@@ -664,8 +672,11 @@ async fn which_load_balancers_are_managed() {
     })
     .await
     .unwrap();
-    // Both operators have reconciled every Service by now (one resync is 1 s).
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Both operators have reconciled the Services they leave alone.
+    for name in ["plain", "optout", "foreign"] {
+        f.wait_reconciled(admin, "Service", &f.ns.name, name).await;
+    }
+    f.wait_reconciled(sys_admin, "Service", SYSTEM_NS, &ks_plain).await;
     for name in ["plain", "optout", "foreign"] {
         assert!(!published(name).await, "{name} is not managed by default");
         assert!(f.api::<Tunnel>().get_opt(&format!("lb-{name}-7000")).await.unwrap().is_none());
@@ -680,12 +691,16 @@ async fn which_load_balancers_are_managed() {
     // but never kube-system's without the annotation.
     let mut args = f.args("classless");
     args.manage_classless_load_balancers = true;
+    let (args, admin) = fixture::serving_metrics(args);
     let (stop, task) = f.operator_with(args);
-    let (sys_stop, sys_task) = system_operator(true);
+    let (sys_stop, sys_task, sys_admin) = system_operator(true);
     wait_until("plain published", WAIT, || async { Ok(published("plain").await.then_some(())) })
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    for name in ["optout", "foreign"] {
+        f.wait_reconciled(admin, "Service", &f.ns.name, name).await;
+    }
+    f.wait_reconciled(sys_admin, "Service", SYSTEM_NS, &ks_plain).await;
     for name in ["optout", "foreign"] {
         assert!(!published(name).await, "{name} is not managed");
     }

@@ -3,8 +3,8 @@
 //! collection, namespace deletion. Skipped (with a message) when no harness is configured, unless
 //! `CI` is set.
 
-#[path = "support/kube.rs"]
-mod kube_env;
+mod support;
+use support::kube as kube_env;
 
 use std::time::Duration;
 

@@ -2,14 +2,8 @@
 //! real edge, each test in its own namespace with its own operator
 //! (`--watch-namespace`), traffic to real backend processes.
 
-#[path = "support/operator.rs"]
-mod fixture;
-#[path = "support/kube.rs"]
-mod kube_env;
-#[path = "support/net.rs"]
-mod net;
-#[path = "support/netns.rs"]
-mod netns;
+mod support;
+use support::{kube as kube_env, net, netns, operator as fixture};
 
 use std::time::Duration;
 

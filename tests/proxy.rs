@@ -2,8 +2,8 @@
 //! tinyproxy, started here on 127.0.0.1), with basic auth. Its own test
 //! binary: it sets `HTTPS_PROXY` for the whole process.
 
-#[path = "support/net.rs"]
-mod net;
+mod support;
+use support::net;
 
 use std::process::Stdio;
 use std::time::Duration;

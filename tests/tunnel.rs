@@ -1,8 +1,8 @@
 //! The tunnel end to end over real sockets on 127.0.0.1: a real edge (TLS,
 //! WebSocket, HTTP/2), real agents, real backends and real HTTP clients.
 
-#[path = "support/net.rs"]
-mod net;
+mod support;
+use support::net;
 
 use std::time::{Duration, Instant};
 

@@ -11,7 +11,7 @@ use hyper_util::rt::TokioIo;
 use tracing::{Instrument, info, warn};
 
 use super::Edge;
-use super::store::TunnelKeyAuth;
+use super::store::{StoreError, TunnelKeyAuth};
 use crate::constants::{
     AGENT_ID_HEADER, MSG_READY, PUBLIC_URL_HEADER, TUNNEL_PROTOCOL_HEADER, VERSION_HEADER,
 };
@@ -43,9 +43,10 @@ pub async fn accept(edge: Arc<Edge>, mut req: Request<Incoming>, peer: SocketAdd
         (Some(true), Some(key), Some("13")) => key.to_string(),
         _ => return refuse(&edge, Refusal::NotWebSocket, peer),
     };
-    if let Err(r) = Refusal::check_version(header(&req, VERSION_HEADER)) {
-        return refuse(&edge, r, peer);
-    }
+    let protocol_version = match Refusal::check_version(header(&req, VERSION_HEADER)) {
+        Ok(v) => v,
+        Err(r) => return refuse(&edge, r, peer),
+    };
     let Some(secret) = header(&req, header::AUTHORIZATION)
         .and_then(|a| a.strip_prefix("Bearer ").or_else(|| a.strip_prefix("bearer ")))
         .map(str::trim)
@@ -53,8 +54,21 @@ pub async fn accept(edge: Arc<Edge>, mut req: Request<Incoming>, peer: SocketAdd
     else {
         return refuse(&edge, Refusal::MissingKey, peer);
     };
-    let grant = match edge.store.authenticate_tunnel_key(secret) {
-        Ok(TunnelKeyAuth::Valid(grant)) => grant,
+    let digest = crate::edge::store::secret_digest(secret);
+    let secret = secret.to_string();
+    let grant = match edge.store.run(move |s| s.authenticate_tunnel_key(&secret)).await {
+        Ok(TunnelKeyAuth::Valid(grant)) => {
+            edge.known_grants.lock().expect("poisoned").insert(digest, grant.clone());
+            grant
+        }
+        // PostgreSQL down: a key this edge accepted before (and no reload
+        // has found revoked since) still opens its tunnel.
+        Err(StoreError::Unavailable(e))
+            if edge.known_grants.lock().expect("poisoned").contains_key(&digest) =>
+        {
+            warn!(error = %e, "the store is unavailable; accepting a tunnel key this edge knows");
+            edge.known_grants.lock().expect("poisoned")[&digest].clone()
+        }
         Ok(TunnelKeyAuth::Unknown) => return refuse(&edge, Refusal::UnknownKey, peer),
         Ok(TunnelKeyAuth::Revoked) => return refuse(&edge, Refusal::RevokedKey, peer),
         Ok(TunnelKeyAuth::NotATunnelKey) => return refuse(&edge, Refusal::NotATunnelKey, peer),
@@ -100,7 +114,7 @@ pub async fn accept(edge: Arc<Edge>, mut req: Request<Incoming>, peer: SocketAdd
             let registered = edge.registry.add(
                 grant.key_id.clone(),
                 grant.reservation.id.clone(),
-                agent_id,
+                super::registry::Origin { agent_id, peer, protocol_version, since: super::store::unix_now() },
                 grant.protocol,
                 sender,
                 control.clone(),
@@ -108,7 +122,8 @@ pub async fn accept(edge: Arc<Edge>, mut req: Request<Incoming>, peer: SocketAdd
             drop(slot);
             edge.metrics.tunnels_connected.inc();
             // Revoked while we were setting up? Then close right away.
-            if !edge.store.live_tunnel_key_ids().map(|l| l.contains(&grant.key_id)).unwrap_or(true) {
+            let live = edge.store.run(|s| s.live_tunnel_key_ids()).await;
+            if !live.map(|l| l.contains(&grant.key_id)).unwrap_or(true) {
                 registered.cancel.cancel();
             }
             control.send(MSG_READY);

@@ -20,6 +20,13 @@ pub struct EdgeArgs {
     #[arg(long, env = "CULVERT_DATA_DIR", default_value = "/var/lib/culvert")]
     pub data_dir: PathBuf,
 
+    /// The store: a PostgreSQL URL shared by several edges
+    /// (`postgres://USER:PASSWORD@HOST:PORT/DATABASE?sslmode=verify-full`), or
+    /// `sqlite` (the default: `culvert.db` in --data-dir). Better given in
+    /// the environment than on the command line (it may hold a password).
+    #[arg(long, env = "CULVERT_STORE", hide_env_values = true)]
+    pub store: Option<String>,
+
     /// PEM certificate chain for `<domain>` and `*.<domain>`.
     #[arg(long, env = "CULVERT_TLS_CERT", requires = "tls_key", conflicts_with = "self_signed")]
     pub tls_cert: Option<PathBuf>,
@@ -75,8 +82,27 @@ pub struct EdgeArgs {
     #[arg(long, env = "CULVERT_PLAIN_HTTP", value_parser = clap::builder::BoolishValueParser::new())]
     pub plain_http: bool,
 
+    /// Also serve the status page on the public port, under /_culvert/status
+    /// of --domain, behind a login with an admin key (it is always on the
+    /// admin port, at /status).
+    #[arg(long, env = "CULVERT_PUBLIC_STATUS", value_parser = clap::builder::BoolishValueParser::new())]
+    pub public_status: bool,
+
     #[command(flatten)]
     pub acme: AcmeArgs,
+}
+
+/// `culvert migrate-store`: copy an SQLite edge's store into PostgreSQL.
+#[derive(Debug, Clone, Args)]
+pub struct MigrateStoreArgs {
+    /// The SQLite edge's --data-dir (holds culvert.db).
+    #[arg(long)]
+    pub from: PathBuf,
+
+    /// The PostgreSQL URL the edges will use as --store; its database must
+    /// not hold culvert data yet.
+    #[arg(long, env = "CULVERT_STORE", hide_env_values = true)]
+    pub to: String,
 }
 
 /// Certificates for custom domains from an ACME CA (Let's Encrypt by default).

@@ -9,6 +9,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
+use super::status::traffic::TunnelCounters;
+
 pub type Labels = Vec<(&'static str, String)>;
 
 pub struct Metrics {
@@ -27,13 +29,16 @@ pub struct Metrics {
     byte_counters: RwLock<HashMap<Arc<str>, ByteCounters>>,
 }
 
-/// The two `bytes` counters of one reservation.
+/// The two `bytes` counters of one reservation, and its request counters
+/// (for the status page; not exported).
 #[derive(Clone)]
 pub struct ByteCounters {
     /// Public to agent.
     pub inbound: Counter,
     /// Agent to public.
     pub outbound: Counter,
+    /// Requests and their outcome.
+    pub tunnel: Arc<TunnelCounters>,
 }
 
 impl Default for Metrics {
@@ -101,9 +106,21 @@ impl Metrics {
                 ])
                 .clone()
         };
-        let counters = ByteCounters { inbound: family("in"), outbound: family("out") };
+        let counters =
+            ByteCounters { inbound: family("in"), outbound: family("out"), tunnel: Arc::default() };
         let mut map = self.byte_counters.write().expect("poisoned");
         map.entry(Arc::from(reservation)).or_insert(counters).clone()
+    }
+
+    /// The counters of a reservation that carried traffic, if it did.
+    pub fn tunnel(&self, reservation: &str) -> Option<ByteCounters> {
+        self.byte_counters.read().expect("poisoned").get(reservation).cloned()
+    }
+
+    /// The counters of every reservation that carried traffic.
+    pub fn tunnels(&self) -> Vec<(Arc<str>, ByteCounters)> {
+        let map = self.byte_counters.read().expect("poisoned");
+        map.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
     }
 
     pub fn handshake_failed(&self, reason: &'static str) {

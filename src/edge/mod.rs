@@ -1,6 +1,7 @@
 //! The public edge: public HTTPS (and the tunnel endpoint) on one port, the
 //! HTTP redirect port, TCP reservation listeners, the control API and the
-//! admin port, all state in an SQLite store.
+//! admin port, all state in the store (SQLite, or PostgreSQL shared by
+//! several edges, whose changes reach every edge by the store's change feed).
 
 mod accept;
 pub mod acme;
@@ -14,11 +15,13 @@ pub(crate) mod public;
 pub(crate) mod registry;
 pub(crate) mod routes;
 pub(crate) mod sni;
+pub mod status;
 pub(crate) mod store;
 pub(crate) mod tcp;
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock, Weak};
 use std::time::Duration;
 
@@ -31,11 +34,11 @@ use crate::api::PortRange;
 use crate::api::Reservation;
 use crate::tls::{self, CertResolver, TlsError};
 use api::{ApiContext, EdgeHooks};
-pub use config::{AcmeArgs, AcmeChallenge, Dns01Kind, EdgeArgs};
+pub use config::{AcmeArgs, AcmeChallenge, Dns01Kind, EdgeArgs, MigrateStoreArgs};
 use metrics::Metrics;
 use registry::Registry;
 use routes::RouteIndex;
-use store::{Store, StoreError};
+use store::{Location, Store, StoreError};
 
 /// Why the edge could not start.
 #[derive(Debug, thiserror::Error)]
@@ -104,7 +107,17 @@ pub struct Edge {
     pub cert_files: Option<certfile::CertFiles>,
     /// ACME for custom domains (`--acme`).
     pub acme: Option<Arc<acme::Acme>>,
+    /// The status page: history, sessions, live views.
+    pub monitor: status::Monitor,
     routes: RwLock<Arc<RouteIndex>>,
+    /// Reloads are numbered; one reads the store, then applies what it read
+    /// unless a later one already did (the applied number is kept here).
+    reloads: AtomicU64,
+    reloaded: AtomicU64,
+    /// Tunnel keys this edge accepted, by the SHA-256 of their secret: when
+    /// the store is unavailable, an agent that reconnects with one is still
+    /// let in. Forgotten when a reload no longer finds the key live.
+    pub(crate) known_grants: std::sync::Mutex<std::collections::HashMap<String, store::TunnelGrant>>,
     tcp: tcp::TcpListeners,
     /// Cancelled when the edge stops accepting public connections (SIGTERM:
     /// the drain begins).
@@ -133,9 +146,21 @@ impl Edge {
     }
 
     /// Reloads routes and TCP listeners from the store and closes
-    /// connections of revoked keys and released reservations.
-    pub fn reload(self: &Arc<Self>) {
-        let reservations = match self.store.reservations() {
+    /// connections of revoked keys and released reservations. The reads run
+    /// on the blocking pool.
+    pub async fn reload(self: &Arc<Self>) {
+        let ticket = self.reloads.fetch_add(1, Ordering::AcqRel) + 1;
+        let read = self.store.run(|s| Ok((s.reservations()?, s.live_tunnel_key_ids()))).await;
+        self.apply(ticket, read);
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn apply(
+        self: &Arc<Self>,
+        ticket: u64,
+        read: Result<(Vec<Reservation>, Result<std::collections::HashSet<String>, StoreError>), StoreError>,
+    ) {
+        let (reservations, live) = match read {
             Ok(r) => r,
             Err(e) => {
                 error!(error = %e, "failed to load reservations; keeping the current routes");
@@ -143,10 +168,23 @@ impl Edge {
             }
         };
         let index = Arc::new(RouteIndex::build(reservations));
-        *self.routes.write().expect("poisoned") = index.clone();
+        {
+            let mut routes = self.routes.write().expect("poisoned");
+            if self.reloaded.load(Ordering::Acquire) > ticket {
+                return; // a later read is already applied
+            }
+            self.reloaded.store(ticket, Ordering::Release);
+            *routes = index.clone();
+        }
         self.tcp.reconcile(self, index.ports().collect());
-        match self.store.live_tunnel_key_ids() {
-            Ok(live) => self.registry.close_invalid(&live, |id| index.contains_id(id)),
+        match live {
+            Ok(live) => {
+                self.known_grants
+                    .lock()
+                    .expect("poisoned")
+                    .retain(|_, g| live.contains(&g.key_id) && index.contains_id(&g.reservation.id));
+                self.registry.close_invalid(&live, |id| index.contains_id(id))
+            }
             Err(e) => error!(error = %e, "failed to list tunnel keys"),
         }
         if let Some(acme) = &self.acme {
@@ -159,14 +197,20 @@ impl Edge {
 struct Hooks(Weak<Edge>);
 
 impl EdgeHooks for Hooks {
-    fn state_changed(&self) {
-        if let Some(edge) = self.0.upgrade() {
-            edge.reload();
-        }
+    fn state_changed(&self) -> futures_util::future::BoxFuture<'_, ()> {
+        Box::pin(async move {
+            if let Some(edge) = self.0.upgrade() {
+                edge.reload().await;
+            }
+        })
     }
 
     fn connections_for_key(&self, key_id: &str) -> usize {
         self.0.upgrade().map_or(0, |e| e.registry.count_for_key(key_id))
+    }
+
+    fn status(&self, limit: usize) -> Option<status::model::Status> {
+        self.0.upgrade().map(|e| status::snapshot(&e, limit))
     }
 
     fn port_usable(&self, port: u16) -> bool {
@@ -243,9 +287,12 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
         _ => return Err(EdgeError::NoCertificate),
     };
     create_private_dir(&args.data_dir)?;
-    let store = Store::open(&args.data_dir)?;
+    let location = Location::parse(args.store.as_deref(), &args.data_dir)?;
+    let store = tokio::task::spawn_blocking(move || Store::open_location(&location))
+        .await
+        .map_err(|e| StoreError::Unavailable(format!("opening the store failed: {e}")))??;
     let admin_key_file = args.data_dir.join("admin.key");
-    let new_admin_key = store.ensure_admin_key()?;
+    let new_admin_key = store.run(|s| s.ensure_admin_key()).await?;
     if let Some(key) = &new_admin_key {
         tls::write_file(&admin_key_file, format!("{key}\n").as_bytes(), 0o600)?;
         info!(file = %admin_key_file.display(), "created the admin key (shown once; keep the file safe)");
@@ -281,13 +328,16 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
     let public_host = args.public_host.clone().unwrap_or_else(|| domain.clone());
     let shutdown = CancellationToken::new();
     let acme = match acme_config {
-        Some(config) => Some(acme::Acme::new(
-            config,
-            store.clone(),
-            certs.clone(),
-            metrics.acme_orders.clone(),
-            shutdown.clone(),
-        )?),
+        Some(config) => Some(
+            acme::Acme::new(
+                config,
+                store.clone(),
+                certs.clone(),
+                metrics.acme_orders.clone(),
+                shutdown.clone(),
+            )
+            .await?,
+        ),
         None => None,
     };
     let edge = Arc::new_cyclic(|weak: &Weak<Edge>| Edge {
@@ -312,18 +362,35 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
         certs,
         cert_files,
         acme: acme.clone(),
+        monitor: status::Monitor::new(
+            [("https", https_addr), ("http", http_addr), ("admin", admin_addr)]
+                .map(|(name, a)| status::model::Listener { name: name.into(), address: a.to_string() })
+                .into(),
+            args.public_status,
+        ),
         routes: RwLock::default(),
+        reloads: AtomicU64::new(0),
+        reloaded: AtomicU64::new(0),
+        known_grants: Default::default(),
         tcp: tcp::TcpListeners::default(),
         shutdown,
         stopped: CancellationToken::new(),
         connections: TaskTracker::new(),
     });
-    edge.reload();
+    edge.reload().await;
 
     let mut tasks = tokio::task::JoinSet::new();
+    if edge.store.kind() != "sqlite" {
+        // Other edges change the store too: follow them.
+        let changed = Arc::new(tokio::sync::Notify::new());
+        let notify = changed.clone();
+        edge.store.watch(Arc::new(move || notify.notify_one()), edge.stopped.clone());
+        tasks.spawn(follow_store(edge.clone(), changed));
+    }
     tasks.spawn(public::serve_https(edge.clone(), https, tls_config));
     tasks.spawn(public::serve_redirect(edge.clone(), http));
     tasks.spawn(public::serve_admin(edge.clone(), admin));
+    tasks.spawn(status::sample(edge.clone()));
     if let Some(acme) = acme {
         tasks.spawn(acme.run());
     }
@@ -339,6 +406,23 @@ enum Given {
     SelfSigned,
     /// ACME DNS-01 (`--acme-dns01`).
     Acme,
+}
+
+/// Reloads on every change the store's feed reports, and every
+/// [`STORE_RESYNC_INTERVAL`](crate::constants::STORE_RESYNC_INTERVAL) in
+/// case a notification was lost, until the edge stops.
+async fn follow_store(edge: Arc<Edge>, changed: Arc<tokio::sync::Notify>) {
+    let mut tick = tokio::time::interval(crate::constants::STORE_RESYNC_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
+    loop {
+        tokio::select! {
+            _ = changed.notified() => {}
+            _ = tick.tick() => {}
+            _ = edge.stopped.cancelled() => return,
+        }
+        edge.reload().await;
+    }
 }
 
 /// Polls the certificate files until the edge stops.
@@ -363,6 +447,46 @@ fn create_private_dir(path: &std::path::Path) -> Result<(), EdgeError> {
         .map_err(|source| EdgeError::DataDir { path: path.into(), source })
 }
 
+/// `culvert migrate-store`: copies the SQLite store of `--from` into
+/// the empty PostgreSQL database of `--to`, in one transaction.
+pub async fn migrate_store(args: MigrateStoreArgs) -> Result<(), EdgeError> {
+    let file = args.from.join(store::DB_FILE);
+    if !file.is_file() {
+        return Err(EdgeError::Store(StoreError::BadLocation(format!(
+            "--from {}: there is no {} in it; give the SQLite edge's --data-dir",
+            args.from.display(),
+            store::DB_FILE
+        ))));
+    }
+    let to = match Location::parse(Some(&args.to), &args.from)? {
+        Location::Postgres(url) => url,
+        Location::Sqlite(_) => {
+            return Err(EdgeError::Store(StoreError::BadLocation(
+                "--to must be a postgres:// URL (the store the edges will share)".into(),
+            )));
+        }
+    };
+    let summary = tokio::task::spawn_blocking(move || -> Result<String, StoreError> {
+        let snapshot = store::Engine::export(&store::Sqlite::open(&args.from)?)?;
+        let target = store::pg::Postgres::open(&to)?;
+        store::Engine::import(&target, &snapshot)?;
+        Ok(format!(
+            "copied {} API keys, {} reservations, {} tunnel keys, {} ACME accounts and {} certificates to {}",
+            snapshot.api_keys.len(),
+            snapshot.reservations.len(),
+            snapshot.tunnel_keys.len(),
+            snapshot.acme_accounts.len(),
+            snapshot.certificates.len(),
+            store::pg::redact(&to)
+        ))
+    })
+    .await
+    .map_err(|e| StoreError::Unavailable(format!("the migration stopped: {e}")))??;
+    info!("{summary}");
+    println!("{summary}; start the edges with --store (CULVERT_STORE) set to it");
+    Ok(())
+}
+
 /// `culvert edge`: runs until SIGINT/SIGTERM; SIGHUP reloads the certificate files.
 pub async fn run(args: EdgeArgs) -> Result<(), EdgeError> {
     use tokio::signal::unix::{SignalKind, signal};
@@ -378,7 +502,7 @@ pub async fn run(args: EdgeArgs) -> Result<(), EdgeError> {
             let mut own = false;
             if let Some(acme) = &edge.acme {
                 // A failed DNS-01 order of the edge's own certificate is tried again now.
-                own = acme.retry_own_now();
+                own = acme.retry_own_now().await;
                 acme.wake();
             }
             if !files && !own {

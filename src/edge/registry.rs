@@ -8,6 +8,7 @@
 //! within a fraction of a second.
 
 use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -21,12 +22,25 @@ use crate::constants::AGENT_RETURN_GRACE;
 use crate::tunnel::body::BoxBody;
 use crate::tunnel::ws::Control;
 
+/// Who an agent connection is and where it comes from (for the status page).
+#[derive(Debug, Clone)]
+pub struct Origin {
+    /// The agent's own id (`culvert-agent-id`), `-` when it sent none.
+    pub agent_id: String,
+    /// The agent's address as the edge sees it.
+    pub peer: SocketAddr,
+    /// The tunnel protocol version it spoke.
+    pub protocol_version: u32,
+    /// Unix seconds of the connection.
+    pub since: u64,
+}
+
 /// One agent connection.
 pub struct AgentConn {
     pub id: u64,
     pub key_id: String,
     pub reservation_id: String,
-    pub agent_id: String,
+    pub origin: Origin,
     /// What the connection's key publishes.
     pub protocol: Protocol,
     pub sender: SendRequest<BoxBody>,
@@ -39,6 +53,11 @@ pub struct AgentConn {
 impl AgentConn {
     pub fn usable(&self) -> bool {
         !self.control.peer_is_draining() && !self.sender.is_closed() && !self.cancel.is_cancelled()
+    }
+
+    /// Streams open on this connection.
+    pub fn streams(&self) -> usize {
+        self.open_streams.load(Ordering::Relaxed)
     }
 }
 
@@ -95,7 +114,7 @@ impl Registry {
         &self,
         key_id: String,
         reservation_id: String,
-        agent_id: String,
+        origin: Origin,
         protocol: Protocol,
         sender: SendRequest<BoxBody>,
         control: Arc<Control>,
@@ -104,7 +123,7 @@ impl Registry {
             id: self.next_id.fetch_add(1, Ordering::Relaxed),
             key_id,
             reservation_id: reservation_id.clone(),
-            agent_id,
+            origin,
             protocol,
             sender,
             control,
@@ -140,6 +159,11 @@ impl Registry {
         conn.open_streams.fetch_add(1, Ordering::Relaxed);
         self.streams_open.inc();
         Some(StreamGuard { conn, gauge: self.streams_open.clone() })
+    }
+
+    /// Every connection, by reservation id.
+    pub fn connections(&self) -> HashMap<String, Vec<Arc<AgentConn>>> {
+        self.by_reservation.lock().expect("poisoned").clone()
     }
 
     /// [`Registry::pick`]; but on an edge that started less than
@@ -258,7 +282,13 @@ mod tests {
     }
 
     async fn add(r: &Registry, key: &str, reservation: &str, protocol: Protocol) -> Arc<AgentConn> {
-        r.add(key.into(), reservation.into(), "agent".into(), protocol, sender().await, Arc::default())
+        let origin = Origin {
+            agent_id: "agent".into(),
+            peer: "127.0.0.1:1".parse().unwrap(),
+            protocol_version: 1,
+            since: 0,
+        };
+        r.add(key.into(), reservation.into(), origin, protocol, sender().await, Arc::default())
     }
 
     #[tokio::test]

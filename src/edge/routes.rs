@@ -42,6 +42,11 @@ impl RouteIndex {
         self.by_port.keys().copied()
     }
 
+    /// Every reservation.
+    pub fn all(&self) -> impl Iterator<Item = &Reservation> + '_ {
+        self.by_host.values().chain(self.by_port.values())
+    }
+
     pub fn contains_id(&self, id: &str) -> bool {
         self.by_host.values().chain(self.by_port.values()).any(|r| r.id == id)
     }

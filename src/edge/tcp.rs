@@ -69,6 +69,11 @@ impl TcpListeners {
 }
 
 impl TcpListeners {
+    /// Listeners open now.
+    pub fn len(&self) -> usize {
+        self.running.lock().expect("poisoned").len()
+    }
+
     /// Tries the reserved ports again in a while (one retry at a time).
     fn retry_later(&self, edge: &Arc<Edge>) {
         use std::sync::atomic::Ordering;
@@ -127,6 +132,7 @@ pub async fn forward<S>(
     let (read, write) = tokio::io::split(io);
     let mut tried = Vec::new();
     let counters = edge.metrics.bytes(name);
+    counters.tunnel.request();
     let mut body = Some(body::boxed(Counted::new(ReadBody::new(read), counters.inbound)));
     while let Some(guard) = edge.registry.pick_or_wait(&reservation.id, protocol, &tried).await {
         tried.push(guard.conn().id);
@@ -150,13 +156,22 @@ pub async fn forward<S>(
             }
             Ok(resp) => {
                 let why = resp.headers().get(crate::constants::ERROR_HEADER).cloned();
+                counters.tunnel.answered(resp.status());
                 return warn!(status = %resp.status(), reason = ?why, "agent refused the stream");
             }
             Err(mut e) => match e.take_message() {
                 Some(r) if tried.len() < 3 => body = Some(r.into_body()),
-                _ => return warn!(error = %e.error(), "tunnel failed for a stream"),
+                _ => {
+                    counters.tunnel.answered(StatusCode::BAD_GATEWAY);
+                    return warn!(error = %e.error(), "tunnel failed for a stream");
+                }
             },
         }
+    }
+    if tried.is_empty() {
+        counters.tunnel.offline();
+    } else {
+        counters.tunnel.answered(StatusCode::BAD_GATEWAY);
     }
     debug!("no agent connected for this reservation; closing");
 }

@@ -314,7 +314,9 @@ pub fn names(text: &str) {
 struct NoHooks;
 
 impl EdgeHooks for NoHooks {
-    fn state_changed(&self) {}
+    fn state_changed(&self) -> futures_util::future::BoxFuture<'_, ()> {
+        Box::pin(std::future::ready(()))
+    }
     fn connections_for_key(&self, _: &str) -> usize {
         0
     }
@@ -332,11 +334,12 @@ impl ApiFuzz {
     /// Opens (or creates) the store in `dir`.
     pub fn open(dir: &Path) -> ApiFuzz {
         let store = Store::open(dir).expect("a store in a fresh directory");
-        let admin = match store.ensure_admin_key().expect("admin key") {
+        let admin = match store.engine().ensure_admin_key().expect("admin key") {
             Some(secret) => secret,
-            None => store.create_api_key("fuzz admin", ApiKeyScope::Admin).expect("admin key").1,
+            None => store.engine().create_api_key("fuzz admin", ApiKeyScope::Admin).expect("admin key").1,
         };
-        let (_, endpoints) = store.create_api_key("fuzz", ApiKeyScope::Endpoints).expect("endpoints key");
+        let (_, endpoints) =
+            store.engine().create_api_key("fuzz", ApiKeyScope::Endpoints).expect("endpoints key");
         let ctx = ApiContext {
             store,
             domain: "edge.example.com".into(),

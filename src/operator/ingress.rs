@@ -15,23 +15,27 @@
 //! last one, and their own finalizers release the reservation and revoke the
 //! key. No finalizer is put on the Ingress.
 //!
-//! Phases: read (fresh lists of the namespace's Ingresses, Tunnels and
-//! Domains) → translate and merge (pure, below) → apply the Domain and Tunnel
-//! of each host → Ingress status and events.
+//! Phases: observe (fresh lists of the namespace's IngressClasses,
+//! Ingresses, Tunnels and Domains) → plan (pure: translate, merge, and what
+//! each host needs) → execute (the Domain and Tunnel of each host) → report
+//! (pure: the Ingress status and events) → write the status → events.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use k8s_openapi::api::networking::v1::{Ingress, IngressBackend, IngressClass};
+use k8s_openapi::api::networking::v1::{
+    Ingress, IngressBackend, IngressClass, IngressLoadBalancerIngress, IngressLoadBalancerStatus,
+    IngressPortStatus, IngressStatus,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
-use kube::{Api, Resource, ResourceExt};
+use kube::{Api, Client, Resource, ResourceExt};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, info};
@@ -43,11 +47,11 @@ use super::names::{
     LABEL_MANAGED_BY, LEGACY_CLASS_ANNOTATION,
 };
 use super::routes::{self, Contribution, Merged, Rule};
-use super::status::{Ctx, ready_condition};
+use super::status::{Ctx, Note, apply_status, ready_condition};
 use super::{Context, DomainPolicy, Error};
 use crate::crd::{
-    BackendProtocol, Domain, HttpOptions, PathType, ReclaimPolicy, ServiceRef, Tunnel, TunnelProtocol,
-    TunnelRoute, TunnelSpec,
+    BackendProtocol, Domain, DomainSpec, HttpOptions, PathType, ReclaimPolicy, ServiceRef, Tunnel,
+    TunnelProtocol, TunnelRoute, TunnelSpec,
 };
 
 /// Value of [`LABEL_MANAGED_BY`] on what this controller makes.
@@ -152,7 +156,7 @@ pub fn options_of(ing: &Ingress) -> (HttpOptions, Vec<String>) {
 }
 
 /// What one Ingress gives each of its hosts, and what of it cannot be served.
-#[derive(Debug, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Translated {
     pub hosts: BTreeMap<String, Contribution<Backend>>,
     /// `culvert.dev/tls-passthrough: "true"`: its hosts are TLS passthrough.
@@ -258,14 +262,12 @@ fn domain_hosts(d: &Domain, edge_domain: &str) -> Vec<String> {
 }
 
 /// The Domain spec for a host: a subdomain of the edge, or a custom domain.
-fn domain_spec(host: &str, edge_domain: &str, reclaim: ReclaimPolicy) -> serde_json::Value {
-    let reclaim = match reclaim {
-        ReclaimPolicy::Delete => "Delete",
-        ReclaimPolicy::Retain => "Retain",
-    };
+fn domain_spec(host: &str, edge_domain: &str, reclaim_policy: ReclaimPolicy) -> DomainSpec {
     match host.strip_suffix(&format!(".{edge_domain}")) {
-        Some(label) if !label.contains('.') => json!({ "name": label, "reclaimPolicy": reclaim }),
-        _ => json!({ "fqdn": host, "reclaimPolicy": reclaim }),
+        Some(label) if !label.contains('.') => {
+            DomainSpec { name: Some(label.into()), fqdn: None, reclaim_policy }
+        }
+        _ => DomainSpec { name: None, fqdn: Some(host.into()), reclaim_policy },
     }
 }
 
@@ -280,37 +282,133 @@ fn owner_ref(ing: &Ingress) -> OwnerReference {
     }
 }
 
-/// What a host looks like after a sync, for the Ingress's status and events.
-struct HostState {
-    /// The public name, once the Tunnel is published, and whether an agent is connected.
-    public: Option<(String, bool)>,
-    /// (warning, reason, message) to report on the Ingresses of the host.
-    report: Option<(bool, String, String)>,
-    conflicts: Vec<routes::Conflict>,
-    /// Warnings about TLS passthrough, for one Ingress (`namespace/name`) or all.
-    problems: Vec<(Option<String>, String)>,
+/// What an Ingress reconcile read: fresh lists of its namespace, so a
+/// just-deleted Ingress never lingers in a host's routes.
+#[derive(Debug, Clone, Default)]
+pub struct Observed {
+    pub classes: Vec<IngressClass>,
+    pub ingresses: Vec<Ingress>,
+    /// The Tunnels this controller made.
+    pub tunnels: Vec<Tunnel>,
+    pub domains: Vec<Domain>,
 }
 
-/// Makes a host's Domain and Tunnel match the Ingresses that name it (`ours`,
-/// oldest first), or removes them when none does.
-async fn sync_host(
-    ctx: &Context,
-    ns: &str,
+async fn observe(client: &Client, ns: &str) -> Result<Observed, Error> {
+    let lp = ListParams::default();
+    let managed = ListParams::default().labels(&format!("{LABEL_MANAGED_BY}={MANAGED_BY}"));
+    Ok(Observed {
+        classes: Api::<IngressClass>::all(client.clone()).list(&lp).await?.items,
+        ingresses: Api::<Ingress>::namespaced(client.clone(), ns).list(&lp).await?.items,
+        tunnels: Api::<Tunnel>::namespaced(client.clone(), ns).list(&managed).await?.items,
+        domains: Api::<Domain>::namespaced(client.clone(), ns).list(&lp).await?.items,
+    })
+}
+
+/// What the plan takes from the operator's settings.
+#[derive(Debug, Clone, Copy)]
+pub struct Settings<'a> {
+    /// The edge's base domain.
+    pub edge_domain: &'a str,
+    pub domain_policy: DomainPolicy,
+}
+
+/// What a reconcile of one Ingress does.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// This Ingress, translated, when culvert serves it.
+    pub mine: Option<Translated>,
+    /// `namespace/name` of this Ingress.
+    pub me: String,
+    /// The hosts to sync: this Ingress's, and those it gave paths before.
+    pub hosts: Vec<HostPlan>,
+}
+
+/// What one host needs, from every Ingress of the namespace that names it.
+#[derive(Debug, Clone)]
+pub struct HostPlan {
+    pub host: String,
+    /// Name of the host's Tunnel (and Domain, when one is made).
+    pub name: String,
+    pub action: HostAction,
+    pub conflicts: Vec<routes::Conflict>,
+    /// Warnings about TLS passthrough, for one Ingress (`namespace/name`) or all.
+    pub problems: Vec<(Option<String>, String)>,
+}
+
+#[derive(Debug, Clone)]
+pub enum HostAction {
+    /// No Ingress names the host any more: delete the Tunnel and the Domain
+    /// made for it, those that exist.
+    Remove { tunnel: bool, domain: bool },
+    /// `--domain-policy require` and no Domain of the namespace covers the
+    /// host: the message says so.
+    DomainRequired(String),
+    /// Publish on the Domain with this Tunnel (`None`: a TLS passthrough host
+    /// that cannot be published; `problems` says why), both owned by `owners`.
+    Publish { domain: DomainAction, tunnel: Option<Box<TunnelSpec>>, owners: Vec<OwnerReference> },
+}
+
+#[derive(Debug, Clone)]
+pub enum DomainAction {
+    /// A Domain of the namespace (not made by us) covers the host.
+    Use(Box<Domain>),
+    /// Make (or keep) the host's own Domain with this spec.
+    Make(DomainSpec),
+}
+
+fn made_by_us(labels: &BTreeMap<String, String>) -> bool {
+    labels.get(LABEL_MANAGED_BY).map(String::as_str) == Some(MANAGED_BY)
+}
+
+/// Decides, without IO, what the Ingress `ing` needs from what was observed.
+pub fn plan(ing: &Ingress, o: &Observed, s: Settings<'_>) -> Plan {
+    let mut ours: Vec<(&Ingress, Translated)> = o
+        .ingresses
+        .iter()
+        .filter(|i| i.metadata.deletion_timestamp.is_none() && is_ours(i, &o.classes))
+        .map(|i| (i, translate(i)))
+        .collect();
+    ours.sort_by(|(a, _), (b, _)| {
+        (a.metadata.creation_timestamp.as_ref().map(|t| t.0), a.name_any())
+            .cmp(&(b.metadata.creation_timestamp.as_ref().map(|t| t.0), b.name_any()))
+    });
+    let ns = ing.namespace().unwrap_or_default();
+    let uid = ing.uid().unwrap_or_default();
+    let mine = ours.iter().find(|(i, _)| i.uid().as_deref() == Some(uid.as_str())).map(|(_, t)| t.clone());
+    let mut hosts: BTreeSet<String> =
+        mine.as_ref().map(|t| t.hosts.keys().cloned().collect()).unwrap_or_default();
+    for t in &o.tunnels {
+        if t.owner_references().iter().any(|o| o.uid == uid)
+            && let Some(h) = t.annotations().get(ANNOTATION_HOST)
+        {
+            hosts.insert(h.clone());
+        }
+    }
+    let hosts = hosts.iter().map(|h| plan_host(h, &ns, &ours, o, s)).collect();
+    Plan { mine, me: format!("{ns}/{}", ing.name_any()), hosts }
+}
+
+/// A host's Domain and Tunnel as the Ingresses that name it (`ours`, oldest
+/// first) ask, or their removal when none does.
+fn plan_host(
     host: &str,
-    ours: &[(Arc<Ingress>, Translated)],
-    tunnels: &[Tunnel],
-    domains: &[Domain],
-) -> Result<HostState, Error> {
+    ns: &str,
+    ours: &[(&Ingress, Translated)],
+    o: &Observed,
+    s: Settings<'_>,
+) -> HostPlan {
     let name = object_name(host);
-    let tunnel_api = Api::<Tunnel>::namespaced(ctx.client.clone(), ns);
-    let domain_api = Api::<Domain>::namespaced(ctx.client.clone(), ns);
-    let made_by_us = |labels: &BTreeMap<String, String>| {
-        labels.get(LABEL_MANAGED_BY).map(String::as_str) == Some(MANAGED_BY)
+    let done = |action, conflicts, problems| HostPlan {
+        host: host.to_string(),
+        name: name.clone(),
+        action,
+        conflicts,
+        problems,
     };
     // The oldest Ingress decides whether the host is TLS passthrough; those
     // that disagree are left out.
     let all: Vec<(&Ingress, bool, &Contribution<Backend>)> =
-        ours.iter().filter_map(|(i, t)| t.hosts.get(host).map(|c| (&**i, t.passthrough, c))).collect();
+        ours.iter().filter_map(|(i, t)| t.hosts.get(host).map(|c| (*i, t.passthrough, c))).collect();
     let passthrough = all.first().is_some_and(|(_, p, _)| *p);
     let mut problems: Vec<(Option<String>, String)> = Vec::new();
     let mut contributors: Vec<(&Ingress, &Contribution<Backend>)> = Vec::new();
@@ -330,48 +428,34 @@ async fn sync_host(
             ));
         }
     }
-    let existing_tunnel = tunnels.iter().find(|t| t.name_any() == name);
-    let edge_domain = &ctx.edge_info.domain;
-    let auto_domain = domains.iter().find(|d| d.name_any() == name && made_by_us(d.labels()));
+    let existing_tunnel = o.tunnels.iter().find(|t| t.name_any() == name);
+    let auto_domain = o.domains.iter().find(|d| d.name_any() == name && made_by_us(d.labels()));
 
     if contributors.is_empty() {
-        if existing_tunnel.is_some_and(|t| made_by_us(t.labels())) {
-            tunnel_api.delete(&name, &DeleteParams::background()).await?;
-            info!(host, tunnel = %name, "no Ingress names the host any more: deleted its Tunnel");
-        }
-        if auto_domain.is_some() {
-            domain_api.delete(&name, &DeleteParams::background()).await?;
-            info!(host, domain = %name, "deleted the Domain made for the host");
-        }
-        return Ok(HostState { public: None, report: None, conflicts: Vec::new(), problems });
+        let tunnel = existing_tunnel.is_some_and(|t| made_by_us(t.labels()));
+        return done(HostAction::Remove { tunnel, domain: auto_domain.is_some() }, Vec::new(), problems);
     }
 
     let merged: Merged<Backend> =
         routes::merge(&contributors.iter().map(|(_, c)| (*c).clone()).collect::<Vec<_>>());
     let owners: Vec<OwnerReference> = contributors.iter().map(|(i, _)| owner_ref(i)).collect();
-    let pp = PatchParams::apply(FIELD_MANAGER).force();
 
     // The Domain: one of the namespace that covers the host (a ready one
     // first), else one we make (policy auto).
     let covering: Vec<&Domain> =
-        domains.iter().filter(|d| domain_hosts(d, edge_domain).iter().any(|h| h == host)).collect();
+        o.domains.iter().filter(|d| domain_hosts(d, s.edge_domain).iter().any(|h| h == host)).collect();
     let ready = |d: &Domain| {
         d.status.as_ref().and_then(|s| ready_condition(&s.conditions)).is_some_and(|c| c.status == "True")
     };
     let chosen = covering.iter().find(|d| ready(d)).or(auto_domain.as_ref()).or(covering.first()).copied();
-    let domain = match (chosen, ctx.domain_policy) {
-        (Some(d), _) if !made_by_us(d.labels()) => d.clone(),
+    let (domain, domain_name) = match (chosen, s.domain_policy) {
+        (Some(d), _) if !made_by_us(d.labels()) => (DomainAction::Use(Box::new(d.clone())), d.name_any()),
         (None, DomainPolicy::Require) => {
             let msg = format!(
                 "host {host} is not covered by a Domain of namespace {ns}: create one (spec.name or spec.fqdn), \
                  or run the operator with --domain-policy auto"
             );
-            return Ok(HostState {
-                public: None,
-                report: Some((true, "DomainRequired".into(), msg)),
-                conflicts: merged.conflicts,
-                problems,
-            });
+            return done(HostAction::DomainRequired(msg), merged.conflicts, problems);
         }
         _ => {
             let reclaim = contributors
@@ -385,38 +469,24 @@ async fn sync_host(
                     }
                 })
                 .unwrap_or_default();
-            let body = json!({
-                "apiVersion": "culvert.dev/v1alpha1",
-                "kind": "Domain",
-                "metadata": {
-                    "name": name,
-                    "labels": { LABEL_MANAGED_BY: MANAGED_BY },
-                    "annotations": { ANNOTATION_HOST: host },
-                    "ownerReferences": owners,
-                },
-                "spec": domain_spec(host, edge_domain, reclaim),
-            });
-            domain_api.patch(&name, &pp, &Patch::Apply(&body)).await?
+            (DomainAction::Make(domain_spec(host, s.edge_domain, reclaim)), name.clone())
         }
     };
 
-    let spec = if passthrough {
-        match passthrough_backend(host, &merged, &mut problems) {
-            Some(service) => TunnelSpec {
+    let tunnel = if passthrough {
+        passthrough_backend(host, &merged, &mut problems).map(|service| {
+            Box::new(TunnelSpec {
                 service: Some(service),
                 routes: Vec::new(),
                 protocol: TunnelProtocol::Tls,
-                domain: Some(domain.name_any()),
+                domain: Some(domain_name),
                 tcp_port: None,
                 proxy_protocol: None,
                 options: HttpOptions::default(),
-            },
-            None => {
-                return Ok(HostState { public: None, report: None, conflicts: merged.conflicts, problems });
-            }
-        }
+            })
+        })
     } else {
-        TunnelSpec {
+        Some(Box::new(TunnelSpec {
             service: merged.default.as_ref().map(|b| b.service.clone()),
             routes: merged
                 .rules
@@ -429,37 +499,125 @@ async fn sync_host(
                 })
                 .collect(),
             protocol: TunnelProtocol::Http,
-            domain: Some(domain.name_any()),
+            domain: Some(domain_name),
             tcp_port: None,
             proxy_protocol: None,
             options: merged.default.as_ref().map(|b| b.options.clone()).unwrap_or_default(),
-        }
+        }))
     };
-    let body = json!({
-        "apiVersion": "culvert.dev/v1alpha1",
-        "kind": "Tunnel",
-        "metadata": {
+    done(HostAction::Publish { domain, tunnel, owners }, merged.conflicts, problems)
+}
+
+/// A host's objects as [`execute_host`] left them.
+#[derive(Debug, Clone)]
+pub enum Applied {
+    /// Nothing is published for the host.
+    Nothing,
+    /// The Domain used, and the Tunnel as applied (`None`: not published).
+    Published { domain: Box<Domain>, tunnel: Option<Box<Tunnel>> },
+}
+
+/// Carries out a host's plan in Kubernetes. (An Ingress holds nothing at the
+/// edge itself: the Domain and Tunnel controllers do.)
+async fn execute_host(client: &Client, ns: &str, p: &HostPlan) -> Result<Applied, Error> {
+    let tunnel_api = Api::<Tunnel>::namespaced(client.clone(), ns);
+    let domain_api = Api::<Domain>::namespaced(client.clone(), ns);
+    let pp = PatchParams::apply(FIELD_MANAGER).force();
+    let (host, name) = (&p.host, &p.name);
+    let meta = |owners: &[OwnerReference]| {
+        json!({
             "name": name,
             "labels": { LABEL_MANAGED_BY: MANAGED_BY },
             "annotations": { ANNOTATION_HOST: host },
             "ownerReferences": owners,
-        },
-        "spec": spec,
-    });
-    let tunnel = tunnel_api.patch(&name, &pp, &Patch::Apply(&body)).await?;
+        })
+    };
+    match &p.action {
+        HostAction::Remove { tunnel, domain } => {
+            if *tunnel {
+                tunnel_api.delete(name, &DeleteParams::background()).await?;
+                info!(%host, tunnel = %name, "no Ingress names the host any more: deleted its Tunnel");
+            }
+            if *domain {
+                domain_api.delete(name, &DeleteParams::background()).await?;
+                info!(%host, domain = %name, "deleted the Domain made for the host");
+            }
+            Ok(Applied::Nothing)
+        }
+        HostAction::DomainRequired(_) => Ok(Applied::Nothing),
+        HostAction::Publish { domain, tunnel, owners } => {
+            let domain = match domain {
+                DomainAction::Use(d) => (**d).clone(),
+                DomainAction::Make(spec) => {
+                    let body = json!({
+                        "apiVersion": "culvert.dev/v1alpha1",
+                        "kind": "Domain",
+                        "metadata": meta(owners),
+                        "spec": spec,
+                    });
+                    domain_api.patch(name, &pp, &Patch::Apply(&body)).await?
+                }
+            };
+            let tunnel = match tunnel {
+                Some(spec) => {
+                    let body = json!({
+                        "apiVersion": "culvert.dev/v1alpha1",
+                        "kind": "Tunnel",
+                        "metadata": meta(owners),
+                        "spec": spec,
+                    });
+                    Some(Box::new(tunnel_api.patch(name, &pp, &Patch::Apply(&body)).await?))
+                }
+                None => None,
+            };
+            Ok(Applied::Published { domain: Box::new(domain), tunnel })
+        }
+    }
+}
 
+/// What a host looks like after [`execute_host`], for the Ingress's status and events.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostState {
+    /// The public name, once the Tunnel is published, and whether an agent is connected.
+    pub public: Option<(String, bool)>,
+    /// What to report on the Ingresses of the host.
+    pub report: Option<Note>,
+    pub conflicts: Vec<routes::Conflict>,
+    /// Warnings about TLS passthrough, for one Ingress (`namespace/name`) or all.
+    pub problems: Vec<(Option<String>, String)>,
+}
+
+/// The state of a host from its plan and what was applied, without IO.
+pub fn host_state(p: &HostPlan, applied: &Applied) -> HostState {
+    let (host, name) = (&p.host, &p.name);
+    let mut state = HostState {
+        public: None,
+        report: None,
+        conflicts: p.conflicts.clone(),
+        problems: p.problems.clone(),
+    };
+    let (domain, tunnel) = match (&p.action, applied) {
+        (HostAction::DomainRequired(msg), _) => {
+            state.report = Some(Note::new(true, "DomainRequired", msg.clone()));
+            return state;
+        }
+        (_, Applied::Published { domain, tunnel: Some(tunnel) }) => (domain, tunnel),
+        _ => return state,
+    };
     // What to tell the Ingresses: the Domain's trouble first, then the Tunnel's.
     let domain_cond = domain.status.as_ref().and_then(|s| ready_condition(&s.conditions)).cloned();
     let tunnel_cond = tunnel.status.as_ref().and_then(|s| ready_condition(&s.conditions)).cloned();
     let fresh = tunnel.status.as_ref().and_then(|s| s.observed_generation) == tunnel.metadata.generation;
-    let report = match (&domain_cond, &tunnel_cond) {
-        (Some(d), _) if d.status == "False" => {
-            Some((true, d.reason.clone(), format!("Domain {} for {host}: {}", domain.name_any(), d.message)))
-        }
+    state.report = match (&domain_cond, &tunnel_cond) {
+        (Some(d), _) if d.status == "False" => Some(Note::new(
+            true,
+            d.reason.clone(),
+            format!("Domain {} for {host}: {}", domain.name_any(), d.message),
+        )),
         (_, Some(t)) if fresh => {
             // Waiting for an agent is not a warning (it takes a second); the message says what to check.
             let warning = (t.status != "True" && t.reason != "NoAgent") || t.reason == "Degraded";
-            Some((warning, t.reason.clone(), format!("{host} (Tunnel {name}): {}", t.message)))
+            Some(Note::new(warning, t.reason.clone(), format!("{host} (Tunnel {name}): {}", t.message)))
         }
         _ => None,
     };
@@ -467,11 +625,11 @@ async fn sync_host(
     // The address stays while agents come and go (a rolling restart), so
     // what reads it (external-dns) does not flap; a port error says "no agent".
     let conditions = tunnel.status.as_ref().map(|s| s.conditions.as_slice()).unwrap_or_default();
-    let public = super::tunnel::is_published(conditions)
+    state.public = super::tunnel::is_published(conditions)
         .then(|| domain.status.as_ref().and_then(|s| s.hostname.clone()))
         .flatten()
         .map(|h| (h, super::tunnel::is_connected(conditions)));
-    Ok(HostState { public, report, conflicts: merged.conflicts, problems })
+    state
 }
 
 /// The one Service a TLS passthrough host goes to: the default backend, or
@@ -544,141 +702,106 @@ fn passthrough_backend(
 async fn reconcile(ing: Arc<Ingress>, ctx: Arc<Ctx>) -> Result<Action, Error> {
     let ns = ing.namespace().unwrap_or_default();
     let span = tracing::info_span!("reconcile", kind = "Ingress", namespace = %ns, name = %ing.name_any());
-    ctx.base.metrics.measure("Ingress", apply(ing.clone(), &ctx, &ns).instrument(span)).await
+    ctx.base.metrics.measure("Ingress", &*ing, apply(ing.clone(), &ctx, &ns).instrument(span)).await
 }
 
-async fn apply(ing: Arc<Ingress>, ctx: &Ctx, ns: &str) -> Result<Action, Error> {
-    let base = &ctx.base;
-    let client = base.client.clone();
-    let lp = ListParams::default();
-    // Read: fresh lists, so a just-deleted Ingress never lingers in a host's routes.
-    let classes = Api::<IngressClass>::all(client.clone()).list(&lp).await?.items;
-    let mut ours: Vec<(Arc<Ingress>, Translated)> = Api::<Ingress>::namespaced(client.clone(), ns)
-        .list(&lp)
-        .await?
-        .items
-        .into_iter()
-        .filter(|i| i.metadata.deletion_timestamp.is_none() && is_ours(i, &classes))
-        .map(|i| {
-            let t = translate(&i);
-            (Arc::new(i), t)
-        })
-        .collect();
-    ours.sort_by(|(a, _), (b, _)| {
-        (a.metadata.creation_timestamp.as_ref().map(|t| t.0), a.name_any())
-            .cmp(&(b.metadata.creation_timestamp.as_ref().map(|t| t.0), b.name_any()))
-    });
-    let uid = ing.uid().unwrap_or_default();
-    let mine = ours.iter().find(|(i, _)| i.uid().as_deref() == Some(uid.as_str())).map(|(_, t)| t);
-    let managed = ListParams::default().labels(&format!("{LABEL_MANAGED_BY}={MANAGED_BY}"));
-    let tunnels = Api::<Tunnel>::namespaced(client.clone(), ns).list(&managed).await?.items;
-    let domains = Api::<Domain>::namespaced(client.clone(), ns).list(&lp).await?.items;
+/// What a reconcile writes after the hosts: the Ingress's status, its
+/// events, and when to look again.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Report {
+    /// The status to write (`None`: leave it as it is).
+    pub status: Option<IngressStatus>,
+    /// Notes by topic, in order (`None`: the topic is fine again).
+    pub notes: Vec<(String, Option<Note>)>,
+    pub requeue: Duration,
+}
 
-    // The hosts to sync: this Ingress's, and those it gave paths before.
-    let mut hosts: BTreeSet<String> = mine.map(|t| t.hosts.keys().cloned().collect()).unwrap_or_default();
-    for t in &tunnels {
-        if t.owner_references().iter().any(|o| o.uid == uid)
-            && let Some(h) = t.annotations().get(ANNOTATION_HOST)
-        {
-            hosts.insert(h.clone());
-        }
-    }
+/// The status, events and requeue of the Ingress `ing`, without IO.
+pub fn report(ing: &Ingress, plan: &Plan, states: &[HostState], https_port: u16, resync: Duration) -> Report {
+    let mut notes: Vec<(String, Option<Note>)> = Vec::new();
+    let Some(t) = &plan.mine else {
+        // No longer ours: withdraw the status we wrote, if any.
+        let wrote_status = ing.managed_fields().iter().any(|m| {
+            m.manager.as_deref() == Some(FIELD_MANAGER) && m.subresource.as_deref() == Some("status")
+        });
+        return Report { status: wrote_status.then(IngressStatus::default), notes, requeue: resync };
+    };
+    let me = &plan.me;
     let mut public = Vec::new();
-    for host in &hosts {
-        let state = sync_host(base, ns, host, &ours, &tunnels, &domains).await?;
-        if mine.is_none() {
-            continue;
-        }
-        public.extend(state.public);
-        match state.report {
-            Some((warning, reason, message)) => ctx.report(&*ing, host, warning, &reason, message).await,
-            None => ctx.forget(&*ing, host),
-        }
-        let me = format!("{ns}/{}", ing.name_any());
+    for (p, state) in plan.hosts.iter().zip(states) {
+        let host = &p.host;
+        public.extend(state.public.clone());
+        notes.push((host.clone(), state.report.clone()));
         let conflicts: Vec<String> = state
             .conflicts
             .iter()
-            .filter(|c| c.winner == me || c.loser == me)
+            .filter(|c| c.winner == *me || c.loser == *me)
             .map(|c| format!("host {host}: {c}"))
             .collect();
-        let topic = format!("conflicts {host}");
-        if conflicts.is_empty() {
-            ctx.forget(&*ing, &topic);
-        } else {
-            ctx.report(&*ing, &topic, true, "PathConflict", conflicts.join("; ")).await;
-        }
+        let note = (!conflicts.is_empty()).then(|| Note::new(true, "PathConflict", conflicts.join("; ")));
+        notes.push((format!("conflicts {host}"), note));
         let problems: Vec<&str> = state
             .problems
             .iter()
-            .filter(|(who, _)| who.as_ref().is_none_or(|w| *w == me))
+            .filter(|(who, _)| who.as_ref().is_none_or(|w| w == me))
             .map(|(_, m)| m.as_str())
             .collect();
-        let topic = format!("passthrough {host}");
-        if problems.is_empty() {
-            ctx.forget(&*ing, &topic);
-        } else {
-            ctx.report(&*ing, &topic, true, "TLSPassthrough", problems.join("; ")).await;
-        }
+        let note = (!problems.is_empty()).then(|| Note::new(true, "TLSPassthrough", problems.join("; ")));
+        notes.push((format!("passthrough {host}"), note));
     }
+    let note = (!t.problems.is_empty()).then(|| Note::new(true, "Unsupported", t.problems.join("; ")));
+    notes.push(("problems".into(), note));
+    if t.passthrough {
+        let hosts: Vec<&str> = t.hosts.keys().map(String::as_str).collect();
+        let msg = format!(
+            "{} published as TLS passthrough: the edge routes by SNI and the backend terminates TLS",
+            hosts.join(", ")
+        );
+        notes.push(("tls".into(), Some(Note::new(false, "TLSPassthrough", msg))));
+    } else if !t.tls_hosts.is_empty() {
+        let msg = format!(
+            "TLS for {} is terminated at the edge with the edge's certificate; the Secrets in spec.tls are not used",
+            t.tls_hosts.join(", ")
+        );
+        notes.push(("tls".into(), Some(Note::new(false, "TLSAtEdge", msg))));
+    }
+    let lb = public.iter().map(|(h, connected)| ingress_entry(h, https_port, *connected)).collect();
+    let status = IngressStatus { load_balancer: Some(IngressLoadBalancerStatus { ingress: Some(lb) }) };
+    let pending = public.len() < plan.hosts.len();
+    let requeue = if pending { resync.min(Duration::from_secs(5)) } else { resync };
+    Report { status: Some(status), notes, requeue }
+}
 
-    // Status and events of this Ingress.
-    let api = Api::<Ingress>::namespaced(client, ns);
-    let pp = PatchParams::apply(FIELD_MANAGER).force();
-    match mine {
-        Some(t) => {
-            let https = base.edge_info.public_https_port;
-            let lb: Vec<_> =
-                public.iter().map(|(h, connected)| ingress_entry(h, https, *connected)).collect();
-            let status = json!({
-                "apiVersion": "networking.k8s.io/v1",
-                "kind": "Ingress",
-                "status": { "loadBalancer": { "ingress": lb } },
-            });
-            api.patch_status(&ing.name_any(), &pp, &Patch::Apply(&status)).await?;
-            if t.problems.is_empty() {
-                ctx.forget(&*ing, "problems");
-            } else {
-                ctx.report(&*ing, "problems", true, "Unsupported", t.problems.join("; ")).await;
-            }
-            if t.passthrough {
-                let hosts: Vec<&str> = t.hosts.keys().map(String::as_str).collect();
-                let msg = format!(
-                    "{} published as TLS passthrough: the edge routes by SNI and the backend terminates TLS",
-                    hosts.join(", ")
-                );
-                ctx.report(&*ing, "tls", false, "TLSPassthrough", msg).await;
-            } else if !t.tls_hosts.is_empty() {
-                let msg = format!(
-                    "TLS for {} is terminated at the edge with the edge's certificate; the Secrets in spec.tls are not used",
-                    t.tls_hosts.join(", ")
-                );
-                ctx.report(&*ing, "tls", false, "TLSAtEdge", msg).await;
-            }
-        }
-        None => {
-            // No longer ours: withdraw the status we wrote, if any.
-            let wrote_status = ing.managed_fields().iter().any(|m| {
-                m.manager.as_deref() == Some(FIELD_MANAGER) && m.subresource.as_deref() == Some("status")
-            });
-            if wrote_status {
-                let status = json!({ "apiVersion": "networking.k8s.io/v1", "kind": "Ingress", "status": {} });
-                api.patch_status(&ing.name_any(), &pp, &Patch::Apply(&status)).await?;
-            }
-        }
+/// Observe → plan → execute (the hosts' Domains and Tunnels) → the
+/// Ingress's status → its events.
+async fn apply(ing: Arc<Ingress>, ctx: &Ctx, ns: &str) -> Result<Action, Error> {
+    let base = &ctx.base;
+    let observed = observe(&base.client, ns).await?;
+    let settings = Settings { edge_domain: &base.edge_info.domain, domain_policy: base.domain_policy };
+    let plan = plan(&ing, &observed, settings);
+    let mut states = Vec::new();
+    for host in &plan.hosts {
+        let applied = execute_host(&base.client, ns, host).await?;
+        states.push(host_state(host, &applied));
     }
-    let pending = mine.is_some() && public.len() < hosts.len();
-    Ok(Action::requeue(if pending { base.resync.min(Duration::from_secs(5)) } else { base.resync }))
+    let report = report(&ing, &plan, &states, base.edge_info.public_https_port, base.resync);
+    if let Some(status) = &report.status {
+        apply_status(&Api::<Ingress>::namespaced(base.client.clone(), ns), &*ing, status).await?;
+    }
+    ctx.report_all(&*ing, report.notes).await;
+    Ok(Action::requeue(report.requeue))
 }
 
 /// One `status.loadBalancer.ingress[]` entry of an Ingress: the public host
 /// name and HTTPS port, with the error `culvert.dev/NoAgent` while no agent
 /// is connected.
-fn ingress_entry(host: &str, https_port: u16, connected: bool) -> serde_json::Value {
-    let mut port = json!({ "port": https_port, "protocol": "TCP" });
-    if !connected {
-        port["error"] = json!(super::tunnel::PORT_ERROR_NO_AGENT);
-    }
-    json!({ "hostname": host, "ports": [port] })
+fn ingress_entry(host: &str, https_port: u16, connected: bool) -> IngressLoadBalancerIngress {
+    let port = IngressPortStatus {
+        port: https_port.into(),
+        protocol: "TCP".into(),
+        error: (!connected).then(|| super::tunnel::PORT_ERROR_NO_AGENT.to_string()),
+    };
+    IngressLoadBalancerIngress { hostname: Some(host.into()), ip: None, ports: Some(vec![port]) }
 }
 
 fn error_policy(obj: Arc<Ingress>, e: &Error, _ctx: Arc<Ctx>) -> Action {
@@ -794,6 +917,7 @@ mod tests {
 
     #[test]
     fn domain_spec_subdomain_or_custom() {
+        let domain_spec = |h, e, r| serde_json::to_value(domain_spec(h, e, r)).unwrap();
         assert_eq!(
             domain_spec("web.edge.test", "edge.test", ReclaimPolicy::Delete),
             json!({"name": "web", "reclaimPolicy": "Delete"})
@@ -934,5 +1058,328 @@ spec:
         assert_eq!(table.lookup("/").unwrap().service.name, "web");
         assert_eq!(merged.conflicts.len(), 1);
         assert_eq!(merged.conflicts[0].loser, "n/b");
+    }
+
+    /// An Ingress `name` of namespace `n` (uid `u-<name>`), created at
+    /// second `created`, with one path `/` of `host` to Service `svc`.
+    fn named(name: &str, created: u32, host: &str, svc: &str, annotations: serde_json::Value) -> Ingress {
+        ingress(json!({"metadata": {"name": name, "namespace": "n", "uid": format!("u-{name}"),
+            "creationTimestamp": format!("2026-01-01T00:00:{created:02}Z"), "annotations": annotations},
+            "spec": {"ingressClassName": "culvert", "rules": [{"host": host, "http": {"paths": [
+                {"path": "/", "pathType": "Prefix", "backend": {"service": {"name": svc, "port": {"number": 80}}}}]}}]}}))
+    }
+
+    fn object<K: serde::de::DeserializeOwned>(v: serde_json::Value) -> K {
+        serde_json::from_value(v).unwrap()
+    }
+
+    /// The host's own Domain or Tunnel (made by this controller, owned by `owner`).
+    fn made(kind: &str, host: &str, owner: &str, status: serde_json::Value) -> serde_json::Value {
+        let spec = if kind == "Domain" { json!({"name": "x"}) } else { json!({"domain": "x"}) };
+        json!({"apiVersion": "culvert.dev/v1alpha1", "kind": kind,
+            "metadata": {"name": object_name(host), "namespace": "n", "generation": 1,
+                "labels": {LABEL_MANAGED_BY: MANAGED_BY}, "annotations": {ANNOTATION_HOST: host},
+                "ownerReferences": [{"apiVersion": "networking.k8s.io/v1", "kind": "Ingress",
+                    "name": owner, "uid": format!("u-{owner}")}]},
+            "spec": spec, "status": status})
+    }
+
+    /// One line per host plan: what is done, then the problems.
+    fn summary(p: &Plan) -> Vec<String> {
+        p.hosts
+            .iter()
+            .map(|h| {
+                let action = match &h.action {
+                    HostAction::Remove { tunnel, domain } => {
+                        format!("remove tunnel={tunnel} domain={domain}")
+                    }
+                    HostAction::DomainRequired(m) => format!("required: {}", m.contains("not covered")),
+                    HostAction::Publish { domain, tunnel, owners } => {
+                        let d = match domain {
+                            DomainAction::Use(d) => format!("use {}", d.name_any()),
+                            DomainAction::Make(spec) => {
+                                format!("make {}", serde_json::to_string(spec).unwrap())
+                            }
+                        };
+                        let t = match tunnel {
+                            Some(t) => {
+                                format!("{:?} {}", t.protocol, t.services().collect::<Vec<_>>().join("+"))
+                            }
+                            None => "no tunnel".into(),
+                        };
+                        let o: Vec<&str> = owners.iter().map(|o| o.name.as_str()).collect();
+                        format!("{d}, {t}, owners {}", o.join("+"))
+                    }
+                };
+                let problems: Vec<String> =
+                    h.problems.iter().map(|(who, _)| who.clone().unwrap_or("all".into())).collect();
+                format!("{}: {action}; problems for [{}]", h.host, problems.join(","))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn plans_per_host() {
+        let h = "h.edge.test";
+        let a = named("a", 1, h, "web", json!({}));
+        let b = named("b", 2, h, "blog", json!({}));
+        let retain = named("a", 1, h, "web", json!({ANNOTATION_RECLAIM_POLICY: "Retain"}));
+        let pass = named("b", 2, h, "blog", json!({ANNOTATION_TLS_PASSTHROUGH: "true"}));
+        let other_class = ingress(json!({"metadata": {"name": "a", "namespace": "n", "uid": "u-a"},
+            "spec": {"ingressClassName": "nginx", "rules": [{"host": h}]}}));
+        let user_domain: Domain = object(json!({"apiVersion": "culvert.dev/v1alpha1", "kind": "Domain",
+            "metadata": {"name": "mine", "namespace": "n"}, "spec": {"name": "h"}}));
+        let own_domain: Domain = object(made("Domain", h, "a", json!({})));
+        let own_tunnel: Tunnel = object(made("Tunnel", h, "a", json!({})));
+        let make = r#"make {"name":"h","reclaimPolicy":"Delete"}"#;
+        // (case, the Ingress reconciled, the namespace's Ingresses, Domains, Tunnels, policy, plan)
+        type Case<'a> =
+            (&'a str, &'a Ingress, Vec<Ingress>, Vec<Domain>, Vec<Tunnel>, DomainPolicy, Vec<String>);
+        let table: Vec<Case> = vec![
+            (
+                "a new host gets a Domain made for it",
+                &a,
+                vec![a.clone()],
+                vec![],
+                vec![],
+                DomainPolicy::Auto,
+                vec![format!("{h}: {make}, Http web, owners a; problems for []")],
+            ),
+            (
+                "a Domain of the namespace covers the host",
+                &a,
+                vec![a.clone()],
+                vec![user_domain.clone()],
+                vec![],
+                DomainPolicy::Require,
+                vec![format!("{h}: use mine, Http web, owners a; problems for []")],
+            ),
+            (
+                "policy require without a Domain",
+                &a,
+                vec![a.clone()],
+                vec![],
+                vec![],
+                DomainPolicy::Require,
+                vec![format!("{h}: required: true; problems for []")],
+            ),
+            (
+                "Retain on the Ingress",
+                &retain,
+                vec![retain.clone()],
+                vec![],
+                vec![],
+                DomainPolicy::Auto,
+                vec![format!(
+                    r#"{h}: make {{"name":"h","reclaimPolicy":"Retain"}}, Http web, owners a; problems for []"#
+                )],
+            ),
+            (
+                "two Ingresses share the host, oldest first",
+                &b,
+                vec![b.clone(), a.clone()],
+                vec![own_domain.clone()],
+                vec![own_tunnel.clone()],
+                DomainPolicy::Auto,
+                vec![format!("{h}: {make}, Http web, owners a+b; problems for []")],
+            ),
+            (
+                "the younger disagrees on passthrough: left out",
+                &a,
+                vec![a.clone(), pass.clone()],
+                vec![],
+                vec![],
+                DomainPolicy::Auto,
+                vec![format!("{h}: {make}, Http web, owners a; problems for [n/b]")],
+            ),
+            (
+                "the oldest is passthrough",
+                &pass,
+                vec![pass.clone()],
+                vec![],
+                vec![],
+                DomainPolicy::Auto,
+                vec![format!("{h}: {make}, Tls blog, owners b; problems for []")],
+            ),
+            (
+                "no longer ours: what was made for it goes",
+                &other_class,
+                vec![other_class.clone()],
+                vec![own_domain.clone(), user_domain.clone()],
+                vec![own_tunnel.clone()],
+                DomainPolicy::Auto,
+                vec![format!("{h}: remove tunnel=true domain=true; problems for []")],
+            ),
+            (
+                "another Ingress still names the host",
+                &other_class,
+                vec![other_class.clone(), b.clone()],
+                vec![own_domain.clone()],
+                vec![own_tunnel.clone()],
+                DomainPolicy::Auto,
+                vec![format!("{h}: {make}, Http blog, owners b; problems for []")],
+            ),
+            (
+                "not ours and nothing made: nothing to do",
+                &other_class,
+                vec![other_class.clone()],
+                vec![],
+                vec![],
+                DomainPolicy::Auto,
+                vec![],
+            ),
+        ];
+        for (case, ing, ingresses, domains, tunnels, policy, want) in table {
+            let o = Observed { classes: Vec::new(), ingresses, tunnels, domains };
+            let p = plan(ing, &o, Settings { edge_domain: "edge.test", domain_policy: policy });
+            assert_eq!(summary(&p), want, "{case}");
+            assert_eq!(p.mine.is_some(), is_ours(ing, &[]), "{case}");
+        }
+    }
+
+    #[test]
+    fn host_state_from_what_was_applied() {
+        let h = "h.edge.test";
+        let cond = |status: &str, reason: &str| json!({"type": "Ready", "status": status, "reason": reason, "message": "m"});
+        let domain = |ready: &str, reason: &str| -> Domain {
+            object(made("Domain", h, "a", json!({"hostname": h, "conditions": [cond(ready, reason)]})))
+        };
+        let tunnel = |generation: i64, conditions: serde_json::Value| -> Tunnel {
+            object(made(
+                "Tunnel",
+                h,
+                "a",
+                json!({"observedGeneration": generation, "conditions": conditions}),
+            ))
+        };
+        let published = |connected: bool| {
+            let (ready, reason) = if connected { ("True", "Published") } else { ("False", "NoAgent") };
+            json!([cond(ready, reason),
+                {"type": "Published", "status": "True", "reason": "Published", "message": "p"},
+                {"type": "Connected", "status": if connected { "True" } else { "False" }, "reason": "r", "message": "c"}])
+        };
+        let publish = HostAction::Publish {
+            domain: DomainAction::Make(domain_spec(h, "edge.test", ReclaimPolicy::Delete)),
+            tunnel: None,
+            owners: Vec::new(),
+        };
+        let plan = |action: HostAction| HostPlan {
+            host: h.into(),
+            name: object_name(h),
+            action,
+            conflicts: Vec::new(),
+            problems: Vec::new(),
+        };
+        let applied =
+            |d: Domain, t: Tunnel| Applied::Published { domain: Box::new(d), tunnel: Some(Box::new(t)) };
+        let note = |w: bool, r: &str| Some((w, r.to_string()));
+        let at = |connected: bool| Some((h.to_string(), connected));
+        // (case, action, applied, report (warning, reason), public)
+        let table = vec![
+            (
+                "published and connected",
+                publish.clone(),
+                applied(domain("True", "Reserved"), tunnel(1, published(true))),
+                note(false, "Published"),
+                at(true),
+            ),
+            (
+                "no agent yet: not a warning, the address stays",
+                publish.clone(),
+                applied(domain("True", "Reserved"), tunnel(1, published(false))),
+                note(false, "NoAgent"),
+                at(false),
+            ),
+            (
+                "the Domain's trouble first",
+                publish.clone(),
+                applied(domain("False", "Conflict"), tunnel(1, published(true))),
+                note(true, "Conflict"),
+                at(true),
+            ),
+            (
+                "a route change not reconciled yet: no report, the address stays",
+                publish.clone(),
+                applied(domain("True", "Reserved"), tunnel(0, published(true))),
+                None,
+                at(true),
+            ),
+            (
+                "a failed Tunnel is a warning",
+                publish.clone(),
+                applied(domain("True", "Reserved"), tunnel(1, json!([cond("False", "InvalidSpec")]))),
+                note(true, "InvalidSpec"),
+                None,
+            ),
+            (
+                "no Tunnel (passthrough that cannot be published)",
+                publish.clone(),
+                Applied::Published { domain: Box::new(domain("True", "Reserved")), tunnel: None },
+                None,
+                None,
+            ),
+            (
+                "policy require",
+                HostAction::DomainRequired("no Domain".into()),
+                Applied::Nothing,
+                note(true, "DomainRequired"),
+                None,
+            ),
+            ("removed", HostAction::Remove { tunnel: true, domain: true }, Applied::Nothing, None, None),
+        ];
+        for (case, action, applied, report, public) in table {
+            let s = host_state(&plan(action), &applied);
+            assert_eq!(s.report.map(|n| (n.warning, n.reason)), report, "{case}");
+            assert_eq!(s.public, public, "{case}");
+        }
+    }
+
+    #[test]
+    fn the_report_of_an_ingress() {
+        let h = "h.edge.test";
+        let a = named("a", 1, h, "web", json!({}));
+        let o = Observed { ingresses: vec![a.clone()], ..Default::default() };
+        let p = plan(&a, &o, Settings { edge_domain: "edge.test", domain_policy: DomainPolicy::Auto });
+        let resync = Duration::from_secs(300);
+        let state = |public: Option<(String, bool)>| HostState {
+            public,
+            report: Some(Note::new(false, "Published", "ok")),
+            conflicts: Vec::new(),
+            problems: Vec::new(),
+        };
+        let r = report(&a, &p, &[state(Some((h.into(), false)))], 8443, resync);
+        let status = serde_json::to_value(r.status.unwrap()).unwrap();
+        assert_eq!(
+            status,
+            json!({"loadBalancer": {"ingress": [{"hostname": h,
+                "ports": [{"port": 8443, "protocol": "TCP", "error": "culvert.dev/NoAgent"}]}]}})
+        );
+        assert_eq!(r.requeue, resync);
+        let topics: Vec<(&str, Option<&str>)> =
+            r.notes.iter().map(|(t, n)| (t.as_str(), n.as_ref().map(|n| n.reason.as_str()))).collect();
+        assert_eq!(
+            topics,
+            [
+                (h, Some("Published")),
+                ("conflicts h.edge.test", None),
+                ("passthrough h.edge.test", None),
+                ("problems", None)
+            ]
+        );
+        // Not published yet: the status lists nothing, and the next look is soon.
+        let r = report(&a, &p, &[state(None)], 8443, resync);
+        assert_eq!(
+            serde_json::to_value(r.status.unwrap()).unwrap(),
+            json!({"loadBalancer": {"ingress": []}})
+        );
+        assert_eq!(r.requeue, Duration::from_secs(5));
+        // No longer ours: the status is withdrawn only when we wrote it.
+        let other = Observed::default();
+        let gone = plan(&a, &other, Settings { edge_domain: "edge.test", domain_policy: DomainPolicy::Auto });
+        assert_eq!(report(&a, &gone, &[], 8443, resync).status, None);
+        let mut wrote = a.clone();
+        wrote.metadata.managed_fields =
+            Some(vec![object(json!({"manager": FIELD_MANAGER, "subresource": "status"}))]);
+        assert_eq!(report(&wrote, &gone, &[], 8443, resync).status, Some(IngressStatus::default()));
     }
 }

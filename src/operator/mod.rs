@@ -3,9 +3,10 @@
 //! at the edge, and the in-cluster agent (on every replica) that carries the
 //! traffic of every ready Tunnel.
 //!
-//! Phases of each reconcile, in order: read → validate → build desired state
-//! → apply (edge, then Kubernetes) → status. Everything external lives behind
-//! a finalizer.
+//! Phases of each reconcile, in order: observe (read into an `Observed`
+//! value) → plan (pure) → execute (edge, then Kubernetes) → status, with
+//! events through `status::Ctx`. Everything held at the edge lives behind a
+//! finalizer.
 
 pub(crate) mod agents;
 pub(crate) mod edge;

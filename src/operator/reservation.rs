@@ -15,7 +15,9 @@ use tracing::info;
 
 use super::edge_api::{Collection, EdgeApi, EdgeError, ReserveRequest};
 use super::names::{LABEL_CLUSTER, LABEL_KIND, LABEL_NAME, LABEL_NAMESPACE, LABEL_UID};
-use super::status::{apply_status, carry_transition, event, failure, ready, reconcile_finalized, retry_soon};
+use super::status::{
+    Ctx, Note, apply_status, carry_transition, failure, ready, reconcile_finalized, retry_soon,
+};
 use super::{Context, Error};
 use crate::api::{
     CertificateState, CertificateStatus, Labels, Reservation, ReserveDomainRequest, ReservePortRequest,
@@ -444,7 +446,8 @@ pub fn report<K: Reserved>(
     Report { status, events, requeue }
 }
 
-async fn apply<K: Reserved>(obj: Arc<K>, ctx: &Context) -> Result<Action, Error> {
+async fn apply<K: Reserved>(obj: Arc<K>, reporter: &Ctx) -> Result<Action, Error> {
+    let ctx = &*reporter.base;
     let api: Api<K> = Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
     let result = async {
         let observed = observe(&ctx.edge, ctx, &*obj).await?;
@@ -454,7 +457,7 @@ async fn apply<K: Reserved>(obj: Arc<K>, ctx: &Context) -> Result<Action, Error>
     let report = report(&*obj, &result, &ctx.edge_domain, ctx.resync);
     apply_status(&api, &*obj, &report.status).await?;
     for (warning, reason, note) in report.events {
-        event(ctx, &*obj, warning, &reason, note).await;
+        reporter.event(&*obj, &Note::new(warning, reason, note)).await;
     }
     match (report.requeue, result) {
         (Some(after), _) => Ok(Action::requeue(after)),
@@ -494,11 +497,11 @@ async fn cleanup<K: Reserved>(obj: Arc<K>, ctx: &Context) -> Result<Action, Erro
     Ok(Action::await_change())
 }
 
-async fn reconcile<K: Reserved>(obj: Arc<K>, ctx: Arc<Context>) -> Result<Action, Error> {
-    reconcile_finalized(K::KIND, obj, &ctx, |o| apply(o, &ctx), |o| cleanup(o, &ctx)).await
+async fn reconcile<K: Reserved>(obj: Arc<K>, ctx: Arc<Ctx>) -> Result<Action, Error> {
+    reconcile_finalized(K::KIND, obj, &ctx.base, |o| apply(o, &ctx), |o| cleanup(o, &ctx.base)).await
 }
 
-fn error_policy<K: Reserved>(obj: Arc<K>, e: &Error, _ctx: Arc<Context>) -> Action {
+fn error_policy<K: Reserved>(obj: Arc<K>, e: &Error, _ctx: Arc<Ctx>) -> Action {
     retry_soon(K::KIND, &*obj, e)
 }
 
@@ -506,7 +509,7 @@ async fn run_controller<K: Reserved>(ctx: Arc<Context>, stop: CancellationToken)
     let api = ctx.api::<K>();
     Controller::new(api, watcher::Config::default().any_semantic())
         .graceful_shutdown_on(async move { stop.cancelled().await })
-        .run(reconcile::<K>, error_policy::<K>, ctx)
+        .run(reconcile::<K>, error_policy::<K>, Ctx::new(ctx))
         .for_each(|_| async {})
         .await;
 }

@@ -15,6 +15,10 @@
 //! their finalizers release the ports (unless `culvert.dev/reclaim-policy:
 //! Retain`); a Service that stops being managed (type, class, annotation) has
 //! them deleted here, and its annotation and status withdrawn.
+//!
+//! Phases: observe (the TcpPorts and Tunnels made for the Service) → plan
+//! (pure: nothing, withdraw, or publish each port) → execute (the children)
+//! → report (pure: the annotation, status and events) → write them.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
@@ -22,13 +26,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::core::v1::{
+    LoadBalancerIngress, LoadBalancerStatus, PortStatus, Service, ServiceStatus,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition as ServiceCondition;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::watcher;
-use kube::{Api, Resource, ResourceExt};
+use kube::{Api, Client, Resource, ResourceExt};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, info};
@@ -37,9 +45,12 @@ use super::names::{
     ANNOTATION_MANAGE, ANNOTATION_PROXY_PROTOCOL, ANNOTATION_PUBLIC_PORTS, ANNOTATION_RECLAIM_POLICY,
     FIELD_MANAGER, LABEL_MANAGED_BY, LABEL_OWNER_UID, LOAD_BALANCER_CLASS,
 };
-use super::status::{Ctx, ready_condition};
+use super::status::{Ctx, Note, apply_status, ready_condition};
 use super::{Context, Error};
-use crate::crd::{ProxyProtocol, ReclaimPolicy, TcpPort, Tunnel};
+use crate::crd::{
+    HttpOptions, ProxyProtocol, ReclaimPolicy, ServiceRef, TcpPort, TcpPortSpec, Tunnel, TunnelProtocol,
+    TunnelSpec,
+};
 
 /// Value of [`LABEL_MANAGED_BY`] on what this controller makes.
 const MANAGED_BY: &str = "service";
@@ -77,7 +88,7 @@ pub struct PortPlan {
 
 /// What a managed Service asks for (the Service alone, without a client).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Plan {
+pub struct Translated {
     pub ports: Vec<PortPlan>,
     /// Ports that cannot be published, for a Warning event.
     pub rejected: Vec<String>,
@@ -99,8 +110,9 @@ pub fn object_name(service: &str, port: u16) -> String {
     format!("lb-{}-{hash}-{port}", service[..40].trim_end_matches('-'))
 }
 
-pub fn plan(svc: &Service) -> Plan {
-    let mut plan = Plan {
+/// Translate: the Service alone, without a client.
+pub fn translate(svc: &Service) -> Translated {
+    let mut plan = Translated {
         ports: Vec::new(),
         rejected: Vec::new(),
         proxy: None,
@@ -165,50 +177,178 @@ fn touched(svc: &Service) -> bool {
     svc.managed_fields().iter().any(|m| m.manager.as_deref() == Some(FIELD_MANAGER))
 }
 
-/// Withdraws a Service that is no longer managed: its status first, then its
-/// TcpPorts and Tunnels, and, once their finalizers have released the ports
-/// and revoked the keys, the annotation `culvert.dev/public-ports` (while it
-/// is there, [`touched`] brings the Service back here). `false`: children are
-/// still being finalized (their deletion triggers the next reconcile).
-async fn withdraw(svc: &Service, ctx: &Ctx, ns: &str) -> Result<bool, Error> {
-    let client = ctx.base.client.clone();
-    let api = Api::<Service>::namespaced(client.clone(), ns);
-    let pp = PatchParams::apply(FIELD_MANAGER).force();
-    let status = json!({ "apiVersion": "v1", "kind": "Service", "status": {} });
-    api.patch_status(&svc.name_any(), &pp, &Patch::Apply(&status)).await?;
+/// Does a reconcile of `svc` read anything? Not for a Service being deleted
+/// (the garbage collector and the children's finalizers do the work), nor
+/// for one that is not managed and was never written to.
+pub fn needs_reading(svc: &Service, manage_classless: bool) -> bool {
+    svc.metadata.deletion_timestamp.is_none() && (is_managed(svc, manage_classless) || touched(svc))
+}
 
-    let children = ListParams::default().labels(&format!(
+/// What a Service reconcile read: what this controller made for it.
+#[derive(Debug, Clone, Default)]
+pub struct Observed {
+    /// Its TcpPorts, by name.
+    pub ports: BTreeMap<String, TcpPort>,
+    pub tunnels: Vec<Tunnel>,
+}
+
+fn children(svc: &Service) -> ListParams {
+    ListParams::default().labels(&format!(
         "{LABEL_MANAGED_BY}={MANAGED_BY},{LABEL_OWNER_UID}={}",
         svc.uid().unwrap_or_default()
-    ));
+    ))
+}
+
+async fn observe(client: &Client, ns: &str, svc: &Service) -> Result<Observed, Error> {
+    let children = children(svc);
+    let ports = Api::<TcpPort>::namespaced(client.clone(), ns).list(&children).await?.items;
+    let tunnels = Api::<Tunnel>::namespaced(client.clone(), ns).list(&children).await?.items;
+    Ok(Observed { ports: ports.into_iter().map(|p| (p.name_any(), p)).collect(), tunnels })
+}
+
+/// What a reconcile of a Service does.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Plan {
+    /// Nothing to do.
+    Nothing,
+    /// No longer managed: withdraw what was written and made for it.
+    Withdraw(Withdraw),
+    /// Managed: publish each TCP port.
+    Publish(Publish),
+}
+
+/// Withdrawing a Service: its status first, then its TcpPorts and Tunnels,
+/// and, once their finalizers have released the ports and revoked the keys,
+/// the annotation `culvert.dev/public-ports` (while it is there, [`touched`]
+/// brings the Service back here).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Withdraw {
+    /// Children to delete (those not being deleted already).
+    pub delete_tunnels: Vec<String>,
+    pub delete_ports: Vec<String>,
+    /// Children are left (to delete, or being finalized): the annotation stays.
+    pub children_left: bool,
+    /// The annotation `culvert.dev/public-ports` as it was.
+    pub released: String,
+}
+
+/// Publishing a managed Service.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Publish {
+    /// What the Service asks for.
+    pub translated: Translated,
+    /// Each TCP port, in the Service's order.
+    pub ports: Vec<PortAction>,
+    /// Children of ports that went away.
+    pub delete_tunnels: Vec<String>,
+    pub delete_ports: Vec<String>,
+}
+
+/// One TCP port of a managed Service.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PortAction {
+    /// The Service port.
+    pub port: u16,
+    /// Name of its TcpPort and Tunnel.
+    pub name: String,
+    /// The specs to apply (`None`: this port takes any free port and waits
+    /// for those asking for their own number).
+    pub apply: Option<(TcpPortSpec, Box<TunnelSpec>)>,
+}
+
+/// Decides, without IO, what the Service needs from what was observed.
+/// `range`: the edge's TCP port range.
+pub fn plan(svc: &Service, o: &Observed, manage_classless: bool, range: Option<(u16, u16)>) -> Plan {
+    if !needs_reading(svc, manage_classless) {
+        return Plan::Nothing;
+    }
+    if !is_managed(svc, manage_classless) {
+        let live = |deleting: bool, name: String| (!deleting).then_some(name);
+        return Plan::Withdraw(Withdraw {
+            delete_tunnels: o
+                .tunnels
+                .iter()
+                .filter_map(|t| live(t.metadata.deletion_timestamp.is_some(), t.name_any()))
+                .collect(),
+            delete_ports: o
+                .ports
+                .values()
+                .filter_map(|p| live(p.metadata.deletion_timestamp.is_some(), p.name_any()))
+                .collect(),
+            children_left: !o.tunnels.is_empty() || !o.ports.is_empty(),
+            released: svc.annotations().get(ANNOTATION_PUBLIC_PORTS).cloned().unwrap_or_default(),
+        });
+    }
+    let translated = translate(svc);
+    let wanted: Vec<Option<u16>> =
+        translated.ports.iter().map(|p| wanted_port(p.port, range, o.ports.get(&p.name))).collect();
+    // Ports that take any free port wait until those asking for their own
+    // number have it, or the edge's lowest free port could be one of those.
+    let specific_settled = translated.ports.iter().zip(&wanted).filter(|(_, w)| w.is_some()).all(|(p, _)| {
+        o.ports.get(&p.name).and_then(|t| t.status.as_ref()).is_some_and(|s| {
+            s.port.is_some() || ready_condition(&s.conditions).is_some_and(|c| c.status == "False")
+        })
+    });
+    let ports = translated
+        .ports
+        .iter()
+        .zip(wanted)
+        .map(|(p, want)| {
+            let waits = want.is_none() && !o.ports.contains_key(&p.name) && !specific_settled;
+            let tcp_port = TcpPortSpec { port: want, reclaim_policy: translated.reclaim };
+            let tunnel = TunnelSpec {
+                service: Some(ServiceRef { name: svc.name_any(), port: IntOrString::Int(p.port.into()) }),
+                routes: Vec::new(),
+                protocol: TunnelProtocol::Tcp,
+                domain: None,
+                tcp_port: Some(p.name.clone()),
+                proxy_protocol: translated.proxy,
+                options: HttpOptions::default(),
+            };
+            PortAction {
+                port: p.port,
+                name: p.name.clone(),
+                apply: (!waits).then(|| (tcp_port, Box::new(tunnel))),
+            }
+        })
+        .collect();
+    let names: Vec<&str> = translated.ports.iter().map(|p| p.name.as_str()).collect();
+    let gone = |name: &String| !names.contains(&name.as_str());
+    Plan::Publish(Publish {
+        delete_tunnels: o.tunnels.iter().map(|t| t.name_any()).filter(gone).collect(),
+        delete_ports: o.ports.keys().filter(|n| gone(n)).cloned().collect(),
+        ports,
+        translated,
+    })
+}
+
+/// Withdraws a Service that is no longer managed. `false`: children are
+/// still being finalized (their deletion triggers the next reconcile).
+async fn withdraw(svc: &Service, ctx: &Ctx, ns: &str, w: &Withdraw) -> Result<bool, Error> {
+    let client = ctx.base.client.clone();
+    let api = Api::<Service>::namespaced(client.clone(), ns);
+    apply_status(&api, svc, &ServiceStatus::default()).await?;
     let dp = DeleteParams::background();
     let tunnels = Api::<Tunnel>::namespaced(client.clone(), ns);
-    let ports = Api::<TcpPort>::namespaced(client.clone(), ns);
-    let mut left = 0;
-    for t in tunnels.list(&children).await?.items {
-        if t.metadata.deletion_timestamp.is_none() {
-            tunnels.delete(&t.name_any(), &dp).await?;
-        }
-        left += 1;
+    for name in &w.delete_tunnels {
+        tunnels.delete(name, &dp).await?;
     }
-    for p in ports.list(&children).await?.items {
-        if p.metadata.deletion_timestamp.is_none() {
-            ports.delete(&p.name_any(), &dp).await?;
-        }
-        left += 1;
+    let ports = Api::<TcpPort>::namespaced(client, ns);
+    for name in &w.delete_ports {
+        ports.delete(name, &dp).await?;
     }
-    if left > 0 {
+    if w.children_left {
         return Ok(false);
     }
-
-    let released = svc.annotations().get(ANNOTATION_PUBLIC_PORTS).cloned().unwrap_or_default();
+    let pp = PatchParams::apply(FIELD_MANAGER).force();
     let empty = json!({ "apiVersion": "v1", "kind": "Service", "metadata": { "name": svc.name_any() } });
     api.patch(&svc.name_any(), &pp, &Patch::Apply(&empty)).await?;
-    let note = if released.is_empty() {
+    let note = if w.released.is_empty() {
         "no longer managed by culvert: its tunnels were removed".to_string()
     } else {
         format!(
-            "no longer managed by culvert: removed its tunnels and released its public ports ({released})"
+            "no longer managed by culvert: removed its tunnels and released its public ports ({})",
+            w.released
         )
     };
     info!(service = %svc.name_any(), "{note}");
@@ -255,8 +395,8 @@ pub fn service_condition(ports: &[PortState]) -> (&'static str, &'static str, St
     }
 }
 
-/// The condition for `status.conditions`, keeping the transition time of `old`.
-fn service_condition_json(svc: &Service, ports: &[PortState]) -> serde_json::Value {
+/// The condition for `status.conditions`, keeping the transition time of the Service's.
+fn connected_condition(svc: &Service, ports: &[PortState]) -> ServiceCondition {
     let (status, reason, message) = service_condition(ports);
     let old = svc
         .status
@@ -265,123 +405,86 @@ fn service_condition_json(svc: &Service, ports: &[PortState]) -> serde_json::Val
         .and_then(|cs| cs.iter().find(|c| c.type_ == SERVICE_CONNECTED))
         .filter(|c| c.status == status && c.reason == reason);
     let since = old.map(|c| c.last_transition_time.clone()).unwrap_or_else(|| Time(Timestamp::now()));
-    json!({
-        "type": SERVICE_CONNECTED,
-        "status": status,
-        "reason": reason,
-        "message": message,
-        "lastTransitionTime": since,
-        "observedGeneration": svc.metadata.generation,
-    })
+    ServiceCondition {
+        type_: SERVICE_CONNECTED.into(),
+        status: status.into(),
+        reason: reason.into(),
+        message,
+        last_transition_time: since,
+        observed_generation: svc.metadata.generation,
+    }
 }
 
 /// The edge's public address for `status.loadBalancer.ingress[]`: each
 /// public port, with the error `culvert.dev/NoAgent` while no agent is
 /// connected for it.
-async fn lb_ingress(host: &str, ports: &[(u16, bool)]) -> serde_json::Value {
-    let ports: Vec<_> = ports
+async fn lb_ingress(host: &str, ports: &[(u16, bool)]) -> LoadBalancerIngress {
+    let ports: Vec<PortStatus> = ports
         .iter()
-        .map(|(p, connected)| {
-            let mut port = json!({ "port": p, "protocol": "TCP" });
-            if !connected {
-                port["error"] = json!(super::tunnel::PORT_ERROR_NO_AGENT);
-            }
-            port
+        .map(|(p, connected)| PortStatus {
+            port: (*p).into(),
+            protocol: "TCP".into(),
+            error: (!connected).then(|| super::tunnel::PORT_ERROR_NO_AGENT.to_string()),
         })
         .collect();
+    let entry = |hostname: Option<String>, ip: Option<String>| LoadBalancerIngress {
+        hostname,
+        ip,
+        ip_mode: None,
+        ports: Some(ports.clone()),
+    };
     if host.parse::<IpAddr>().is_ok() {
-        return json!({ "ip": host, "ports": ports });
+        return entry(None, Some(host.into()));
     }
     let resolved = tokio::time::timeout(Duration::from_secs(2), tokio::net::lookup_host((host, 0))).await;
     match resolved.ok().and_then(|r| r.ok()).and_then(|mut a| a.next()) {
-        Some(a) => json!({ "hostname": host, "ip": a.ip().to_string(), "ports": ports }),
-        None => json!({ "hostname": host, "ports": ports }),
+        Some(a) => entry(Some(host.into()), Some(a.ip().to_string())),
+        None => entry(Some(host.into()), None),
     }
 }
 
-async fn apply(svc: Arc<Service>, ctx: &Ctx, ns: &str) -> Result<Action, Error> {
-    let base = &ctx.base;
-    if svc.metadata.deletion_timestamp.is_some() {
-        return Ok(Action::await_change());
-    }
-    if !is_managed(&svc, base.manage_classless) {
-        if touched(&svc) && !withdraw(&svc, ctx, ns).await? {
-            // Children still being finalized: their deletion brings us back,
-            // the requeue in case a watch event is missed.
-            return Ok(Action::requeue(base.resync.min(Duration::from_secs(5))));
-        }
-        return Ok(Action::await_change());
-    }
-    let plan = plan(&svc);
-    let client = base.client.clone();
-    let pp = PatchParams::apply(FIELD_MANAGER).force();
-    let port_api = Api::<TcpPort>::namespaced(client.clone(), ns);
-    let tunnel_api = Api::<Tunnel>::namespaced(client.clone(), ns);
-    let children = ListParams::default().labels(&format!(
-        "{LABEL_MANAGED_BY}={MANAGED_BY},{LABEL_OWNER_UID}={}",
-        svc.uid().unwrap_or_default()
-    ));
-    let existing_ports: BTreeMap<String, TcpPort> =
-        port_api.list(&children).await?.items.into_iter().map(|p| (p.name_any(), p)).collect();
-    let existing_tunnels = tunnel_api.list(&children).await?.items;
-    let range = Some((base.edge_info.tcp_ports.first, base.edge_info.tcp_ports.last));
+/// What a reconcile of a managed Service writes after its children.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Report {
+    /// `culvert.dev/public-ports`: `servicePort=publicPort,…`.
+    pub public_ports: String,
+    /// The edge's host and each public port with whether an agent is
+    /// connected, for `status.loadBalancer` (`None`: nothing published).
+    pub address: Option<(String, Vec<(u16, bool)>)>,
+    pub condition: ServiceCondition,
+    /// Notes by topic, in order (`None`: the topic is fine again).
+    pub notes: Vec<(String, Option<Note>)>,
+    pub requeue: Duration,
+}
 
-    let wanted: Vec<Option<u16>> =
-        plan.ports.iter().map(|p| wanted_port(p.port, range, existing_ports.get(&p.name))).collect();
-    // Ports that take any free port wait until those asking for their own
-    // number have it, or the edge's lowest free port could be one of those.
-    let specific_settled = plan.ports.iter().zip(&wanted).filter(|(_, w)| w.is_some()).all(|(p, _)| {
-        existing_ports.get(&p.name).and_then(|t| t.status.as_ref()).is_some_and(|s| {
-            s.port.is_some() || ready_condition(&s.conditions).is_some_and(|c| c.status == "False")
-        })
-    });
-
+/// The annotation, status, events and requeue of a managed Service from its
+/// plan and its children as applied (`None`: not applied), without IO.
+pub fn report(svc: &Service, p: &Publish, applied: &[Option<(TcpPort, Tunnel)>], resync: Duration) -> Report {
     let mut published: Vec<(u16, u16)> = Vec::new();
     let mut states: Vec<PortState> = Vec::new();
     let mut host = None;
     let mut problems = Vec::new();
-    for (p, want) in plan.ports.iter().zip(wanted) {
-        let existing = existing_ports.get(&p.name);
-        if want.is_none() && existing.is_none() && !specific_settled {
-            states.push((p.port, None));
+    for (port, applied) in p.ports.iter().zip(applied) {
+        let Some((tcp_port, tunnel)) = applied else {
+            states.push((port.port, None));
             continue;
-        }
-        let mut spec = json!({ "reclaimPolicy": format!("{:?}", plan.reclaim) });
-        if let Some(port) = want {
-            spec["port"] = json!(port);
-        }
-        let mut body = json!({ "apiVersion": "culvert.dev/v1alpha1", "kind": "TcpPort", "spec": spec });
-        body["metadata"] = child_meta(&svc, &p.name);
-        let tcp_port = port_api.patch(&p.name, &pp, &Patch::Apply(&body)).await?;
-
-        let mut spec = json!({
-            "service": { "name": svc.name_any(), "port": p.port },
-            "protocol": "tcp",
-            "tcpPort": p.name,
-        });
-        if let Some(proxy) = plan.proxy {
-            spec["proxyProtocol"] = serde_json::to_value(proxy).expect("serializable");
-        }
-        let mut body = json!({ "apiVersion": "culvert.dev/v1alpha1", "kind": "Tunnel", "spec": spec });
-        body["metadata"] = child_meta(&svc, &p.name);
-        let tunnel = tunnel_api.patch(&p.name, &pp, &Patch::Apply(&body)).await?;
-
-        let status = tcp_port.status.unwrap_or_default();
+        };
+        let status = tcp_port.status.clone().unwrap_or_default();
         let tunnel_conditions = tunnel.status.as_ref().map(|s| s.conditions.as_slice()).unwrap_or_default();
         let connected = super::tunnel::is_connected(tunnel_conditions);
         states.push((
-            p.port,
+            port.port,
             status.port.filter(|_| status.address.is_some()).map(|public| (public, connected)),
         ));
         match (status.port, status.address) {
             (Some(public), Some(address)) => {
-                published.push((p.port, public));
+                published.push((port.port, public));
                 let h = address.rsplit_once(':').map(|(h, _)| h).unwrap_or(&address);
                 host = Some(h.trim_start_matches('[').trim_end_matches(']').to_string());
             }
             _ => {
                 if let Some(c) = ready_condition(&status.conditions).filter(|c| c.status == "False") {
-                    problems.push(format!("port {}: TcpPort {}: {}", p.port, p.name, c.message));
+                    problems.push(format!("port {}: TcpPort {}: {}", port.port, port.name, c.message));
                 }
             }
         }
@@ -390,68 +493,125 @@ async fn apply(svc: Arc<Service>, ctx: &Ctx, ns: &str) -> Result<Action, Error> 
         if let Some(c) = tunnel_cond
             .filter(|c| c.status == "False" && !["Waiting", "NoAgent"].contains(&c.reason.as_str()))
         {
-            problems.push(format!("port {}: Tunnel {}: {}", p.port, p.name, c.message));
+            problems.push(format!("port {}: Tunnel {}: {}", port.port, port.name, c.message));
         }
     }
-    // Ports that went away.
-    let names: Vec<&str> = plan.ports.iter().map(|p| p.name.as_str()).collect();
-    let dp = DeleteParams::background();
-    for t in existing_tunnels.iter().filter(|t| !names.contains(&t.name_any().as_str())) {
-        tunnel_api.delete(&t.name_any(), &dp).await?;
-    }
-    for name in existing_ports.keys().filter(|n| !names.contains(&n.as_str())) {
-        port_api.delete(name, &dp).await?;
-    }
-
-    // Annotation (always written, so a later withdraw knows we were here) and status.
     let public_ports = published.iter().map(|(s, p)| format!("{s}={p}")).collect::<Vec<_>>().join(",");
-    let api = Api::<Service>::namespaced(client, ns);
-    let meta = json!({ "apiVersion": "v1", "kind": "Service",
-        "metadata": { "name": svc.name_any(), "annotations": { ANNOTATION_PUBLIC_PORTS: public_ports } } });
-    api.patch(&svc.name_any(), &pp, &Patch::Apply(&meta)).await?;
-    let lb = match &host {
+    let address = match &host {
         Some(h) if !published.is_empty() => {
-            let ports: Vec<(u16, bool)> = states.iter().filter_map(|(_, p)| *p).collect();
-            json!({ "ingress": [lb_ingress(h, &ports).await] })
+            Some((h.clone(), states.iter().filter_map(|(_, p)| *p).collect()))
         }
-        _ => json!({}),
+        _ => None,
     };
-    let connected = service_condition_json(&svc, &states);
-    let status = json!({ "apiVersion": "v1", "kind": "Service",
-        "status": { "loadBalancer": lb, "conditions": [connected] } });
-    api.patch_status(&svc.name_any(), &pp, &Patch::Apply(&status)).await?;
-
     // Events, on transitions. (The event recorder folds later events of the
     // same reason into the first one, note and all: so Published once every
     // port has its public port, naming them all.)
-    if let Some(h) = host.as_ref().filter(|_| published.len() == plan.ports.len()) {
+    let mut notes = Vec::new();
+    if let Some(h) = host.as_ref().filter(|_| published.len() == p.ports.len()) {
         let what: Vec<String> = published.iter().map(|(s, p)| format!("port {s} → {h}:{p}")).collect();
-        ctx.report(&*svc, "published", false, "Published", what.join(", ")).await;
+        notes.push(("published".to_string(), Some(Note::new(false, "Published", what.join(", ")))));
     }
     let (_, reason, message) = service_condition(&states);
     if reason != "NotPublished" {
-        ctx.report(&*svc, "connected", false, reason, message).await;
+        notes.push(("connected".to_string(), Some(Note::new(false, reason, message))));
     }
+    let t = &p.translated;
     for (topic, list, reason) in [
-        ("rejected", &plan.rejected, "UnsupportedProtocol"),
-        ("invalid", &plan.invalid, "InvalidAnnotation"),
+        ("rejected", &t.rejected, "UnsupportedProtocol"),
+        ("invalid", &t.invalid, "InvalidAnnotation"),
         ("problems", &problems, "NotPublished"),
     ] {
-        if list.is_empty() {
-            ctx.forget(&*svc, topic);
-        } else {
-            ctx.report(&*svc, topic, true, reason, list.join("; ")).await;
-        }
+        let note = (!list.is_empty()).then(|| Note::new(true, reason, list.join("; ")));
+        notes.push((topic.to_string(), note));
     }
     // Not connected: the Tunnel's status changes when an agent connects, and brings us back.
-    let pending = published.len() < plan.ports.len();
-    Ok(Action::requeue(if pending { base.resync.min(Duration::from_secs(5)) } else { base.resync }))
+    let pending = published.len() < p.ports.len();
+    let requeue = if pending { resync.min(Duration::from_secs(5)) } else { resync };
+    Report { public_ports, address, condition: connected_condition(svc, &states), notes, requeue }
+}
+
+/// Carries out the publishing in Kubernetes (a Service holds nothing at the
+/// edge itself: its TcpPorts and Tunnels do): each port's TcpPort and
+/// Tunnel, then the removal of ports that went away.
+async fn execute(
+    svc: &Service,
+    client: &Client,
+    ns: &str,
+    p: &Publish,
+) -> Result<Vec<Option<(TcpPort, Tunnel)>>, Error> {
+    let pp = PatchParams::apply(FIELD_MANAGER).force();
+    let port_api = Api::<TcpPort>::namespaced(client.clone(), ns);
+    let tunnel_api = Api::<Tunnel>::namespaced(client.clone(), ns);
+    let mut applied = Vec::new();
+    for port in &p.ports {
+        let Some((tcp_port, tunnel)) = &port.apply else {
+            applied.push(None);
+            continue;
+        };
+        let body = json!({ "apiVersion": "culvert.dev/v1alpha1", "kind": "TcpPort",
+            "metadata": child_meta(svc, &port.name), "spec": tcp_port });
+        let tcp_port = port_api.patch(&port.name, &pp, &Patch::Apply(&body)).await?;
+        let body = json!({ "apiVersion": "culvert.dev/v1alpha1", "kind": "Tunnel",
+            "metadata": child_meta(svc, &port.name), "spec": tunnel });
+        let tunnel = tunnel_api.patch(&port.name, &pp, &Patch::Apply(&body)).await?;
+        applied.push(Some((tcp_port, tunnel)));
+    }
+    let dp = DeleteParams::background();
+    for name in &p.delete_tunnels {
+        tunnel_api.delete(name, &dp).await?;
+    }
+    for name in &p.delete_ports {
+        port_api.delete(name, &dp).await?;
+    }
+    Ok(applied)
+}
+
+/// Observe → plan → execute (the children) → the annotation and status → events.
+async fn apply(svc: Arc<Service>, ctx: &Ctx, ns: &str) -> Result<Action, Error> {
+    let base = &ctx.base;
+    if !needs_reading(&svc, base.manage_classless) {
+        return Ok(Action::await_change());
+    }
+    let observed = observe(&base.client, ns, &svc).await?;
+    let range = Some((base.edge_info.tcp_ports.first, base.edge_info.tcp_ports.last));
+    let publish = match plan(&svc, &observed, base.manage_classless, range) {
+        Plan::Nothing => return Ok(Action::await_change()),
+        Plan::Withdraw(w) => {
+            if !withdraw(&svc, ctx, ns, &w).await? {
+                // Children still being finalized: their deletion brings us back,
+                // the requeue in case a watch event is missed.
+                return Ok(Action::requeue(base.resync.min(Duration::from_secs(5))));
+            }
+            return Ok(Action::await_change());
+        }
+        Plan::Publish(p) => p,
+    };
+    let applied = execute(&svc, &base.client, ns, &publish).await?;
+    let report = report(&svc, &publish, &applied, base.resync);
+
+    // Annotation (always written, so a later withdraw knows we were here) and status.
+    let api = Api::<Service>::namespaced(base.client.clone(), ns);
+    let pp = PatchParams::apply(FIELD_MANAGER).force();
+    let meta = json!({ "apiVersion": "v1", "kind": "Service",
+        "metadata": { "name": svc.name_any(), "annotations": { ANNOTATION_PUBLIC_PORTS: report.public_ports } } });
+    api.patch(&svc.name_any(), &pp, &Patch::Apply(&meta)).await?;
+    let ingress = match &report.address {
+        Some((host, ports)) => Some(vec![lb_ingress(host, ports).await]),
+        None => None,
+    };
+    let status = ServiceStatus {
+        load_balancer: Some(LoadBalancerStatus { ingress }),
+        conditions: Some(vec![report.condition]),
+    };
+    apply_status(&api, &*svc, &status).await?;
+    ctx.report_all(&*svc, report.notes).await;
+    Ok(Action::requeue(report.requeue))
 }
 
 async fn reconcile(svc: Arc<Service>, ctx: Arc<Ctx>) -> Result<Action, Error> {
     let ns = svc.namespace().unwrap_or_default();
     let span = tracing::info_span!("reconcile", kind = "Service", namespace = %ns, name = %svc.name_any());
-    ctx.base.metrics.measure("Service", apply(svc.clone(), &ctx, &ns).instrument(span)).await
+    ctx.base.metrics.measure("Service", &*svc, apply(svc.clone(), &ctx, &ns).instrument(span)).await
 }
 
 fn error_policy(obj: Arc<Service>, e: &Error, _ctx: Arc<Ctx>) -> Action {
@@ -540,7 +700,7 @@ spec:
     - {name: admin, port: 8080, protocol: TCP}
 "#,
         );
-        let p = plan(&svc);
+        let p = translate(&svc);
         assert_eq!(
             p.ports,
             [
@@ -555,7 +715,7 @@ spec:
         let bad = service(
             "apiVersion: v1\nkind: Service\nmetadata: {name: x, annotations: {culvert.dev/proxy-protocol: v3}}\nspec: {type: LoadBalancer}\n",
         );
-        assert_eq!(plan(&bad).invalid.len(), 1);
+        assert_eq!(translate(&bad).invalid.len(), 1);
     }
 
     #[test]
@@ -605,5 +765,214 @@ spec:
         assert_eq!(object_name("db", 5432), "lb-db-5432");
         let long = object_name(&"s".repeat(63), 65535);
         assert!(long.len() <= 63, "{long}");
+    }
+
+    fn lb(name: &str, ports: &[u16], annotations: serde_json::Value, managed_fields: bool) -> Service {
+        let mut v = json!({"apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": name, "namespace": "apps", "uid": "u1", "generation": 1, "annotations": annotations},
+            "spec": {"type": "LoadBalancer", "loadBalancerClass": LOAD_BALANCER_CLASS,
+                "ports": ports.iter().map(|p| json!({"port": p})).collect::<Vec<_>>()}});
+        if managed_fields {
+            v["metadata"]["managedFields"] = json!([{"manager": FIELD_MANAGER, "operation": "Apply"}]);
+        }
+        serde_json::from_value(v).unwrap()
+    }
+
+    fn child<K: serde::de::DeserializeOwned>(
+        kind: &str,
+        name: &str,
+        deleting: bool,
+        status: serde_json::Value,
+    ) -> K {
+        let mut v = json!({"apiVersion": "culvert.dev/v1alpha1", "kind": kind,
+            "metadata": {"name": name, "namespace": "apps"},
+            // A TcpPort asked for the port its status holds.
+            "spec": if kind == "TcpPort" { json!({"port": status.get("port")}) } else { json!({"service": {"name": "db", "port": 1}, "protocol": "tcp", "tcpPort": name}) },
+            "status": status});
+        if deleting {
+            v["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
+        }
+        serde_json::from_value(v).unwrap()
+    }
+
+    fn observed(ports: Vec<TcpPort>, tunnels: Vec<Tunnel>) -> Observed {
+        Observed { ports: ports.into_iter().map(|p| (p.name_any(), p)).collect(), tunnels }
+    }
+
+    fn summary(p: &Plan) -> String {
+        match p {
+            Plan::Nothing => "nothing".into(),
+            Plan::Withdraw(w) => format!(
+                "withdraw: delete tunnels {:?} ports {:?}, left {}, released {:?}",
+                w.delete_tunnels, w.delete_ports, w.children_left, w.released
+            ),
+            Plan::Publish(p) => {
+                let ports: Vec<String> = p
+                    .ports
+                    .iter()
+                    .map(|a| match &a.apply {
+                        None => format!("{} waits", a.name),
+                        Some((port, tunnel)) => format!(
+                            "{} port {:?} {:?} → {}:{:?}",
+                            a.name,
+                            port.port,
+                            port.reclaim_policy,
+                            tunnel.service.as_ref().unwrap().name,
+                            tunnel.service.as_ref().unwrap().port
+                        ),
+                    })
+                    .collect();
+                format!(
+                    "publish {}; delete tunnels {:?} ports {:?}",
+                    ports.join(", "),
+                    p.delete_tunnels,
+                    p.delete_ports
+                )
+            }
+        }
+    }
+
+    #[test]
+    fn plans_of_a_service() {
+        let range = Some((20000, 20999));
+        let db = lb("db", &[20005, 80], json!({}), false);
+        let mut deleting = db.clone();
+        deleting.metadata.deletion_timestamp = Some(Time(Timestamp::now()));
+        let unmanaged = |touched| {
+            let mut s = lb("db", &[80], json!({ANNOTATION_PUBLIC_PORTS: "80=20001"}), touched);
+            s.spec.as_mut().unwrap().load_balancer_class = None;
+            s
+        };
+        let (never, dropped) = (unmanaged(false), unmanaged(true));
+        let held = json!({"port": 20005, "address": "edge.test:20005"});
+        let retain = lb("db", &[20005], json!({ANNOTATION_RECLAIM_POLICY: "Retain"}), false);
+        // (case, Service, what was made for it, plan)
+        let table: Vec<(&str, &Service, Observed, &str)> = vec![
+            ("being deleted", &deleting, Observed::default(), "nothing"),
+            ("never managed", &never, Observed::default(), "nothing"),
+            (
+                "no longer managed, children left",
+                &dropped,
+                observed(
+                    vec![child("TcpPort", "lb-db-80", false, json!({}))],
+                    vec![child("Tunnel", "lb-db-80", true, json!({}))],
+                ),
+                r#"withdraw: delete tunnels [] ports ["lb-db-80"], left true, released "80=20001""#,
+            ),
+            (
+                "no longer managed, children gone",
+                &dropped,
+                Observed::default(),
+                r#"withdraw: delete tunnels [] ports [], left false, released "80=20001""#,
+            ),
+            (
+                "any free port waits for the port that asks for its own",
+                &db,
+                Observed::default(),
+                r#"publish lb-db-20005 port Some(20005) Delete → db:Int(20005), lb-db-80 waits; delete tunnels [] ports []"#,
+            ),
+            (
+                "then it is asked for",
+                &db,
+                observed(vec![child("TcpPort", "lb-db-20005", false, held.clone())], vec![]),
+                r#"publish lb-db-20005 port Some(20005) Delete → db:Int(20005), lb-db-80 port None Delete → db:Int(80); delete tunnels [] ports []"#,
+            ),
+            (
+                "a port that went away, and Retain",
+                &retain,
+                observed(
+                    vec![
+                        child("TcpPort", "lb-db-20005", false, held.clone()),
+                        child("TcpPort", "lb-db-81", false, json!({})),
+                    ],
+                    vec![child("Tunnel", "lb-db-81", false, json!({}))],
+                ),
+                r#"publish lb-db-20005 port Some(20005) Retain → db:Int(20005); delete tunnels ["lb-db-81"] ports ["lb-db-81"]"#,
+            ),
+        ];
+        for (case, svc, o, want) in table {
+            assert_eq!(summary(&plan(svc, &o, false, range)), want, "{case}");
+        }
+    }
+
+    #[test]
+    fn the_report_of_a_service() {
+        let svc = lb("db", &[20005, 80], json!({ANNOTATION_PROXY_PROTOCOL: "v9"}), false);
+        let Plan::Publish(p) = plan(&svc, &Observed::default(), false, Some((20000, 20999))) else {
+            panic!()
+        };
+        let resync = Duration::from_secs(300);
+        let ready = |s: &str, r: &str| json!([{"type": "Ready", "status": s, "reason": r, "message": "m"}]);
+        let port = |n: &str, status| -> TcpPort { child("TcpPort", n, false, status) };
+        let tunnel = |n: &str, connected: bool| -> Tunnel {
+            let c = if connected { "True" } else { "False" };
+            child(
+                "Tunnel",
+                n,
+                false,
+                json!({"conditions": [{"type": "Connected", "status": c, "reason": "r", "message": "m"}]}),
+            )
+        };
+        let held = |p: u16| json!({"port": p, "address": format!("edge.test:{p}")});
+        // (case, applied, annotation, address, condition reason, published note, requeue)
+        type Address<'a> = Option<(&'a str, Vec<(u16, bool)>)>;
+        type Case<'a> = (&'a str, Vec<Option<(TcpPort, Tunnel)>>, &'a str, Address<'a>, &'a str, bool, u64);
+        let table: Vec<Case> = vec![
+            ("nothing applied yet", vec![None, None], "", None, "NotPublished", false, 5),
+            (
+                "one port held, one waiting",
+                vec![Some((port("lb-db-20005", held(20005)), tunnel("lb-db-20005", true))), None],
+                "20005=20005",
+                Some(("edge.test", vec![(20005, true)])),
+                "NotPublished",
+                false,
+                5,
+            ),
+            (
+                "both held, one without an agent",
+                vec![
+                    Some((port("lb-db-20005", held(20005)), tunnel("lb-db-20005", true))),
+                    Some((port("lb-db-80", held(20006)), tunnel("lb-db-80", false))),
+                ],
+                "20005=20005,80=20006",
+                Some(("edge.test", vec![(20005, true), (20006, false)])),
+                "NoAgent",
+                true,
+                300,
+            ),
+            (
+                "a port refused",
+                vec![
+                    Some((
+                        port("lb-db-20005", json!({"conditions": ready("False", "Conflict")})),
+                        tunnel("lb-db-20005", false),
+                    )),
+                    None,
+                ],
+                "",
+                None,
+                "NotPublished",
+                false,
+                5,
+            ),
+        ];
+        for (case, applied, annotation, address, reason, published, requeue) in table {
+            let r = report(&svc, &p, &applied, resync);
+            assert_eq!(r.public_ports, annotation, "{case}");
+            let got = r.address.as_ref().map(|(h, p)| (h.as_str(), p.clone()));
+            assert_eq!(got, address, "{case}");
+            assert_eq!(r.condition.reason, reason, "{case}");
+            assert_eq!(r.condition.type_, SERVICE_CONNECTED, "{case}");
+            assert_eq!(r.notes.iter().any(|(t, n)| t == "published" && n.is_some()), published, "{case}");
+            assert_eq!(r.requeue, Duration::from_secs(requeue), "{case}");
+            let invalid = r.notes.iter().find(|(t, _)| t == "invalid").and_then(|(_, n)| n.as_ref());
+            assert_eq!(
+                invalid.map(|n| (n.warning, n.reason.as_str())),
+                Some((true, "InvalidAnnotation")),
+                "{case}"
+            );
+            let refused = r.notes.iter().find(|(t, _)| t == "problems").and_then(|(_, n)| n.as_ref());
+            assert_eq!(refused.is_some(), case == "a port refused", "{case}");
+        }
     }
 }

@@ -30,11 +30,15 @@ use crate::tunnel::body;
 
 type Labels = Vec<(&'static str, String)>;
 
-/// The operator's metrics (one registry; never labelled by object name).
+/// The operator's metrics (one registry; only `object_reconciles` is
+/// labelled by object name).
 #[derive(Clone)]
 pub struct Metrics {
     registry: Arc<Registry>,
     reconciles: Family<Labels, Counter>,
+    /// Reconciles by object: what tests wait on before asserting that
+    /// nothing happened to an object.
+    object_reconciles: Family<Labels, Counter>,
     failures: Family<Labels, Counter>,
     durations: Family<Labels, Histogram>,
     pub tunnels_connected: Gauge,
@@ -50,6 +54,12 @@ impl Default for Metrics {
         let mut r = Registry::with_prefix("culvert_operator");
         let reconciles = Family::<Labels, Counter>::default();
         r.register("reconciles", "Reconcile runs by kind", reconciles.clone());
+        let object_reconciles = Family::<Labels, Counter>::default();
+        r.register(
+            "object_reconciles",
+            "Reconcile runs by kind, namespace and name",
+            object_reconciles.clone(),
+        );
         let failures = Family::<Labels, Counter>::default();
         r.register("reconcile_failures", "Failed reconciles by kind and error category", failures.clone());
         let durations = Family::<Labels, Histogram>::new_with_constructor(|| {
@@ -73,6 +83,7 @@ impl Default for Metrics {
         Metrics {
             registry: Arc::new(r),
             reconciles,
+            object_reconciles,
             failures,
             durations,
             tunnels_connected,
@@ -84,15 +95,23 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    /// Runs one reconcile of a `kind` object and records its count, duration
-    /// and failure category.
-    pub async fn measure<T>(
+    /// Runs one reconcile of the `kind` object `obj` and records its count,
+    /// duration and failure category.
+    pub async fn measure<T, K: Resource>(
         &self,
         kind: &'static str,
+        obj: &K,
         reconcile: impl std::future::Future<Output = Result<T, super::Error>>,
     ) -> Result<T, super::Error> {
         let started = std::time::Instant::now();
         let result = reconcile.await;
+        let meta = obj.meta();
+        let object = vec![
+            ("kind", kind.to_string()),
+            ("namespace", meta.namespace.clone().unwrap_or_default()),
+            ("name", meta.name.clone().unwrap_or_default()),
+        ];
+        self.object_reconciles.get_or_create(&object).inc();
         self.reconciled(
             kind,
             started.elapsed().as_secs_f64(),
@@ -277,6 +296,7 @@ where
 {
     let namespace = obj.namespace().unwrap_or_default();
     let api: Api<K> = Api::namespaced(ctx.client.clone(), &namespace);
+    let measured = obj.clone();
     let span = tracing::info_span!("reconcile", kind, namespace = %namespace, name = %obj.name_any());
     let reconcile = async {
         let Some(obj) = fresh_for_finalizer(&api, obj).await? else { return Ok(Action::await_change()) };
@@ -290,7 +310,7 @@ where
         .map_err(|e| Error::Finalizer(Box::new(e)))
     }
     .instrument(span);
-    ctx.metrics.measure(kind, reconcile).await
+    ctx.metrics.measure(kind, &*measured, reconcile).await
 }
 
 /// The error policy of those controllers: log, and try again in 5 seconds.
@@ -299,28 +319,12 @@ pub fn retry_soon<K: Resource>(kind: &str, obj: &K, e: &Error) -> Action {
     Action::requeue(std::time::Duration::from_secs(5))
 }
 
-/// Publishes an event about `obj`; failures to publish are only logged.
-pub async fn event<K>(ctx: &Context, obj: &K, warning: bool, reason: &str, note: String)
-where
-    K: Resource<DynamicType = ()>,
-{
-    let ev = Event {
-        type_: if warning { EventType::Warning } else { EventType::Normal },
-        reason: reason.into(),
-        note: Some(note),
-        action: "Reconcile".into(),
-        secondary: None,
-    };
-    if let Err(e) = ctx.recorder.publish(&ev, &obj.object_ref(&())).await {
-        tracing::debug!(error = %e, "failed to publish an event");
-    }
-}
-
-/// A controller's context: the operator's, and what was last reported, so
-/// events are published on transitions only (while this replica leads). The
-/// one reporting path of the controllers that have no status of their own
-/// to compare with (Ingress, Service); Domain, TcpPort and Tunnel report a
-/// change of their own conditions through [`event`].
+/// A controller's context: the operator's, and the one reporting path of
+/// every controller. [`Ctx::event`] publishes an event; [`Ctx::report`]
+/// publishes one on transitions only, from what was last reported (for the
+/// Ingress and Service controllers, which have no conditions of their own to
+/// compare with; Domain, TcpPort and Tunnel compare their conditions and call
+/// [`Ctx::event`] on a change).
 pub struct Ctx {
     pub base: Arc<Context>,
     /// (object uid, topic) → last event.
@@ -347,12 +351,57 @@ impl Ctx {
             }
             seen.insert(key, line);
         }
-        event(&self.base, obj, warning, reason, message).await;
+        self.event(obj, &Note::new(warning, reason, message)).await;
+    }
+
+    /// Publishes an event about `obj`; failures to publish are only logged.
+    pub async fn event<K>(&self, obj: &K, note: &Note)
+    where
+        K: Resource<DynamicType = ()>,
+    {
+        let ev = Event {
+            type_: if note.warning { EventType::Warning } else { EventType::Normal },
+            reason: note.reason.clone(),
+            note: Some(note.message.clone()),
+            action: "Reconcile".into(),
+            secondary: None,
+        };
+        if let Err(e) = self.base.recorder.publish(&ev, &obj.object_ref(&())).await {
+            tracing::debug!(error = %e, "failed to publish an event");
+        }
     }
 
     /// The topic is fine again: its next problem is reported.
     pub fn forget<K: Resource>(&self, obj: &K, topic: &str) {
         let key = (obj.meta().uid.clone().unwrap_or_default(), topic.to_string());
         self.reported.lock().expect("poisoned").remove(&key);
+    }
+
+    /// Reports each topic's note ([`Ctx::report`]), or forgets the topics
+    /// without one ([`Ctx::forget`]), in order.
+    pub async fn report_all<K>(&self, obj: &K, notes: Vec<(String, Option<Note>)>)
+    where
+        K: Resource<DynamicType = ()>,
+    {
+        for (topic, note) in notes {
+            match note {
+                Some(n) => self.report(obj, &topic, n.warning, &n.reason, n.message).await,
+                None => self.forget(obj, &topic),
+            }
+        }
+    }
+}
+
+/// An event a reconcile decided on: Warning or Normal, a reason, a message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Note {
+    pub warning: bool,
+    pub reason: String,
+    pub message: String,
+}
+
+impl Note {
+    pub fn new(warning: bool, reason: impl Into<String>, message: impl Into<String>) -> Note {
+        Note { warning, reason: reason.into(), message: message.into() }
     }
 }

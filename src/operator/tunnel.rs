@@ -24,7 +24,7 @@ use super::edge_api::{Collection, EdgeApi};
 use super::names::{FIELD_MANAGER, LABEL_TUNNEL, LABEL_UID, SECRET_KEY, SECRET_KEY_ID};
 use super::reservation::{dns_label, labels_of};
 use super::status::{
-    apply_status, carry_transition, condition, event, failure, reconcile_finalized, retry_soon,
+    Ctx, Note, apply_status, carry_transition, condition, failure, reconcile_finalized, retry_soon,
     since_transition,
 };
 use super::{BackendAddress, Context, Error};
@@ -609,7 +609,8 @@ pub fn unconnected_recheck(since: Duration) -> Duration {
 /// minute, so a lost agent shows).
 const CONNECTED_RECHECK: Duration = Duration::from_secs(60);
 
-async fn apply(t: Arc<Tunnel>, ctx: &Context) -> Result<Action, Error> {
+async fn apply(t: Arc<Tunnel>, reporter: &Ctx) -> Result<Action, Error> {
+    let ctx = &*reporter.base;
     let api: Api<Tunnel> = Api::namespaced(ctx.client.clone(), &t.namespace().unwrap_or_default());
     let outcome = resolve(&t, ctx).await;
     let generation = t.meta().generation;
@@ -670,7 +671,7 @@ async fn apply(t: Arc<Tunnel>, ctx: &Context) -> Result<Action, Error> {
     apply_status(&api, &*t, &status).await?;
     remove_auth_copy(&t, ctx, &old, &status).await?;
     if changed[0] {
-        event(ctx, &*t, warning, &ready.reason, ready.message).await;
+        reporter.event(&*t, &Note::new(warning, ready.reason, ready.message)).await;
     }
     match outcome {
         Ok(r) if r.agents == 0 => {
@@ -692,11 +693,11 @@ async fn cleanup(t: Arc<Tunnel>, ctx: &Context) -> Result<Action, Error> {
     Ok(Action::await_change())
 }
 
-async fn reconcile(t: Arc<Tunnel>, ctx: Arc<Context>) -> Result<Action, Error> {
-    reconcile_finalized("Tunnel", t, &ctx, |o| apply(o, &ctx), |o| cleanup(o, &ctx)).await
+async fn reconcile(t: Arc<Tunnel>, ctx: Arc<Ctx>) -> Result<Action, Error> {
+    reconcile_finalized("Tunnel", t, &ctx.base, |o| apply(o, &ctx), |o| cleanup(o, &ctx.base)).await
 }
 
-fn error_policy(obj: Arc<Tunnel>, e: &Error, _ctx: Arc<Context>) -> Action {
+fn error_policy(obj: Arc<Tunnel>, e: &Error, _ctx: Arc<Ctx>) -> Action {
     retry_soon("Tunnel", &*obj, e)
 }
 
@@ -745,7 +746,7 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
             r5(s.namespace(), Box::new(move |t| t.spec.auth_secrets().any(|a| a == name)))
         })
         .graceful_shutdown_on(async move { stop.cancelled().await })
-        .run(reconcile, error_policy, ctx)
+        .run(reconcile, error_policy, Ctx::new(ctx))
         .for_each(|_| async {})
         .await;
 }

@@ -12,8 +12,8 @@
 //! Use it from a test file with
 //!
 //! ```ignore
-//! #[path = "support/kube.rs"]
-//! mod kube_env;
+//! mod support;
+//! use support::kube as kube_env;
 //!
 //! #[tokio::test]
 //! async fn my_test() -> anyhow::Result<()> {
@@ -36,7 +36,6 @@
 //! Each test gets its own namespace. `TestNamespace::delete_and_wait` deletes it and waits until the
 //! namespace controller has finished; if a test panics first, `Drop` still deletes the namespace
 //! (best effort, without waiting).
-#![allow(dead_code)]
 
 use std::future::Future;
 use std::path::{Path, PathBuf};

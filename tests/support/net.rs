@@ -1,11 +1,6 @@
 //! Test support for tunnel tests: an in-process edge with a self-signed CA on
 //! 127.0.0.1 port 0, real backends, agents, and HTTPS clients.
-//!
-//! ```ignore
-//! #[path = "support/net.rs"]
-//! mod net;
-//! ```
-#![allow(dead_code)]
+//! Used as `support::net` (see `support/mod.rs`).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -65,6 +60,7 @@ pub fn edge_args(dir: &Path, https: SocketAddr, tcp_ports: PortRange) -> EdgeArg
     EdgeArgs {
         domain: DOMAIN.into(),
         data_dir: dir.to_path_buf(),
+        store: None,
         tls_cert: None,
         tls_key: None,
         tls_watch_seconds: 1,
@@ -79,6 +75,7 @@ pub fn edge_args(dir: &Path, https: SocketAddr, tcp_ports: PortRange) -> EdgeArg
         drain_seconds: 0,
         acme: Default::default(),
         plain_http: false,
+        public_status: false,
     }
 }
 

@@ -1,7 +1,6 @@
 //! A backend host in a network namespace this test creates (veth pair,
 //! addresses from 10.213.0.0/16), for Services whose endpoints must not be
 //! loopback addresses. Root and `ip` (iproute2) are needed.
-#![allow(dead_code)]
 
 use std::process::{Command, Stdio};
 

@@ -3,20 +3,10 @@
 //! namespace per test and an in-process operator watching only it; helpers to
 //! create objects, wait for events and statuses, and clean up.
 //!
-//! Include it after the modules it builds on:
-//!
-//! ```ignore
-//! #[path = "support/kube.rs"]
-//! mod kube_env;
-//! #[path = "support/net.rs"]
-//! mod net;
-//! #[path = "support/netns.rs"]
-//! mod netns;
-//! #[path = "support/operator.rs"]
-//! mod fixture;
-//! ```
-#![allow(dead_code)]
+//! Used as `support::operator` (see `support/mod.rs`); it builds on
+//! `support::kube`, `support::net` and `support::netns`.
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use culvert::crd::{Domain, TcpPort, Tunnel};
@@ -31,9 +21,9 @@ use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::kube_env::{self, TestNamespace, wait_until};
-use crate::net::TestEdge;
-use crate::netns::NetnsHost;
+use super::kube::{self as kube_env, TestNamespace, wait_until};
+use super::net::TestEdge;
+use super::netns::NetnsHost;
 
 pub const WAIT: Duration = Duration::from_secs(60);
 
@@ -122,6 +112,18 @@ impl Fixture {
                 async move { culvert::operator::start(client, args, s).await.expect("operator runs") },
             );
         (stop, task)
+    }
+
+    /// Waits until the operator serving metrics on `admin` (see
+    /// [`serving_metrics`]) has reconciled the `kind` object `name` of
+    /// `namespace` at least once: the signal before asserting that nothing
+    /// happened to it.
+    pub async fn wait_reconciled(&self, admin: SocketAddr, kind: &str, namespace: &str, name: &str) {
+        wait_until(&format!("{kind} {namespace}/{name} reconciled"), WAIT, || async {
+            Ok((reconciles(admin, kind, namespace, name).await > 0).then_some(()))
+        })
+        .await
+        .unwrap();
     }
 
     pub fn operator(&self) -> (CancellationToken, tokio::task::JoinHandle<()>) {
@@ -341,4 +343,29 @@ pub async fn service_with_endpoints(
         "ports": ports.iter().map(|(n, _, t, proto)| json!({"name": n, "port": t, "protocol": proto})).collect::<Vec<_>>(),
         "endpoints": [{"addresses": [ip], "conditions": {"ready": true}}]}))
         .await;
+}
+
+/// `args` with the operator's admin port (metrics) on a free port of
+/// 127.0.0.1, and that address.
+pub fn serving_metrics(mut args: OperatorArgs) -> (OperatorArgs, SocketAddr) {
+    let port = super::net::free_port_range(1).first;
+    args.admin_addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let admin = args.admin_addr;
+    (args, admin)
+}
+
+/// `culvert_operator_object_reconciles_total` of one object, from the
+/// operator's `/metrics` on `admin` (0 while it does not answer yet).
+pub async fn reconciles(admin: SocketAddr, kind: &str, namespace: &str, name: &str) -> u64 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut tcp) = tokio::net::TcpStream::connect(admin).await else { return 0 };
+    let request = "GET /metrics HTTP/1.1\r\nHost: operator\r\nConnection: close\r\n\r\n";
+    let mut text = String::new();
+    if tcp.write_all(request.as_bytes()).await.is_err() || tcp.read_to_string(&mut text).await.is_err() {
+        return 0;
+    }
+    let series = format!(
+        "culvert_operator_object_reconciles_total{{kind=\"{kind}\",namespace=\"{namespace}\",name=\"{name}\"}} "
+    );
+    text.lines().find_map(|l| l.strip_prefix(&series)?.trim().parse().ok()).unwrap_or(0)
 }

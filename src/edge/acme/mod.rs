@@ -232,8 +232,14 @@ pub struct Acme {
     account: tokio::sync::Mutex<Option<Account>>,
     orders: Semaphore,
     in_flight: Mutex<HashSet<String>>,
-    /// Names whose certificate the resolver serves now.
-    served: Mutex<HashSet<String>>,
+    /// Names whose certificate the resolver serves now, with its `not_after`
+    /// (a newer one stored by another edge is loaded by the next scan).
+    served: Mutex<HashMap<String, Option<u64>>>,
+    /// Who this edge is in the store's leases (one order per name at a time
+    /// across edges).
+    holder: String,
+    /// `not_after` of the edge's own certificate served now (DNS-01).
+    own_served: Mutex<Option<u64>>,
     wake: Notify,
     results: Family<Labels, Counter>,
     shutdown: CancellationToken,
@@ -242,7 +248,7 @@ pub struct Acme {
 impl Acme {
     /// Loads the stored certificates into `certs` (served at once, nothing is
     /// ordered for them) and returns the ACME state; [`Acme::run`] starts the work.
-    pub fn new(
+    pub async fn new(
         config: AcmeConfig,
         store: Store,
         certs: Arc<CertResolver>,
@@ -258,13 +264,15 @@ impl Acme {
             account: tokio::sync::Mutex::new(None),
             in_flight: Mutex::default(),
             served: Mutex::default(),
+            own_served: Mutex::default(),
+            holder: format!("edge-{}", std::process::id()) + &random_suffix(),
             wake: Notify::new(),
             results,
             shutdown,
         });
         let mut loaded = 0;
         let mut own_loaded = false;
-        for record in acme.store.certificates()? {
+        for record in acme.store.certificates().await? {
             match serving_key(&record) {
                 Some(Ok(key)) => {
                     if acme.is_own(&record.hostname) {
@@ -274,7 +282,7 @@ impl Acme {
                             "serving the edge's own certificate from the store"
                         );
                     }
-                    acme.serve(&record.hostname, key);
+                    acme.serve(&record.hostname, key, record.not_after);
                     loaded += 1;
                 }
                 Some(Err(e)) => {
@@ -289,21 +297,21 @@ impl Acme {
             );
         }
         // A restart (after fixing the DNS-01 settings, say) tries again at once.
-        acme.retry_own_now();
+        acme.retry_own_now().await;
         info!(certificates = loaded, dns01 = acme.config.own.is_some(), directory = %acme.config.directory, challenge = ?acme.config.challenge, "ACME enabled");
         Ok(acme)
     }
 
     /// The edge's own certificate, when its last order failed: due now
     /// instead of after the backoff (start, SIGHUP). Returns whether it was.
-    pub fn retry_own_now(&self) -> bool {
+    pub async fn retry_own_now(&self) -> bool {
         let Some(own) = &self.config.own else { return false };
-        let Ok(Some(mut record)) = self.store.certificate(&own.record_key()) else { return false };
+        let Ok(Some(mut record)) = self.store.certificate(&own.record_key()).await else { return false };
         if record.last_error.is_none() || record.next_attempt == 0 {
             return false;
         }
         record.next_attempt = 0;
-        if let Err(e) = self.store.put_certificate(&record) {
+        if let Err(e) = self.store.put_certificate(&record).await {
             warn!(error = %e, "failed to store the certificate state");
             return false;
         }
@@ -315,6 +323,13 @@ impl Acme {
     /// Whether `host` is the store key of the edge's own certificate.
     fn is_own(&self, host: &str) -> bool {
         self.config.own.as_ref().is_some_and(|o| o.record_key() == host)
+    }
+
+    /// Host names whose DNS check or order runs now, sorted.
+    pub fn in_flight(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.in_flight.lock().expect("poisoned").iter().cloned().collect();
+        names.sort();
+        names
     }
 
     /// Something changed (a reservation was made or released): scan now.
@@ -331,7 +346,7 @@ impl Acme {
     /// The background task: scan, start due jobs, sleep until the next is due.
     pub async fn run(self: Arc<Self>) {
         loop {
-            let next = match self.scan() {
+            let next = match self.scan().await {
                 Ok(next) => next,
                 Err(e) => {
                     warn!(error = %e, "certificate scan failed");
@@ -351,11 +366,12 @@ impl Acme {
 
     /// One pass: forget released names, start jobs for due ones. Returns
     /// when the next one is due (Unix seconds).
-    fn scan(self: &Arc<Self>) -> Result<Option<u64>, StoreError> {
+    async fn scan(self: &Arc<Self>) -> Result<Option<u64>, StoreError> {
         let now = unix_now();
         let mut custom: HashSet<String> = self
             .store
-            .reservations()?
+            .reservations()
+            .await?
             .into_iter()
             .filter(|r| r.kind == ReservationKind::Custom)
             .filter_map(|r| r.hostname)
@@ -365,11 +381,11 @@ impl Acme {
             custom.insert(own.record_key());
         }
         let records: HashMap<String, CertificateRecord> =
-            self.store.certificates()?.into_iter().map(|c| (c.hostname.clone(), c)).collect();
+            self.store.certificates().await?.into_iter().map(|c| (c.hostname.clone(), c)).collect();
 
         // Released: stop serving, forget (the release already deleted the row).
         let stale: Vec<String> =
-            self.served.lock().expect("poisoned").iter().filter(|h| !custom.contains(*h)).cloned().collect();
+            self.served.lock().expect("poisoned").keys().filter(|h| !custom.contains(*h)).cloned().collect();
         for host in stale {
             self.certs.remove(&host);
             self.served.lock().expect("poisoned").remove(&host);
@@ -377,14 +393,28 @@ impl Acme {
         }
         // A stored own certificate is kept while DNS-01 is off (no new order when it is on again).
         for host in records.keys().filter(|h| !custom.contains(*h) && !h.starts_with("*.")) {
-            self.store.delete_certificate(host)?;
+            self.store.delete_certificate(host).await?;
+        }
+
+        // Stored by another edge (or renewed there): served here too.
+        for (host, record) in records.iter().filter(|(h, _)| custom.contains(*h)) {
+            let known = self.served.lock().expect("poisoned").get(host).copied();
+            let own_known = self.is_own(host)
+                && self.own_served.lock().expect("poisoned").is_some_and(|n| Some(n) == record.not_after);
+            if known == Some(record.not_after) || own_known {
+                continue;
+            }
+            if let Some(Ok(key)) = serving_key(record) {
+                info!(host = %host, "serving the certificate found in the store");
+                self.serve(host, key, record.not_after);
+            }
         }
 
         let mut next: Option<u64> = None;
         for host in &custom {
             let due = match records.get(host) {
                 None => {
-                    self.store.put_certificate(&CertificateRecord::pending(host))?;
+                    self.store.put_certificate(&CertificateRecord::pending(host)).await?;
                     now
                 }
                 Some(r) => due_at(r),
@@ -393,6 +423,9 @@ impl Acme {
                 next = Some(next.map_or(due, |n| n.min(due)));
                 continue;
             }
+            // Looked at again in a minute: the order may run on another edge,
+            // which can fail without this one hearing of it.
+            next = Some(next.map_or(now + 60, |n| n.min(now + 60)));
             if !self.in_flight.lock().expect("poisoned").insert(host.clone()) {
                 continue; // already running; it wakes the scan when done
             }
@@ -400,12 +433,14 @@ impl Acme {
             let span = tracing::info_span!("certificate", host = %host);
             tokio::spawn(
                 async move {
-                    tokio::select! {
-                        _ = acme.job(&host) => {}
-                        _ = acme.shutdown.cancelled() => {}
-                    }
+                    let ran = tokio::select! {
+                        ran = acme.job(&host) => ran,
+                        _ = acme.shutdown.cancelled() => false,
+                    };
                     acme.in_flight.lock().expect("poisoned").remove(&host);
-                    acme.wake();
+                    if ran {
+                        acme.wake();
+                    }
                 }
                 .instrument(span),
             );
@@ -413,12 +448,38 @@ impl Acme {
         Ok(next)
     }
 
-    /// Checks DNS and orders (or renews) one name's certificate; records the outcome.
-    async fn job(&self, host: &str) {
-        let Ok(_permit) = self.orders.acquire().await else { return };
-        let Ok(Some(mut record)) = self.store.certificate(host) else { return };
+    /// Checks DNS and orders (or renews) one name's certificate; records the
+    /// outcome. Returns whether it ran (`false`: not due any more, or another
+    /// edge holds the name's lease and orders it).
+    async fn job(&self, host: &str) -> bool {
+        let Ok(_permit) = self.orders.acquire().await else { return false };
+        let ttl = match &self.config.own {
+            Some(own) if self.is_own(host) => own.order_timeout(),
+            _ => ACME_ORDER_TIMEOUT,
+        } + Duration::from_secs(60);
+        let lease = format!("acme:{host}");
+        match self.store.try_lease(&lease, &self.holder, ttl).await {
+            Ok(true) => {}
+            Ok(false) => {
+                info!("another edge is ordering this certificate");
+                return false;
+            }
+            Err(e) => {
+                warn!(error = %e, "could not take the order's lease; trying later");
+                return false;
+            }
+        }
+        let ran = self.job_leased(host).await;
+        if let Err(e) = self.store.release_lease(&lease, &self.holder).await {
+            warn!(error = %e, "could not give the order's lease up (it expires)");
+        }
+        ran
+    }
+
+    async fn job_leased(&self, host: &str) -> bool {
+        let Ok(Some(mut record)) = self.store.certificate(host).await else { return false };
         if due_at(&record) > unix_now() {
-            return; // done meanwhile
+            return false; // done meanwhile (here or on another edge)
         }
         let outcome = match &self.config.own {
             // Bounded inside, so that the records are always removed.
@@ -440,9 +501,9 @@ impl Acme {
                 record.failures = 0;
                 record.next_attempt = 0;
                 self.count("issued");
-                match self.store.put_certificate(&record) {
+                match self.store.put_certificate(&record).await {
                     Ok(true) => {
-                        self.serve(host, issued.key);
+                        self.serve(host, issued.key, Some(issued.not_after));
                         info!(not_after = %super::store::rfc3339(issued.not_after), "certificate issued");
                     }
                     Ok(false) => info!("released while ordering: certificate discarded"),
@@ -470,11 +531,12 @@ impl Acme {
                 }
                 warn!(error = %record.last_error.as_deref().unwrap_or_default(), category = e.category(), retry_in_s = delay.as_secs(), "certificate not obtained");
                 self.count(if dns { "dns_mismatch" } else { "failed" });
-                if let Err(e) = self.store.put_certificate(&record) {
+                if let Err(e) = self.store.put_certificate(&record).await {
                     warn!(error = %e, "failed to store the certificate state");
                 }
             }
         }
+        true
     }
 
     /// Counts a finished job (before its outcome is stored and visible).
@@ -482,13 +544,14 @@ impl Acme {
         self.results.get_or_create(&vec![("result", result.to_string())]).inc();
     }
 
-    fn serve(&self, host: &str, key: Arc<CertifiedKey>) {
+    fn serve(&self, host: &str, key: Arc<CertifiedKey>, not_after: Option<u64>) {
         if self.is_own(host) {
             self.certs.set_default(key);
+            *self.own_served.lock().expect("poisoned") = not_after;
             return;
         }
         self.certs.set(host, key);
-        self.served.lock().expect("poisoned").insert(host.to_string());
+        self.served.lock().expect("poisoned").insert(host.to_string(), not_after);
     }
 
     /// The name must resolve to (one of) the edge's addresses.
@@ -538,7 +601,7 @@ impl Acme {
         let http =
             || -> Result<Box<dyn HttpClient>, AcmeError> { Ok(Box::new(AcmeHttp::new(&self.config)?)) };
         let directory = &self.config.directory;
-        let account = match self.store.acme_account(directory)? {
+        let account = match self.store.acme_account(directory).await? {
             Some(json) => {
                 let credentials: AccountCredentials = serde_json::from_str(&json)
                     .map_err(|e| AcmeError::Account(instant_acme::Error::Json(e)))?;
@@ -561,7 +624,7 @@ impl Acme {
                     .map_err(AcmeError::Account)?;
                 let json = serde_json::to_string(&credentials)
                     .map_err(|e| AcmeError::Account(instant_acme::Error::Json(e)))?;
-                self.store.put_acme_account(directory, &json)?;
+                self.store.put_acme_account(directory, &json).await?;
                 info!(account = %account.id(), directory = %directory, "ACME account registered");
                 account
             }
@@ -709,6 +772,12 @@ async fn finish_order(order: &mut Order, host: &str) -> Result<Issued, AcmeError
 }
 
 /// When a record is due for work (Unix seconds).
+/// `-` and 8 random hex digits.
+fn random_suffix() -> String {
+    let b: [u8; 4] = crate::random_bytes().unwrap_or_default();
+    format!("-{:08x}", u32::from_le_bytes(b))
+}
+
 fn due_at(r: &CertificateRecord) -> u64 {
     match r.renew_at() {
         Some(renew) if r.chain_pem.is_some() => renew.max(r.next_attempt),

@@ -12,12 +12,12 @@ use crate::api::{ApiKey, CreateApiKeyRequest, CreatedApiKey, List};
 pub const MAX_KEY_NAME: usize = 100;
 
 /// `GET api-keys`.
-pub(super) fn list(ctx: &ApiContext) -> Result<Response<Full<Bytes>>, ApiError> {
-    Ok(json_response(StatusCode::OK, &List { items: ctx.store.api_keys()? }))
+pub(super) async fn list(ctx: &ApiContext) -> Result<Response<Full<Bytes>>, ApiError> {
+    Ok(json_response(StatusCode::OK, &List { items: ctx.store.api_keys().await? }))
 }
 
 /// `POST api-keys`.
-pub(super) fn create(
+pub(super) async fn create(
     ctx: &ApiContext,
     caller: &ApiKey,
     request: CreateApiKeyRequest,
@@ -29,25 +29,30 @@ pub(super) fn create(
             format!("an API key name is 1-{MAX_KEY_NAME} printable characters, e.g. \"operator cluster-a\""),
         ));
     }
-    let (key, secret) = ctx.store.create_api_key(name, request.scope)?;
+    let (key, secret) = ctx.store.create_api_key(name, request.scope).await?;
     tracing::info!(key = %key.id, scope = %key.scope, by = %caller.id, "api key created");
     Ok(json_response(StatusCode::CREATED, &CreatedApiKey { key, secret }))
 }
 
 /// `GET api-keys/{id}`.
-pub(super) fn get(ctx: &ApiContext, id: &str) -> Result<Response<Full<Bytes>>, ApiError> {
+pub(super) async fn get(ctx: &ApiContext, id: &str) -> Result<Response<Full<Bytes>>, ApiError> {
     let key = ctx
         .store
-        .api_key(id)?
+        .api_key(id)
+        .await?
         .ok_or_else(|| ApiError::NotFound { message: format!("api key {id} does not exist") })?;
     Ok(json_response(StatusCode::OK, &key))
 }
 
 /// `DELETE api-keys/{id}`: refused for the last admin key.
-pub(super) fn revoke(ctx: &ApiContext, caller: &ApiKey, id: &str) -> Result<Response<Full<Bytes>>, ApiError> {
-    let key = ctx.store.revoke_api_key(id)?;
+pub(super) async fn revoke(
+    ctx: &ApiContext,
+    caller: &ApiKey,
+    id: &str,
+) -> Result<Response<Full<Bytes>>, ApiError> {
+    let key = ctx.store.revoke_api_key(id).await?;
     tracing::info!(key = %key.id, by = %caller.id, "api key revoked");
-    ctx.hooks.state_changed();
+    ctx.hooks.state_changed().await;
     Ok(json_response(StatusCode::OK, &key))
 }
 

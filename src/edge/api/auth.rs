@@ -6,7 +6,7 @@ use super::ApiError;
 use crate::api::{ApiKey, ApiKeyScope};
 use crate::edge::store::{ApiKeyAuth, Store};
 
-pub(super) fn authenticate(store: &Store, headers: &HeaderMap) -> Result<ApiKey, ApiError> {
+pub(super) async fn authenticate(store: &Store, headers: &HeaderMap) -> Result<ApiKey, ApiError> {
     let missing = || {
         ApiError::Unauthenticated {
         code: "missing_key",
@@ -19,7 +19,7 @@ pub(super) fn authenticate(store: &Store, headers: &HeaderMap) -> Result<ApiKey,
     if !scheme.eq_ignore_ascii_case("bearer") || secret.trim().is_empty() {
         return Err(missing());
     }
-    match store.authenticate_api_key(secret.trim())? {
+    match store.authenticate_api_key(secret.trim()).await? {
         ApiKeyAuth::Valid(key) => Ok(key),
         ApiKeyAuth::TunnelKey => Err(ApiError::Forbidden {
             code: "tunnel_key_not_allowed",

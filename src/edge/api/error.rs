@@ -80,6 +80,12 @@ pub enum ApiError {
     /// 500: the store failed.
     #[error("the edge's store failed: {0}")]
     Store(#[source] StoreError),
+    /// 503: the store (PostgreSQL) cannot be reached; the edge keeps serving
+    /// what it knows, changes wait until it is back.
+    #[error(
+        "the store is unavailable: {0}; the edge keeps serving the tunnels and names it knows, try this change again when the database is back"
+    )]
+    Unavailable(String),
 }
 
 impl ApiError {
@@ -96,6 +102,7 @@ impl ApiError {
             ApiError::TooLarge => "body_too_large",
             ApiError::BodyTimeout => "body_timeout",
             ApiError::Store(_) => "internal",
+            ApiError::Unavailable(_) => "store_unavailable",
         }
     }
 
@@ -112,6 +119,7 @@ impl ApiError {
             ApiError::Conflict { .. } => StatusCode::CONFLICT,
             ApiError::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             ApiError::Store(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
@@ -122,6 +130,10 @@ impl ApiError {
                 tracing::error!(error = %e, category = e.category(), "control API: store failed");
                 format!("{self}; the edge's log has details")
             }
+            ApiError::Unavailable(e) => {
+                tracing::warn!(error = %e, "control API: the store is unavailable");
+                self.to_string()
+            }
             _ => self.to_string(),
         };
         let mut response = json_response(status, &ErrorBody::new(self.category(), message));
@@ -130,6 +142,9 @@ impl ApiError {
                 response
                     .headers_mut()
                     .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer realm=\"culvert\""));
+            }
+            ApiError::Unavailable(_) => {
+                response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
             }
             ApiError::MethodNotAllowed { allowed, .. } => {
                 response.headers_mut().insert(header::ALLOW, HeaderValue::from_static(allowed));
@@ -182,6 +197,7 @@ impl From<StoreError> for ApiError {
                     "{id} is the last admin key and cannot be revoked; create another admin key first (culvert admin api-key create --scope admin)"
                 ),
             },
+            StoreError::Unavailable(message) => ApiError::Unavailable(message),
             e => ApiError::Store(e),
         }
     }

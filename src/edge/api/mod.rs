@@ -3,6 +3,7 @@
 //! | method | path | who |
 //! |---|---|---|
 //! | GET | `info` | any API key |
+//! | GET | `status` (`?limit=N`) | admin |
 //! | GET, POST | `domains` | admin, endpoints |
 //! | GET, DELETE | `domains/{hostname or label}` | admin, endpoints (own) |
 //! | GET, POST | `ports` | admin, endpoints |
@@ -19,8 +20,8 @@
 //! what to do.
 //!
 //! The router (this module) parses the path, the query and the JSON body and
-//! calls one handler per resource: [`info`], [`reservations`] (domains and
-//! ports), [`tunnel_keys`], [`api_keys`]. [`auth`] finds the caller's key and
+//! calls one handler per resource: [`info`], [`status`], [`reservations`]
+//! (domains and ports), [`tunnel_keys`], [`api_keys`]. [`auth`] finds the caller's key and
 //! its scope, [`names`] checks host names, [`error`] maps failures to
 //! responses.
 
@@ -30,6 +31,7 @@ mod error;
 mod info;
 pub(crate) mod names;
 mod reservations;
+mod status;
 #[cfg(test)]
 mod test_support;
 mod tunnel_keys;
@@ -54,10 +56,15 @@ pub use error::ApiError;
 pub trait EdgeHooks: Send + Sync + 'static {
     /// Reservations or tunnel keys were added, released or revoked: the edge
     /// reloads its routes and TCP listeners and closes connections of keys
-    /// that are no longer valid (within a second).
-    fn state_changed(&self);
+    /// that are no longer valid (within a second). Done when the edge has
+    /// reloaded (its reads run off the request threads).
+    fn state_changed(&self) -> futures_util::future::BoxFuture<'_, ()>;
     /// Agents connected now with this tunnel key.
     fn connections_for_key(&self, key_id: &str) -> usize;
+    /// The status document listing at most `limit` tunnels (`None`: the edge is gone).
+    fn status(&self, _limit: usize) -> Option<crate::edge::status::model::Status> {
+        None
+    }
     /// Can the edge listen on this TCP port (no other program holds it)?
     fn port_usable(&self, _port: u16) -> bool {
         true
@@ -101,6 +108,7 @@ where
 /// One routed call: the path segments after the prefix.
 enum Route {
     Info,
+    Status,
     Domains,
     Domain(String),
     Ports,
@@ -120,6 +128,7 @@ impl Route {
         let item = |s: &str| percent_decode(s).filter(|s| !s.is_empty());
         Some(match segments.as_slice() {
             ["info"] => Route::Info,
+            ["status"] => Route::Status,
             ["domains"] => Route::Domains,
             ["domains", host] => Route::Domain(item(host)?),
             ["ports"] => Route::Ports,
@@ -134,7 +143,7 @@ impl Route {
 
     fn allowed(&self) -> &'static str {
         match self {
-            Route::Info => "GET",
+            Route::Info | Route::Status => "GET",
             Route::Domains | Route::Ports | Route::TunnelKeys | Route::ApiKeys => "GET, POST",
             Route::Domain(_) | Route::Port(_) | Route::TunnelKey(_) | Route::ApiKey(_) => "GET, DELETE",
         }
@@ -147,10 +156,10 @@ where
 {
     let path = req.uri().path().to_string();
     let query = Query::parse(req.uri().query())?;
-    let caller = auth::authenticate(&ctx.store, req.headers())?;
+    let caller = auth::authenticate(&ctx.store, req.headers()).await?;
     let route = Route::parse(&path).ok_or_else(|| ApiError::NotFound {
         message: format!(
-            "no API route {path}; routes are info, domains, ports, tunnel-keys and api-keys under {API_PREFIX}"
+            "no API route {path}; routes are info, status, domains, ports, tunnel-keys and api-keys under {API_PREFIX}"
         ),
     })?;
     let method = req.method().clone();
@@ -169,75 +178,79 @@ where
             query.only(&[])?;
             Ok(json_response(StatusCode::OK, &info::info(ctx, caller)))
         }
+        (Route::Status, &Method::GET) => {
+            query.only(&["limit"])?;
+            status::get(ctx, &caller, query.get("limit"))
+        }
         (Route::Domains, &Method::GET) => {
             query.only(&["selector"])?;
-            reservations::list(ctx, &caller, &query.selector()?, false)
+            reservations::list(ctx, &caller, &query.selector()?, false).await
         }
         (Route::Domains, &Method::POST) => {
             query.only(&[])?;
-            reservations::reserve_domain(ctx, &caller, read_json(body, &headers).await?)
+            reservations::reserve_domain(ctx, &caller, read_json(body, &headers).await?).await
         }
         (Route::Domain(host), &Method::GET) => {
             query.only(&[])?;
-            let reservation = reservations::domain_of(ctx, &caller, host)?;
-            Ok(reservations::get(ctx, reservation))
+            let reservation = reservations::domain_of(ctx, &caller, host).await?;
+            Ok(reservations::get(ctx, reservation).await)
         }
         (Route::Domain(host), &Method::DELETE) => {
             query.only(&[])?;
-            let reservation = reservations::domain_of(ctx, &caller, host)?;
-            reservations::release(ctx, &caller, reservation)
+            let reservation = reservations::domain_of(ctx, &caller, host).await?;
+            reservations::release(ctx, &caller, reservation).await
         }
         (Route::Ports, &Method::GET) => {
             query.only(&["selector"])?;
-            reservations::list(ctx, &caller, &query.selector()?, true)
+            reservations::list(ctx, &caller, &query.selector()?, true).await
         }
         (Route::Ports, &Method::POST) => {
             query.only(&[])?;
-            reservations::reserve_port(ctx, &caller, read_json(body, &headers).await?)
+            reservations::reserve_port(ctx, &caller, read_json(body, &headers).await?).await
         }
         (Route::Port(port), &Method::GET) => {
             query.only(&[])?;
-            let reservation = reservations::port_of(ctx, &caller, port)?;
-            Ok(reservations::get(ctx, reservation))
+            let reservation = reservations::port_of(ctx, &caller, port).await?;
+            Ok(reservations::get(ctx, reservation).await)
         }
         (Route::Port(port), &Method::DELETE) => {
             query.only(&[])?;
-            let reservation = reservations::port_of(ctx, &caller, port)?;
-            reservations::release(ctx, &caller, reservation)
+            let reservation = reservations::port_of(ctx, &caller, port).await?;
+            reservations::release(ctx, &caller, reservation).await
         }
         (Route::TunnelKeys, &Method::GET) => {
             query.only(&["selector", "revoked"])?;
             let selector = query.selector()?;
             let include_revoked = query.flag("revoked")?;
-            tunnel_keys::list(ctx, &caller, &selector, include_revoked)
+            tunnel_keys::list(ctx, &caller, &selector, include_revoked).await
         }
         (Route::TunnelKeys, &Method::POST) => {
             query.only(&[])?;
-            tunnel_keys::create(ctx, &caller, read_json(body, &headers).await?)
+            tunnel_keys::create(ctx, &caller, read_json(body, &headers).await?).await
         }
         (Route::TunnelKey(id), &Method::GET) => {
             query.only(&[])?;
-            tunnel_keys::get(ctx, &caller, id)
+            tunnel_keys::get(ctx, &caller, id).await
         }
         (Route::TunnelKey(id), &Method::DELETE) => {
             query.only(&[])?;
-            tunnel_keys::revoke(ctx, &caller, id)
+            tunnel_keys::revoke(ctx, &caller, id).await
         }
         (Route::ApiKeys, &Method::GET) => {
             query.only(&[])?;
-            api_keys::list(ctx)
+            api_keys::list(ctx).await
         }
         (Route::ApiKeys, &Method::POST) => {
             query.only(&[])?;
-            api_keys::create(ctx, &caller, read_json(body, &headers).await?)
+            api_keys::create(ctx, &caller, read_json(body, &headers).await?).await
         }
         (Route::ApiKey(id), &Method::GET) => {
             query.only(&[])?;
-            api_keys::get(ctx, id)
+            api_keys::get(ctx, id).await
         }
         (Route::ApiKey(id), &Method::DELETE) => {
             query.only(&[])?;
-            api_keys::revoke(ctx, &caller, id)
+            api_keys::revoke(ctx, &caller, id).await
         }
         _ => Err(not_allowed()),
     }

@@ -15,13 +15,13 @@ use crate::api::{
 };
 use crate::edge::store::{CertificateRecord, unix_now};
 
-fn with_url(ctx: &ApiContext, mut r: Reservation) -> Reservation {
+async fn with_url(ctx: &ApiContext, mut r: Reservation) -> Reservation {
     r.url = Some(r.public_url(ctx.public_https_port, &ctx.public_host));
     if ctx.acme
         && r.kind == ReservationKind::Custom
         && let Some(host) = &r.hostname
     {
-        let record = match ctx.store.certificate(host) {
+        let record = match ctx.store.certificate(host).await {
             Ok(record) => record,
             Err(e) => {
                 tracing::warn!(error = %e, host = %host, "failed to read the certificate state");
@@ -37,31 +37,32 @@ fn with_url(ctx: &ApiContext, mut r: Reservation) -> Reservation {
 
 /// `GET domains` or `GET ports`: the caller's reservations (every one for an
 /// admin) of that kind matching the selector.
-pub(super) fn list(
+pub(super) async fn list(
     ctx: &ApiContext,
     caller: &ApiKey,
     selector: &Selector,
     ports: bool,
 ) -> Result<Response<Full<Bytes>>, ApiError> {
-    let items: Vec<Reservation> = ctx
-        .store
-        .reservations()?
-        .into_iter()
-        .filter(|r| (r.kind == ReservationKind::Tcp) == ports)
-        .filter(|r| may_use(caller, &r.owner) && selector.matches(&r.labels))
-        .map(|r| with_url(ctx, r))
-        .collect();
+    let mut items: Vec<Reservation> = Vec::new();
+    for r in ctx.store.reservations().await? {
+        if (r.kind == ReservationKind::Tcp) == ports
+            && may_use(caller, &r.owner)
+            && selector.matches(&r.labels)
+        {
+            items.push(with_url(ctx, r).await);
+        }
+    }
     Ok(json_response(StatusCode::OK, &List { items }))
 }
 
 /// `GET domains/{host}` or `GET ports/{port}`.
-pub(super) fn get(ctx: &ApiContext, reservation: Reservation) -> Response<Full<Bytes>> {
-    json_response(StatusCode::OK, &with_url(ctx, reservation))
+pub(super) async fn get(ctx: &ApiContext, reservation: Reservation) -> Response<Full<Bytes>> {
+    json_response(StatusCode::OK, &with_url(ctx, reservation).await)
 }
 
 /// `POST domains`: a subdomain (`name`) or a custom domain (`fqdn`); the same
 /// call again by the holder answers 200.
-pub(super) fn reserve_domain(
+pub(super) async fn reserve_domain(
     ctx: &ApiContext,
     caller: &ApiKey,
     request: ReserveDomainRequest,
@@ -80,17 +81,18 @@ pub(super) fn reserve_domain(
             ));
         }
     };
-    let (reservation, created) = ctx.store.reserve_domain(kind, &hostname, &caller.id, &request.labels)?;
+    let (reservation, created) =
+        ctx.store.reserve_domain(kind, &hostname, &caller.id, &request.labels).await?;
     if created {
         tracing::info!(hostname = %hostname, kind = %kind, by = %caller.id, "domain reserved");
-        ctx.hooks.state_changed();
+        ctx.hooks.state_changed().await;
     }
     let status = if created { StatusCode::CREATED } else { StatusCode::OK };
-    Ok(json_response(status, &with_url(ctx, reservation)))
+    Ok(json_response(status, &with_url(ctx, reservation).await))
 }
 
 /// `POST ports`: the port asked for, or a free one of the range.
-pub(super) fn reserve_port(
+pub(super) async fn reserve_port(
     ctx: &ApiContext,
     caller: &ApiKey,
     request: ReservePortRequest,
@@ -105,42 +107,51 @@ pub(super) fn reserve_port(
             ),
         ));
     }
-    let (reservation, created) =
-        ctx.store.reserve_usable_port(request.port, ctx.tcp_ports, &caller.id, &request.labels, |p| {
-            ctx.hooks.port_usable(p)
-        })?;
+    let (reservation, created) = {
+        let hooks = ctx.hooks.clone();
+        ctx.store
+            .reserve_usable_port(request.port, ctx.tcp_ports, &caller.id, &request.labels, move |p| {
+                hooks.port_usable(p)
+            })
+            .await?
+    };
     if created {
         tracing::info!(port = ?reservation.port, by = %caller.id, "port reserved");
-        ctx.hooks.state_changed();
+        ctx.hooks.state_changed().await;
     }
     let status = if created { StatusCode::CREATED } else { StatusCode::OK };
-    Ok(json_response(status, &with_url(ctx, reservation)))
+    Ok(json_response(status, &with_url(ctx, reservation).await))
 }
 
 /// `DELETE domains/{host}` or `DELETE ports/{port}`: revokes the reservation's tunnel keys too.
-pub(super) fn release(
+pub(super) async fn release(
     ctx: &ApiContext,
     caller: &ApiKey,
     reservation: Reservation,
 ) -> Result<Response<Full<Bytes>>, ApiError> {
-    let (reservation, revoked_tunnel_keys) = ctx.store.release_reservation(&reservation.id)?;
+    let (reservation, revoked_tunnel_keys) = ctx.store.release_reservation(&reservation.id).await?;
     tracing::info!(
         reservation = %reservation.target(),
         revoked_keys = revoked_tunnel_keys.len(),
         by = %caller.id,
         "reservation released"
     );
-    ctx.hooks.state_changed();
-    let reservation = with_url(ctx, reservation);
+    ctx.hooks.state_changed().await;
+    let reservation = with_url(ctx, reservation).await;
     Ok(json_response(StatusCode::OK, &ReleaseResponse { reservation, revoked_tunnel_keys }))
 }
 
 /// The domain reservation a path segment names, if the caller may use it.
-pub(super) fn domain_of(ctx: &ApiContext, caller: &ApiKey, host: &str) -> Result<Reservation, ApiError> {
+pub(super) async fn domain_of(
+    ctx: &ApiContext,
+    caller: &ApiKey,
+    host: &str,
+) -> Result<Reservation, ApiError> {
     let hostname = lookup_hostname(host, &edge_domain(ctx))?;
     let reservation = ctx
         .store
-        .reservation_by_hostname(&hostname)?
+        .reservation_by_hostname(&hostname)
+        .await?
         .ok_or_else(|| ApiError::NotFound { message: format!("domain {hostname} is not reserved") })?;
     if !may_use(caller, &reservation.owner) {
         return Err(not_owner(&format!("domain {hostname}")));
@@ -149,14 +160,15 @@ pub(super) fn domain_of(ctx: &ApiContext, caller: &ApiKey, host: &str) -> Result
 }
 
 /// The port reservation a path segment names, if the caller may use it.
-pub(super) fn port_of(ctx: &ApiContext, caller: &ApiKey, port: &str) -> Result<Reservation, ApiError> {
+pub(super) async fn port_of(ctx: &ApiContext, caller: &ApiKey, port: &str) -> Result<Reservation, ApiError> {
     let port: u16 = port.parse().ok().filter(|p| *p != 0).ok_or_else(|| ApiError::BadRequest {
         code: "invalid_port",
         message: format!("`{port}` is not a port number (1-65535)"),
     })?;
     let reservation = ctx
         .store
-        .reservation_by_port(port)?
+        .reservation_by_port(port)
+        .await?
         .ok_or_else(|| ApiError::NotFound { message: format!("port {port} is not reserved") })?;
     if !may_use(caller, &reservation.owner) {
         return Err(not_owner(&format!("port {port}")));

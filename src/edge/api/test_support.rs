@@ -22,8 +22,9 @@ pub(super) struct FakeHooks {
 }
 
 impl EdgeHooks for FakeHooks {
-    fn state_changed(&self) {
+    fn state_changed(&self) -> futures_util::future::BoxFuture<'_, ()> {
         self.changes.fetch_add(1, Ordering::SeqCst);
+        Box::pin(std::future::ready(()))
     }
     fn connections_for_key(&self, key_id: &str) -> usize {
         self.connections.lock().unwrap().get(key_id).copied().unwrap_or(0)
@@ -40,7 +41,7 @@ pub(super) struct Edge {
 pub(super) fn edge() -> Edge {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(dir.path()).unwrap();
-    let admin = store.ensure_admin_key().unwrap().unwrap();
+    let admin = store.engine().ensure_admin_key().unwrap().unwrap();
     let hooks = Arc::new(FakeHooks::default());
     let ctx = ApiContext {
         store,

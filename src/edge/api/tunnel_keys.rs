@@ -17,10 +17,11 @@ fn with_connections(ctx: &ApiContext, mut k: TunnelKey) -> TunnelKey {
     k
 }
 
-fn tunnel_key_of(ctx: &ApiContext, caller: &ApiKey, id: &str) -> Result<TunnelKey, ApiError> {
+async fn tunnel_key_of(ctx: &ApiContext, caller: &ApiKey, id: &str) -> Result<TunnelKey, ApiError> {
     let key = ctx
         .store
-        .tunnel_key(id)?
+        .tunnel_key(id)
+        .await?
         .ok_or_else(|| ApiError::NotFound { message: format!("tunnel key {id} does not exist") })?;
     if !may_use(caller, &key.owner) {
         return Err(not_owner(&format!("tunnel key {id}")));
@@ -29,7 +30,7 @@ fn tunnel_key_of(ctx: &ApiContext, caller: &ApiKey, id: &str) -> Result<TunnelKe
 }
 
 /// `GET tunnel-keys`: the caller's keys (every key for an admin) matching the selector.
-pub(super) fn list(
+pub(super) async fn list(
     ctx: &ApiContext,
     caller: &ApiKey,
     selector: &Selector,
@@ -37,7 +38,8 @@ pub(super) fn list(
 ) -> Result<Response<Full<Bytes>>, ApiError> {
     let items: Vec<TunnelKey> = ctx
         .store
-        .tunnel_keys(include_revoked)?
+        .tunnel_keys(include_revoked)
+        .await?
         .into_iter()
         .filter(|k| may_use(caller, &k.owner) && selector.matches(&k.labels))
         .map(|k| with_connections(ctx, k))
@@ -46,22 +48,30 @@ pub(super) fn list(
 }
 
 /// `GET tunnel-keys/{id}`.
-pub(super) fn get(ctx: &ApiContext, caller: &ApiKey, id: &str) -> Result<Response<Full<Bytes>>, ApiError> {
-    let key = tunnel_key_of(ctx, caller, id)?;
+pub(super) async fn get(
+    ctx: &ApiContext,
+    caller: &ApiKey,
+    id: &str,
+) -> Result<Response<Full<Bytes>>, ApiError> {
+    let key = tunnel_key_of(ctx, caller, id).await?;
     Ok(json_response(StatusCode::OK, &with_connections(ctx, key)))
 }
 
 /// `DELETE tunnel-keys/{id}`: the edge closes the key's connections.
-pub(super) fn revoke(ctx: &ApiContext, caller: &ApiKey, id: &str) -> Result<Response<Full<Bytes>>, ApiError> {
-    tunnel_key_of(ctx, caller, id)?;
-    let key = ctx.store.revoke_tunnel_key(id)?;
+pub(super) async fn revoke(
+    ctx: &ApiContext,
+    caller: &ApiKey,
+    id: &str,
+) -> Result<Response<Full<Bytes>>, ApiError> {
+    tunnel_key_of(ctx, caller, id).await?;
+    let key = ctx.store.revoke_tunnel_key(id).await?;
     tracing::info!(key = %key.id, by = %caller.id, "tunnel key revoked");
-    ctx.hooks.state_changed();
+    ctx.hooks.state_changed().await;
     Ok(json_response(StatusCode::OK, &with_connections(ctx, key)))
 }
 
 /// `POST tunnel-keys`: a key for one of the caller's reservations.
-pub(super) fn create(
+pub(super) async fn create(
     ctx: &ApiContext,
     caller: &ApiKey,
     request: CreateTunnelKeyRequest,
@@ -79,7 +89,7 @@ pub(super) fn create(
             }
             let hostname = lookup_hostname(host, &domain)?;
             let reservation =
-                ctx.store.reservation_by_hostname(&hostname)?.ok_or_else(|| ApiError::NotFound {
+                ctx.store.reservation_by_hostname(&hostname).await?.ok_or_else(|| ApiError::NotFound {
                     message: format!(
                         "domain {hostname} is not reserved; reserve it first (culvert admin domain reserve)"
                     ),
@@ -94,11 +104,12 @@ pub(super) fn create(
                     format!("{protocol} tunnels need a domain reservation: give domain instead of port"),
                 ));
             }
-            let reservation = ctx.store.reservation_by_port(port)?.ok_or_else(|| ApiError::NotFound {
-                message: format!(
-                    "port {port} is not reserved; reserve it first (culvert admin port reserve {port})"
-                ),
-            })?;
+            let reservation =
+                ctx.store.reservation_by_port(port).await?.ok_or_else(|| ApiError::NotFound {
+                    message: format!(
+                        "port {port} is not reserved; reserve it first (culvert admin port reserve {port})"
+                    ),
+                })?;
             (reservation, protocol)
         }
         _ => {
@@ -113,9 +124,9 @@ pub(super) fn create(
         return Err(not_owner(&reservation.target()));
     }
     let (key, secret) =
-        ctx.store.create_tunnel_key(&reservation.id, protocol, &request.labels, &caller.id)?;
+        ctx.store.create_tunnel_key(&reservation.id, protocol, &request.labels, &caller.id).await?;
     tracing::info!(key = %key.id, reservation = %reservation.target(), %protocol, by = %caller.id, "tunnel key created");
-    ctx.hooks.state_changed();
+    ctx.hooks.state_changed().await;
     let url = reservation.public_url(ctx.public_https_port, &ctx.public_host);
     Ok(json_response(StatusCode::CREATED, &CreatedTunnelKey { key, secret, url }))
 }
@@ -210,7 +221,7 @@ mod tests {
         assert_eq!(released["revokedTunnelKeys"], json!([admin_key["id"]]));
         let secret = admin_key["secret"].as_str().unwrap();
         assert!(matches!(
-            e.ctx.store.authenticate_tunnel_key(secret).unwrap(),
+            e.ctx.store.engine().authenticate_tunnel_key(secret).unwrap(),
             crate::edge::store::TunnelKeyAuth::Revoked
         ));
     }

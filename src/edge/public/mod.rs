@@ -225,10 +225,14 @@ pub async fn serve_redirect(edge: Arc<Edge>, listener: TcpListener) {
     .await
 }
 
-/// The admin port: `/metrics`, `/healthz`, `/readyz` (503 while draining).
+/// The admin port: `/metrics`, `/healthz`, `/readyz` (503 while draining),
+/// the status page (`/status`, [`super::status`]).
 /// It serves until the edge has stopped, draining included.
 pub async fn serve_admin(edge: Arc<Edge>, listener: TcpListener) {
     serve_plain(edge, listener, false, |edge, req, _| async move {
+        if let Some(r) = super::status::serve_admin(&edge, &req) {
+            return Ok(r);
+        }
         Ok(match req.uri().path() {
             "/metrics" => {
                 let mut r = Response::new(body::full(edge.metrics.encode()));
@@ -242,11 +246,15 @@ pub async fn serve_admin(edge: Arc<Edge>, listener: TcpListener) {
             "/readyz" if edge.shutdown.is_cancelled() => {
                 text(StatusCode::SERVICE_UNAVAILABLE, "draining: shutting down\n")
             }
-            "/readyz" => match edge.store.reservations() {
+            "/readyz" => match edge.store.reservations().await {
                 Ok(_) => text(StatusCode::OK, "ok\n"),
+                // Several edges: PostgreSQL down, this edge still serves what it knows.
+                Err(e) if edge.store.kind() != "sqlite" => {
+                    text(StatusCode::OK, &format!("ok, serving what this edge knows; {e}\n"))
+                }
                 Err(e) => text(StatusCode::SERVICE_UNAVAILABLE, &format!("store: {e}\n")),
             },
-            _ => text(StatusCode::NOT_FOUND, "not found: try /metrics, /healthz or /readyz\n"),
+            _ => text(StatusCode::NOT_FOUND, "not found: try /status, /metrics, /healthz or /readyz\n"),
         })
     })
     .await
@@ -322,6 +330,9 @@ async fn handle(edge: Arc<Edge>, req: Request<Incoming>, peer: SocketAddr) -> Re
         return resp.map(|b| body::boxed(b.map_err(|never| match never {})));
     }
     let name = super::routes::normalize_host(&host);
+    if name == edge.domain && super::status::is_public_path(path) {
+        return super::status::serve_public(edge, req).await;
+    }
     if name == edge.domain && !path.starts_with(RESERVED_PREFIX) {
         return text(StatusCode::OK, "culvert edge\n");
     }
@@ -349,6 +360,8 @@ async fn proxy(
     }
 
     let counters = edge.metrics.bytes(host);
+    let tunnel = counters.tunnel;
+    tunnel.request();
     let (bytes_in, bytes_out) = (counters.inbound, counters.outbound);
     // A request without a body can be placed again on another connection if
     // the first one refused it (an agent draining at that very moment); an
@@ -362,13 +375,14 @@ async fn proxy(
         (body::boxed(Counted::new(incoming, bytes_in)), None)
     };
     let request = Request::from_parts(parts, tunnel_body);
-    let (resp, guard) = match retry::send(&edge, reservation, host, request, replay).await {
+    let (resp, guard) = match retry::send(&edge, reservation, host, request, replay, &tunnel).await {
         Ok(x) => x,
         Err(page) => return page,
     };
 
     let switched = resp.headers().get(STATUS_HEADER).is_some_and(|v| v == "101");
     let (mut rparts, rbody) = resp.into_parts();
+    tunnel.answered(rparts.status);
     if let Some(err) = rparts.headers.get(ERROR_HEADER) {
         debug!(error = ?err, "agent answered with an error");
     }

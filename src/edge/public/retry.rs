@@ -9,6 +9,7 @@ use tracing::debug;
 use crate::api::{Protocol, Reservation};
 use crate::edge::Edge;
 use crate::edge::registry::StreamGuard;
+use crate::edge::status::traffic::TunnelCounters;
 use crate::http::{error_chain, error_page};
 use crate::tunnel::body::{self, BoxBody};
 
@@ -23,20 +24,23 @@ pub(super) type Replay = (Method, Uri, HeaderMap);
 /// fewest open streams. A connection that refuses it (an agent draining at
 /// that very moment) is skipped and the request placed on another, up to
 /// [`MAX_ATTEMPTS`]: with the request hyper hands back, or else one built
-/// from `replay`. Fails with the 502 page to answer.
+/// from `replay`. Fails with the 502 page to answer (counted in `tunnel`).
 pub(super) async fn send(
     edge: &Edge,
     reservation: &Reservation,
     host: &str,
     mut request: Request<BoxBody>,
     replay: Option<Replay>,
+    tunnel: &TunnelCounters,
 ) -> Result<(Response<Incoming>, StreamGuard), Response<BoxBody>> {
     let mut tried = Vec::new();
     loop {
         let Some(guard) = edge.registry.pick_or_wait(&reservation.id, Protocol::Http, &tried).await else {
             let reason = if tried.is_empty() {
+                tunnel.offline();
                 "the tunnel is offline: no agent is connected for this host"
             } else {
+                tunnel.answered(StatusCode::BAD_GATEWAY);
                 "every agent connection of this tunnel failed"
             };
             return Err(error_page(StatusCode::BAD_GATEWAY, host, reason));
@@ -60,6 +64,7 @@ pub(super) async fn send(
                 match again {
                     Some(r) if tried.len() < MAX_ATTEMPTS => request = r,
                     _ => {
+                        tunnel.answered(StatusCode::BAD_GATEWAY);
                         let reason = format!("the tunnel failed: {}", error_chain(e.error()));
                         return Err(error_page(StatusCode::BAD_GATEWAY, host, &reason));
                     }

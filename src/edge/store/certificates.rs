@@ -2,13 +2,36 @@
 
 use rusqlite::{OptionalExtension, Row, TransactionBehavior, params};
 
-use super::{Store, StoreError, invalid, now_rfc3339, rfc3339};
+use super::{Sqlite, StoreError, invalid, now_rfc3339, rfc3339};
 use crate::api::{CertificateState, CertificateStatus};
 use crate::constants::RENEW_BEFORE_EXPIRY;
 
-impl Store {
+/// The ACME account and the certificates of custom domains.
+pub trait Certificates {
     /// The stored ACME account credentials (JSON) for a directory URL.
-    pub fn acme_account(&self, directory: &str) -> Result<Option<String>, StoreError> {
+    fn acme_account(&self, directory: &str) -> Result<Option<String>, StoreError>;
+
+    /// Keeps the ACME account credentials (JSON) for a directory URL.
+    fn put_acme_account(&self, directory: &str, credentials: &str) -> Result<(), StoreError>;
+
+    /// Every certificate record, by host name.
+    fn certificates(&self) -> Result<Vec<CertificateRecord>, StoreError>;
+
+    /// The certificate record of one host name.
+    fn certificate(&self, hostname: &str) -> Result<Option<CertificateRecord>, StoreError>;
+
+    /// Writes a certificate record, but only while its host name is a
+    /// reserved custom domain (an order that finishes after the release
+    /// stores nothing), or for the edge's own wildcard `*.<domain>`.
+    /// Returns whether it was written.
+    fn put_certificate(&self, c: &CertificateRecord) -> Result<bool, StoreError>;
+
+    /// Forgets the certificate of a host name (idempotent).
+    fn delete_certificate(&self, hostname: &str) -> Result<(), StoreError>;
+}
+
+impl Certificates for Sqlite {
+    fn acme_account(&self, directory: &str) -> Result<Option<String>, StoreError> {
         Ok(self
             .lock()
             .query_row("SELECT credentials FROM acme_accounts WHERE directory = ?1", [directory], |r| {
@@ -17,8 +40,7 @@ impl Store {
             .optional()?)
     }
 
-    /// Keeps the ACME account credentials (JSON) for a directory URL.
-    pub fn put_acme_account(&self, directory: &str, credentials: &str) -> Result<(), StoreError> {
+    fn put_acme_account(&self, directory: &str, credentials: &str) -> Result<(), StoreError> {
         self.lock().execute(
             "INSERT INTO acme_accounts (directory, credentials, created_at) VALUES (?1, ?2, ?3)
              ON CONFLICT (directory) DO UPDATE SET credentials = excluded.credentials",
@@ -27,8 +49,7 @@ impl Store {
         Ok(())
     }
 
-    /// Every certificate record, by host name.
-    pub fn certificates(&self) -> Result<Vec<CertificateRecord>, StoreError> {
+    fn certificates(&self) -> Result<Vec<CertificateRecord>, StoreError> {
         let conn = self.lock();
         let mut stmt =
             conn.prepare(&format!("SELECT {CERTIFICATE_COLUMNS} FROM certificates ORDER BY hostname"))?;
@@ -36,8 +57,7 @@ impl Store {
         Ok(all)
     }
 
-    /// The certificate record of one host name.
-    pub fn certificate(&self, hostname: &str) -> Result<Option<CertificateRecord>, StoreError> {
+    fn certificate(&self, hostname: &str) -> Result<Option<CertificateRecord>, StoreError> {
         Ok(self
             .lock()
             .query_row(
@@ -48,11 +68,7 @@ impl Store {
             .optional()?)
     }
 
-    /// Writes a certificate record, but only while its host name is a
-    /// reserved custom domain (an order that finishes after the release
-    /// stores nothing), or for the edge's own wildcard `*.<domain>`.
-    /// Returns whether it was written.
-    pub fn put_certificate(&self, c: &CertificateRecord) -> Result<bool, StoreError> {
+    fn put_certificate(&self, c: &CertificateRecord) -> Result<bool, StoreError> {
         let mut conn = self.lock();
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
         // The edge's own wildcard (`*.<domain>`, DNS-01) is no reservation.
@@ -96,8 +112,7 @@ impl Store {
         Ok(true)
     }
 
-    /// Forgets the certificate of a host name (idempotent).
-    pub fn delete_certificate(&self, hostname: &str) -> Result<(), StoreError> {
+    fn delete_certificate(&self, hostname: &str) -> Result<(), StoreError> {
         self.lock().execute("DELETE FROM certificates WHERE hostname = ?1", [hostname])?;
         Ok(())
     }
@@ -193,9 +208,9 @@ impl CertificateRecord {
     }
 }
 
-const CERTIFICATE_COLUMNS: &str = "hostname, status, chain_pem, key_pem, not_before, not_after, last_error, failures, next_attempt, updated_at";
+pub(super) const CERTIFICATE_COLUMNS: &str = "hostname, status, chain_pem, key_pem, not_before, not_after, last_error, failures, next_attempt, updated_at";
 
-fn certificate_from_row(row: &Row<'_>) -> rusqlite::Result<CertificateRecord> {
+pub(super) fn certificate_from_row(row: &Row<'_>) -> rusqlite::Result<CertificateRecord> {
     let status: String = row.get(1)?;
     let status = match status.as_str() {
         "pending" => StoredCertificateStatus::Pending,
@@ -223,17 +238,18 @@ fn certificate_from_row(row: &Row<'_>) -> rusqlite::Result<CertificateRecord> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::testing::{TestStore, both_engines};
     use super::super::tests::admin;
     use crate::api::{Labels, ReservationKind};
 
     use super::*;
 
-    #[test]
-    fn certificates_live_and_die_with_their_custom_domain() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Store::open(dir.path()).unwrap();
+    both_engines!(certificates_live_and_die_with_their_custom_domain);
+
+    fn certificates_live_and_die_with_their_custom_domain(t: &TestStore) {
+        let store = &*t.store;
         store.ensure_admin_key().unwrap();
-        let owner = admin(&store).id;
+        let owner = admin(store).id;
         let none = Labels::new();
         // Only a reserved custom domain gets a record.
         assert!(!store.put_certificate(&CertificateRecord::pending("app.example.org")).unwrap());
@@ -256,9 +272,8 @@ mod tests {
         record.last_error = Some("renewal failed".into());
         record.next_attempt = 1_070;
         assert!(store.put_certificate(&record).unwrap());
-        // Like kill -9: the record survives without a clean shutdown.
-        std::mem::forget(store);
-        let store = Store::open(dir.path()).unwrap();
+        // Another connection (a restart, another edge) reads what was committed.
+        let store = &*t.reopen().unwrap();
         let stored = store.certificate("app.example.org").unwrap().unwrap();
         assert!(stored == CertificateRecord { updated_at: stored.updated_at.clone(), ..record.clone() });
         let state = stored.state(1_050);

@@ -6,7 +6,7 @@ use rusqlite::{Connection, OptionalExtension, Row, TransactionBehavior, params};
 
 use super::reservations::{RESERVATION_COLUMNS, reservation_from_row, select_reservation};
 use super::{
-    ADMIN_KEY_PREFIX, ENDPOINTS_KEY_PREFIX, INITIAL_ADMIN_KEY_NAME, Store, StoreError, TUNNEL_KEY_PREFIX,
+    ADMIN_KEY_PREFIX, ENDPOINTS_KEY_PREFIX, INITIAL_ADMIN_KEY_NAME, Sqlite, StoreError, TUNNEL_KEY_PREFIX,
     hash_secret, insert_with_fresh_id, invalid, labels_column, labels_to_json, new_secret, now_rfc3339,
     port_column,
 };
@@ -50,10 +50,58 @@ pub enum ApiKeyAuth {
     /// The secret is a tunnel key, which has no API access.
     TunnelKey,
 }
-impl Store {
+/// API keys and tunnel keys.
+pub trait Keys {
     /// Creates an admin key if there is no live one (the first start) and
     /// returns its secret, once. `None` when an admin key already exists.
-    pub fn ensure_admin_key(&self) -> Result<Option<String>, StoreError> {
+    fn ensure_admin_key(&self) -> Result<Option<String>, StoreError>;
+
+    /// Makes an API key; returns it and its secret (shown once).
+    fn create_api_key(&self, name: &str, scope: ApiKeyScope) -> Result<(ApiKey, String), StoreError>;
+
+    /// Every API key, revoked ones included, oldest first.
+    fn api_keys(&self) -> Result<Vec<ApiKey>, StoreError>;
+
+    /// One API key by id.
+    fn api_key(&self, id: &str) -> Result<Option<ApiKey>, StoreError>;
+
+    /// Revokes an API key (idempotent). The last live admin key cannot be revoked.
+    fn revoke_api_key(&self, id: &str) -> Result<ApiKey, StoreError>;
+
+    /// Looks an API key up by its secret.
+    fn authenticate_api_key(&self, secret: &str) -> Result<ApiKeyAuth, StoreError>;
+
+    /// Looks a tunnel key up by its secret: what it may open, or why not.
+    /// An admin or endpoints key (by prefix or by hash) is `NotATunnelKey`.
+    fn authenticate_tunnel_key(&self, secret: &str) -> Result<TunnelKeyAuth, StoreError>;
+
+    /// Mints a tunnel key for a reservation; returns it and its secret (shown
+    /// once). The key's owner is the reservation's owner; `created_by` is the
+    /// API key that asked. Checking that the protocol fits the reservation is
+    /// the caller's job.
+    fn create_tunnel_key(
+        &self,
+        reservation_id: &str,
+        protocol: Protocol,
+        labels: &Labels,
+        created_by: &str,
+    ) -> Result<(TunnelKey, String), StoreError>;
+
+    /// Tunnel keys, oldest first; revoked ones only if asked.
+    fn tunnel_keys(&self, include_revoked: bool) -> Result<Vec<TunnelKey>, StoreError>;
+
+    /// One tunnel key by id.
+    fn tunnel_key(&self, id: &str) -> Result<Option<TunnelKey>, StoreError>;
+
+    /// Revokes a tunnel key (idempotent: revoking a revoked key answers it unchanged).
+    fn revoke_tunnel_key(&self, id: &str) -> Result<TunnelKey, StoreError>;
+
+    /// Ids of all tunnel keys that are not revoked.
+    fn live_tunnel_key_ids(&self) -> Result<HashSet<String>, StoreError>;
+}
+
+impl Keys for Sqlite {
+    fn ensure_admin_key(&self) -> Result<Option<String>, StoreError> {
         let mut conn = self.lock();
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
         let live: i64 = tx.query_row(
@@ -69,8 +117,7 @@ impl Store {
         Ok(Some(secret))
     }
 
-    /// Makes an API key; returns it and its secret (shown once).
-    pub fn create_api_key(&self, name: &str, scope: ApiKeyScope) -> Result<(ApiKey, String), StoreError> {
+    fn create_api_key(&self, name: &str, scope: ApiKeyScope) -> Result<(ApiKey, String), StoreError> {
         let mut conn = self.lock();
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
         let made = insert_api_key(&tx, name, scope)?;
@@ -78,16 +125,14 @@ impl Store {
         Ok(made)
     }
 
-    /// Every API key, revoked ones included, oldest first.
-    pub fn api_keys(&self) -> Result<Vec<ApiKey>, StoreError> {
+    fn api_keys(&self) -> Result<Vec<ApiKey>, StoreError> {
         let conn = self.lock();
         let mut stmt = conn.prepare(&format!("SELECT {API_KEY_COLUMNS} FROM api_keys ORDER BY rowid"))?;
         let keys = stmt.query_map([], api_key_from_row)?.collect::<Result<_, _>>()?;
         Ok(keys)
     }
 
-    /// One API key by id.
-    pub fn api_key(&self, id: &str) -> Result<Option<ApiKey>, StoreError> {
+    fn api_key(&self, id: &str) -> Result<Option<ApiKey>, StoreError> {
         let conn = self.lock();
         Ok(conn
             .query_row(
@@ -98,8 +143,7 @@ impl Store {
             .optional()?)
     }
 
-    /// Revokes an API key (idempotent). The last live admin key cannot be revoked.
-    pub fn revoke_api_key(&self, id: &str) -> Result<ApiKey, StoreError> {
+    fn revoke_api_key(&self, id: &str) -> Result<ApiKey, StoreError> {
         let mut conn = self.lock();
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
         let key = tx
@@ -129,8 +173,7 @@ impl Store {
         Ok(ApiKey { revoked_at: Some(now), ..key })
     }
 
-    /// Looks an API key up by its secret.
-    pub fn authenticate_api_key(&self, secret: &str) -> Result<ApiKeyAuth, StoreError> {
+    fn authenticate_api_key(&self, secret: &str) -> Result<ApiKeyAuth, StoreError> {
         let secret = secret.trim();
         if secret.starts_with(TUNNEL_KEY_PREFIX) {
             return Ok(ApiKeyAuth::TunnelKey);
@@ -156,9 +199,7 @@ impl Store {
         })
     }
 
-    /// Looks a tunnel key up by its secret: what it may open, or why not.
-    /// An admin or endpoints key (by prefix or by hash) is `NotATunnelKey`.
-    pub fn authenticate_tunnel_key(&self, secret: &str) -> Result<TunnelKeyAuth, StoreError> {
+    fn authenticate_tunnel_key(&self, secret: &str) -> Result<TunnelKeyAuth, StoreError> {
         let secret = secret.trim();
         if secret.starts_with(ADMIN_KEY_PREFIX) || secret.starts_with(ENDPOINTS_KEY_PREFIX) {
             return Ok(TunnelKeyAuth::NotATunnelKey);
@@ -205,11 +246,7 @@ impl Store {
         })
     }
 
-    /// Mints a tunnel key for a reservation; returns it and its secret (shown
-    /// once). The key's owner is the reservation's owner; `created_by` is the
-    /// API key that asked. Checking that the protocol fits the reservation is
-    /// the caller's job.
-    pub fn create_tunnel_key(
+    fn create_tunnel_key(
         &self,
         reservation_id: &str,
         protocol: Protocol,
@@ -256,8 +293,7 @@ impl Store {
         Ok((key, secret))
     }
 
-    /// Tunnel keys, oldest first; revoked ones only if asked.
-    pub fn tunnel_keys(&self, include_revoked: bool) -> Result<Vec<TunnelKey>, StoreError> {
+    fn tunnel_keys(&self, include_revoked: bool) -> Result<Vec<TunnelKey>, StoreError> {
         let conn = self.lock();
         let filter = if include_revoked { "" } else { "WHERE revoked_at IS NULL" };
         let mut stmt =
@@ -266,8 +302,7 @@ impl Store {
         Ok(keys)
     }
 
-    /// One tunnel key by id.
-    pub fn tunnel_key(&self, id: &str) -> Result<Option<TunnelKey>, StoreError> {
+    fn tunnel_key(&self, id: &str) -> Result<Option<TunnelKey>, StoreError> {
         let conn = self.lock();
         Ok(conn
             .query_row(
@@ -278,8 +313,7 @@ impl Store {
             .optional()?)
     }
 
-    /// Revokes a tunnel key (idempotent: revoking a revoked key answers it unchanged).
-    pub fn revoke_tunnel_key(&self, id: &str) -> Result<TunnelKey, StoreError> {
+    fn revoke_tunnel_key(&self, id: &str) -> Result<TunnelKey, StoreError> {
         let mut conn = self.lock();
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
         let key = tx
@@ -299,8 +333,7 @@ impl Store {
         Ok(TunnelKey { revoked_at: Some(now), ..key })
     }
 
-    /// Ids of all tunnel keys that are not revoked.
-    pub fn live_tunnel_key_ids(&self) -> Result<HashSet<String>, StoreError> {
+    fn live_tunnel_key_ids(&self) -> Result<HashSet<String>, StoreError> {
         let conn = self.lock();
         let mut stmt = conn.prepare("SELECT id FROM tunnel_keys WHERE revoked_at IS NULL")?;
         let ids = stmt.query_map([], |r| r.get(0))?.collect::<Result<_, _>>()?;
@@ -324,11 +357,11 @@ fn insert_api_key(conn: &Connection, name: &str, scope: ApiKeyScope) -> Result<(
     let key = ApiKey { id, name: name.to_string(), scope, created_at, revoked_at: None };
     Ok((key, secret))
 }
-const API_KEY_COLUMNS: &str = "id, name, scope, created_at, revoked_at";
-const TUNNEL_KEY_COLUMNS: &str =
+pub(super) const API_KEY_COLUMNS: &str = "id, name, scope, created_at, revoked_at";
+pub(super) const TUNNEL_KEY_COLUMNS: &str =
     "id, protocol, reservation_id, kind, hostname, port, owner, labels, created_at, revoked_at";
 
-fn api_key_from_row(row: &Row<'_>) -> rusqlite::Result<ApiKey> {
+pub(super) fn api_key_from_row(row: &Row<'_>) -> rusqlite::Result<ApiKey> {
     let scope: String = row.get(2)?;
     Ok(ApiKey {
         id: row.get(0)?,
@@ -339,7 +372,7 @@ fn api_key_from_row(row: &Row<'_>) -> rusqlite::Result<ApiKey> {
     })
 }
 
-fn tunnel_key_from_row(row: &Row<'_>) -> rusqlite::Result<TunnelKey> {
+pub(super) fn tunnel_key_from_row(row: &Row<'_>) -> rusqlite::Result<TunnelKey> {
     let protocol: String = row.get(1)?;
     let kind: String = row.get(3)?;
     Ok(TunnelKey {
@@ -363,14 +396,14 @@ fn tunnel_key_from_row(row: &Row<'_>) -> rusqlite::Result<TunnelKey> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::DB_FILE;
+    use super::super::testing::{TestStore, both_engines};
     use super::super::tests::admin;
     use super::*;
 
-    #[test]
-    fn key_prefixes_and_hashing() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Store::open(dir.path()).unwrap();
+    both_engines!(key_prefixes_and_hashing, revocation, api_keys_and_the_last_admin);
+
+    fn key_prefixes_and_hashing(t: &TestStore) {
+        let store = &*t.store;
         let admin_secret = store.ensure_admin_key().unwrap().expect("first start makes a key");
         assert!(admin_secret.starts_with(ADMIN_KEY_PREFIX));
         assert_eq!(admin_secret.len(), ADMIN_KEY_PREFIX.len() + 64);
@@ -387,12 +420,11 @@ mod tests {
         assert!(tk.id.starts_with("tk_") && tk.id.len() == 15, "{}", tk.id);
 
         // Nothing stores a secret in clear.
-        let raw = std::fs::read(dir.path().join(DB_FILE)).unwrap_or_default();
-        let wal = std::fs::read(dir.path().join(format!("{DB_FILE}-wal"))).unwrap_or_default();
+        let raw = t.raw();
+        assert!(!raw.is_empty());
         for secret in [&admin_secret, &ep_secret, &tk_secret] {
             let needle = &secret.as_bytes()[10..];
             assert!(!raw.windows(needle.len()).any(|w| w == needle));
-            assert!(!wal.windows(needle.len()).any(|w| w == needle));
         }
 
         assert!(
@@ -421,12 +453,10 @@ mod tests {
         assert!(matches!(store.authenticate_tunnel_key("").unwrap(), TunnelKeyAuth::Unknown));
     }
 
-    #[test]
-    fn revocation() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Store::open(dir.path()).unwrap();
+    fn revocation(t: &TestStore) {
+        let store = &*t.store;
         store.ensure_admin_key().unwrap();
-        let owner = admin(&store).id;
+        let owner = admin(store).id;
         let (r, _) = store
             .reserve_domain(ReservationKind::Subdomain, "x.example.com", &owner, &Labels::new())
             .unwrap();
@@ -458,12 +488,10 @@ mod tests {
         ));
     }
 
-    #[test]
-    fn api_keys_and_the_last_admin() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Store::open(dir.path()).unwrap();
+    fn api_keys_and_the_last_admin(t: &TestStore) {
+        let store = &*t.store;
         store.ensure_admin_key().unwrap();
-        let first = admin(&store);
+        let first = admin(store);
         assert_eq!(first.name, INITIAL_ADMIN_KEY_NAME);
         assert!(matches!(store.revoke_api_key(&first.id).unwrap_err(), StoreError::LastAdminKey { .. }));
         let (second, second_secret) = store.create_api_key("second", ApiKeyScope::Admin).unwrap();

@@ -3,15 +3,69 @@
 use rusqlite::{Connection, OptionalExtension, Row, TransactionBehavior, params};
 
 use super::{
-    Store, StoreError, insert_with_fresh_id, invalid, labels_column, labels_to_json, now_rfc3339, port_column,
+    Sqlite, StoreError, held_by, insert_with_fresh_id, invalid, labels_column, labels_to_json, now_rfc3339,
+    port_column,
 };
 use crate::api::PortRange;
 use crate::api::{Labels, Reservation, ReservationKind};
 
-impl Store {
+/// Reservations: host names and TCP ports, each held by one owner.
+pub trait Reservations {
     /// Reserves a host name for `owner`. Idempotent: if `owner` already holds
     /// it, answers the existing record (labels unchanged) and `false`.
-    pub fn reserve_domain(
+    fn reserve_domain(
+        &self,
+        kind: ReservationKind,
+        hostname: &str,
+        owner: &str,
+        labels: &Labels,
+    ) -> Result<(Reservation, bool), StoreError>;
+
+    /// Reserves a TCP port for `owner`: `port` if given (it must be in
+    /// `range`), else the lowest free one. Reserving a port `owner` already
+    /// holds answers the existing record and `false`.
+    fn reserve_port(
+        &self,
+        port: Option<u16>,
+        range: PortRange,
+        owner: &str,
+        labels: &Labels,
+    ) -> Result<(Reservation, bool), StoreError> {
+        self.reserve_usable_port(port, range, owner, labels, &|_| true)
+    }
+
+    /// [`Reservations::reserve_port`] among the ports `usable` accepts (those
+    /// the edge can listen on): a new reservation of an unusable port is
+    /// `PortInUse`; a free port is taken only if it is usable.
+    fn reserve_usable_port(
+        &self,
+        port: Option<u16>,
+        range: PortRange,
+        owner: &str,
+        labels: &Labels,
+        usable: &dyn Fn(u16) -> bool,
+    ) -> Result<(Reservation, bool), StoreError>;
+
+    /// Every reservation: domains by host name, then ports in order.
+    fn reservations(&self) -> Result<Vec<Reservation>, StoreError>;
+
+    /// The reservation of a host name.
+    fn reservation_by_hostname(&self, hostname: &str) -> Result<Option<Reservation>, StoreError>;
+
+    /// The reservation of a TCP port.
+    fn reservation_by_port(&self, port: u16) -> Result<Option<Reservation>, StoreError>;
+
+    /// A reservation by id.
+    fn reservation(&self, id: &str) -> Result<Option<Reservation>, StoreError>;
+
+    /// Releases a reservation: deletes it, revokes its live tunnel keys and
+    /// forgets its certificate, in one transaction. Returns the released
+    /// record and the revoked key ids.
+    fn release_reservation(&self, id: &str) -> Result<(Reservation, Vec<String>), StoreError>;
+}
+
+impl Reservations for Sqlite {
+    fn reserve_domain(
         &self,
         kind: ReservationKind,
         hostname: &str,
@@ -31,29 +85,13 @@ impl Store {
         Ok((reservation, true))
     }
 
-    /// Reserves a TCP port for `owner`: `port` if given (it must be in
-    /// `range`), else the lowest free one. Reserving a port `owner` already
-    /// holds answers the existing record and `false`.
-    pub fn reserve_port(
+    fn reserve_usable_port(
         &self,
         port: Option<u16>,
         range: PortRange,
         owner: &str,
         labels: &Labels,
-    ) -> Result<(Reservation, bool), StoreError> {
-        self.reserve_usable_port(port, range, owner, labels, |_| true)
-    }
-
-    /// [`Store::reserve_port`] among the ports `usable` accepts (those the
-    /// edge can listen on): a new reservation of an unusable port is
-    /// `PortInUse`; a free port is taken only if it is usable.
-    pub fn reserve_usable_port(
-        &self,
-        port: Option<u16>,
-        range: PortRange,
-        owner: &str,
-        labels: &Labels,
-        usable: impl Fn(u16) -> bool,
+        usable: &dyn Fn(u16) -> bool,
     ) -> Result<(Reservation, bool), StoreError> {
         let mut conn = self.lock();
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
@@ -77,8 +115,7 @@ impl Store {
         Ok((reservation, true))
     }
 
-    /// Every reservation: domains by host name, then ports in order.
-    pub fn reservations(&self) -> Result<Vec<Reservation>, StoreError> {
+    fn reservations(&self) -> Result<Vec<Reservation>, StoreError> {
         let conn = self.lock();
         let mut stmt =
             conn.prepare(&format!("SELECT {RESERVATION_COLUMNS} FROM reservations ORDER BY port, hostname"))?;
@@ -86,24 +123,19 @@ impl Store {
         Ok(all)
     }
 
-    /// The reservation of a host name.
-    pub fn reservation_by_hostname(&self, hostname: &str) -> Result<Option<Reservation>, StoreError> {
+    fn reservation_by_hostname(&self, hostname: &str) -> Result<Option<Reservation>, StoreError> {
         select_reservation(&self.lock(), "hostname = ?1", &hostname)
     }
 
-    /// The reservation of a TCP port.
-    pub fn reservation_by_port(&self, port: u16) -> Result<Option<Reservation>, StoreError> {
+    fn reservation_by_port(&self, port: u16) -> Result<Option<Reservation>, StoreError> {
         select_reservation(&self.lock(), "port = ?1", &i64::from(port))
     }
 
-    /// A reservation by id.
-    pub fn reservation(&self, id: &str) -> Result<Option<Reservation>, StoreError> {
+    fn reservation(&self, id: &str) -> Result<Option<Reservation>, StoreError> {
         select_reservation(&self.lock(), "id = ?1", &id)
     }
 
-    /// Releases a reservation: deletes it and revokes its live tunnel keys, in
-    /// one transaction. Returns the released record and the revoked key ids.
-    pub fn release_reservation(&self, id: &str) -> Result<(Reservation, Vec<String>), StoreError> {
+    fn release_reservation(&self, id: &str) -> Result<(Reservation, Vec<String>), StoreError> {
         let mut conn = self.lock();
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
         let reservation = select_reservation(&tx, "id = ?1", &id)?
@@ -128,18 +160,10 @@ impl Store {
     }
 }
 
-fn held_by(existing: Reservation, owner: &str) -> Result<(Reservation, bool), StoreError> {
-    if existing.owner == owner {
-        Ok((existing, false))
-    } else {
-        Err(StoreError::AlreadyReserved { target: existing.target(), owner: existing.owner })
-    }
-}
-
 fn lowest_free_port(
     conn: &Connection,
     range: PortRange,
-    usable: impl Fn(u16) -> bool,
+    usable: &dyn Fn(u16) -> bool,
 ) -> Result<Option<u16>, StoreError> {
     let mut stmt =
         conn.prepare("SELECT port FROM reservations WHERE port BETWEEN ?1 AND ?2 ORDER BY port")?;
@@ -212,15 +236,16 @@ pub(super) fn reservation_from_row(row: &Row<'_>) -> rusqlite::Result<Reservatio
 
 #[cfg(test)]
 mod tests {
+    use super::super::testing::{TestStore, both_engines};
     use super::super::tests::{labels, range};
     use crate::api::ApiKeyScope;
 
     use super::*;
 
-    #[test]
-    fn idempotent_reservations_and_conflicts() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Store::open(dir.path()).unwrap();
+    both_engines!(idempotent_reservations_and_conflicts, port_allocation_stays_in_range);
+
+    fn idempotent_reservations_and_conflicts(t: &TestStore) {
+        let store = &*t.store;
         let (a, _) = store.create_api_key("a", ApiKeyScope::Endpoints).unwrap();
         let (b, _) = store.create_api_key("b", ApiKeyScope::Endpoints).unwrap();
         let (first, created) = store
@@ -258,10 +283,8 @@ mod tests {
         assert!(matches!(store.release_reservation(&first.id).unwrap_err(), StoreError::NotFound { .. }));
     }
 
-    #[test]
-    fn port_allocation_stays_in_range() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Store::open(dir.path()).unwrap();
+    fn port_allocation_stays_in_range(t: &TestStore) {
+        let store = &*t.store;
         let (a, _) = store.create_api_key("a", ApiKeyScope::Endpoints).unwrap();
         let r = range(30000, 30003);
         let none = Labels::new();
@@ -284,10 +307,10 @@ mod tests {
         // Ports the edge cannot listen on: skipped when free ones are picked, refused when asked for.
         let busy = |p: u16| p != 30005 && p != 30006;
         let r = range(30003, 30008);
-        assert_eq!(store.reserve_usable_port(None, r, &a.id, &none, busy).unwrap().0.port, Some(30007));
-        let err = store.reserve_usable_port(Some(30006), r, &a.id, &none, busy).unwrap_err();
+        assert_eq!(store.reserve_usable_port(None, r, &a.id, &none, &busy).unwrap().0.port, Some(30007));
+        let err = store.reserve_usable_port(Some(30006), r, &a.id, &none, &busy).unwrap_err();
         assert!(matches!(err, StoreError::PortInUse { port: 30006 }), "{err:?}");
         // A port already held answers the reservation whatever the check says.
-        assert!(!store.reserve_usable_port(Some(30007), r, &a.id, &none, |_| false).unwrap().1);
+        assert!(!store.reserve_usable_port(Some(30007), r, &a.id, &none, &|_| false).unwrap().1);
     }
 }
