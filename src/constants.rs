@@ -122,6 +122,10 @@ pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 /// not reconnected yet waits for them instead of failing (502).
 pub const AGENT_RETURN_GRACE: Duration = Duration::from_secs(3);
 
+/// A public connection accepted before a drain began gets this long for its
+/// first request before it is closed.
+pub const FIRST_REQUEST_GRACE: Duration = Duration::from_secs(1);
+
 /// Dialing a backend must succeed within this.
 pub const BACKEND_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Timeout of one control API call made by `culvert admin` and the operator.

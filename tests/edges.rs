@@ -352,8 +352,10 @@ async fn no_request_fails_while_edges_are_killed_and_restarted() {
     println!("after SIGKILL of edge A: {}", counts.show());
 
     // B drains and comes back on its port; the agent reconnects to it.
+    let broken_before_term = counts.next_after_reset.load(Ordering::Relaxed);
     b.proc.signal("-TERM");
     b.proc.exited().await;
+    let broken_by_term = counts.next_after_reset.load(Ordering::Relaxed) - broken_before_term;
     b.restart().await;
     agent.line("Forwarding").await;
     let (after_restart, b_before) =
@@ -368,6 +370,9 @@ async fn no_request_fails_while_edges_are_killed_and_restarted() {
     assert_eq!(counts.failed.load(Ordering::Relaxed), 0, "failed requests: {errors:?}");
     assert!(counts.next_after_refused.load(Ordering::Relaxed) > 0, "the client met the dead edge");
     assert!(counts.by_edge[1].load(Ordering::Relaxed) > b_before, "B serves again after its restart");
+    // The drain closed no connection unanswered: the requests B had accepted
+    // (in flight, on their way, in its listen backlog) were served.
+    assert_eq!(broken_by_term, 0, "connections B's drain broke: {:?}", counts.resets.lock().unwrap());
     drop(c);
 }
 

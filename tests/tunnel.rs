@@ -723,3 +723,27 @@ async fn draining_edge_cuts_what_outlives_the_grace() {
         Ok(r) => assert_ne!(r.status(), StatusCode::OK, "a cut request cannot succeed"),
     }
 }
+
+/// A connection accepted before the drain began whose first request comes
+/// after it (the client was still in its handshake): served, not closed
+/// unanswered (the client sent it to an edge that was accepting).
+#[tokio::test]
+async fn draining_edge_answers_the_first_request_of_a_connection_it_accepted() {
+    let (mut edge, host, _agent) = published().await;
+    let tls = edge.client().connect(&host, false).await;
+    let drain = tokio::spawn(edge.handle.take().unwrap().drain(Duration::from_secs(60)));
+    // Draining once new connections are refused.
+    net::wait_for("new connections refused", Duration::from_secs(10), || {
+        std::net::TcpStream::connect(edge.https).is_err().then_some(())
+    })
+    .await;
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls)).await.unwrap();
+    tokio::spawn(conn);
+    let req = Request::get("/").header("host", &host).body(Full::new(Bytes::new())).unwrap();
+    let resp = sender.send_request(req).await.expect("answered, not closed");
+    assert_eq!(resp.status(), StatusCode::OK);
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&body[..], b"hello from backend");
+    tokio::time::timeout(Duration::from_secs(10), drain).await.expect("the drain ends after it").unwrap();
+}

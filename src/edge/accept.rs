@@ -8,12 +8,18 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
+/// Most connections taken from a stopped listener's backlog.
+const MAX_BACKLOG_TAKEN: usize = 4096;
+
 /// Pause after a failed accept (out of file descriptors and the like).
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
 /// Accepts on `listener` until `stop` is cancelled and hands every connection
 /// to `on_accept`, which must not wait on the client (it spawns a task); the
-/// loop never waits on a client. A failed accept backs off briefly.
+/// loop never waits on a client. A failed accept backs off briefly. When
+/// stopped, the connections the kernel completed already (the listen
+/// backlog) are taken too: closing the listener would reset them, failing
+/// clients that connected while the edge was still accepting.
 pub(crate) async fn accept_loop<F>(listener: &TcpListener, stop: &CancellationToken, mut on_accept: F)
 where
     F: FnMut(TcpStream, SocketAddr),
@@ -29,8 +35,53 @@ where
                     continue;
                 }
             },
-            _ = stop.cancelled() => return,
+            _ = stop.cancelled() => break,
         };
         on_accept(tcp, peer);
+    }
+    for (tcp, peer) in backlog(listener) {
+        on_accept(tcp, peer);
+    }
+}
+
+/// The connections waiting in `listener`'s backlog, taken without waiting
+/// (a non-blocking accept on a duplicate of the socket, which does not
+/// depend on the runtime having seen their readiness yet).
+fn backlog(listener: &TcpListener) -> Vec<(TcpStream, SocketAddr)> {
+    use std::os::fd::AsFd;
+    let Ok(fd) = listener.as_fd().try_clone_to_owned() else { return Vec::new() };
+    let dup = std::net::TcpListener::from(fd);
+    let mut out = Vec::new();
+    // The socket is non-blocking (shared with the original): WouldBlock ends it.
+    // Bounded: clients may keep connecting until the listener is closed.
+    while let (true, Ok((tcp, peer))) = (out.len() < MAX_BACKLOG_TAKEN, dup.accept()) {
+        let tokio = tcp.set_nonblocking(true).and_then(|()| TcpStream::from_std(tcp));
+        match tokio {
+            Ok(t) => out.push((t, peer)),
+            Err(e) => warn!(error = %e, "taking a connection of the backlog failed"),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_stopped_loop_takes_the_connections_of_the_backlog() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        // Connected (the kernel completed the handshakes), never accepted.
+        let clients: Vec<_> = (0..3).map(|_| std::net::TcpStream::connect(addr).unwrap()).collect();
+        let stop = CancellationToken::new();
+        stop.cancel();
+        let mut taken = Vec::new();
+        accept_loop(&listener, &stop, |_, peer| taken.push(peer)).await;
+        let mut want: Vec<_> = clients.iter().map(|c| c.local_addr().unwrap()).collect();
+        taken.sort();
+        want.sort();
+        assert_eq!(taken, want);
+        assert!(backlog(&listener).is_empty(), "nothing left");
     }
 }

@@ -13,6 +13,7 @@ mod upgrade;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use http::header::{self, HeaderValue};
 use http::{Request, Response, StatusCode};
@@ -23,7 +24,7 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::OwnedSemaphorePermit;
+use tokio::sync::{Notify, OwnedSemaphorePermit};
 use tokio_rustls::TlsAcceptor;
 use tracing::{Instrument, debug, warn};
 
@@ -33,8 +34,8 @@ use super::{Edge, sni};
 use crate::BoxError;
 use crate::api::{Protocol, Reservation, ReservationKind};
 use crate::constants::{
-    API_PREFIX, CONNECT_PATH, ERROR_HEADER, HANDSHAKE_TIMEOUT, HEADER_READ_TIMEOUT, MAX_HEADER_BYTES,
-    RESERVED_PREFIX, STATUS_HEADER,
+    API_PREFIX, CONNECT_PATH, ERROR_HEADER, FIRST_REQUEST_GRACE, HANDSHAKE_TIMEOUT, HEADER_READ_TIMEOUT,
+    MAX_HEADER_BYTES, RESERVED_PREFIX, STATUS_HEADER,
 };
 use crate::http::{error_page, text};
 use crate::tunnel::body::{self, BoxBody, Counted};
@@ -115,9 +116,11 @@ async fn serve_tls(
     let h2 = tls.get_ref().1.alpn_protocol() == Some(crate::tls::ALPN_H2);
     let builder = if h2 { http_builder().http2_only() } else { http_builder().http1_only() };
     let slot = Arc::new(std::sync::Mutex::new(Slot { handshake: Some(_permit), class: None }));
+    let first = Arc::new(FirstRequest::default());
     let service = service_fn({
-        let edge = edge.clone();
+        let (edge, first) = (edge.clone(), first.clone());
         move |req| {
+            first.arrived();
             let edge = edge.clone();
             let slot = slot.clone();
             async move {
@@ -130,7 +133,7 @@ async fn serve_tls(
     });
     let io = super::idle::IdleTimeout::new(tls);
     let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
-    if let Err(e) = drain_on_shutdown(&edge, conn).await {
+    if let Err(e) = drain_on_shutdown(&edge, conn, &first).await {
         debug!(error = %e, "public connection ended");
     }
 }
@@ -183,10 +186,36 @@ fn take_slot<B>(edge: &Edge, slot: &std::sync::Mutex<Slot>, req: &Request<B>) ->
     }
 }
 
+/// Whether a connection's first request has arrived.
+#[derive(Default)]
+struct FirstRequest {
+    seen: AtomicBool,
+    notify: Notify,
+}
+
+impl FirstRequest {
+    fn arrived(&self) {
+        if !self.seen.swap(true, Ordering::Relaxed) {
+            // Stores a permit when nobody waits yet.
+            self.notify.notify_one();
+        }
+    }
+
+    async fn wait(&self) {
+        if !self.seen.load(Ordering::Relaxed) {
+            self.notify.notified().await;
+        }
+    }
+}
+
 /// Serves one public HTTP connection; when the edge starts draining, it
 /// finishes the requests in flight and closes (HTTP/1.1: after the current
-/// response; HTTP/2: GOAWAY), or is dropped when the drain time is up.
-async fn drain_on_shutdown<C>(edge: &Edge, conn: C) -> Result<(), BoxError>
+/// response; HTTP/2: GOAWAY), or is dropped when the drain time is up. A
+/// connection accepted before the drain that has not sent its first request
+/// yet (the client is in its TLS handshake, or its request is on the wire)
+/// gets [`FIRST_REQUEST_GRACE`] for it: closing it unanswered would fail a
+/// request the client sent to an edge that was still accepting.
+async fn drain_on_shutdown<C>(edge: &Edge, conn: C, first: &FirstRequest) -> Result<(), BoxError>
 where
     C: Future<Output = Result<(), BoxError>> + GracefulConnection,
 {
@@ -194,6 +223,12 @@ where
     tokio::select! {
         r = conn.as_mut() => return r,
         _ = edge.shutdown.cancelled() => {}
+    }
+    tokio::select! {
+        r = conn.as_mut() => return r,
+        _ = first.wait() => {}
+        _ = tokio::time::sleep(FIRST_REQUEST_GRACE) => {}
+        _ = edge.stopped.cancelled() => return Ok(()),
     }
     conn.as_mut().graceful_shutdown();
     tokio::select! {
@@ -307,15 +342,20 @@ where
         let (edge, f) = (edge.clone(), f.clone());
         let tracker = edge.connections.clone();
         let serve = async move {
+            let first = FirstRequest::default();
             let service = service_fn({
                 let edge = edge.clone();
-                move |req| f(edge.clone(), req, peer)
+                let first = &first;
+                move |req| {
+                    first.arrived();
+                    f(edge.clone(), req, peer)
+                }
             });
             let io = super::idle::IdleTimeout::new(tcp);
             let builder = http_builder().http1_only();
             let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
             // Public connections finish when the edge drains; the admin port's keep serving.
-            let _ = if public { drain_on_shutdown(&edge, conn).await } else { conn.await };
+            let _ = if public { drain_on_shutdown(&edge, conn, &first).await } else { conn.await };
         };
         if public {
             tracker.spawn(serve);
