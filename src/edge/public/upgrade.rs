@@ -18,7 +18,7 @@ use crate::edge::registry::StreamGuard;
 use crate::tunnel::body::{self, BoxBody, ChannelBody, Counted};
 
 /// The public request is an HTTP/1.1 upgrade (WebSocket...).
-pub(super) fn upgrade_of<B>(req: &Request<B>) -> Option<HeaderValue> {
+pub(crate) fn upgrade_of<B>(req: &Request<B>) -> Option<HeaderValue> {
     let connection_upgrade = req
         .headers()
         .get_all(header::CONNECTION)
