@@ -128,7 +128,7 @@ pub async fn forward<S>(
     let mut tried = Vec::new();
     let counters = edge.metrics.bytes(name);
     let mut body = Some(body::boxed(Counted::new(ReadBody::new(read), counters.inbound)));
-    while let Some(guard) = edge.registry.pick(&reservation.id, protocol, &tried) {
+    while let Some(guard) = edge.registry.pick_or_wait(&reservation.id, protocol, &tried).await {
         tried.push(guard.conn().id);
         let mut req = Request::new(body.take().expect("body is put back on retry"));
         *req.method_mut() = http::Method::POST;
