@@ -227,6 +227,125 @@ pub fn ws_frames(data: &[u8]) {
     assert_eq!(whole.error.map(|e| e.kind()), out.error.map(|e| e.kind()));
 }
 
+/// Headers the edge never passes on from a client: hop-by-hop ones and the
+/// forwarding headers it writes itself (plus, below, whatever `Connection`
+/// names and every `culvert-` header but the two the edge sets).
+const NEVER_FROM_CLIENT: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "transfer-encoding",
+    "te",
+    "trailer",
+    "upgrade",
+    "proxy-authorization",
+    "proxy-authenticate",
+    "host",
+    "x-real-ip",
+    "forwarded",
+    "true-client-ip",
+    "x-client-ip",
+    "cf-connecting-ip",
+    "x-original-forwarded-for",
+];
+
+/// The edge's part of a public request's head: the host it asked for, the
+/// upgrade, and the head rewritten for the tunnel, checked against what
+/// `edge::public::head` promises. The reservation's host is the asked-for
+/// name when it is a valid one.
+fn check_public_head<B>(req: Request<B>) {
+    use crate::constants::{STREAM_HEADER, UPGRADE_HEADER};
+    use crate::edge::public::{head, upgrade};
+    let asked = head::request_host(&req).unwrap_or_default();
+    let name = crate::edge::routes::normalize_host(&asked);
+    assert_eq!(name, name.to_ascii_lowercase());
+    let host = names::normalize_hostname(&name).unwrap_or_else(|_| "app.example.com".into());
+    let upgrade = upgrade::upgrade_of(&req, &["websocket".to_string()]);
+    let (mut parts, _) = req.into_parts();
+    let pq = parts.uri.path_and_query().map(|p| p.as_str().to_string()).unwrap_or_else(|| "/".into());
+    let listed: Vec<String> = parts
+        .headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|t| t.trim().to_ascii_lowercase())
+        .collect();
+    let peer: SocketAddr = "203.0.113.9:40000".parse().expect("an address");
+    if head::rewrite_request(&mut parts, &host, peer, "https", 443, upgrade.as_ref()).is_err() {
+        return; // answered 400
+    }
+    assert_eq!(parts.uri.scheme_str(), Some("https"));
+    assert_eq!(parts.uri.authority().map(|a| a.as_str()), Some(host.as_str()));
+    assert_eq!(parts.uri.path_and_query().map(|p| p.as_str()), Some(pq.as_str()));
+    assert_eq!(parts.version, http::Version::HTTP_2);
+    let h = &parts.headers;
+    let all = |name: &str| h.get_all(name).iter().map(|v| v.as_bytes().to_vec()).collect::<Vec<_>>();
+    assert_eq!(all("x-forwarded-for"), [b"203.0.113.9".to_vec()]);
+    assert_eq!(all("x-forwarded-proto"), [b"https".to_vec()]);
+    assert_eq!(all("x-forwarded-host"), [host.as_bytes().to_vec()]);
+    assert_eq!(all("x-forwarded-port"), [b"443".to_vec()]);
+    let kind: &[u8] = if upgrade.is_some() { b"upgrade" } else { b"http" };
+    assert_eq!(all(STREAM_HEADER), [kind.to_vec()]);
+    assert_eq!(all(UPGRADE_HEADER), upgrade.iter().map(|u| u.as_bytes().to_vec()).collect::<Vec<_>>());
+    let ours = ["x-forwarded-for", "x-forwarded-proto", "x-forwarded-host", STREAM_HEADER, UPGRADE_HEADER];
+    for name in h.keys().map(|k| k.as_str()) {
+        assert!(!NEVER_FROM_CLIENT.contains(&name), "{name} reaches the agent");
+        assert!(ours.contains(&name) || !name.starts_with("culvert-"), "{name} reaches the agent");
+        assert!(
+            ours.contains(&name) || !listed.iter().any(|t| t == name),
+            "{name} (in Connection) reaches the agent"
+        );
+    }
+}
+
+/// Target `http_head`: the input is what a client sends on a public
+/// connection (HTTP/1.1, or h2 after its preface), served by hyper as the
+/// edge serves it; every request head goes through the edge's head
+/// handling ([`check_public_head`]).
+pub fn http_head(data: &[u8]) {
+    use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // h2 streams are served in tasks of their own, whose panics tokio
+    // catches: a failed check is kept and raised here.
+    let failed = Arc::new(std::sync::Mutex::new(None::<String>));
+    block_on(async {
+        let (mut client, server) = tokio::io::duplex(1 << 20);
+        let service = hyper::service::service_fn(|req: Request<hyper::body::Incoming>| {
+            let failed = failed.clone();
+            async move {
+                if let Err(panic) =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| check_public_head(req)))
+                {
+                    let what = panic
+                        .downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()));
+                    *failed.lock().expect("not poisoned") = Some(what.unwrap_or_default());
+                }
+                Ok::<_, std::convert::Infallible>(hyper::Response::new(http_body_util::Empty::<Bytes>::new()))
+            }
+        });
+        let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+        builder.http1().timer(TokioTimer::new()).max_buf_size(crate::constants::MAX_HEADER_BYTES);
+        builder
+            .http2()
+            .timer(TokioTimer::new())
+            .max_header_list_size(crate::constants::MAX_HEADER_BYTES as u32);
+        let serve = builder.serve_connection_with_upgrades(TokioIo::new(server), service);
+        let talk = async {
+            let _ = client.write_all(data).await;
+            let _ = client.shutdown().await;
+            let mut answer = Vec::new();
+            let _ = client.read_to_end(&mut answer).await;
+        };
+        let (_, ()) = tokio::join!(serve, talk);
+    });
+    if let Some(what) = failed.lock().expect("not poisoned").take() {
+        panic!("the edge's head handling: {what}");
+    }
+}
+
 /// Target `htpasswd`: the input is `auth` text, a NUL, `token` text, a NUL,
 /// and an `Authorization` value.
 pub fn htpasswd(data: &[u8]) {

@@ -52,3 +52,8 @@ fn api_request_corpus() {
     let api = super::ApiFuzz::open(dir.path());
     replay("api_request", |data| api.request(data));
 }
+
+#[test]
+fn http_head_corpus() {
+    replay("http_head", super::http_head);
+}

@@ -407,7 +407,8 @@ where
             OP_CLOSE | OP_PING | OP_PONG if fin && len <= MAX_CONTROL => Payload::Control(opcode),
             _ => return Poll::Ready(Err(protocol_error(&format!("unexpected frame (opcode {opcode})")))),
         };
-        if payload == Payload::Text && self.text.len() as u64 + len > MAX_TEXT as u64 {
+        // Saturating: a 64-bit length near u64::MAX must not wrap past the cap.
+        if payload == Payload::Text && (self.text.len() as u64).saturating_add(len) > MAX_TEXT as u64 {
             return Poll::Ready(Err(protocol_error("text message too large")));
         }
         Poll::Ready(Ok(Some(Frame { payload, fin, left: len, mask, offset: 0 })))
@@ -790,6 +791,19 @@ mod tests {
         let (mut a, b) = tokio::io::duplex(1024);
         let mut ours = WsStream::new(b, Role::Server, Arc::default());
         a.write_all(&[0x82, 0x02, b'h', b'i']).await.unwrap();
+        let mut buf = [0u8; 8];
+        let err = ours.read(&mut buf).await.unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::InvalidData);
+    }
+
+    #[tokio::test]
+    async fn a_text_continuation_with_a_huge_length_is_refused() {
+        // Found by the ws_frames fuzz target: the length check added the
+        // 64-bit length to the text so far and overflowed.
+        let (mut a, b) = tokio::io::duplex(1024);
+        let mut ours = WsStream::new(b, Role::Client, Arc::default());
+        a.write_all(&[0x01, 0x01, b'a', 0x80, 0x7F]).await.unwrap();
+        a.write_all(&u64::MAX.to_be_bytes()).await.unwrap();
         let mut buf = [0u8; 8];
         let err = ours.read(&mut buf).await.unwrap_err();
         assert_eq!(err.kind(), std::io::ErrorKind::InvalidData);

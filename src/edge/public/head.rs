@@ -15,7 +15,7 @@ use crate::http::{strip_culvert_headers, strip_hop_by_hop};
 use crate::tunnel::StreamKind;
 
 /// The request's host: `:authority` (h2) or `Host` (HTTP/1.1).
-pub(super) fn request_host<B>(req: &Request<B>) -> Option<String> {
+pub(crate) fn request_host<B>(req: &Request<B>) -> Option<String> {
     req.uri()
         .authority()
         .map(|a| a.as_str().to_string())
@@ -59,7 +59,7 @@ pub(super) fn refuse_head<B: hyper::body::Body>(req: &Request<B>) -> Option<&'st
 /// headers are replaced by the edge's own, `Host` goes (the URI carries it),
 /// and the stream kind (and the upgrade asked for) is added. Fails when the
 /// request target does not make a URI.
-pub(super) fn rewrite_request(
+pub(crate) fn rewrite_request(
     parts: &mut http::request::Parts,
     host: &str,
     peer: SocketAddr,

@@ -6,9 +6,9 @@
 //! upgraded connection. Every listener accepts with
 //! [`accept_loop`](super::accept::accept_loop).
 
-mod head;
+pub(crate) mod head;
 mod retry;
-mod upgrade;
+pub(crate) mod upgrade;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;

@@ -21,7 +21,7 @@ use crate::tunnel::body::{self, BoxBody, ChannelBody, Counted};
 /// `allowed` (WebSocket by default). Any other upgrade (`h2c`...) is not one:
 /// the request goes on as a plain request, its `Upgrade` dropped with the
 /// other hop-by-hop headers.
-pub(super) fn upgrade_of<B>(req: &Request<B>, allowed: &[String]) -> Option<HeaderValue> {
+pub(crate) fn upgrade_of<B>(req: &Request<B>, allowed: &[String]) -> Option<HeaderValue> {
     let connection_upgrade = req
         .headers()
         .get_all(header::CONNECTION)
