@@ -1,0 +1,91 @@
+//! Flow control and memory bounds of the tunnel's data path, end to end over
+//! real sockets on 127.0.0.1: public clients that stop reading cannot stall
+//! the other requests of a tunnel, and an agent that floods the edge with
+//! control frames or stops reading cannot make the edge's memory grow without
+//! bound.
+
+#[path = "support/net.rs"]
+mod net;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use culvert::agent::Target;
+use http::{Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use net::{TestAgent, TestEdge};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+async fn published() -> (TestEdge, String, TestAgent) {
+    let edge = TestEdge::start().await;
+    let backend = net::http_backend().await;
+    let (host, key) = edge.http_tunnel_key("app").await;
+    let agent = TestAgent::start(&edge, &key, Target::http(backend.to_string())).await;
+    (edge, host, agent)
+}
+
+/// GETs `n` bytes on a fresh connection; `None` if it did not finish within `limit`.
+async fn download(edge: &TestEdge, host: &str, n: u64, h2: bool, limit: Duration) -> Option<u64> {
+    let client = edge.client();
+    let host = host.to_string();
+    tokio::time::timeout(limit, async move {
+        let req = Request::get(format!("/bytes?n={n}")).body(Full::new(Bytes::new())).unwrap();
+        let resp = client.send(&host, req, h2).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        resp.into_body().collect().await.unwrap().to_bytes().len() as u64
+    })
+    .await
+    .ok()
+}
+
+/// Issue 18 item 1: response data for public clients that do not read used
+/// to fill the tunnel's single HTTP/2 connection window, after which every
+/// other request to the name got its headers and then no body.
+#[tokio::test]
+async fn clients_that_stop_reading_do_not_stall_the_tunnel() {
+    const BIG: u64 = 1 << 30;
+    let (edge, host, _agent) = published().await;
+    let client = edge.client();
+
+    // One h2 connection that never opens its stream windows, ten downloads.
+    let tls = client.connect(&host, true).await;
+    let (sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        .initial_stream_window_size(0)
+        .initial_connection_window_size(65_535)
+        .handshake(TokioIo::new(tls))
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let mut held = Vec::new();
+    for _ in 0..10 {
+        let mut sender = sender.clone();
+        let req =
+            Request::get(format!("https://{host}/bytes?n={BIG}")).body(Full::new(Bytes::new())).unwrap();
+        let resp = sender.send_request(req).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        held.push(resp);
+    }
+    // Twenty HTTP/1.1 downloads whose clients read the first bytes, then stop.
+    let mut stalled = Vec::new();
+    for _ in 0..20 {
+        let mut tls = client.connect(&host, false).await;
+        let head = format!("GET /bytes?n={BIG} HTTP/1.1\r\nhost: {host}\r\n\r\n");
+        tls.write_all(head.as_bytes()).await.unwrap();
+        let mut first = [0u8; 12];
+        tls.read_exact(&mut first).await.unwrap();
+        assert_eq!(&first, b"HTTP/1.1 200");
+        stalled.push(tls);
+    }
+
+    // Every other request keeps getting its whole body, promptly.
+    for i in 0..10 {
+        let t = std::time::Instant::now();
+        let got = download(&edge, &host, 1 << 20, i % 2 == 1, Duration::from_secs(10)).await;
+        assert_eq!(got, Some(1 << 20), "request {i} stalled behind the clients that do not read");
+        eprintln!("probe {i}: {:?}", t.elapsed());
+    }
+    drop((held, stalled));
+}
