@@ -83,6 +83,11 @@ pub const H2_MAX_STREAMS: u32 = 4096;
 /// the bound of what one tunnel connection buffers for slow readers: 1 GiB.
 pub const H2_CONN_WINDOW: u32 = H2_STREAM_WINDOW * H2_MAX_STREAMS;
 const _: () = assert!(H2_CONN_WINDOW < 1 << 31, "HTTP/2 windows are at most 2^31-1");
+/// Public clients' upload bytes (request bodies, upgraded and TCP streams)
+/// the edge holds at once for one tunnel connection, and for all of them
+/// together: more waits, unread, in the clients' sockets (`tunnel::budget`).
+pub const TUNNEL_UPLOAD_BUDGET: usize = 16 * 1024 * 1024;
+pub const EDGE_UPLOAD_BUDGET: usize = 256 * 1024 * 1024;
 /// HTTP/2 max frame size on the tunnel.
 pub const H2_MAX_FRAME: u32 = 64 * 1024;
 

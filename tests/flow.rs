@@ -7,8 +7,6 @@
 #[path = "support/net.rs"]
 mod net;
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -18,6 +16,9 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use net::{TestAgent, TestEdge};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// The tests measure this process's memory: one at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 async fn published() -> (TestEdge, String, TestAgent) {
     let edge = TestEdge::start().await;
@@ -46,6 +47,7 @@ async fn download(edge: &TestEdge, host: &str, n: u64, h2: bool, limit: Duration
 /// other request to the name got its headers and then no body.
 #[tokio::test]
 async fn clients_that_stop_reading_do_not_stall_the_tunnel() {
+    let _serial = SERIAL.lock().await;
     const BIG: u64 = 1 << 30;
     let (edge, host, _agent) = published().await;
     let client = edge.client();
@@ -88,4 +90,55 @@ async fn clients_that_stop_reading_do_not_stall_the_tunnel() {
         eprintln!("probe {i}: {:?}", t.elapsed());
     }
     drop((held, stalled));
+}
+
+/// A malicious agent: the WebSocket upgrade with a valid tunnel key, then
+/// whatever bytes the test writes to the raw TLS stream.
+async fn raw_agent(edge: &TestEdge, key: &str) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    let tls = edge.client().connect("edge.test", false).await;
+    let mut req = "wss://edge.test/_culvert/v1/connect".into_client_request().unwrap();
+    let h = req.headers_mut();
+    h.insert("authorization", format!("Bearer {key}").parse().unwrap());
+    h.insert("culvert-protocol-version", "1".parse().unwrap());
+    let (ws, resp) = tokio_tungstenite::client_async(req, tls).await.expect("tunnel handshake");
+    assert_eq!(resp.status(), StatusCode::SWITCHING_PROTOCOLS);
+    ws.into_inner()
+}
+
+/// A masked WebSocket frame, as an agent (a WebSocket client) sends it.
+fn client_frame(opcode: u8, payload: &[u8]) -> Vec<u8> {
+    assert!(payload.len() < 126);
+    let mask = [1, 2, 3, 4];
+    let mut f = vec![0x80 | opcode, 0x80 | payload.len() as u8];
+    f.extend_from_slice(&mask);
+    f.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+    f
+}
+
+/// Issue 18 item 9: every ping queued a pong and every `goodbye` an ack,
+/// with no limit when the agent stops reading (2 M pings added 245 MB).
+#[tokio::test]
+async fn an_agent_that_floods_pings_and_never_reads_leaves_edge_memory_flat() {
+    let _serial = SERIAL.lock().await;
+    const PINGS: usize = 500_000;
+    let edge = TestEdge::start().await;
+    let (_host, key) = edge.http_tunnel_key("app").await;
+    let mut agent = raw_agent(&edge, &key).await;
+    let mut burst = Vec::new();
+    for i in 0..1000 {
+        burst.extend(client_frame(0x9, &[i as u8; 125]));
+        if i % 100 == 0 {
+            burst.extend(client_frame(0x1, b"goodbye"));
+        }
+    }
+    let before = net::rss_kib();
+    for _ in 0..PINGS / 1000 {
+        agent.write_all(&burst).await.unwrap();
+    }
+    agent.flush().await.unwrap();
+    let grown_mib = net::rss_kib().saturating_sub(before) / 1024;
+    eprintln!("edge grew by {grown_mib} MiB after {PINGS} pings");
+    assert!(grown_mib < 24, "{PINGS} unanswered pings grew the edge by {grown_mib} MiB");
+    drop(agent);
 }

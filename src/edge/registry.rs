@@ -10,7 +10,9 @@ use prometheus_client::metrics::gauge::Gauge;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::Protocol;
+use crate::constants::{EDGE_UPLOAD_BUDGET, TUNNEL_UPLOAD_BUDGET};
 use crate::tunnel::body::BoxBody;
+use crate::tunnel::budget::Budget;
 use crate::tunnel::ws::Control;
 
 /// One agent connection.
@@ -23,6 +25,8 @@ pub struct AgentConn {
     pub protocol: Protocol,
     pub sender: SendRequest<BoxBody>,
     pub control: Arc<Control>,
+    /// What the connection may hold of public clients' uploads.
+    pub budget: Arc<Budget>,
     /// Cancelled to close the connection (key revoked, reservation released).
     pub cancel: CancellationToken,
     open_streams: AtomicUsize,
@@ -32,6 +36,14 @@ impl AgentConn {
     pub fn usable(&self) -> bool {
         !self.control.peer_is_draining() && !self.sender.is_closed() && !self.cancel.is_cancelled()
     }
+}
+
+/// The moving parts of a connection: its HTTP/2 sender, its control
+/// messages, its upload budget.
+pub struct Link {
+    pub sender: SendRequest<BoxBody>,
+    pub control: Arc<Control>,
+    pub budget: Arc<Budget>,
 }
 
 /// Held while a stream is open on a connection.
@@ -48,7 +60,10 @@ impl StreamGuard {
 
 impl Drop for StreamGuard {
     fn drop(&mut self) {
-        self.conn.open_streams.fetch_sub(1, Ordering::Relaxed);
+        if self.conn.open_streams.fetch_sub(1, Ordering::Relaxed) == 1 {
+            // No stream open: whatever HTTP/2 dropped unsent is not held.
+            self.conn.budget.release_all();
+        }
         self.gauge.dec();
     }
 }
@@ -61,6 +76,8 @@ pub struct Registry {
     next_id: AtomicU64,
     /// Streams open across all connections.
     streams_open: Gauge,
+    /// What the edge may hold of public clients' uploads, all tunnels together.
+    budget: Arc<Budget>,
 }
 
 impl Registry {
@@ -70,7 +87,18 @@ impl Registry {
             pending: Arc::default(),
             next_id: AtomicU64::new(0),
             streams_open,
+            budget: Budget::new(EDGE_UPLOAD_BUDGET, None),
         }
+    }
+
+    /// A new tunnel connection's upload budget (part of the edge's).
+    pub fn tunnel_budget(&self) -> Arc<Budget> {
+        Budget::new(TUNNEL_UPLOAD_BUDGET, Some(self.budget.clone()))
+    }
+
+    /// Upload bytes the edge holds now, all tunnels together.
+    pub fn upload_bytes_held(&self) -> usize {
+        self.budget.held()
     }
 
     /// Registers a connection and returns it.
@@ -80,9 +108,9 @@ impl Registry {
         reservation_id: String,
         agent_id: String,
         protocol: Protocol,
-        sender: SendRequest<BoxBody>,
-        control: Arc<Control>,
+        link: Link,
     ) -> Arc<AgentConn> {
+        let Link { sender, control, budget } = link;
         let conn = Arc::new(AgentConn {
             id: self.next_id.fetch_add(1, Ordering::Relaxed),
             key_id,
@@ -91,6 +119,7 @@ impl Registry {
             protocol,
             sender,
             control,
+            budget,
             cancel: CancellationToken::new(),
             open_streams: AtomicUsize::new(0),
         });
@@ -211,7 +240,8 @@ mod tests {
     }
 
     async fn add(r: &Registry, key: &str, reservation: &str, protocol: Protocol) -> Arc<AgentConn> {
-        r.add(key.into(), reservation.into(), "agent".into(), protocol, sender().await, Arc::default())
+        let link = Link { sender: sender().await, control: Arc::default(), budget: r.tunnel_budget() };
+        r.add(key.into(), reservation.into(), "agent".into(), protocol, link)
     }
 
     #[tokio::test]
