@@ -2,6 +2,7 @@
 //! HTTP redirect port, TCP reservation listeners, the control API and the
 //! admin port, all state in an SQLite store.
 
+mod accept;
 pub mod acme;
 pub(crate) mod agents;
 pub(crate) mod api;

@@ -96,21 +96,11 @@ pub fn can_listen(addr: SocketAddr) -> bool {
 }
 
 async fn accept_loop(edge: Arc<Edge>, listener: TcpListener, port: u16, token: CancellationToken) {
-    loop {
-        let (tcp, peer) = tokio::select! {
-            r = listener.accept() => match r {
-                Ok(x) => x,
-                Err(e) => {
-                    warn!(port, error = %e, "accept failed");
-                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            _ = token.cancelled() => return,
-        };
+    super::accept::accept_loop(&listener, &token, |tcp, peer| {
         let span = tracing::debug_span!("tcp", port, %peer);
         edge.connections.spawn(serve(edge.clone(), tcp, port, peer).instrument(span));
-    }
+    })
+    .await
 }
 
 async fn serve(edge: Arc<Edge>, tcp: TcpStream, port: u16, peer: SocketAddr) {

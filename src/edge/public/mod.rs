@@ -1,38 +1,44 @@
 //! The public listeners: HTTPS (public traffic, the tunnel endpoint and the
 //! control API on one port), the HTTP redirect, and the admin port.
+//!
+//! [`proxy`] carries one public request to an agent: [`head`] rewrites the
+//! head, [`retry`] places it on a tunnel connection, [`upgrade`] splices an
+//! upgraded connection. Every listener accepts with
+//! [`accept_loop`](super::accept::accept_loop).
+
+mod head;
+mod retry;
+mod upgrade;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use bytes::Bytes;
 use http::header::{self, HeaderValue};
-use http::{Request, Response, StatusCode, Uri};
+use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use hyper::body::Body as _;
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use tokio::net::TcpListener;
-use tokio::sync::{Semaphore, mpsc};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_rustls::TlsAcceptor;
-use tracing::{Instrument, debug, warn};
+use tracing::{Instrument, debug};
 
+use super::accept::accept_loop;
 use super::{Edge, sni};
 use crate::BoxError;
 use crate::api::{Protocol, Reservation, ReservationKind};
 use crate::constants::{
     API_PREFIX, CONNECT_PATH, ERROR_HEADER, HANDSHAKE_TIMEOUT, HEADER_READ_TIMEOUT, MAX_HEADER_BYTES,
-    MAX_PUBLIC_CONNECTIONS, RESERVED_PREFIX, STATUS_HEADER, STREAM_HEADER, UPGRADE_HEADER,
+    MAX_PUBLIC_CONNECTIONS, RESERVED_PREFIX, STATUS_HEADER,
 };
-use crate::http::{error_chain, error_page, strip_culvert_headers, strip_hop_by_hop, text};
-use crate::tunnel::StreamKind;
-use crate::tunnel::body::{self, BoxBody, ChannelBody, Counted};
+use crate::http::{error_page, text};
+use crate::tunnel::body::{self, BoxBody, Counted};
 use crate::tunnel::readahead::ReadAhead;
-
-/// Attempts to place one request on a connection before answering 502.
-const MAX_ATTEMPTS: usize = 3;
+use head::request_host;
 
 fn http_builder() -> auto::Builder<TokioExecutor> {
     let mut b = auto::Builder::new(TokioExecutor::new());
@@ -49,74 +55,66 @@ fn http_builder() -> auto::Builder<TokioExecutor> {
 pub async fn serve_https(edge: Arc<Edge>, listener: TcpListener, tls: Arc<rustls::ServerConfig>) {
     let acceptor = TlsAcceptor::from(tls);
     let limit = Arc::new(Semaphore::new(MAX_PUBLIC_CONNECTIONS));
-    loop {
-        let (tcp, peer) = tokio::select! {
-            r = listener.accept() => match r {
-                Ok(x) => x,
-                Err(e) => {
-                    // Out of file descriptors and the like: back off briefly.
-                    warn!(error = %e, "accept failed");
-                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            _ = edge.shutdown.cancelled() => return,
-        };
+    accept_loop(&listener, &edge.shutdown, |tcp, peer| {
         let Ok(permit) = limit.clone().try_acquire_owned() else {
             edge.metrics.public_connections_rejected.inc();
-            continue;
+            return;
         };
         let _ = tcp.set_nodelay(true);
-        let (edge, acceptor) = (edge.clone(), acceptor.clone());
         let span = tracing::debug_span!("public", %peer);
-        let tracker = edge.connections.clone();
-        tracker.spawn(
-            async move {
-                let _permit = permit;
-                let mut tcp = tcp;
-                let (hello, sni) =
-                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, sni::read_client_hello(&mut tcp)).await {
-                        Ok(Ok(x)) => x,
-                        Ok(Err(e)) => return debug!(error = %e, "reading the ClientHello failed"),
-                        Err(_) => return debug!("no ClientHello in time"),
-                    };
-                // TLS passthrough: the host's agents publish `tls`; the backend terminates TLS.
-                if let Some(reservation) = sni.as_deref().and_then(|h| edge.routes().host(h).cloned())
-                    && edge.registry.serves(&reservation.id, Protocol::Tls)
-                {
-                    let local = tcp.local_addr().ok();
-                    let name = reservation.hostname.clone().unwrap_or_default();
-                    let io = sni::Prefixed::new(hello, tcp);
-                    return super::tcp::forward(&edge, io, &reservation, Protocol::Tls, &name, peer, local)
-                        .await;
-                }
-                let tcp = ReadAhead::new(sni::Prefixed::new(hello, tcp));
-                let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-                    Ok(Ok(tls)) => tls,
-                    Ok(Err(e)) => return debug!(error = %e, "TLS handshake failed"),
-                    Err(_) => return debug!("TLS handshake timed out"),
-                };
-                if tls.get_ref().1.alpn_protocol() == Some(crate::tls::ALPN_ACME_TLS) {
-                    // TLS-ALPN-01: the handshake itself was the answer.
-                    return debug!("answered an ACME TLS-ALPN-01 validation");
-                }
-                let h2 = tls.get_ref().1.alpn_protocol() == Some(crate::tls::ALPN_H2);
-                let builder = if h2 { http_builder().http2_only() } else { http_builder().http1_only() };
-                let service = service_fn({
-                    let edge = edge.clone();
-                    move |req| {
-                        let edge = edge.clone();
-                        async move { Ok::<_, Infallible>(handle(edge, req, peer).await) }
-                    }
-                });
-                let io = super::idle::IdleTimeout::new(tls);
-                let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
-                if let Err(e) = drain_on_shutdown(&edge, conn).await {
-                    debug!(error = %e, "public connection ended");
-                }
-            }
-            .instrument(span),
-        );
+        let serve = serve_tls(edge.clone(), acceptor.clone(), tcp, peer, permit);
+        edge.connections.spawn(serve.instrument(span));
+    })
+    .await
+}
+
+/// One public TLS connection: passed through by SNI, or TLS ended here and
+/// HTTP served.
+async fn serve_tls(
+    edge: Arc<Edge>,
+    acceptor: TlsAcceptor,
+    mut tcp: TcpStream,
+    peer: SocketAddr,
+    permit: OwnedSemaphorePermit,
+) {
+    let _permit = permit;
+    let (hello, sni) = match tokio::time::timeout(HANDSHAKE_TIMEOUT, sni::read_client_hello(&mut tcp)).await {
+        Ok(Ok(x)) => x,
+        Ok(Err(e)) => return debug!(error = %e, "reading the ClientHello failed"),
+        Err(_) => return debug!("no ClientHello in time"),
+    };
+    // TLS passthrough: the host's agents publish `tls`; the backend terminates TLS.
+    if let Some(reservation) = sni.as_deref().and_then(|h| edge.routes().host(h).cloned())
+        && edge.registry.serves(&reservation.id, Protocol::Tls)
+    {
+        let local = tcp.local_addr().ok();
+        let name = reservation.hostname.clone().unwrap_or_default();
+        let io = sni::Prefixed::new(hello, tcp);
+        return super::tcp::forward(&edge, io, &reservation, Protocol::Tls, &name, peer, local).await;
+    }
+    let tcp = ReadAhead::new(sni::Prefixed::new(hello, tcp));
+    let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+        Ok(Ok(tls)) => tls,
+        Ok(Err(e)) => return debug!(error = %e, "TLS handshake failed"),
+        Err(_) => return debug!("TLS handshake timed out"),
+    };
+    if tls.get_ref().1.alpn_protocol() == Some(crate::tls::ALPN_ACME_TLS) {
+        // TLS-ALPN-01: the handshake itself was the answer.
+        return debug!("answered an ACME TLS-ALPN-01 validation");
+    }
+    let h2 = tls.get_ref().1.alpn_protocol() == Some(crate::tls::ALPN_H2);
+    let builder = if h2 { http_builder().http2_only() } else { http_builder().http1_only() };
+    let service = service_fn({
+        let edge = edge.clone();
+        move |req| {
+            let edge = edge.clone();
+            async move { Ok::<_, Infallible>(handle(edge, req, peer).await) }
+        }
+    });
+    let io = super::idle::IdleTimeout::new(tls);
+    let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
+    if let Err(e) = drain_on_shutdown(&edge, conn).await {
+        debug!(error = %e, "public connection ended");
     }
 }
 
@@ -228,18 +226,7 @@ where
     Fut: Future<Output = Result<Response<BoxBody>, Infallible>> + Send + 'static,
 {
     let stop = if public { edge.shutdown.clone() } else { edge.stopped.clone() };
-    loop {
-        let (tcp, peer) = tokio::select! {
-            r = listener.accept() => match r {
-                Ok(x) => x,
-                Err(e) => {
-                    warn!(error = %e, "accept failed");
-                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            _ = stop.cancelled() => return,
-        };
+    accept_loop(&listener, &stop, |tcp, peer| {
         let _ = tcp.set_nodelay(true);
         let (edge, f) = (edge.clone(), f.clone());
         let tracker = edge.connections.clone();
@@ -259,7 +246,8 @@ where
         } else {
             tokio::spawn(serve);
         }
-    }
+    })
+    .await
 }
 
 fn redirect(edge: &Edge, req: &Request<Incoming>) -> Response<BoxBody> {
@@ -275,14 +263,6 @@ fn redirect(edge: &Edge, req: &Request<Incoming>) -> Response<BoxBody> {
         r.headers_mut().insert(header::LOCATION, v);
     }
     r
-}
-
-/// The request's host: `:authority` (h2) or `Host` (HTTP/1.1).
-fn request_host<B>(req: &Request<B>) -> Option<String> {
-    req.uri()
-        .authority()
-        .map(|a| a.as_str().to_string())
-        .or_else(|| req.headers().get(header::HOST).and_then(|h| h.to_str().ok()).map(str::to_string))
 }
 
 async fn handle(edge: Arc<Edge>, req: Request<Incoming>, peer: SocketAddr) -> Response<BoxBody> {
@@ -308,18 +288,6 @@ async fn handle(edge: Arc<Edge>, req: Request<Incoming>, peer: SocketAddr) -> Re
     error_page(StatusCode::BAD_GATEWAY, &name, "no tunnel is registered for this host")
 }
 
-/// The public request is an HTTP/1.1 upgrade (WebSocket...).
-fn upgrade_of<B>(req: &Request<B>) -> Option<HeaderValue> {
-    let connection_upgrade = req
-        .headers()
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .any(|t| t.trim().eq_ignore_ascii_case("upgrade"));
-    if connection_upgrade { req.headers().get(header::UPGRADE).cloned() } else { None }
-}
-
 // Debug level: an enabled span costs a few allocations per request.
 #[tracing::instrument(level = "debug", skip_all, fields(host = reservation.hostname.as_deref().unwrap_or(""), method = %req.method()))]
 async fn proxy(
@@ -333,86 +301,30 @@ async fn proxy(
     if reservation.kind == ReservationKind::Tcp {
         return error_page(StatusCode::BAD_GATEWAY, host, "this reservation is a TCP port");
     }
-    let upgrade = upgrade_of(&req);
+    let upgrade = upgrade::upgrade_of(&req);
     let on_upgrade = upgrade.is_some().then(|| hyper::upgrade::on(&mut req));
     let (mut parts, incoming) = req.into_parts();
-
-    let pq = parts.uri.path_and_query().map(|p| p.as_str().to_string()).unwrap_or_else(|| "/".into());
-    let Ok(uri) = Uri::try_from(format!("https://{host}{pq}")) else {
+    if head::rewrite_request(&mut parts, host, peer, scheme, upgrade.as_ref()).is_err() {
         return error_page(StatusCode::BAD_REQUEST, host, "invalid request target");
-    };
-    strip_hop_by_hop(&mut parts.headers);
-    strip_culvert_headers(&mut parts.headers);
-    let h = &mut parts.headers;
-    // Client-supplied forwarding headers are replaced, never trusted.
-    for name in ["x-forwarded-for", "x-forwarded-proto", "x-forwarded-host", "x-real-ip", "forwarded"] {
-        h.remove(name);
     }
-    h.remove(header::HOST);
-    h.insert("x-forwarded-for", HeaderValue::from_str(&peer.ip().to_string()).expect("ip is ascii"));
-    h.insert("x-forwarded-proto", HeaderValue::from_static(scheme));
-    if let Ok(v) = HeaderValue::from_str(host) {
-        h.insert("x-forwarded-host", v);
-    }
-    let kind = if upgrade.is_some() { StreamKind::Upgrade } else { StreamKind::Http };
-    h.insert(STREAM_HEADER, HeaderValue::from_static(kind.header_value()));
-    if let Some(u) = &upgrade {
-        h.insert(UPGRADE_HEADER, u.clone());
-    }
-    parts.uri = uri;
-    parts.version = http::Version::HTTP_2;
 
     let counters = edge.metrics.bytes(host);
     let (bytes_in, bytes_out) = (counters.inbound, counters.outbound);
     // A request without a body can be placed again on another connection if
     // the first one refused it (an agent draining at that very moment); an
     // upgrade gets its request back from a refusal (its body is fed later).
-    let head = (upgrade.is_none() && incoming.is_end_stream())
+    let replay = (upgrade.is_none() && incoming.is_end_stream())
         .then(|| (parts.method.clone(), parts.uri.clone(), parts.headers.clone()));
     let (tunnel_body, upgrade_tx) = if upgrade.is_some() {
-        // The request body is fed later, from the upgraded public connection.
-        let (tx, rx) = mpsc::channel::<Bytes>(8);
-        (body::boxed(Counted::new(ChannelBody(rx), bytes_in)), Some(tx))
+        let (body, tx) = upgrade::request_body(bytes_in);
+        (body, Some(tx))
     } else {
         (body::boxed(Counted::new(incoming, bytes_in)), None)
     };
-    let mut request = Request::from_parts(parts, tunnel_body);
-
-    let mut tried = Vec::new();
-    let (resp, guard) = loop {
-        let Some(guard) = edge.registry.pick(&reservation.id, Protocol::Http, &tried) else {
-            let reason = if tried.is_empty() {
-                "the tunnel is offline: no agent is connected for this host"
-            } else {
-                "every agent connection of this tunnel failed"
-            };
-            return error_page(StatusCode::BAD_GATEWAY, host, reason);
-        };
-        tried.push(guard.conn().id);
-        let mut sender = guard.conn().sender.clone();
-        match sender.try_send_request(request).await {
-            Ok(resp) => break (resp, guard),
-            Err(mut e) => {
-                debug!(error = %error_chain(e.error()), conn = guard.conn().id, "stream failed");
-                let again = match (e.take_message(), &head) {
-                    (Some(r), _) => Some(r),
-                    (None, Some(head)) => {
-                        let mut r = Request::new(body::empty());
-                        (*r.method_mut(), *r.uri_mut(), *r.headers_mut()) = head.clone();
-                        *r.version_mut() = http::Version::HTTP_2;
-                        Some(r)
-                    }
-                    (None, None) => None,
-                };
-                match again {
-                    Some(r) if tried.len() < MAX_ATTEMPTS => request = r,
-                    _ => {
-                        let reason = format!("the tunnel failed: {}", error_chain(e.error()));
-                        return error_page(StatusCode::BAD_GATEWAY, host, &reason);
-                    }
-                }
-            }
-        }
+    let request = Request::from_parts(parts, tunnel_body);
+    let (resp, guard) = match retry::send(&edge, reservation, host, request, replay).await {
+        Ok(x) => x,
+        Err(page) => return page,
     };
 
     let switched = resp.headers().get(STATUS_HEADER).is_some_and(|v| v == "101");
@@ -420,35 +332,10 @@ async fn proxy(
     if let Some(err) = rparts.headers.get(ERROR_HEADER) {
         debug!(error = ?err, "agent answered with an error");
     }
+    let down = Counted::new(rbody, bytes_out);
     if let (true, Some(on_upgrade), Some(tx)) = (switched, on_upgrade, upgrade_tx) {
-        let upgrade_to = rparts.headers.get(UPGRADE_HEADER).cloned().or(upgrade);
-        strip_hop_by_hop(&mut rparts.headers);
-        strip_culvert_headers(&mut rparts.headers);
-        let mut out = Response::new(body::empty());
-        *out.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
-        *out.headers_mut() = rparts.headers;
-        out.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
-        if let Some(u) = upgrade_to {
-            out.headers_mut().insert(header::UPGRADE, u);
-        }
-        tokio::spawn(
-            async move {
-                let _guard = guard;
-                let upgraded = match on_upgrade.await {
-                    Ok(u) => u,
-                    Err(e) => return debug!(error = %e, "public upgrade failed"),
-                };
-                let (read, write) = tokio::io::split(TokioIo::new(upgraded));
-                let up = body::copy_to_channel(read, tx);
-                let down = body::copy_body(Counted::new(rbody, bytes_out), write);
-                let (up, down) = tokio::join!(up, down);
-                debug!(?up, ?down, "upgraded stream ended");
-            }
-            .in_current_span(),
-        );
-        return out;
+        return upgrade::switch(rparts, down, upgrade, on_upgrade, tx, guard);
     }
-    strip_hop_by_hop(&mut rparts.headers);
-    strip_culvert_headers(&mut rparts.headers);
-    Response::from_parts(rparts, body::boxed(Counted::new(rbody, bytes_out).hold(guard)))
+    head::clean_response(&mut rparts.headers);
+    Response::from_parts(rparts, body::boxed(down.hold(guard)))
 }

@@ -1,0 +1,70 @@
+//! Placing one request on a connection of the tunnel, and again on another
+//! connection when the first refused it.
+
+use http::header::HeaderMap;
+use http::{Method, Request, Response, StatusCode, Uri};
+use hyper::body::Incoming;
+use tracing::debug;
+
+use crate::api::{Protocol, Reservation};
+use crate::edge::Edge;
+use crate::edge::registry::StreamGuard;
+use crate::http::{error_chain, error_page};
+use crate::tunnel::body::{self, BoxBody};
+
+/// Attempts to place one request on a connection before answering 502.
+const MAX_ATTEMPTS: usize = 3;
+
+/// The head of a request without a body, to build it again for another
+/// connection.
+pub(super) type Replay = (Method, Uri, HeaderMap);
+
+/// Sends `request` on the connection of `reservation`'s HTTP agents with the
+/// fewest open streams. A connection that refuses it (an agent draining at
+/// that very moment) is skipped and the request placed on another, up to
+/// [`MAX_ATTEMPTS`]: with the request hyper hands back, or else one built
+/// from `replay`. Fails with the 502 page to answer.
+pub(super) async fn send(
+    edge: &Edge,
+    reservation: &Reservation,
+    host: &str,
+    mut request: Request<BoxBody>,
+    replay: Option<Replay>,
+) -> Result<(Response<Incoming>, StreamGuard), Response<BoxBody>> {
+    let mut tried = Vec::new();
+    loop {
+        let Some(guard) = edge.registry.pick(&reservation.id, Protocol::Http, &tried) else {
+            let reason = if tried.is_empty() {
+                "the tunnel is offline: no agent is connected for this host"
+            } else {
+                "every agent connection of this tunnel failed"
+            };
+            return Err(error_page(StatusCode::BAD_GATEWAY, host, reason));
+        };
+        tried.push(guard.conn().id);
+        let mut sender = guard.conn().sender.clone();
+        match sender.try_send_request(request).await {
+            Ok(resp) => return Ok((resp, guard)),
+            Err(mut e) => {
+                debug!(error = %error_chain(e.error()), conn = guard.conn().id, "stream failed");
+                let again = match (e.take_message(), &replay) {
+                    (Some(r), _) => Some(r),
+                    (None, Some(head)) => {
+                        let mut r = Request::new(body::empty());
+                        (*r.method_mut(), *r.uri_mut(), *r.headers_mut()) = head.clone();
+                        *r.version_mut() = http::Version::HTTP_2;
+                        Some(r)
+                    }
+                    (None, None) => None,
+                };
+                match again {
+                    Some(r) if tried.len() < MAX_ATTEMPTS => request = r,
+                    _ => {
+                        let reason = format!("the tunnel failed: {}", error_chain(e.error()));
+                        return Err(error_page(StatusCode::BAD_GATEWAY, host, &reason));
+                    }
+                }
+            }
+        }
+    }
+}
