@@ -11,6 +11,7 @@ use crate::edge::Edge;
 use crate::edge::registry::StreamGuard;
 use crate::http::{error_chain, error_page};
 use crate::tunnel::body::{self, BoxBody};
+use crate::tunnel::budget::BudgetSlot;
 
 /// Attempts to place one request on a connection before answering 502.
 const MAX_ATTEMPTS: usize = 3;
@@ -23,13 +24,15 @@ pub(super) type Replay = (Method, Uri, HeaderMap);
 /// fewest open streams. A connection that refuses it (an agent draining at
 /// that very moment) is skipped and the request placed on another, up to
 /// [`MAX_ATTEMPTS`]: with the request hyper hands back, or else one built
-/// from `replay`. Fails with the 502 page to answer.
+/// from `replay`. The request's body charges the `budget` of the connection
+/// it is placed on. Fails with the 502 page to answer.
 pub(super) async fn send(
     edge: &Edge,
     reservation: &Reservation,
     host: &str,
     mut request: Request<BoxBody>,
     replay: Option<Replay>,
+    budget: &BudgetSlot,
 ) -> Result<(Response<Incoming>, StreamGuard), Response<BoxBody>> {
     let mut tried = Vec::new();
     loop {
@@ -42,6 +45,7 @@ pub(super) async fn send(
             return Err(error_page(StatusCode::BAD_GATEWAY, host, reason));
         };
         tried.push(guard.conn().id);
+        budget.set(guard.conn().budget.clone());
         let mut sender = guard.conn().sender.clone();
         match sender.try_send_request(request).await {
             Ok(resp) => return Ok((resp, guard)),

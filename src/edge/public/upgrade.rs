@@ -2,20 +2,24 @@
 //! as an upgrade stream whose body is fed later, and once the backend switched
 //! protocols the upgraded public connection is spliced to the stream.
 
-use bytes::Bytes;
+use std::sync::Arc;
+
 use http::header::{self, HeaderValue};
 use http::{Request, Response, StatusCode};
 use hyper::body::Incoming;
 use hyper::upgrade::OnUpgrade;
+use hyper::upgrade::Upgraded;
 use hyper_util::rt::TokioIo;
 use prometheus_client::metrics::counter::Counter;
-use tokio::sync::mpsc;
+use tokio::io::ReadHalf;
+use tokio::sync::oneshot;
 use tracing::{Instrument, debug};
 
 use super::head::clean_response;
 use crate::constants::UPGRADE_HEADER;
 use crate::edge::registry::StreamGuard;
-use crate::tunnel::body::{self, BoxBody, ChannelBody, Counted};
+use crate::tunnel::body::{self, BoxBody, Counted, Late, LateReadBody};
+use crate::tunnel::budget::{BudgetSlot, Budgeted};
 
 /// The public request is an HTTP/1.1 upgrade (WebSocket...).
 pub(super) fn upgrade_of<B>(req: &Request<B>) -> Option<HeaderValue> {
@@ -29,15 +33,19 @@ pub(super) fn upgrade_of<B>(req: &Request<B>) -> Option<HeaderValue> {
     if connection_upgrade { req.headers().get(header::UPGRADE).cloned() } else { None }
 }
 
-/// The body of an upgrade stream: fed later, from the upgraded public
-/// connection, through the sender.
-pub(super) fn request_body(bytes_in: Counter) -> (BoxBody, mpsc::Sender<Bytes>) {
-    let (tx, rx) = mpsc::channel::<Bytes>(8);
-    (body::boxed(Counted::new(ChannelBody(rx), bytes_in)), tx)
+/// The upgraded public connection's reading half, once there is one.
+pub(super) type UpgradeReader = oneshot::Sender<Late<ReadHalf<TokioIo<Upgraded>>>>;
+
+/// The body of an upgrade stream: it reads the upgraded public connection
+/// once the sender hands it over, one chunk at a time, each charged to the
+/// `budget` of the stream's connection.
+pub(super) fn request_body(bytes_in: Counter, budget: BudgetSlot) -> (BoxBody, UpgradeReader) {
+    let (late, tx) = LateReadBody::new();
+    (body::boxed(Budgeted::new(Counted::new(late, bytes_in), budget)), tx)
 }
 
 /// The backend switched protocols: answers the client 101 and splices the
-/// upgraded public connection to the stream (the client's bytes into `tx`,
+/// upgraded public connection to the stream (its reading half to the request body through `tx`,
 /// the stream's body `down` to the client), holding the stream's `guard`
 /// until both directions have ended.
 pub(super) fn switch(
@@ -45,7 +53,7 @@ pub(super) fn switch(
     down: Counted<Incoming>,
     asked: Option<HeaderValue>,
     on_upgrade: OnUpgrade,
-    tx: mpsc::Sender<Bytes>,
+    tx: UpgradeReader,
     guard: StreamGuard,
 ) -> Response<BoxBody> {
     let upgrade_to = rparts.headers.get(UPGRADE_HEADER).cloned().or(asked);
@@ -59,16 +67,16 @@ pub(super) fn switch(
     }
     tokio::spawn(
         async move {
-            let _guard = guard;
+            // Held until both directions have ended.
+            let guard = Arc::new(guard);
             let upgraded = match on_upgrade.await {
                 Ok(u) => u,
                 Err(e) => return debug!(error = %e, "public upgrade failed"),
             };
             let (read, write) = tokio::io::split(TokioIo::new(upgraded));
-            let up = body::copy_to_channel(read, tx);
-            let down = body::copy_body(down, write);
-            let (up, down) = tokio::join!(up, down);
-            debug!(?up, ?down, "upgraded stream ended");
+            let _ = tx.send((read, Box::new(guard.clone())));
+            let down = body::copy_body(down, write).await;
+            debug!(?down, "upgraded stream: backend to client ended");
         }
         .in_current_span(),
     );
