@@ -25,6 +25,11 @@ demo: ## Edge + app + agent on this machine, ending with a curl through the edge
 test: ## Run every test (starts the real Kubernetes control plane first)
 	scripts/test
 
+fuzz: ## Run each fuzz target of fuzz/ for FUZZ_SECONDS (default 30); fails on a crash, leaving the input in fuzz/artifacts/
+	scripts/fuzz
+
+.PHONY: fuzz
+
 lint: ## rustfmt check, clippy with warnings as errors, shellcheck, pyflakes, actionlint of the workflows, README names exist
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy -j2 --all-targets -- -D warnings

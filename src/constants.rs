@@ -48,6 +48,10 @@ pub const MSG_GOODBYE_ACK: &str = "goodbye-ack";
 /// WebSocket text message: the edge routes streams to this connection now.
 pub const MSG_READY: &str = "ready";
 
+/// An agent's TCP connect to an edge (without a proxy) must succeed within
+/// this; an edge whose machine is gone (no answer at all) is then probed
+/// again soon instead of after the kernel's SYN retries.
+pub const EDGE_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// TLS handshake plus WebSocket upgrade must finish within this.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Public clients must send a complete request head within this (slowloris).
@@ -96,6 +100,17 @@ pub const BACKOFF_INITIAL: Duration = Duration::from_millis(100);
 pub const BACKOFF_MAX: Duration = Duration::from_secs(30);
 /// A connection that stayed up this long resets the backoff.
 pub const BACKOFF_RESET_AFTER: Duration = Duration::from_secs(30);
+/// While nothing answers at an edge's address (connection refused, timed
+/// out), the agent probes it this often (jittered by a third either way)
+/// instead of backing off: it is back within one interval of the edge.
+pub const PROBE_INTERVAL: Duration = Duration::from_millis(150);
+/// After this long without an answer, probes slow down to [`PROBE_SLOW_INTERVAL`].
+pub const PROBE_SLOW_AFTER: Duration = Duration::from_secs(300);
+pub const PROBE_SLOW_INTERVAL: Duration = Duration::from_secs(2);
+/// Longest `Retry-After` an agent honours.
+pub const RETRY_AFTER_MAX: Duration = Duration::from_secs(300);
+/// How often an agent resolves an edge's name again (one connection per address).
+pub const EDGE_RESOLVE_INTERVAL: Duration = Duration::from_secs(30);
 
 /// An agent that says goodbye waits this long for the edge's ack.
 pub const GOODBYE_ACK_TIMEOUT: Duration = Duration::from_secs(2);
@@ -103,6 +118,10 @@ pub const GOODBYE_ACK_TIMEOUT: Duration = Duration::from_secs(2);
 pub const DRAIN_GRACE: Duration = Duration::from_millis(200);
 /// Longest time a draining agent waits for open streams to finish.
 pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// For this long after an edge starts, a request for a host whose agents have
+/// not reconnected yet waits for them instead of failing (502).
+pub const AGENT_RETURN_GRACE: Duration = Duration::from_secs(3);
 
 /// Dialing a backend must succeed within this.
 pub const BACKEND_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);

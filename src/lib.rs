@@ -13,6 +13,9 @@ pub(crate) mod api_client;
 pub(crate) mod constants;
 pub mod crd;
 pub mod edge;
+/// Entry points of the fuzz targets in `fuzz/` (not an interface).
+#[doc(hidden)]
+pub mod fuzzing;
 pub(crate) mod http;
 pub mod memory;
 pub mod operator;

@@ -583,3 +583,66 @@ async fn custom_domain_certificate_condition() {
     assert_eq!(sub["status"]["conditions"].as_array().unwrap().len(), 1, "{sub}");
     f.finish(stop, task).await;
 }
+
+/// The in-cluster agent keeps a connection to every edge of `--edge`: edge B
+/// (same store as A) is down when the operator starts, comes back on its
+/// port, and serves the Tunnel as soon as the agents' probes find it; A keeps
+/// serving when B goes again. (Both edges read the reservation from the store
+/// when they start; telling running edges about changes is the change feed's
+/// job, not tested here.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_connect_to_every_edge() {
+    let Some(f) = Fixture::new("op-edges").await else { return };
+    let Some(mut host) = netns::NetnsHost::create() else { return };
+    let site = tempfile::tempdir().unwrap();
+    std::fs::write(site.path().join("index.html"), "hello from the cluster").unwrap();
+    host.serve_http(site.path(), 8000);
+    service_with_endpoints(&f, "web", &host.ip, json!({}), &[("http", 80, 8000, "TCP")]).await;
+
+    // Edge B on A's data dir: started once for a port, then down.
+    let mut b_args = f.edge.args.clone();
+    b_args.https_addr = "127.0.0.1:0".parse().unwrap();
+    b_args.tcp_ports = net::free_port_range(4);
+    let b = culvert::edge::start(b_args.clone()).await.expect("edge B starts");
+    b_args.https_addr = b.https_addr;
+    b.stop().await;
+    let mut args = f.args("solo");
+    args.edge.push(format!("https://{}", b_args.https_addr));
+    let (stop, task) = f.operator_with(args);
+
+    let label = format!("t{}", f.suffix());
+    f.create::<Domain>(json!({"apiVersion": "culvert.dev/v1alpha1", "kind": "Domain", "metadata": {"name": "web"}, "spec": {"name": label}})).await;
+    f.create::<Tunnel>(
+        json!({"apiVersion": "culvert.dev/v1alpha1", "kind": "Tunnel", "metadata": {"name": "web"},
+        "spec": {"service": {"name": "web", "port": "http"}, "domain": "web"}}),
+    )
+    .await;
+    let public = format!("{label}.edge.test");
+    let via_a = wait_until("request through edge A", WAIT, || async {
+        let (s, b) = f.edge.client().get(&public, "/").await;
+        Ok((s == StatusCode::OK).then_some(b))
+    })
+    .await
+    .unwrap();
+    assert_eq!(via_a, "hello from the cluster");
+
+    // B comes back: the agents were probing it; it holds the request until they are there.
+    let b = culvert::edge::start(b_args.clone()).await.expect("edge B restarts");
+    let client_b = net::HttpsClient { addr: b.https_addr, ca_file: f.edge.ca_file.clone() };
+    let (status, body) = client_b.get(&public, "/").await;
+    assert_eq!((status, body.as_str()), (StatusCode::OK, "hello from the cluster"), "via edge B");
+    assert_eq!(b.edge.registry.count_for_key(&first_key(&f).await), 1, "one connection at B");
+
+    // B goes again: A serves on.
+    b.stop().await;
+    let (status, body) = f.edge.client().get(&public, "/").await;
+    assert_eq!((status, body.as_str()), (StatusCode::OK, "hello from the cluster"), "via edge A");
+    f.finish(stop, task).await;
+}
+
+/// The id of the first tunnel key at the edge.
+async fn first_key(f: &Fixture) -> String {
+    let (s, keys) = f.edge.api("GET", "tunnel-keys", None).await;
+    assert!(s.is_success(), "{keys}");
+    keys["items"][0]["id"].as_str().expect("a key").to_string()
+}

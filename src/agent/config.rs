@@ -9,9 +9,11 @@ pub struct AgentArgs {
     /// What to publish: `PORT`, `HOST:PORT` or (http) `http://HOST:PORT`.
     pub target: String,
 
-    /// The edge's URL, e.g. https://edge.example.com.
-    #[arg(long, env = "CULVERT_EDGE")]
-    pub edge: String,
+    /// The edge's URL, e.g. https://edge.example.com. Several edges: repeat
+    /// the flag or separate URLs with commas; the agent keeps one connection
+    /// to each, and to each address of a name that resolves to several.
+    #[arg(long, env = "CULVERT_EDGE", value_delimiter = ',', required = true)]
+    pub edge: Vec<String>,
 
     /// The tunnel key (made by `culvert admin tunnel-key create`).
     #[arg(long, env = "CULVERT_KEY", hide_env_values = true)]

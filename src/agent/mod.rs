@@ -8,6 +8,7 @@
 pub(crate) mod backend;
 mod config;
 pub(crate) mod dispatch;
+pub mod edges;
 pub(crate) mod forward;
 pub(crate) mod guard;
 pub(crate) mod pipe;
@@ -18,14 +19,15 @@ use std::time::Instant;
 
 use hyper_util::rt::TokioIo;
 use tokio_util::sync::CancellationToken;
-use tracing::{Instrument, info, warn};
+use tracing::{Instrument, debug, info, warn};
 
 use crate::api::Protocol;
-use crate::constants::{BACKOFF_RESET_AFTER, DRAIN_GRACE, DRAIN_TIMEOUT, GOODBYE_ACK_TIMEOUT, MSG_GOODBYE};
+use crate::constants::{DRAIN_GRACE, DRAIN_TIMEOUT, GOODBYE_ACK_TIMEOUT, MSG_GOODBYE, PROBE_INTERVAL};
 use crate::tls;
-use crate::tunnel::backoff::Backoff;
-use crate::tunnel::connect::{ConnectError, Connected, Dialer, EdgeUrl, TunnelInfo};
+use crate::tunnel::backoff::Pace;
+use crate::tunnel::connect::{ConnectError, Connected, Dialer, TunnelInfo};
 pub use config::AgentArgs;
+pub use edges::{EdgeSet, run_edges};
 pub use serve::{Resolver, Target, fixed};
 
 /// Why the agent stopped.
@@ -53,74 +55,94 @@ impl AgentError {
 pub type OnReady = Arc<dyn Fn(&TunnelInfo) + Send + Sync>;
 
 /// Options of one tunnel's reconnect loop.
+#[derive(Clone, Default)]
 pub struct TunnelOptions {
     /// Give up on refusals retrying cannot fix (standalone agent), or keep
     /// retrying (operator: the key may be re-created).
     pub stop_on_permanent_error: bool,
     pub on_ready: Option<OnReady>,
+    /// Called when a connection that was ready ends.
+    pub on_lost: Option<OnReady>,
 }
 
 /// Keeps one tunnel connection up until `shutdown`; then drains it (goodbye,
-/// no new streams, open streams finish within [`DRAIN_TIMEOUT`]).
+/// no new streams, open streams finish within [`DRAIN_TIMEOUT`]). Retries at
+/// the pace of [`Pace`]: fast probes while the edge does not answer, the
+/// backoff when it refuses.
 pub async fn run_tunnel(
     dialer: Dialer,
     resolver: Resolver,
     options: TunnelOptions,
     shutdown: CancellationToken,
 ) -> Result<(), ConnectError> {
-    let mut backoff = Backoff::default();
+    let mut pace = Pace::default();
+    let edge = dialer.edge.to_string();
+    // While the edge does not answer: a warning now and then, not one per probe.
+    let mut warned_at: Option<Instant> = None;
     loop {
         let connected = tokio::select! {
             r = dialer.connect() => r,
             _ = shutdown.cancelled() => return Ok(()),
         };
-        match connected {
+        let delay = match connected {
             Ok(c) => {
                 let started = Instant::now();
-                let reason = serve_connection(c, resolver.clone(), options.on_ready.clone(), &shutdown)
-                    .instrument(tracing::info_span!("tunnel", edge = %dialer.edge.authority()))
+                warned_at = None;
+                let reason = serve_connection(c, resolver.clone(), &options, &shutdown)
+                    .instrument(tracing::info_span!("tunnel", edge = %edge))
                     .await;
                 if shutdown.is_cancelled() {
                     return Ok(());
                 }
-                if started.elapsed() >= BACKOFF_RESET_AFTER {
-                    backoff.reset();
-                }
-                let delay = backoff.next_delay();
-                warn!(reason = %reason, retry_in = ?delay, "tunnel connection lost; reconnecting");
-                tokio::select! {
-                    _ = tokio::time::sleep(delay) => {}
-                    _ = shutdown.cancelled() => return Ok(()),
-                }
+                let delay = pace.lost(started.elapsed());
+                warn!(%edge, reason = %reason, retry_in = ?delay, "tunnel connection lost; reconnecting");
+                delay
             }
             Err(e) if e.is_permanent() && options.stop_on_permanent_error => return Err(e),
             Err(e) => {
-                let delay = backoff.next_delay();
-                warn!(error = %e, category = e.category(), retry_in = ?delay, "cannot open tunnel; retrying");
-                tokio::select! {
-                    _ = tokio::time::sleep(delay) => {}
-                    _ = shutdown.cancelled() => return Ok(()),
+                let retry = pace.failed(&e);
+                if !retry.probe {
+                    warned_at = None;
+                    warn!(%edge, error = %e, category = e.category(), retry_in = ?retry.delay, "cannot open tunnel; retrying");
+                } else if retry.first || warned_at.is_none_or(|t| t.elapsed() >= UNREACHABLE_WARN_EVERY) {
+                    warned_at = Some(Instant::now());
+                    warn!(%edge, error = %e, category = e.category(), probe_every = ?PROBE_INTERVAL,
+                        "the edge does not answer; probing until it does");
+                } else {
+                    debug!(%edge, error = %e, retry_in = ?retry.delay, "the edge still does not answer");
                 }
+                retry.delay
             }
+        };
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = shutdown.cancelled() => return Ok(()),
         }
     }
 }
+
+/// How often "the edge does not answer" is logged while probing.
+const UNREACHABLE_WARN_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Serves one connection until it ends or `shutdown`; returns why it ended.
 async fn serve_connection(
     c: Connected,
     resolver: Resolver,
-    on_ready: Option<OnReady>,
+    options: &TunnelOptions,
     shutdown: &CancellationToken,
 ) -> String {
     let Connected { stream, control, info } = c;
+    // Calls `on_lost` on every way out, once the connection was ready.
+    let lost = LostGuard { info: info.clone(), on_lost: options.on_lost.clone(), ready: Default::default() };
     let service = serve::service(resolver);
     let conn = crate::tunnel::h2_server().serve_connection(TokioIo::new(stream), service);
     tokio::pin!(conn);
 
     let ready = async {
         control.ready().await;
-        if let Some(f) = &on_ready {
+        info!(edge = %info.edge, "tunnel connection ready");
+        lost.ready.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(f) = &options.on_ready {
             f(&info);
         }
         std::future::pending::<()>().await
@@ -151,6 +173,20 @@ async fn serve_connection(
     }
 }
 
+struct LostGuard {
+    info: TunnelInfo,
+    on_lost: Option<OnReady>,
+    ready: std::sync::atomic::AtomicBool,
+}
+
+impl Drop for LostGuard {
+    fn drop(&mut self) {
+        if let (Some(f), true) = (&self.on_lost, *self.ready.get_mut()) {
+            f(&self.info);
+        }
+    }
+}
+
 fn describe_end(r: Result<(), hyper::Error>) -> String {
     match r {
         Ok(()) => "closed by the edge".into(),
@@ -174,8 +210,9 @@ pub async fn run_standalone(args: AgentArgs, protocol: Protocol) -> Result<(), A
         Protocol::Tls => Err("the standalone agent publishes http or tcp".to_string()),
     }
     .map_err(|why| AgentError::BadTarget { target: args.target.clone(), why })?;
+    let edges = EdgeSet::parse(&args.edge)?;
     let dialer = Dialer {
-        edge: EdgeUrl::parse(&args.edge)?,
+        edge: edges.first().clone(),
         key: args.key.clone(),
         agent_id: agent_id(),
         tls: tls::tunnel_client_config(args.ca_file.as_deref())?,
@@ -186,15 +223,16 @@ pub async fn run_standalone(args: AgentArgs, protocol: Protocol) -> Result<(), A
     let shown = target.to_string();
     let on_ready: OnReady = Arc::new(move |info: &TunnelInfo| {
         let url = info.public_url.as_deref().unwrap_or("(the edge did not say)");
-        info!(public = url, backend = %shown, "tunnel ready");
+        info!(public = url, backend = %shown, edge = %info.edge, "tunnel ready");
         // One line on stdout for people and scripts.
         println!("Forwarding {url} -> {shown}");
     });
-    let options = TunnelOptions { stop_on_permanent_error: true, on_ready: Some(on_ready) };
+    let options = TunnelOptions { stop_on_permanent_error: true, on_ready: Some(on_ready), on_lost: None };
     // On a worker thread, not in `block_on`: the connection's task then runs
     // where its streams' tasks and the I/O driver run, instead of waking the
     // main thread (a futex round trip) for every frame.
-    let tunnel = tokio::spawn(run_tunnel(dialer, serve::fixed(target), options, shutdown));
+    let tunnel =
+        tokio::spawn(async move { run_edges(dialer, &edges, serve::fixed(target), options, shutdown).await });
     tunnel.await.unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))?;
     Ok(())
 }

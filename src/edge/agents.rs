@@ -124,7 +124,9 @@ pub async fn accept(edge: Arc<Edge>, mut req: Request<Incoming>, peer: SocketAdd
                 } else {
                     "key revoked or reservation released".into()
                 },
-                _ = edge.shutdown.cancelled() => "edge shutting down".into(),
+                // Not at the start of the drain: requests of public
+                // connections still open may need this tunnel until it ends.
+                _ = edge.stopped.cancelled() => "edge shutting down".into(),
             };
             edge.registry.remove(&registered);
             edge.metrics.tunnels_connected.dec();

@@ -1,16 +1,23 @@
 //! Live agent connections, grouped by the reservation they serve. Streams go
 //! to the connection with the fewest open streams that is not draining.
+//!
+//! A freshly started edge (a restart, one edge of several coming back) has
+//! no agent yet: for [`AGENT_RETURN_GRACE`] after the start, a stream for a
+//! reservation no agent has connected to since waits for one
+//! ([`Registry::pick_or_wait`]) instead of failing, as agents reconnect
+//! within a fraction of a second.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use hyper::client::conn::http2::SendRequest;
 use prometheus_client::metrics::gauge::Gauge;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::Protocol;
-use crate::constants::{EDGE_UPLOAD_BUDGET, TUNNEL_UPLOAD_BUDGET};
+use crate::constants::{AGENT_RETURN_GRACE, EDGE_UPLOAD_BUDGET, TUNNEL_UPLOAD_BUDGET};
 use crate::tunnel::body::BoxBody;
 use crate::tunnel::budget::Budget;
 use crate::tunnel::ws::Control;
@@ -78,6 +85,12 @@ pub struct Registry {
     streams_open: Gauge,
     /// What the edge may hold of public clients' uploads, all tunnels together.
     budget: Arc<Budget>,
+    /// When the edge started, and the reservations an agent connected for
+    /// since (the grace of [`Registry::pick_or_wait`]).
+    started: Instant,
+    seen: Mutex<HashSet<String>>,
+    /// Woken on every new connection.
+    arrived: tokio::sync::Notify,
 }
 
 impl Registry {
@@ -88,6 +101,9 @@ impl Registry {
             next_id: AtomicU64::new(0),
             streams_open,
             budget: Budget::new(EDGE_UPLOAD_BUDGET, None),
+            started: Instant::now(),
+            seen: Mutex::default(),
+            arrived: tokio::sync::Notify::new(),
         }
     }
 
@@ -123,7 +139,9 @@ impl Registry {
             cancel: CancellationToken::new(),
             open_streams: AtomicUsize::new(0),
         });
+        self.seen.lock().expect("poisoned").insert(reservation_id.clone());
         self.by_reservation.lock().expect("poisoned").entry(reservation_id).or_default().push(conn.clone());
+        self.arrived.notify_waiters();
         conn
     }
 
@@ -150,6 +168,34 @@ impl Registry {
         conn.open_streams.fetch_add(1, Ordering::Relaxed);
         self.streams_open.inc();
         Some(StreamGuard { conn, gauge: self.streams_open.clone() })
+    }
+
+    /// [`Registry::pick`]; but on an edge that started less than
+    /// [`AGENT_RETURN_GRACE`] ago, for a reservation no agent connected for
+    /// since, first waits for one until the grace is over.
+    pub async fn pick_or_wait(
+        &self,
+        reservation_id: &str,
+        protocol: Protocol,
+        tried: &[u64],
+    ) -> Option<StreamGuard> {
+        loop {
+            let arrived = self.arrived.notified();
+            tokio::pin!(arrived);
+            // Registered before the check: an agent that arrives in between wakes us.
+            arrived.as_mut().enable();
+            if let Some(guard) = self.pick(reservation_id, protocol, tried) {
+                return Some(guard);
+            }
+            let left = AGENT_RETURN_GRACE.saturating_sub(self.started.elapsed());
+            if left.is_zero()
+                || !tried.is_empty()
+                || self.seen.lock().expect("poisoned").contains(reservation_id)
+            {
+                return None;
+            }
+            tokio::time::timeout(left, arrived).await.ok()?;
+        }
     }
 
     /// Connections open with this tunnel key.
@@ -272,6 +318,31 @@ mod tests {
         assert!(r.pick("rs_2", Protocol::Http, &[]).is_none());
         assert!(r.serves("rs_1", Protocol::Http) && r.serves("rs_1", Protocol::Tls));
         assert!(!r.serves("rs_1", Protocol::Tcp));
+    }
+
+    #[tokio::test]
+    async fn a_fresh_edge_waits_for_agents_that_were_never_there() {
+        let r = Arc::new(Registry::new(Gauge::default()));
+        // Nothing yet: the stream waits, and goes to the agent once it is there.
+        let waiting = tokio::spawn({
+            let r = r.clone();
+            async move { r.pick_or_wait("rs_1", Protocol::Http, &[]).await.map(|g| g.conn().id) }
+        });
+        tokio::task::yield_now().await;
+        assert!(!waiting.is_finished());
+        let a = add(&r, "tk_1", "rs_1", Protocol::Http).await;
+        assert_eq!(waiting.await.unwrap(), Some(a.id));
+        // An agent was there and left: no waiting, the tunnel is offline.
+        r.remove(&a);
+        let t0 = Instant::now();
+        assert!(r.pick_or_wait("rs_1", Protocol::Http, &[]).await.is_none());
+        assert!(t0.elapsed() < AGENT_RETURN_GRACE / 2);
+        // After the grace: no waiting either.
+        let mut old = Registry::new(Gauge::default());
+        if let Some(before) = old.started.checked_sub(AGENT_RETURN_GRACE) {
+            old.started = before;
+            assert!(old.pick_or_wait("rs_2", Protocol::Http, &[]).await.is_none());
+        }
     }
 
     #[tokio::test]

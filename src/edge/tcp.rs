@@ -131,7 +131,7 @@ pub async fn forward<S>(
     let slot = BudgetSlot::default();
     let upload = Budgeted::new(Counted::new(ReadBody::new(read), counters.inbound), slot.clone());
     let mut body = Some(body::boxed(upload));
-    while let Some(guard) = edge.registry.pick(&reservation.id, protocol, &tried) {
+    while let Some(guard) = edge.registry.pick_or_wait(&reservation.id, protocol, &tried).await {
         tried.push(guard.conn().id);
         slot.set(guard.conn().budget.clone());
         let mut req = Request::new(body.take().expect("body is put back on retry"));

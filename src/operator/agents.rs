@@ -22,13 +22,14 @@ use super::names::{LABEL_TUNNEL, SECRET_KEY};
 use super::routes::{Rule, Table};
 use super::status::Metrics;
 use super::tunnel::{auth_copy_key, auth_secret_name};
+use crate::agent::EdgeSet;
 use crate::agent::backend::{Access, RouteOptions, Scheme};
 use crate::agent::guard;
 use crate::agent::pipe::ProxyHeader;
 use crate::agent::{self, Resolver, Target, TunnelOptions};
 use crate::constants::BACKEND_CONNECT_TIMEOUT;
 use crate::crd::{BackendProtocol, HttpOptions, ProxyProtocol, Tunnel, TunnelProtocol, TunnelStatus};
-use crate::tunnel::connect::{Dialer, EdgeUrl};
+use crate::tunnel::connect::{Dialer, TunnelInfo};
 
 struct Running {
     key: String,
@@ -176,8 +177,8 @@ pub async fn run(client: Client, args: OperatorArgs, metrics: Metrics, shutdown:
         Ok(t) => t,
         Err(e) => return tracing::error!(error = %e, "agents cannot start"),
     };
-    let edge = match EdgeUrl::parse(&args.edge) {
-        Ok(e) => e,
+    let edges = match EdgeSet::parse(&args.edge) {
+        Ok(e) => Arc::new(e),
         Err(e) => return tracing::error!(error = %e, "agents cannot start"),
     };
     let (tunnels, tw) = reflector::store();
@@ -231,22 +232,29 @@ pub async fn run(client: Client, args: OperatorArgs, metrics: Metrics, shutdown:
             let stop = shutdown.child_token();
             let protocol = super::tunnel::wire_protocol(d.protocol);
             let dialer = Dialer {
-                edge: edge.clone(),
+                edge: edges.first().clone(),
                 key: d.key.clone(),
                 agent_id: agent::agent_id(),
                 tls: tls.clone(),
                 protocol: Some(protocol),
             };
             let name = d.name.clone();
+            let (up, down) = (metrics.edge_connections.clone(), metrics.edge_connections.clone());
             let options = TunnelOptions {
                 stop_on_permanent_error: false,
-                on_ready: Some(Arc::new(move |info: &crate::tunnel::connect::TunnelInfo| {
-                    info!(tunnel = %name, url = info.public_url.as_deref().unwrap_or(""), "tunnel ready");
+                on_ready: Some(Arc::new(move |info: &TunnelInfo| {
+                    up.get_or_create(&vec![("edge", info.edge.clone())]).inc();
+                    info!(tunnel = %name, url = info.public_url.as_deref().unwrap_or(""), edge = %info.edge, "tunnel ready");
+                })),
+                on_lost: Some(Arc::new(move |info: &TunnelInfo| {
+                    down.get_or_create(&vec![("edge", info.edge.clone())]).dec();
                 })),
             };
             let span = tracing::info_span!("tunnel", tunnel = %d.name);
+            let (edges, resolve, stop_run) =
+                (edges.clone(), resolver(d.protocol, routing.clone()), stop.clone());
             tokio::spawn(
-                agent::run_tunnel(dialer, resolver(d.protocol, routing.clone()), options, stop.clone())
+                async move { agent::run_edges(dialer, &edges, resolve, options, stop_run).await }
                     .instrument(span),
             );
             metrics.tunnels_connected.inc();

@@ -118,9 +118,11 @@ pub enum BackendAddress {
 /// `culvert operator` flags.
 #[derive(Debug, Clone, clap::Args)]
 pub struct OperatorArgs {
-    /// The edge's URL, e.g. https://edge.example.com.
-    #[arg(long, env = "CULVERT_EDGE")]
-    pub edge: String,
+    /// The edge's URL, e.g. https://edge.example.com. Several edges (sharing
+    /// one store): repeat the flag or separate URLs with commas; agents keep a
+    /// connection to each, API calls go to the first that answers at start.
+    #[arg(long, env = "CULVERT_EDGE", value_delimiter = ',', required = true)]
+    pub edge: Vec<String>,
     /// An API key of scope `endpoints` (it cannot carry traffic).
     #[arg(long, env = "CULVERT_API_KEY", hide_env_values = true)]
     pub api_key: String,
@@ -334,7 +336,7 @@ pub fn edge_start_error(e: &crate::api_client::ClientError, edge: &str, place: P
     use crate::api_client::ClientError as E;
     let (url, ca, key, proxy) = match place {
         Place::Pod => (
-            "the chart value edge.url (or the edge-url key of the credentials Secret)",
+            "the chart value edge.url or edge.urls (or the edge-url key of the credentials Secret)",
             "the chart value edge.caBundle",
             "the credentials Secret (chart value credentials.existingSecret, or credentials.apiKey)",
             "the chart value proxy.httpsProxy",
@@ -396,13 +398,39 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
     start(client, args, shutdown).await
 }
 
+/// The control API of the first edge of `--edge` that answers (edges share
+/// one store, any of them will do); the error of the first when none does.
+async fn first_answering_edge(
+    args: &OperatorArgs,
+    place: Place,
+) -> anyhow::Result<(EdgeClient, crate::api::Info, String)> {
+    let edges = crate::agent::EdgeSet::parse(&args.edge).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut first_error = None;
+    for url in edges.urls() {
+        let base = format!("https://{}", url.authority());
+        let answer = match EdgeClient::new(&base, &args.api_key, args.ca_file.as_deref()) {
+            Ok(client) => client.check().await.map(|info| (client, info)),
+            Err(e) => Err(e),
+        };
+        match answer {
+            Ok((client, info)) => return Ok((client, info, base)),
+            Err(e) => {
+                if edges.urls().len() > 1 {
+                    warn!(edge = %base, error = %e, "the edge's API does not answer; trying the next edge");
+                }
+                first_error.get_or_insert((e, base));
+            }
+        }
+    }
+    let (e, base) = first_error.expect("an edge set has at least one edge");
+    Err(anyhow::anyhow!(edge_start_error(&e, &base, place)))
+}
+
 /// Runs the operator with `client` until `shutdown` (tests call this directly).
 pub async fn start(client: Client, args: OperatorArgs, shutdown: CancellationToken) -> anyhow::Result<()> {
     check_crds(&client, args.watch_namespace.as_deref()).await.map_err(anyhow::Error::msg)?;
     let place = Place::detect();
-    let advice = |e: crate::api_client::ClientError| anyhow::anyhow!(edge_start_error(&e, &args.edge, place));
-    let edge = EdgeClient::new(&args.edge, &args.api_key, args.ca_file.as_deref()).map_err(advice)?;
-    let info = edge.check().await.map_err(advice)?;
+    let (edge, info, api_url) = first_answering_edge(&args, place).await?;
     let cluster_id = Api::<Namespace>::all(client.clone())
         .get("kube-system")
         .await?
@@ -410,7 +438,7 @@ pub async fn start(client: Client, args: OperatorArgs, shutdown: CancellationTok
         .uid
         .ok_or_else(|| anyhow::anyhow!("the kube-system namespace has no uid"))?;
     let identity = args.identity.clone().unwrap_or_else(|| format!("culvert-{}", crate::agent::agent_id()));
-    info!(edge = %args.edge, domain = %info.domain, cluster = %cluster_id, %identity, "operator starting");
+    info!(edge = %api_url, edges = %args.edge.join(","), domain = %info.domain, cluster = %cluster_id, %identity, "operator starting");
     if args.annotated_only {
         warn!(
             "--annotated-only (CULVERT_ANNOTATED_ONLY, chart value annotatedOnly) is deprecated and does \

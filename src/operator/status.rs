@@ -38,6 +38,9 @@ pub struct Metrics {
     failures: Family<Labels, Counter>,
     durations: Family<Labels, Histogram>,
     pub tunnels_connected: Gauge,
+    /// Ready tunnel connections by edge (`edge="host:port"`, `host:port@addr`
+    /// for one address of a name).
+    pub edge_connections: Family<Labels, Gauge>,
     leader: Gauge,
     ready: Arc<AtomicBool>,
 }
@@ -59,6 +62,12 @@ impl Default for Metrics {
             "Tunnel connections this replica holds open",
             tunnels_connected.clone(),
         );
+        let edge_connections = Family::<Labels, Gauge>::default();
+        r.register(
+            "edge_connections",
+            "Tunnel connections of this replica the edge routes to, by edge",
+            edge_connections.clone(),
+        );
         let leader = Gauge::default();
         r.register("leader", "1 while this replica reconciles", leader.clone());
         Metrics {
@@ -67,6 +76,7 @@ impl Default for Metrics {
             failures,
             durations,
             tunnels_connected,
+            edge_connections,
             leader,
             ready: Arc::default(),
         }

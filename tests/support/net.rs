@@ -301,7 +301,11 @@ impl TestAgent {
         let r = ready.clone();
         let on_ready: OnReady = Arc::new(move |_| r.notify_one());
         let shutdown = CancellationToken::new();
-        let options = TunnelOptions { stop_on_permanent_error: stop_on_permanent, on_ready: Some(on_ready) };
+        let options = TunnelOptions {
+            stop_on_permanent_error: stop_on_permanent,
+            on_ready: Some(on_ready),
+            on_lost: None,
+        };
         let task = tokio::spawn(agent::run_tunnel(dialer, agent::fixed(target), options, shutdown.clone()));
         (TestAgent { shutdown, task }, ready)
     }

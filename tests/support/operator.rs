@@ -97,7 +97,7 @@ impl Fixture {
 
     pub fn args(&self, identity: &str) -> OperatorArgs {
         OperatorArgs {
-            edge: self.edge.url(),
+            edge: vec![self.edge.url()],
             api_key: self.endpoints_key.clone(),
             ca_file: Some(self.edge.ca_file.clone()),
             namespace: self.ns.name.clone(),

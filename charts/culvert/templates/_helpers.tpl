@@ -54,6 +54,11 @@ app.kubernetes.io/component: operator
 {{- end }}
 
 {{/* Whether the operator trusts a CA bundle of its own (edge.caBundle or edge.caBundleFrom). */}}
+{{/* The edge URL(s) from the values, comma-separated (CULVERT_EDGE); empty: from the Secret. */}}
+{{- define "culvert.edgeUrl" -}}
+{{- if .Values.edge.urls }}{{ join "," .Values.edge.urls }}{{ else }}{{ .Values.edge.url }}{{ end }}
+{{- end }}
+
 {{- define "culvert.hasCA" -}}
 {{- if or .Values.edge.caBundle .Values.edge.caBundleFrom }}true{{ end }}
 {{- end }}
@@ -134,6 +139,14 @@ Checks that a JSON schema cannot express; each failure says what to change.
 {{- fail (printf "edge.url %q: give the edge's base URL as https://HOST or https://HOST:PORT (TLS only, no path)" .) }}
 {{- end }}
 {{- end }}
+{{- if and .Values.edge.url .Values.edge.urls }}
+{{- fail "edge.url and edge.urls are both set: give one edge in edge.url, or every edge in edge.urls" }}
+{{- end }}
+{{- range .Values.edge.urls }}
+{{- if not (regexMatch "^https://[^/?#@,\\s]+/?$" .) }}
+{{- fail (printf "edge.urls: %q: give each edge's base URL as https://HOST or https://HOST:PORT (TLS only, no path)" .) }}
+{{- end }}
+{{- end }}
 {{- with .Values.credentials.apiKey }}
 {{- if hasPrefix "culvert_a_" . }}
 {{- fail "credentials.apiKey is an admin key (culvert_a_...): never put it in a cluster; make an endpoints key with `culvert admin api-key create --name operator --scope endpoints`" }}
@@ -143,8 +156,8 @@ Checks that a JSON schema cannot express; each failure says what to change.
 {{- fail "credentials.apiKey is not a culvert endpoints key (culvert_e_...): make one with `culvert admin api-key create --name operator --scope endpoints`" }}
 {{- end }}
 {{- end }}
-{{- if and .Values.credentials.apiKey (not .Values.edge.url) }}
-{{- fail "credentials.apiKey is set but edge.url is empty: the Secret the chart makes holds only the key, so set edge.url=https://EDGE as well (or put both in your own Secret and use credentials.existingSecret)" }}
+{{- if and .Values.credentials.apiKey (not (include "culvert.edgeUrl" .)) }}
+{{- fail "credentials.apiKey is set but edge.url is empty: the Secret the chart makes holds only the key, so set edge.url=https://EDGE (or edge.urls) as well (or put both in your own Secret and use credentials.existingSecret)" }}
 {{- end }}
 {{- with .Values.proxy.httpsProxy }}
 {{- if not (regexMatch "^https?://[^/\\s]+/?$" .) }}

@@ -28,7 +28,7 @@ mod api_keys;
 mod auth;
 mod error;
 mod info;
-mod names;
+pub(crate) mod names;
 mod reservations;
 #[cfg(test)]
 mod test_support;

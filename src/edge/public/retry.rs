@@ -36,7 +36,7 @@ pub(super) async fn send(
 ) -> Result<(Response<Incoming>, StreamGuard), Response<BoxBody>> {
     let mut tried = Vec::new();
     loop {
-        let Some(guard) = edge.registry.pick(&reservation.id, Protocol::Http, &tried) else {
+        let Some(guard) = edge.registry.pick_or_wait(&reservation.id, Protocol::Http, &tried).await else {
             let reason = if tried.is_empty() {
                 "the tunnel is offline: no agent is connected for this host"
             } else {
