@@ -7,6 +7,11 @@
 //! header is parsed, then its payload is read (and unmasked) in place; no
 //! intermediate message buffer, no zero-filled read buffer.
 //!
+//! The agent (the WebSocket client) masks its frames with an all-zero key: a
+//! well-formed masked frame for the TLS-inspecting proxies on the way, and no
+//! XOR over the payload on either end. Frames from other clients are
+//! unmasked as RFC 6455 says.
+//!
 //! Writes are coalesced: bytes accumulate until HTTP/2 flushes or
 //! [`WS_MAX_BATCH`] is reached, then go out as one binary frame. Small frames
 //! flushed one by one cap a connection near 1 Gbit/s; batches reach several
@@ -196,7 +201,6 @@ pub struct WsStream<S> {
     /// Given back what goes out (the edge's upload budget).
     budget: Option<Arc<super::budget::Budget>>,
     close_sent: bool,
-    mask_seed: u64,
     // Keepalive.
     ping: Interval,
     dead_after: Pin<Box<Sleep>>,
@@ -211,8 +215,6 @@ where
     pub fn new(io: S, role: Role, control: Arc<Control>) -> Self {
         let mut ping = tokio::time::interval_at(Instant::now() + PING_INTERVAL, PING_INTERVAL);
         ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        // Seeds the masking keys, which are not secrets: zeros if the source fails.
-        let seed: [u8; 8] = crate::random_bytes().unwrap_or_default();
         WsStream {
             io,
             role,
@@ -233,7 +235,6 @@ where
             stalled_since: None,
             budget: None,
             close_sent: false,
-            mask_seed: u64::from_ne_bytes(seed),
             ping,
             dead_after: Box::pin(tokio::time::sleep(DEAD_PEER_TIMEOUT)),
             last_seen: Instant::now(),
@@ -246,17 +247,8 @@ where
         self
     }
 
-    /// A fresh masking key (splitmix64 over a random seed).
-    fn next_mask(&mut self) -> [u8; 4] {
-        self.mask_seed = self.mask_seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.mask_seed;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        ((z ^ (z >> 31)) as u32).to_ne_bytes()
-    }
-
     /// Header of a frame (masked if we are the client); returns it and its length.
-    fn frame_head(&mut self, opcode: u8, len: usize) -> ([u8; 14], usize, Option<[u8; 4]>) {
+    fn frame_head(&self, opcode: u8, len: usize) -> ([u8; 14], usize) {
         let mut head = [0u8; 14];
         head[0] = 0x80 | opcode;
         let mut n = 2;
@@ -271,24 +263,22 @@ where
             head[2..10].copy_from_slice(&(len as u64).to_be_bytes());
             n = 10;
         }
-        let mask = (self.role == Role::Client).then(|| self.next_mask());
-        if let Some(m) = mask {
+        // A client's frames are masked, with an all-zero key: still a
+        // well-formed frame for the proxies that inspect them, and no XOR
+        // over every payload byte on either end (masking inside TLS between
+        // our own two ends protects nothing).
+        if self.role == Role::Client {
             head[1] |= 0x80;
-            head[n..n + 4].copy_from_slice(&m);
             n += 4;
         }
-        (head, n, mask)
+        (head, n)
     }
 
     /// Queues a control or text frame (sent before the next binary frame).
     fn queue_control(&mut self, opcode: u8, payload: &[u8]) {
-        let (head, n, mask) = self.frame_head(opcode, payload.len());
+        let (head, n) = self.frame_head(opcode, payload.len());
         self.control_out.extend_from_slice(&head[..n]);
-        let start = self.control_out.len();
         self.control_out.extend_from_slice(payload);
-        if let Some(m) = mask {
-            apply_mask(&mut self.control_out[start..], m, 0);
-        }
     }
 
     /// Moves what waits (text messages, the coalesced pong, a due ping) into
@@ -372,10 +362,7 @@ where
         if self.out.is_some() {
             ready!(self.poll_write_out(cx))?;
         }
-        let (head, head_len, mask) = self.frame_head(OP_BINARY, self.batch.len() - HEAD_ROOM);
-        if let Some(m) = mask {
-            apply_mask(&mut self.batch[HEAD_ROOM..], m, 0);
-        }
+        let (head, head_len) = self.frame_head(OP_BINARY, self.batch.len() - HEAD_ROOM);
         self.batch[HEAD_ROOM - head_len..HEAD_ROOM].copy_from_slice(&head[..head_len]);
         let mut frame = self.batch.split().freeze();
         frame.advance(HEAD_ROOM - head_len);
@@ -470,6 +457,8 @@ where
         if self.role == Role::Server && mask.is_none() {
             return Poll::Ready(Err(protocol_error("unmasked frame from the client")));
         }
+        // An all-zero key (our agents') changes nothing: skip the XOR.
+        let mask = mask.filter(|m| *m != [0; 4]);
         let payload = match opcode {
             OP_BINARY if !self.in_text_or_fragment() => Payload::Data,
             OP_TEXT if !self.in_text_or_fragment() => Payload::Text,
@@ -598,14 +587,19 @@ where
                         other => other.map_ok(|()| 0),
                     }
                 } else {
-                    let dst = buf.initialize_unfilled_to(frame.left as usize);
-                    let mut rb = ReadBuf::new(dst);
+                    // The frame ends inside the space: read into the part of
+                    // it the frame fills, left uninitialized (zeroing it
+                    // first cost a memset of every read).
+                    let mut rb = buf.take(frame.left as usize);
                     match Pin::new(&mut this.io).poll_read(cx, &mut rb) {
                         Poll::Ready(Ok(())) => {
                             let n = rb.filled().len();
                             if let Some(m) = frame.mask {
                                 apply_mask(rb.filled_mut(), m, frame.offset);
                             }
+                            // SAFETY: `rb` is a view of `buf`'s unfilled part,
+                            // whose first `n` bytes the read just initialized.
+                            unsafe { buf.assume_init(n) };
                             buf.advance(n);
                             Poll::Ready(Ok(n))
                         }
