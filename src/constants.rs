@@ -85,14 +85,27 @@ pub const DEAD_PEER_TIMEOUT: Duration = Duration::from_secs(30);
 /// coalesced up to this, so a small response is never stuck behind a bulk one.
 pub const WS_MAX_BATCH: usize = 64 * 1024;
 
-/// HTTP/2 stream window on the tunnel (fixed: the adaptive window is off, see `tunnel::h2_client`).
-pub const H2_STREAM_WINDOW: u32 = 1024 * 1024;
-/// HTTP/2 connection window on the tunnel (fixed).
-pub const H2_CONN_WINDOW: u32 = 8 * 1024 * 1024;
+/// HTTP/2 stream window on the tunnel (fixed: the adaptive window is off, see
+/// `tunnel::h2_client`): what one stream may have in flight, and the most a
+/// stream whose public client stops reading leaves buffered at the edge.
+pub const H2_STREAM_WINDOW: u32 = 256 * 1024;
+/// Concurrent streams one tunnel connection carries (the agent announces it;
+/// more requests wait for a stream to end).
+pub const H2_MAX_STREAMS: u32 = 4096;
+/// HTTP/2 connection window on the tunnel (fixed): every stream's window
+/// together, so that the connection window is never what stops a stream.
+/// With a smaller one, streams whose public clients stop reading fill it and
+/// every other stream of the tunnel stalls (issue 18, item 1). It is also
+/// the bound of what one tunnel connection buffers for slow readers: 1 GiB.
+pub const H2_CONN_WINDOW: u32 = H2_STREAM_WINDOW * H2_MAX_STREAMS;
+const _: () = assert!(H2_CONN_WINDOW < 1 << 31, "HTTP/2 windows are at most 2^31-1");
+/// Public clients' upload bytes (request bodies, upgraded and TCP streams)
+/// the edge holds at once for one tunnel connection, and for all of them
+/// together: more waits, unread, in the clients' sockets (`tunnel::budget`).
+pub const TUNNEL_UPLOAD_BUDGET: usize = 16 * 1024 * 1024;
+pub const EDGE_UPLOAD_BUDGET: usize = 256 * 1024 * 1024;
 /// HTTP/2 max frame size on the tunnel.
 pub const H2_MAX_FRAME: u32 = 64 * 1024;
-/// Concurrent streams one tunnel connection accepts.
-pub const H2_MAX_STREAMS: u32 = 10_000;
 
 /// Reconnect backoff: first delay and cap (each delay is drawn from the upper half of its step).
 pub const BACKOFF_INITIAL: Duration = Duration::from_millis(100);

@@ -6,6 +6,13 @@
 //! memory the allocator holds and, when it grew past [`TRIM_ABOVE`] (and past
 //! twice what the last trim could not release), returns it with
 //! `malloc_trim`. Other allocators (musl's) return memory by themselves.
+//!
+//! Between two checks, freed buffers stay in their arena for reuse: glibc's
+//! own thresholds (its top-of-heap trim at 128 KiB and more, mmap for 128 KiB
+//! and more, both moving) gave every few 64 KiB buffers of a bulk transfer
+//! back to the kernel, and the next ones were faulted in again, page by page
+//! (~300 000 minor faults per GB through a tunnel). The thresholds are fixed
+//! higher; the trimmer still returns what stays free.
 
 use std::time::Duration;
 
@@ -17,6 +24,8 @@ pub const TRIM_ABOVE: usize = 1024 * 1024;
 /// Starts the background trimmer on the current runtime (a no-op where the
 /// allocator is not glibc's).
 pub fn spawn_trimmer() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    glibc::keep_buffers();
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     tokio::spawn(async {
         let mut floor = 0usize;
@@ -36,10 +45,24 @@ pub fn spawn_trimmer() {
 
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 mod glibc {
+    /// Allocations below this come from the arenas (reused), not from mmap.
+    const MMAP_THRESHOLD: i32 = 4 * 1024 * 1024;
+    /// glibc gives the top of an arena back on `free` only above this.
+    const TRIM_THRESHOLD: i32 = 16 * 1024 * 1024;
+
     /// Free bytes held by the allocator, all arenas.
     pub fn free_bytes() -> usize {
         // SAFETY: mallinfo2 only reads the allocator's statistics.
         unsafe { libc::mallinfo2() }.fordblks
+    }
+
+    /// Fixes the mmap and trim thresholds (see the module docs).
+    pub fn keep_buffers() {
+        // SAFETY: mallopt only sets allocator parameters; valid values.
+        unsafe {
+            libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD);
+            libc::mallopt(libc::M_TRIM_THRESHOLD, TRIM_THRESHOLD);
+        }
     }
 
     /// Releases free memory at the top and in the middle of every arena.

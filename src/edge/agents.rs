@@ -135,7 +135,9 @@ pub async fn accept(edge: Arc<Edge>, mut req: Request<Incoming>, peer: SocketAdd
                 Err(e) => return warn!(error = %e, "agent upgrade failed"),
             };
             let control = Arc::new(Control::default());
-            let stream = WsStream::new(TokioIo::new(upgraded), ws::Role::Server, control.clone());
+            let budget = edge.registry.tunnel_budget();
+            let stream = WsStream::new(TokioIo::new(upgraded), ws::Role::Server, control.clone())
+                .with_budget(budget.clone());
             let (sender, conn) = match crate::tunnel::h2_client().handshake(TokioIo::new(stream)).await {
                 Ok(x) => x,
                 Err(e) => return warn!(error = %e, "HTTP/2 handshake with the agent failed"),
@@ -145,8 +147,7 @@ pub async fn accept(edge: Arc<Edge>, mut req: Request<Incoming>, peer: SocketAdd
                 grant.reservation.id.clone(),
                 super::registry::Origin { agent_id, peer, protocol_version, since: super::store::unix_now() },
                 grant.protocol,
-                sender,
-                control.clone(),
+                super::registry::Link { sender, control: control.clone(), budget },
             );
             drop(slot);
             edge.metrics.tunnels_connected.inc();

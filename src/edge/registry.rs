@@ -18,8 +18,9 @@ use prometheus_client::metrics::gauge::Gauge;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::Protocol;
-use crate::constants::AGENT_RETURN_GRACE;
+use crate::constants::{AGENT_RETURN_GRACE, EDGE_UPLOAD_BUDGET, TUNNEL_UPLOAD_BUDGET};
 use crate::tunnel::body::BoxBody;
+use crate::tunnel::budget::Budget;
 use crate::tunnel::ws::Control;
 
 /// Who an agent connection is and where it comes from (for the status page).
@@ -45,6 +46,8 @@ pub struct AgentConn {
     pub protocol: Protocol,
     pub sender: SendRequest<BoxBody>,
     pub control: Arc<Control>,
+    /// What the connection may hold of public clients' uploads.
+    pub budget: Arc<Budget>,
     /// Cancelled to close the connection (key revoked, reservation released).
     pub cancel: CancellationToken,
     open_streams: AtomicUsize,
@@ -61,6 +64,14 @@ impl AgentConn {
     }
 }
 
+/// The moving parts of a connection: its HTTP/2 sender, its control
+/// messages, its upload budget.
+pub struct Link {
+    pub sender: SendRequest<BoxBody>,
+    pub control: Arc<Control>,
+    pub budget: Arc<Budget>,
+}
+
 /// Held while a stream is open on a connection.
 pub struct StreamGuard {
     conn: Arc<AgentConn>,
@@ -75,7 +86,10 @@ impl StreamGuard {
 
 impl Drop for StreamGuard {
     fn drop(&mut self) {
-        self.conn.open_streams.fetch_sub(1, Ordering::Relaxed);
+        if self.conn.open_streams.fetch_sub(1, Ordering::Relaxed) == 1 {
+            // No stream open: whatever HTTP/2 dropped unsent is not held.
+            self.conn.budget.release_all();
+        }
         self.gauge.dec();
     }
 }
@@ -88,6 +102,8 @@ pub struct Registry {
     next_id: AtomicU64,
     /// Streams open across all connections.
     streams_open: Gauge,
+    /// What the edge may hold of public clients' uploads, all tunnels together.
+    budget: Arc<Budget>,
     /// When the edge started, and the reservations an agent connected for
     /// since (the grace of [`Registry::pick_or_wait`]).
     started: Instant,
@@ -103,10 +119,21 @@ impl Registry {
             pending: Arc::default(),
             next_id: AtomicU64::new(0),
             streams_open,
+            budget: Budget::new(EDGE_UPLOAD_BUDGET, None),
             started: Instant::now(),
             seen: Mutex::default(),
             arrived: tokio::sync::Notify::new(),
         }
+    }
+
+    /// A new tunnel connection's upload budget (part of the edge's).
+    pub fn tunnel_budget(&self) -> Arc<Budget> {
+        Budget::new(TUNNEL_UPLOAD_BUDGET, Some(self.budget.clone()))
+    }
+
+    /// Upload bytes the edge holds now, all tunnels together.
+    pub fn upload_bytes_held(&self) -> usize {
+        self.budget.held()
     }
 
     /// Registers a connection and returns it.
@@ -116,9 +143,9 @@ impl Registry {
         reservation_id: String,
         origin: Origin,
         protocol: Protocol,
-        sender: SendRequest<BoxBody>,
-        control: Arc<Control>,
+        link: Link,
     ) -> Arc<AgentConn> {
+        let Link { sender, control, budget } = link;
         let conn = Arc::new(AgentConn {
             id: self.next_id.fetch_add(1, Ordering::Relaxed),
             key_id,
@@ -127,6 +154,7 @@ impl Registry {
             protocol,
             sender,
             control,
+            budget,
             cancel: CancellationToken::new(),
             open_streams: AtomicUsize::new(0),
         });
@@ -288,7 +316,8 @@ mod tests {
             protocol_version: 1,
             since: 0,
         };
-        r.add(key.into(), reservation.into(), origin, protocol, sender().await, Arc::default())
+        let link = Link { sender: sender().await, control: Arc::default(), budget: r.tunnel_budget() };
+        r.add(key.into(), reservation.into(), origin, protocol, link)
     }
 
     #[tokio::test]

@@ -16,6 +16,7 @@ use crate::api::{Protocol, Reservation};
 use crate::constants::{CLIENT_ADDR_HEADER, SERVER_ADDR_HEADER, STREAM_HEADER};
 use crate::tunnel::StreamKind;
 use crate::tunnel::body::{self, Counted, ReadBody};
+use crate::tunnel::budget::{BudgetSlot, Budgeted};
 use tokio::io::{AsyncRead, AsyncWrite};
 
 /// How often a reserved port the edge could not listen on is tried again.
@@ -158,9 +159,12 @@ pub async fn forward<S>(
     let mut tried = Vec::new();
     let counters = edge.metrics.bytes(name);
     counters.tunnel.request();
-    let mut body = Some(body::boxed(Counted::new(ReadBody::new(read), counters.inbound)));
+    let slot = BudgetSlot::default();
+    let upload = Budgeted::new(Counted::new(ReadBody::new(read), counters.inbound), slot.clone());
+    let mut body = Some(body::boxed(upload));
     while let Some(guard) = edge.registry.pick_or_wait(&reservation.id, protocol, &tried).await {
         tried.push(guard.conn().id);
+        slot.set(guard.conn().budget.clone());
         let mut req = Request::new(body.take().expect("body is put back on retry"));
         *req.method_mut() = http::Method::POST;
         *req.uri_mut() = http::Uri::from_static("https://tcp.culvert.invalid/");

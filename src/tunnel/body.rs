@@ -1,6 +1,7 @@
 //! Streaming bodies between sockets and HTTP/2 streams, without buffering
 //! more than one chunk.
 
+use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -10,7 +11,7 @@ use http_body_util::{BodyExt, Empty, Full};
 use hyper::body::{Body, Frame, SizeHint};
 use prometheus_client::metrics::counter::Counter;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
-use tokio::sync::mpsc;
+use tokio::sync::oneshot;
 use tokio_util::io::poll_read_buf;
 
 use crate::BoxError;
@@ -103,10 +104,27 @@ impl<R: AsyncRead + Unpin> Body for ReadBody<R> {
     }
 }
 
-/// A body fed through a bounded channel (backpressure: the sender waits).
-pub struct ChannelBody(pub mpsc::Receiver<Bytes>);
+/// What a [`LateReadBody`] reads once it arrives, and something it keeps
+/// alive until it ends.
+pub type Late<R> = (R, Box<dyn std::any::Any + Send>);
 
-impl Body for ChannelBody {
+/// A [`ReadBody`] over a reader that arrives later (an upgraded public
+/// connection exists only once its 101 went out); ends at once if the
+/// reader never comes. Nothing is buffered in between.
+pub struct LateReadBody<R> {
+    rx: oneshot::Receiver<Late<R>>,
+    body: Option<(ReadBody<R>, Box<dyn std::any::Any + Send>)>,
+    done: bool,
+}
+
+impl<R> LateReadBody<R> {
+    pub fn new() -> (Self, oneshot::Sender<Late<R>>) {
+        let (tx, rx) = oneshot::channel();
+        (LateReadBody { rx, body: None, done: false }, tx)
+    }
+}
+
+impl<R: AsyncRead + Unpin> Body for LateReadBody<R> {
     type Data = Bytes;
     type Error = BoxError;
 
@@ -114,7 +132,31 @@ impl Body for ChannelBody {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        self.get_mut().0.poll_recv(cx).map(|b| b.map(|b| Ok(Frame::data(b))))
+        let this = self.get_mut();
+        if this.done {
+            return Poll::Ready(None);
+        }
+        if this.body.is_none() {
+            match std::task::ready!(Pin::new(&mut this.rx).poll(cx)) {
+                Ok((reader, hold)) => this.body = Some((ReadBody::new(reader), hold)),
+                Err(_) => {
+                    this.done = true;
+                    return Poll::Ready(None);
+                }
+            }
+        }
+        let (body, _) = this.body.as_mut().expect("the reader arrived");
+        let polled = Pin::new(body).poll_frame(cx);
+        if matches!(polled, Poll::Ready(None) | Poll::Ready(Some(Err(_)))) {
+            // Ended: what it kept alive goes now.
+            this.done = true;
+            this.body = None;
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done
     }
 }
 
@@ -187,25 +229,6 @@ where
     }
     writer.shutdown().await?;
     Ok(total)
-}
-
-/// Feeds everything `reader` yields into `tx` until EOF or the receiver goes away.
-pub async fn copy_to_channel<R>(mut reader: R, tx: mpsc::Sender<Bytes>) -> io::Result<u64>
-where
-    R: AsyncRead + Unpin,
-{
-    use tokio::io::AsyncReadExt;
-    let mut total = 0u64;
-    loop {
-        let mut buf = BytesMut::with_capacity(READ_CHUNK);
-        if reader.read_buf(&mut buf).await? == 0 {
-            return Ok(total);
-        }
-        total += buf.len() as u64;
-        if tx.send(buf.freeze()).await.is_err() {
-            return Ok(total);
-        }
-    }
 }
 
 #[cfg(test)]

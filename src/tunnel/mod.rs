@@ -56,6 +56,7 @@ pub(crate) use write_through_inner;
 
 pub(crate) mod backoff;
 pub(crate) mod body;
+pub(crate) mod budget;
 pub mod connect;
 pub(crate) mod handshake;
 pub(crate) mod proxy;

@@ -7,6 +7,11 @@
 //! header is parsed, then its payload is read (and unmasked) in place; no
 //! intermediate message buffer, no zero-filled read buffer.
 //!
+//! The agent (the WebSocket client) masks its frames with an all-zero key: a
+//! well-formed masked frame for the TLS-inspecting proxies on the way, and no
+//! XOR over the payload on either end. Frames from other clients are
+//! unmasked as RFC 6455 says.
+//!
 //! Writes are coalesced: bytes accumulate until HTTP/2 flushes or
 //! [`WS_MAX_BATCH`] is reached, then go out as one binary frame. Small frames
 //! flushed one by one cap a connection near 1 Gbit/s; batches reach several
@@ -71,9 +76,16 @@ pub struct Control {
 }
 
 impl Control {
-    /// Queues a text message; the connection's task sends it promptly.
+    /// Queues a text message; the connection's task sends it promptly. A
+    /// message already waiting is not queued twice, so the queue holds at
+    /// most one of each message however often the peer asks for an answer.
     pub fn send(&self, msg: &'static str) {
-        self.outgoing.lock().expect("poisoned").push_back(msg);
+        let mut outgoing = self.outgoing.lock().expect("poisoned");
+        if outgoing.contains(&msg) {
+            return;
+        }
+        outgoing.push_back(msg);
+        drop(outgoing);
         self.queued.store(true, Ordering::Release);
         self.waker.wake();
     }
@@ -176,10 +188,19 @@ pub struct WsStream<S> {
     /// [`HEAD_ROOM`] bytes, then the payload of the next binary frame.
     batch: BytesMut,
     out: Option<Outgoing>,
-    /// Encoded control frames, sent between binary frames.
+    /// Encoded control frames, sent between binary frames. Refilled only
+    /// once empty, so a peer that does not read cannot make it grow.
     control_out: BytesMut,
+    /// The payload of the latest ping not answered yet: pongs are coalesced
+    /// (RFC 6455 5.5.3 allows answering only the most recent ping).
+    pong: Option<Vec<u8>>,
+    /// A ping of ours is due.
+    ping_due: bool,
+    /// Since when output has been waiting for a socket that takes nothing.
+    stalled_since: Option<Instant>,
+    /// Given back what goes out (the edge's upload budget).
+    budget: Option<Arc<super::budget::Budget>>,
     close_sent: bool,
-    mask_seed: u64,
     // Keepalive.
     ping: Interval,
     dead_after: Pin<Box<Sleep>>,
@@ -194,8 +215,6 @@ where
     pub fn new(io: S, role: Role, control: Arc<Control>) -> Self {
         let mut ping = tokio::time::interval_at(Instant::now() + PING_INTERVAL, PING_INTERVAL);
         ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        // Seeds the masking keys, which are not secrets: zeros if the source fails.
-        let seed: [u8; 8] = crate::random_bytes().unwrap_or_default();
         WsStream {
             io,
             role,
@@ -211,25 +230,25 @@ where
             batch: BytesMut::new(),
             out: None,
             control_out: BytesMut::new(),
+            pong: None,
+            ping_due: false,
+            stalled_since: None,
+            budget: None,
             close_sent: false,
-            mask_seed: u64::from_ne_bytes(seed),
             ping,
             dead_after: Box::pin(tokio::time::sleep(DEAD_PEER_TIMEOUT)),
             last_seen: Instant::now(),
         }
     }
 
-    /// A fresh masking key (splitmix64 over a random seed).
-    fn next_mask(&mut self) -> [u8; 4] {
-        self.mask_seed = self.mask_seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.mask_seed;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        ((z ^ (z >> 31)) as u32).to_ne_bytes()
+    /// Gives `budget` back the bytes written to the socket.
+    pub fn with_budget(mut self, budget: Arc<super::budget::Budget>) -> Self {
+        self.budget = Some(budget);
+        self
     }
 
     /// Header of a frame (masked if we are the client); returns it and its length.
-    fn frame_head(&mut self, opcode: u8, len: usize) -> ([u8; 14], usize, Option<[u8; 4]>) {
+    fn frame_head(&self, opcode: u8, len: usize) -> ([u8; 14], usize) {
         let mut head = [0u8; 14];
         head[0] = 0x80 | opcode;
         let mut n = 2;
@@ -244,23 +263,57 @@ where
             head[2..10].copy_from_slice(&(len as u64).to_be_bytes());
             n = 10;
         }
-        let mask = (self.role == Role::Client).then(|| self.next_mask());
-        if let Some(m) = mask {
+        // A client's frames are masked, with an all-zero key: still a
+        // well-formed frame for the proxies that inspect them, and no XOR
+        // over every payload byte on either end (masking inside TLS between
+        // our own two ends protects nothing).
+        if self.role == Role::Client {
             head[1] |= 0x80;
-            head[n..n + 4].copy_from_slice(&m);
             n += 4;
         }
-        (head, n, mask)
+        (head, n)
     }
 
     /// Queues a control or text frame (sent before the next binary frame).
     fn queue_control(&mut self, opcode: u8, payload: &[u8]) {
-        let (head, n, mask) = self.frame_head(opcode, payload.len());
+        let (head, n) = self.frame_head(opcode, payload.len());
         self.control_out.extend_from_slice(&head[..n]);
-        let start = self.control_out.len();
         self.control_out.extend_from_slice(payload);
-        if let Some(m) = mask {
-            apply_mask(&mut self.control_out[start..], m, 0);
+    }
+
+    /// Moves what waits (text messages, the coalesced pong, a due ping) into
+    /// `control_out` once it is empty: it never holds more than one of each.
+    fn refill_control(&mut self) {
+        if !self.control_out.is_empty() || self.close_sent {
+            return;
+        }
+        for msg in self.control.take_outgoing() {
+            self.queue_control(OP_TEXT, msg.as_bytes());
+        }
+        if let Some(payload) = self.pong.take() {
+            self.queue_control(OP_PONG, &payload);
+        }
+        if std::mem::take(&mut self.ping_due) {
+            self.queue_control(OP_PING, b"");
+        }
+    }
+
+    /// One write to the socket, noting when the socket stopped taking bytes.
+    fn poll_io_write(&mut self, cx: &mut Context<'_>, data: &[u8]) -> Poll<io::Result<usize>> {
+        match Pin::new(&mut self.io).poll_write(cx, data) {
+            Poll::Ready(Ok(0)) => Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
+            Poll::Ready(Ok(n)) => {
+                self.stalled_since = None;
+                if let Some(b) = &self.budget {
+                    b.release(n);
+                }
+                Poll::Ready(Ok(n))
+            }
+            Poll::Pending => {
+                self.stalled_since.get_or_insert_with(Instant::now);
+                Poll::Pending
+            }
+            other => other,
         }
     }
 
@@ -271,22 +324,29 @@ where
             if let Some(out) = &mut self.out
                 && (out.written > 0 || self.control_out.is_empty())
             {
-                while out.written < out.frame.len() {
-                    let n = ready!(Pin::new(&mut self.io).poll_write(cx, &out.frame[out.written..]))?;
-                    if n == 0 {
-                        return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+                let frame = out.frame.clone();
+                let mut written = out.written;
+                while written < frame.len() {
+                    let polled = self.poll_io_write(cx, &frame[written..]);
+                    if let Poll::Ready(Ok(n)) = polled {
+                        written += n;
+                        continue;
                     }
-                    out.written += n;
+                    self.out.as_mut().expect("a frame is going out").written = written;
+                    return polled.map_ok(|_| ());
                 }
                 self.out = None;
                 continue;
             }
             if !self.control_out.is_empty() {
-                let n = ready!(Pin::new(&mut self.io).poll_write(cx, &self.control_out))?;
-                if n == 0 {
-                    return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
-                }
+                let control = std::mem::take(&mut self.control_out);
+                let polled = self.poll_io_write(cx, &control);
+                self.control_out = control;
+                let n = ready!(polled)?;
                 let _ = self.control_out.split_to(n);
+                if self.control_out.is_empty() {
+                    self.refill_control();
+                }
                 continue;
             }
             return Poll::Ready(Ok(()));
@@ -302,10 +362,7 @@ where
         if self.out.is_some() {
             ready!(self.poll_write_out(cx))?;
         }
-        let (head, head_len, mask) = self.frame_head(OP_BINARY, self.batch.len() - HEAD_ROOM);
-        if let Some(m) = mask {
-            apply_mask(&mut self.batch[HEAD_ROOM..], m, 0);
-        }
+        let (head, head_len) = self.frame_head(OP_BINARY, self.batch.len() - HEAD_ROOM);
         self.batch[HEAD_ROOM - head_len..HEAD_ROOM].copy_from_slice(&head[..head_len]);
         let mut frame = self.batch.split().freeze();
         frame.advance(HEAD_ROOM - head_len);
@@ -321,12 +378,10 @@ where
     /// the time.
     fn poll_housekeeping(&mut self, cx: &mut Context<'_>) -> io::Result<()> {
         self.control.waker.register(cx.waker());
-        for msg in self.control.take_outgoing() {
-            self.queue_control(OP_TEXT, msg.as_bytes());
-        }
         while self.ping.poll_tick(cx).is_ready() {
-            self.queue_control(OP_PING, b"");
+            self.ping_due = true;
         }
+        self.refill_control();
         if !self.control_out.is_empty() || self.out.is_some() {
             // Pending is fine: the socket's readiness wakes this task again.
             if let Poll::Ready(Err(e)) = self.poll_write_out(cx) {
@@ -337,14 +392,17 @@ where
     }
 
     /// Waits for the dead-peer deadline; an error once the peer was silent
-    /// for [`DEAD_PEER_TIMEOUT`].
+    /// for [`DEAD_PEER_TIMEOUT`], or took none of our bytes for as long (a
+    /// peer that talks but does not read is dropped too).
     fn poll_dead_peer(&mut self, cx: &mut Context<'_>) -> io::Result<()> {
         while self.dead_after.as_mut().poll(cx).is_ready() {
-            let deadline = self.last_seen + DEAD_PEER_TIMEOUT;
+            let stalled = self.stalled_since.filter(|s| *s < self.last_seen);
+            let deadline = stalled.unwrap_or(self.last_seen) + DEAD_PEER_TIMEOUT;
             if deadline <= Instant::now() {
+                let what = if stalled.is_some() { "did not read" } else { "silent" };
                 return Err(io::Error::new(
                     io::ErrorKind::TimedOut,
-                    format!("tunnel peer silent for {DEAD_PEER_TIMEOUT:?}"),
+                    format!("tunnel peer {what} for {DEAD_PEER_TIMEOUT:?}"),
                 ));
             }
             self.dead_after.as_mut().reset(deadline);
@@ -399,6 +457,8 @@ where
         if self.role == Role::Server && mask.is_none() {
             return Poll::Ready(Err(protocol_error("unmasked frame from the client")));
         }
+        // An all-zero key (our agents') changes nothing: skip the XOR.
+        let mask = mask.filter(|m| *m != [0; 4]);
         let payload = match opcode {
             OP_BINARY if !self.in_text_or_fragment() => Payload::Data,
             OP_TEXT if !self.in_text_or_fragment() => Payload::Text,
@@ -440,8 +500,8 @@ where
             }
             Payload::Control(OP_PING) => {
                 if !self.close_sent {
-                    let payload = std::mem::take(&mut self.collected);
-                    self.queue_control(OP_PONG, &payload);
+                    self.pong = Some(std::mem::take(&mut self.collected));
+                    self.refill_control();
                 }
             }
             Payload::Control(OP_CLOSE) => {
@@ -528,14 +588,19 @@ where
                         other => other.map_ok(|()| 0),
                     }
                 } else {
-                    let dst = buf.initialize_unfilled_to(frame.left as usize);
-                    let mut rb = ReadBuf::new(dst);
+                    // The frame ends inside the space: read into the part of
+                    // it the frame fills, left uninitialized (zeroing it
+                    // first cost a memset of every read).
+                    let mut rb = buf.take(frame.left as usize);
                     match Pin::new(&mut this.io).poll_read(cx, &mut rb) {
                         Poll::Ready(Ok(())) => {
                             let n = rb.filled().len();
                             if let Some(m) = frame.mask {
                                 apply_mask(rb.filled_mut(), m, frame.offset);
                             }
+                            // SAFETY: `rb` is a view of `buf`'s unfilled part,
+                            // whose first `n` bytes the read just initialized.
+                            unsafe { buf.assume_init(n) };
                             buf.advance(n);
                             Poll::Ready(Ok(n))
                         }
@@ -829,6 +894,65 @@ mod tests {
         assert!(edge_ctl.peer_is_draining());
         edge_task.abort();
         agent_task.abort();
+    }
+
+    /// A masked (client) frame of `opcode` with `payload`.
+    fn client_frame(opcode: u8, payload: &[u8]) -> Vec<u8> {
+        let mask = [9, 8, 7, 6];
+        let mut f = vec![0x80 | opcode, 0x80 | payload.len() as u8];
+        f.extend_from_slice(&mask);
+        f.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+        f
+    }
+
+    #[tokio::test]
+    async fn a_peer_that_pings_and_never_reads_gets_one_pong_queued() {
+        // Issue 18 item 9: every ping used to queue a pong, every goodbye an
+        // ack, without limit while the peer did not read.
+        let (mut peer, b) = tokio::io::duplex(16 * 1024);
+        let mut ours = WsStream::new(b, Role::Server, Arc::default());
+        let control = ours.control.clone();
+        let mut burst = Vec::new();
+        for i in 0..100u32 {
+            burst.extend(client_frame(OP_PING, &[i as u8; 125]));
+            burst.extend(client_frame(OP_TEXT, MSG_GOODBYE.as_bytes()));
+        }
+        let mut flood = tokio::spawn(async move {
+            for _ in 0..200 {
+                peer.write_all(&burst).await.unwrap();
+            }
+            peer
+        });
+        let mut buf = [0u8; 64];
+        let peer = tokio::select! {
+            r = ours.read(&mut buf) => panic!("no data expected: {r:?}"),
+            peer = &mut flood => peer.unwrap(),
+        };
+        // 20 000 pings and goodbyes were read and answered as far as the
+        // peer took them: one pong and one ack at most wait.
+        assert!(ours.control_out.len() <= 2 * (MAX_CONTROL as usize + 14), "{}", ours.control_out.len());
+        assert!(control.outgoing.lock().unwrap().len() <= 1);
+        assert!(ours.pong.is_some());
+        drop(peer);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_peer_that_talks_but_never_reads_is_dropped() {
+        let (mut peer, b) = tokio::io::duplex(1024);
+        let mut ours = WsStream::new(b, Role::Server, Arc::default());
+        let talker = tokio::spawn(async move {
+            loop {
+                peer.write_all(&client_frame(OP_PING, &[1; 125])).await.unwrap();
+                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            }
+        });
+        let started = tokio::time::Instant::now();
+        let mut buf = [0u8; 8];
+        let err = ours.read(&mut buf).await.unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::TimedOut);
+        assert!(err.to_string().contains("did not read"), "{err}");
+        assert!(started.elapsed() <= DEAD_PEER_TIMEOUT * 3, "{:?}", started.elapsed());
+        talker.abort();
     }
 
     #[tokio::test(start_paused = true)]

@@ -39,6 +39,7 @@ use crate::constants::{
 };
 use crate::http::{error_page, text};
 use crate::tunnel::body::{self, BoxBody, Counted};
+use crate::tunnel::budget::{BudgetSlot, Budgeted};
 use crate::tunnel::readahead::ReadAhead;
 use head::request_host;
 
@@ -453,14 +454,18 @@ async fn proxy(
     // upgrade gets its request back from a refusal (its body is fed later).
     let replay = (upgrade.is_none() && incoming.is_end_stream())
         .then(|| (parts.method.clone(), parts.uri.clone(), parts.headers.clone()));
+    // What the client uploads is charged to the tunnel connection's budget.
+    let slot = BudgetSlot::default();
     let (tunnel_body, upgrade_tx) = if upgrade.is_some() {
-        let (body, tx) = upgrade::request_body(bytes_in);
+        let (body, tx) = upgrade::request_body(bytes_in, slot.clone());
         (body, Some(tx))
-    } else {
+    } else if incoming.is_end_stream() {
         (body::boxed(Counted::new(incoming, bytes_in)), None)
+    } else {
+        (body::boxed(Budgeted::new(Counted::new(incoming, bytes_in), slot.clone())), None)
     };
     let request = Request::from_parts(parts, tunnel_body);
-    let (resp, guard) = match retry::send(&edge, reservation, host, request, replay, &tunnel).await {
+    let (resp, guard) = match retry::send(&edge, reservation, host, request, replay, &tunnel, &slot).await {
         Ok(x) => x,
         Err(page) => return page,
     };

@@ -12,6 +12,7 @@ use crate::edge::registry::StreamGuard;
 use crate::edge::status::traffic::TunnelCounters;
 use crate::http::{error_chain, error_page};
 use crate::tunnel::body::{self, BoxBody};
+use crate::tunnel::budget::BudgetSlot;
 
 /// Attempts to place one request on a connection before answering 502.
 const MAX_ATTEMPTS: usize = 3;
@@ -24,7 +25,8 @@ pub(super) type Replay = (Method, Uri, HeaderMap);
 /// fewest open streams. A connection that refuses it (an agent draining at
 /// that very moment) is skipped and the request placed on another, up to
 /// [`MAX_ATTEMPTS`]: with the request hyper hands back, or else one built
-/// from `replay`. Fails with the 502 page to answer (counted in `tunnel`).
+/// from `replay`. The request's body charges the `budget` of the connection
+/// it is placed on. Fails with the 502 page to answer (counted in `tunnel`).
 pub(super) async fn send(
     edge: &Edge,
     reservation: &Reservation,
@@ -32,6 +34,7 @@ pub(super) async fn send(
     mut request: Request<BoxBody>,
     replay: Option<Replay>,
     tunnel: &TunnelCounters,
+    budget: &BudgetSlot,
 ) -> Result<(Response<Incoming>, StreamGuard), Response<BoxBody>> {
     let mut tried = Vec::new();
     loop {
@@ -46,6 +49,7 @@ pub(super) async fn send(
             return Err(error_page(StatusCode::BAD_GATEWAY, host, reason));
         };
         tried.push(guard.conn().id);
+        budget.set(guard.conn().budget.clone());
         let mut sender = guard.conn().sender.clone();
         match sender.try_send_request(request).await {
             Ok(resp) => return Ok((resp, guard)),

@@ -2,20 +2,25 @@
 //! as an upgrade stream whose body is fed later, and once the backend switched
 //! protocols the upgraded public connection is spliced to the stream.
 
-use bytes::Bytes;
+use std::sync::Arc;
+
 use http::header::{self, HeaderValue};
 use http::{Request, Response, StatusCode};
 use hyper::body::Incoming;
 use hyper::upgrade::OnUpgrade;
+use hyper::upgrade::Upgraded;
 use hyper_util::rt::TokioIo;
 use prometheus_client::metrics::counter::Counter;
-use tokio::sync::mpsc;
+use tokio::io::ReadHalf;
+use tokio::sync::oneshot;
 use tracing::{Instrument, debug};
 
 use super::head::clean_response;
 use crate::constants::{PUBLIC_IDLE_TIMEOUT, UPGRADE_HEADER};
+use crate::edge::idle::Tracked;
 use crate::edge::registry::StreamGuard;
-use crate::tunnel::body::{self, BoxBody, ChannelBody, Counted};
+use crate::tunnel::body::{self, BoxBody, Counted, Late, LateReadBody};
+use crate::tunnel::budget::{BudgetSlot, Budgeted};
 
 /// The public request is an HTTP/1.1 upgrade to protocols that are all in
 /// `allowed` (WebSocket by default). Any other upgrade (`h2c`...) is not one:
@@ -39,15 +44,19 @@ fn is_allowed(token: &str, allowed: &[String]) -> bool {
     !token.is_empty() && allowed.iter().any(|a| a.eq_ignore_ascii_case(token))
 }
 
-/// The body of an upgrade stream: fed later, from the upgraded public
-/// connection, through the sender.
-pub(super) fn request_body(bytes_in: Counter) -> (BoxBody, mpsc::Sender<Bytes>) {
-    let (tx, rx) = mpsc::channel::<Bytes>(8);
-    (body::boxed(Counted::new(ChannelBody(rx), bytes_in)), tx)
+/// The upgraded public connection's reading half, once there is one.
+pub(super) type UpgradeReader = oneshot::Sender<Late<ReadHalf<Tracked<TokioIo<Upgraded>>>>>;
+
+/// The body of an upgrade stream: it reads the upgraded public connection
+/// once the sender hands it over, one chunk at a time, each charged to the
+/// `budget` of the stream's connection.
+pub(super) fn request_body(bytes_in: Counter, budget: BudgetSlot) -> (BoxBody, UpgradeReader) {
+    let (late, tx) = LateReadBody::new();
+    (body::boxed(Budgeted::new(Counted::new(late, bytes_in), budget)), tx)
 }
 
 /// The backend switched protocols: answers the client 101 and splices the
-/// upgraded public connection to the stream (the client's bytes into `tx`,
+/// upgraded public connection to the stream (its reading half to the request body through `tx`,
 /// the stream's body `down` to the client), holding the stream's `guard`
 /// until both directions have ended.
 pub(super) fn switch(
@@ -55,7 +64,7 @@ pub(super) fn switch(
     down: Counted<Incoming>,
     asked: Option<HeaderValue>,
     on_upgrade: OnUpgrade,
-    tx: mpsc::Sender<Bytes>,
+    tx: UpgradeReader,
     guard: StreamGuard,
     edge: &crate::edge::Edge,
 ) -> Response<BoxBody> {
@@ -82,7 +91,8 @@ pub(super) fn switch(
     }
     tokio::spawn(
         async move {
-            let _guard = guard;
+            // Held until both directions have ended.
+            let guard = Arc::new(guard);
             let upgraded = match on_upgrade.await {
                 Ok(u) => u,
                 Err(e) => return debug!(error = %e, "public upgrade failed"),
@@ -90,12 +100,17 @@ pub(super) fn switch(
             // Bounded whether or not anything reads: idle, or half-closed and silent.
             let activity = crate::edge::idle::Activity::default();
             let (read, write) = tokio::io::split(activity.track(TokioIo::new(upgraded)));
-            let up = body::copy_to_channel(read, tx);
-            let down = body::copy_body(down, write);
+            let _ = tx.send((read, Box::new(guard.clone())));
             tokio::select! {
-                (up, down) = async { tokio::join!(up, down) } => debug!(?up, ?down, "upgraded stream ended"),
-                why = activity.expired(PUBLIC_IDLE_TIMEOUT, half_close) => debug!(why, "closing the upgraded stream"),
+                down = body::copy_body(down, write) => debug!(?down, "upgraded stream: backend to client ended"),
+                why = activity.expired(PUBLIC_IDLE_TIMEOUT, half_close) => {
+                    debug!(why, "closing the upgraded stream");
+                    return activity.close();
+                }
             }
+            // The client's bytes still flow through the request body: the same bounds hold.
+            let why = activity.expired(PUBLIC_IDLE_TIMEOUT, half_close).await;
+            debug!(why, "upgraded stream ended");
             activity.close();
         }
         .in_current_span(),

@@ -1,0 +1,302 @@
+//! Flow control and memory bounds of the tunnel's data path, end to end over
+//! real sockets on 127.0.0.1: public clients that stop reading cannot stall
+//! the other requests of a tunnel, and an agent that floods the edge with
+//! control frames or stops reading cannot make the edge's memory grow without
+//! bound.
+
+mod support;
+use support::net;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use culvert::agent::Target;
+use http::{Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use net::{TestAgent, TestEdge};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// The tests measure this process's memory: one at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+async fn published() -> (TestEdge, String, TestAgent) {
+    let edge = TestEdge::start().await;
+    let backend = net::http_backend().await;
+    let (host, key) = edge.http_tunnel_key("app").await;
+    let agent = TestAgent::start(&edge, &key, Target::http(backend.to_string())).await;
+    (edge, host, agent)
+}
+
+/// GETs `n` bytes on a fresh connection; `None` if it did not finish within `limit`.
+async fn download(edge: &TestEdge, host: &str, n: u64, h2: bool, limit: Duration) -> Option<u64> {
+    let client = edge.client();
+    let host = host.to_string();
+    tokio::time::timeout(limit, async move {
+        let req = Request::get(format!("/bytes?n={n}")).body(Full::new(Bytes::new())).unwrap();
+        let resp = client.send(&host, req, h2).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        resp.into_body().collect().await.unwrap().to_bytes().len() as u64
+    })
+    .await
+    .ok()
+}
+
+/// Issue 18 item 1: response data for public clients that do not read used
+/// to fill the tunnel's single HTTP/2 connection window, after which every
+/// other request to the name got its headers and then no body.
+#[tokio::test]
+async fn clients_that_stop_reading_do_not_stall_the_tunnel() {
+    let _serial = SERIAL.lock().await;
+    const BIG: u64 = 1 << 30;
+    let (edge, host, _agent) = published().await;
+    let client = edge.client();
+
+    // One h2 connection that never opens its stream windows, ten downloads.
+    let tls = client.connect(&host, true).await;
+    let (sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        .initial_stream_window_size(0)
+        .initial_connection_window_size(65_535)
+        .handshake(TokioIo::new(tls))
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let mut held = Vec::new();
+    for _ in 0..10 {
+        let mut sender = sender.clone();
+        let req =
+            Request::get(format!("https://{host}/bytes?n={BIG}")).body(Full::new(Bytes::new())).unwrap();
+        let resp = sender.send_request(req).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        held.push(resp);
+    }
+    // Twenty HTTP/1.1 downloads whose clients read the first bytes, then stop.
+    let mut stalled = Vec::new();
+    for _ in 0..20 {
+        let mut tls = client.connect(&host, false).await;
+        let head = format!("GET /bytes?n={BIG} HTTP/1.1\r\nhost: {host}\r\n\r\n");
+        tls.write_all(head.as_bytes()).await.unwrap();
+        let mut first = [0u8; 12];
+        tls.read_exact(&mut first).await.unwrap();
+        assert_eq!(&first, b"HTTP/1.1 200");
+        stalled.push(tls);
+    }
+
+    // Every other request keeps getting its whole body, promptly.
+    for i in 0..10 {
+        let t = std::time::Instant::now();
+        let got = download(&edge, &host, 1 << 20, i % 2 == 1, Duration::from_secs(10)).await;
+        assert_eq!(got, Some(1 << 20), "request {i} stalled behind the clients that do not read");
+        eprintln!("probe {i}: {:?}", t.elapsed());
+    }
+    drop((held, stalled));
+}
+
+/// A malicious agent: the WebSocket upgrade with a valid tunnel key, then
+/// whatever bytes the test writes to the raw TLS stream.
+async fn raw_agent(edge: &TestEdge, key: &str) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    let tls = edge.client().connect("edge.test", false).await;
+    let mut req = "wss://edge.test/_culvert/v1/connect".into_client_request().unwrap();
+    let h = req.headers_mut();
+    h.insert("authorization", format!("Bearer {key}").parse().unwrap());
+    h.insert("culvert-protocol-version", "1".parse().unwrap());
+    let (ws, resp) = tokio_tungstenite::client_async(req, tls).await.expect("tunnel handshake");
+    assert_eq!(resp.status(), StatusCode::SWITCHING_PROTOCOLS);
+    ws.into_inner()
+}
+
+/// A masked WebSocket frame, as an agent (a WebSocket client) sends it.
+fn client_frame(opcode: u8, payload: &[u8]) -> Vec<u8> {
+    assert!(payload.len() < 126);
+    let mask = [1, 2, 3, 4];
+    let mut f = vec![0x80 | opcode, 0x80 | payload.len() as u8];
+    f.extend_from_slice(&mask);
+    f.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+    f
+}
+
+/// Issue 18 item 9: every ping queued a pong and every `goodbye` an ack,
+/// with no limit when the agent stops reading (2 M pings added 245 MB).
+#[tokio::test]
+async fn an_agent_that_floods_pings_and_never_reads_leaves_edge_memory_flat() {
+    let _serial = SERIAL.lock().await;
+    const PINGS: usize = 500_000;
+    let edge = TestEdge::start().await;
+    let (_host, key) = edge.http_tunnel_key("app").await;
+    let mut agent = raw_agent(&edge, &key).await;
+    let mut burst = Vec::new();
+    for i in 0..1000 {
+        burst.extend(client_frame(0x9, &[i as u8; 125]));
+        if i % 100 == 0 {
+            burst.extend(client_frame(0x1, b"goodbye"));
+        }
+    }
+    let before = net::rss_kib();
+    for _ in 0..PINGS / 1000 {
+        agent.write_all(&burst).await.unwrap();
+    }
+    agent.flush().await.unwrap();
+    let grown_mib = net::rss_kib().saturating_sub(before) / 1024;
+    eprintln!("edge grew by {grown_mib} MiB after {PINGS} pings");
+    assert!(grown_mib < 24, "{PINGS} unanswered pings grew the edge by {grown_mib} MiB");
+    drop(agent);
+}
+
+/// Reads until `stop` is set, then never again (writes go through).
+struct StopReading<S> {
+    inner: S,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for StopReading<S> {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        if self.stop.load(Ordering::Relaxed) {
+            return std::task::Poll::Pending;
+        }
+        std::pin::Pin::new(&mut self.get_mut().inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for StopReading<S> {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+    }
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
+/// Issue 18 item 10: an agent that announces huge HTTP/2 windows and stops
+/// reading made the edge hold ~125 KB per upload stream and ~1.5 MiB per
+/// upgraded stream, with no overall limit.
+#[tokio::test]
+async fn an_agent_that_stops_reading_cannot_make_the_edge_buffer_uploads_without_bound() {
+    let _serial = SERIAL.lock().await;
+    const UPLOADS: usize = 100;
+    const UPGRADES: usize = 300;
+    let edge = TestEdge::start().await;
+    let (host, key) = edge.http_tunnel_key("app").await;
+
+    // The agent: a real handshake, then an HTTP/2 server with the largest
+    // windows that answers upgrades with 101 and stops reading once every
+    // stream arrived.
+    let dialer = culvert::tunnel::connect::Dialer {
+        edge: culvert::tunnel::connect::EdgeUrl::parse(&edge.url()).unwrap(),
+        key: key.clone(),
+        agent_id: "greedy".into(),
+        tls: culvert::tls::tunnel_client_config(Some(&edge.ca_file)).unwrap(),
+        protocol: None,
+    };
+    let connected = dialer.connect().await.expect("tunnel handshake");
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let arrived = Arc::new(AtomicUsize::new(0));
+    let all_in = Arc::new(tokio::sync::Notify::new());
+    let io = StopReading { inner: connected.stream, stop: stop.clone() };
+    let service = hyper::service::service_fn({
+        let (stop, arrived, all_in) = (stop.clone(), arrived.clone(), all_in.clone());
+        move |req: Request<hyper::body::Incoming>| {
+            let upgrade = req.headers().get("culvert-stream").is_some_and(|v| v == "upgrade");
+            if arrived.fetch_add(1, Ordering::SeqCst) + 1 == UPLOADS + UPGRADES {
+                stop.store(true, Ordering::SeqCst);
+                all_in.notify_one();
+            }
+            async move {
+                let _body = req.into_body();
+                if !upgrade {
+                    std::future::pending::<()>().await;
+                }
+                let never = http_body_util::StreamBody::new(futures_util::stream::pending::<
+                    Result<hyper::body::Frame<Bytes>, std::convert::Infallible>,
+                >());
+                let resp = http::Response::builder().header("culvert-status", "101").body(never).unwrap();
+                Ok::<_, std::convert::Infallible>(resp)
+            }
+        }
+    });
+    let max = (1u32 << 31) - 1;
+    tokio::spawn(
+        hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+            .initial_stream_window_size(max)
+            .initial_connection_window_size(max)
+            .max_concurrent_streams(10_000)
+            .serve_connection(TokioIo::new(io), service),
+    );
+    connected.control.ready().await;
+
+    // Every client connects and sends its head, then waits for `go`.
+    let written = Arc::new(AtomicU64::new(0));
+    let client = edge.client();
+    let chunk = Bytes::from(vec![b'u'; 16 * 1024]);
+    let (go_tx, go) = tokio::sync::watch::channel(false);
+    for i in 0..UPLOADS + UPGRADES {
+        let (client, host, chunk, written) = (client.clone(), host.clone(), chunk.clone(), written.clone());
+        let mut go = go.clone();
+        tokio::spawn(async move {
+            let mut tls = client.connect(&host, false).await;
+            // The clients' own TLS buffers stay small: the edge's are measured.
+            tls.get_mut().1.set_buffer_limit(Some(16 * 1024));
+            if i < UPLOADS {
+                let head =
+                    format!("POST /upload HTTP/1.1\r\nhost: {host}\r\ncontent-length: 1073741824\r\n\r\n");
+                tls.write_all(head.as_bytes()).await.unwrap();
+            } else {
+                let head = format!(
+                    "GET /ws HTTP/1.1\r\nhost: {host}\r\nconnection: upgrade\r\nupgrade: websocket\r\n\r\n"
+                );
+                tls.write_all(head.as_bytes()).await.unwrap();
+                let mut first = [0u8; 12];
+                tls.read_exact(&mut first).await.unwrap();
+                assert_eq!(&first, b"HTTP/1.1 101");
+            }
+            let _ = go.wait_for(|go| *go).await;
+            while tls.write_all(&chunk).await.is_ok() {
+                written.fetch_add(chunk.len() as u64, Ordering::Relaxed);
+            }
+        });
+    }
+    tokio::time::timeout(Duration::from_secs(60), all_in.notified())
+        .await
+        .expect("every stream reached the agent");
+    let before = net::rss_kib();
+    go_tx.send(true).unwrap();
+    // Until the clients' writes stop moving: the edge holds what it holds.
+    let mut last = 0;
+    for _ in 0..100 {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let now = written.load(Ordering::Relaxed);
+        if now == last {
+            break;
+        }
+        last = now;
+    }
+    let grown_mib = net::rss_kib().saturating_sub(before) / 1024;
+    let held = edge.edge().registry.upload_bytes_held() >> 20;
+    eprintln!("edge grew by {grown_mib} MiB; the clients wrote {} MiB; budgets hold {held} MiB", last >> 20);
+    // Pre-fix: ~125 KB per upload and ~1.5 MiB per upgrade, without limit.
+    // Now: the tunnel's budget, and what each public connection costs
+    // anyway (TLS and HTTP/1.1 read buffers, one chunk waiting for budget).
+    assert!(
+        grown_mib < 16 + (UPLOADS + UPGRADES) as u64 / 4,
+        "{UPLOADS} uploads and {UPGRADES} upgrades grew the edge by {grown_mib} MiB"
+    );
+}
