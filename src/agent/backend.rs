@@ -10,10 +10,8 @@ use hyper_rustls::{FixedServerNameResolver, HttpsConnector};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
-use rustls::crypto::{CryptoProvider, ring as provider};
-use rustls::{DigitallySignedStruct, SignatureScheme};
-use rustls_pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::crypto::ring as provider;
+use rustls_pki_types::ServerName;
 
 use super::guard::Credentials;
 use crate::constants::BACKEND_CONNECT_TIMEOUT;
@@ -139,49 +137,10 @@ pub fn tls_config(verify: bool) -> Arc<rustls::ClientConfig> {
         } else {
             builder
                 .dangerous()
-                .with_custom_certificate_verifier(Arc::new(AnyCertificate(provider)))
+                .with_custom_certificate_verifier(Arc::new(crate::tls::AnyCertificate(provider)))
                 .with_no_client_auth()
         };
         Arc::new(config)
     };
     if verify { VERIFIED.get_or_init(make).clone() } else { UNVERIFIED.get_or_init(make).clone() }
-}
-
-/// Accepts any server certificate (`culvert.dev/backend-tls-verify: "false"`).
-#[derive(Debug)]
-struct AnyCertificate(Arc<CryptoProvider>);
-
-impl ServerCertVerifier for AnyCertificate {
-    fn verify_server_cert(
-        &self,
-        _end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp_response: &[u8],
-        _now: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        Ok(ServerCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.0.signature_verification_algorithms)
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.0.signature_verification_algorithms)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.signature_verification_algorithms.supported_schemes()
-    }
 }

@@ -1283,7 +1283,7 @@ impl Tls {
             SslMode::Disable => return Ok(Tls { config: None }),
             SslMode::Prefer | SslMode::Require => builder
                 .dangerous()
-                .with_custom_certificate_verifier(Arc::new(AnyCertificate(provider.clone())))
+                .with_custom_certificate_verifier(Arc::new(crate::tls::AnyCertificate(provider.clone())))
                 .with_no_client_auth(),
             SslMode::VerifyCa => builder
                 .dangerous()
@@ -1292,46 +1292,6 @@ impl Tls {
             SslMode::VerifyFull => builder.with_webpki_verifier(verifier(roots()?)?).with_no_client_auth(),
         };
         Ok(Tls { config: Some(Arc::new(config)) })
-    }
-}
-
-/// `sslmode=prefer|require`: encrypted, the certificate not checked (libpq's
-/// meaning); handshake signatures are still verified.
-#[derive(Debug)]
-struct AnyCertificate(Arc<rustls::crypto::CryptoProvider>);
-
-impl ServerCertVerifier for AnyCertificate {
-    fn verify_server_cert(
-        &self,
-        _end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp: &[u8],
-        _now: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        Ok(ServerCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.0.signature_verification_algorithms)
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.0.signature_verification_algorithms)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.signature_verification_algorithms.supported_schemes()
     }
 }
 
