@@ -72,17 +72,7 @@ impl EdgeProc {
         }
         let mut child = cmd.spawn().expect("culvert edge runs");
         let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        let ready = tokio::time::timeout(Duration::from_secs(30), async {
-            loop {
-                match lines.next_line().await.unwrap() {
-                    Some(l) if l.starts_with("culvert edge ready") => return l,
-                    Some(_) => continue,
-                    None => panic!("the edge ended before it was ready"),
-                }
-            }
-        })
-        .await
-        .expect("edge ready line");
+        let ready = net::line_starting(&mut lines, "culvert edge ready", Duration::from_secs(30)).await;
         let field = |k: &str| {
             ready.split_whitespace().find_map(|w| w.strip_prefix(&format!("{k}="))).unwrap().to_string()
         };

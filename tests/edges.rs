@@ -44,16 +44,7 @@ impl Proc {
 
     /// The next stdout line that starts with `prefix` (the readiness signal).
     async fn line(&mut self, prefix: &str) -> String {
-        let read = async {
-            loop {
-                match self.lines.next_line().await.unwrap() {
-                    Some(l) if l.starts_with(prefix) => return l,
-                    Some(_) => continue,
-                    None => panic!("process ended before printing `{prefix}`"),
-                }
-            }
-        };
-        tokio::time::timeout(Duration::from_secs(30), read).await.expect("readiness line")
+        net::line_starting(&mut self.lines, prefix, Duration::from_secs(30)).await
     }
 
     fn signal(&self, sig: &str) {

@@ -70,17 +70,7 @@ impl EdgeProc {
             .spawn()
             .expect("culvert runs");
         let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        let ready = tokio::time::timeout(Duration::from_secs(60), async {
-            loop {
-                match lines.next_line().await.unwrap() {
-                    Some(l) if l.starts_with("culvert edge ready") => return l,
-                    Some(_) => continue,
-                    None => panic!("the edge ended before it was ready"),
-                }
-            }
-        })
-        .await
-        .expect("edge ready line");
+        let ready = net::line_starting(&mut lines, "culvert edge ready", Duration::from_secs(60)).await;
         let field = |key: &str| {
             ready.split_whitespace().find_map(|w| w.strip_prefix(&format!("{key}="))).unwrap().to_string()
         };

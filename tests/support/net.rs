@@ -471,3 +471,22 @@ pub async fn wait_for<T>(what: &str, limit: std::time::Duration, mut probe: impl
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
 }
+
+/// The next line of a child's stdout that starts with `prefix` (a process's
+/// readiness signal), within `limit`.
+pub async fn line_starting(
+    lines: &mut tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
+    prefix: &str,
+    limit: std::time::Duration,
+) -> String {
+    let read = async {
+        loop {
+            match lines.next_line().await.unwrap() {
+                Some(l) if l.starts_with(prefix) => return l,
+                Some(_) => continue,
+                None => panic!("process ended before printing `{prefix}`"),
+            }
+        }
+    };
+    tokio::time::timeout(limit, read).await.unwrap_or_else(|_| panic!("no `{prefix}` line in {limit:?}"))
+}
