@@ -789,6 +789,8 @@ mod tests {
             tcp_ports: PortRange { first: 20000, last: 20009 },
             acme: true,
             hooks: Arc::new(Hooks),
+            reserved_names: crate::edge::api::RESERVED_NAMES.iter().map(|n| n.to_string()).collect(),
+            serial: Default::default(),
         };
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         listener.set_nonblocking(true).unwrap();

@@ -120,6 +120,17 @@ pub struct EdgeArgs {
     )]
     pub allow_upgrade: Vec<String>,
 
+    /// Subdomain labels of --domain only an admin key may reserve
+    /// (comma-separated; an empty value reserves none): names that look like
+    /// the edge operator's own.
+    #[arg(
+        long = "reserved-names",
+        env = "CULVERT_RESERVED_NAMES",
+        value_delimiter = ',',
+        default_value = "admin,api,edge,status,www"
+    )]
+    pub reserved_names: Vec<String>,
+
     #[command(flatten)]
     pub acme: AcmeArgs,
 }
@@ -263,4 +274,28 @@ pub enum AcmeChallenge {
     /// HTTP-01 on the HTTP port (80).
     #[value(name = "http-01")]
     Http01,
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::EdgeArgs;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        edge: EdgeArgs,
+    }
+
+    fn parse(args: &[&str]) -> EdgeArgs {
+        Cli::try_parse_from([&["edge", "--domain", "edge.test"], args].concat()).unwrap().edge
+    }
+
+    #[test]
+    fn reserved_names() {
+        assert_eq!(parse(&[]).reserved_names, ["admin", "api", "edge", "status", "www"]);
+        assert_eq!(parse(&["--reserved-names", "shop,billing"]).reserved_names, ["shop", "billing"]);
+        assert!(parse(&["--reserved-names", ""]).reserved_names.iter().all(|n| n.is_empty()));
+    }
 }

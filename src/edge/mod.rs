@@ -32,13 +32,13 @@ use tokio_util::task::TaskTracker;
 use tracing::{error, info, warn};
 
 use crate::api::PortRange;
-use crate::api::Reservation;
+use crate::api::{Reservation, ReservationKind};
 use crate::tls::{self, CertResolver, TlsError};
 use api::{ApiContext, EdgeHooks};
 pub use config::{AcmeArgs, AcmeChallenge, Dns01Kind, EdgeArgs, MigrateStoreArgs};
 use metrics::Metrics;
 use registry::Registry;
-use routes::RouteIndex;
+use routes::{RouteChange, RouteIndex};
 use store::{Location, Store, StoreError};
 
 /// Why the edge could not start.
@@ -112,7 +112,7 @@ pub struct Edge {
     pub acme: Option<Arc<acme::Acme>>,
     /// The status page: history, sessions, live views.
     pub monitor: status::Monitor,
-    routes: RwLock<Arc<RouteIndex>>,
+    routes: RwLock<Routes>,
     /// Reloads are numbered; one reads the store, then applies what it read
     /// unless a later one already did (the applied number is kept here).
     reloads: AtomicU64,
@@ -143,7 +143,7 @@ pub struct Edge {
 
 impl Edge {
     pub fn routes(&self) -> Arc<RouteIndex> {
-        self.routes.read().expect("poisoned").clone()
+        self.routes.read().expect("poisoned").index.clone()
     }
 
     /// Serves a new version of the certificate files, if they changed (or
@@ -160,17 +160,20 @@ impl Edge {
 
     /// Reloads routes and TCP listeners from the store and closes
     /// connections of revoked keys and released reservations. The reads run
-    /// on the blocking pool.
+    /// on the blocking pool. Changes the control API made while the read
+    /// ran are applied again on top of what it read.
     pub async fn reload(self: &Arc<Self>) {
         let ticket = self.reloads.fetch_add(1, Ordering::AcqRel) + 1;
+        let since = self.routes.read().expect("poisoned").seq;
         let read = self.store.run(|s| Ok((s.reservations()?, s.live_tunnel_key_ids()))).await;
-        self.apply(ticket, read);
+        self.apply(ticket, since, read);
     }
 
     #[allow(clippy::type_complexity)]
     fn apply(
         self: &Arc<Self>,
         ticket: u64,
+        since: u64,
         read: Result<(Vec<Reservation>, Result<std::collections::HashSet<String>, StoreError>), StoreError>,
     ) {
         let (reservations, live) = match read {
@@ -180,14 +183,26 @@ impl Edge {
                 return;
             }
         };
-        let index = Arc::new(RouteIndex::build(reservations));
-        let old = {
+        let mut index = RouteIndex::build(reservations);
+        let (index, old) = {
             let mut routes = self.routes.write().expect("poisoned");
             if self.reloaded.load(Ordering::Acquire) > ticket {
                 return; // a later read is already applied
             }
+            if routes.seq > since && routes.log.front().is_none_or(|(seq, _)| *seq > since + 1) {
+                // More changes than the log keeps ran during the read: read again.
+                drop(routes);
+                warn!("routes changed too often during a reload; reloading again");
+                let edge = self.clone();
+                tokio::spawn(async move { edge.reload().await });
+                return;
+            }
+            for (_, change) in routes.log.iter().filter(|(seq, _)| *seq > since) {
+                index.apply(change);
+            }
+            let index = Arc::new(index);
             self.reloaded.store(ticket, Ordering::Release);
-            std::mem::replace(&mut *routes, index.clone())
+            (index.clone(), std::mem::replace(&mut routes.index, index))
         };
         // Released reservations: their metrics go with them.
         let now: std::collections::HashSet<String> = index.metric_names().collect();
@@ -209,6 +224,72 @@ impl Edge {
             acme.wake();
         }
     }
+
+    /// Applies what one control API call changed, without reading the
+    /// store: one route entry, its TCP listener, the connections of what was
+    /// revoked. (The change is stored already; a reload finds it too.)
+    pub(crate) fn change(self: &Arc<Self>, change: api::Change) {
+        let wake_acme = match &change {
+            api::Change::Reserved(r) => r.kind == ReservationKind::Custom,
+            api::Change::Released { reservation, .. } => reservation.kind == ReservationKind::Custom,
+            api::Change::KeyRevoked(_) => false,
+        };
+        match change {
+            api::Change::Reserved(r) => self.change_route(RouteChange::Insert(r)),
+            api::Change::Released { reservation, revoked_keys } => {
+                let id = reservation.id.clone();
+                if let Some(name) = routes::metric_name(&reservation) {
+                    self.metrics.forget(&name);
+                }
+                self.change_route(RouteChange::Remove(reservation));
+                self.known_grants
+                    .lock()
+                    .expect("poisoned")
+                    .retain(|_, g| g.reservation.id != id && !revoked_keys.contains(&g.key_id));
+                self.registry.close_where(|c| c.reservation_id == id || revoked_keys.contains(&c.key_id));
+            }
+            api::Change::KeyRevoked(key) => {
+                self.known_grants.lock().expect("poisoned").retain(|_, g| g.key_id != key);
+                self.registry.close_where(|c| c.key_id == key);
+            }
+        }
+        if wake_acme && let Some(acme) = &self.acme {
+            acme.wake();
+        }
+    }
+
+    fn change_route(self: &Arc<Self>, change: RouteChange) {
+        let port = match &change {
+            RouteChange::Insert(r) | RouteChange::Remove(r) => r.port,
+        };
+        let index = {
+            let mut routes = self.routes.write().expect("poisoned");
+            routes.seq += 1;
+            let seq = routes.seq;
+            Arc::make_mut(&mut routes.index).apply(&change);
+            routes.log.push_back((seq, change));
+            if routes.log.len() > ROUTE_LOG {
+                routes.log.pop_front();
+            }
+            routes.index.clone()
+        };
+        if port.is_some() {
+            self.tcp.reconcile(self, index.ports().collect());
+        }
+    }
+}
+
+/// Changes kept for the reloads in flight (a reload whose read began more
+/// changes ago reads again).
+const ROUTE_LOG: usize = 1024;
+
+/// The route index, and the latest changes made to it one at a time.
+#[derive(Default)]
+struct Routes {
+    index: Arc<RouteIndex>,
+    /// Number of the last change.
+    seq: u64,
+    log: std::collections::VecDeque<(u64, RouteChange)>,
 }
 
 /// The API's view of the edge (a weak reference: the edge owns the API context).
@@ -221,6 +302,13 @@ impl EdgeHooks for Hooks {
                 edge.reload().await;
             }
         })
+    }
+
+    fn changed(&self, change: api::Change) -> futures_util::future::BoxFuture<'_, ()> {
+        if let Some(edge) = self.0.upgrade() {
+            edge.change(change);
+        }
+        Box::pin(std::future::ready(()))
     }
 
     fn connections_for_key(&self, key_id: &str) -> usize {
@@ -370,6 +458,13 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
             tcp_ports: args.tcp_ports,
             acme: args.acme.enabled,
             hooks: Arc::new(Hooks(weak.clone())),
+            reserved_names: args
+                .reserved_names
+                .iter()
+                .map(|n| n.trim().trim_end_matches('.').to_ascii_lowercase())
+                .filter(|n| !n.is_empty())
+                .collect(),
+            serial: Default::default(),
         },
         domain,
         public_host,

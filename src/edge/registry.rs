@@ -251,6 +251,17 @@ impl Registry {
         }
     }
 
+    /// Closes every connection `closing` picks (a revoked key, a released reservation).
+    pub fn close_where(&self, closing: impl Fn(&AgentConn) -> bool) {
+        let map = self.by_reservation.lock().expect("poisoned");
+        for conn in map.values().flatten() {
+            if closing(conn) {
+                tracing::info!(key = %conn.key_id, conn = conn.id, "closing tunnel connection: key revoked or reservation released");
+                conn.cancel.cancel();
+            }
+        }
+    }
+
     /// Whether a usable connection of `protocol` serves `reservation_id`.
     pub fn serves(&self, reservation_id: &str, protocol: Protocol) -> bool {
         let map = self.by_reservation.lock().expect("poisoned");

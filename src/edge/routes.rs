@@ -1,41 +1,102 @@
-//! The routing index: public host name or TCP port → reservation. Rebuilt
-//! from the store on every change and swapped in whole; tested without IO.
+//! The routing index: public host name or TCP port → reservation. Built
+//! whole from the store at a (re)load, then changed one entry at a time as
+//! the control API reserves and releases; tested without IO.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use crate::api::{Reservation, ReservationKind};
 
-#[derive(Debug, Default)]
+/// One change of the index: what a reserve or a release did.
+#[derive(Debug, Clone)]
+pub enum RouteChange {
+    /// A new reservation (replaces what held its name or port).
+    Insert(Reservation),
+    /// A released reservation (removed only if its name or port still
+    /// points at this id).
+    Remove(Reservation),
+}
+
+/// Cheap to clone: the reservations are shared.
+#[derive(Debug, Default, Clone)]
 pub struct RouteIndex {
-    by_host: HashMap<String, Reservation>,
-    by_port: HashMap<u16, Reservation>,
+    by_host: HashMap<String, Arc<Reservation>>,
+    by_port: HashMap<u16, Arc<Reservation>>,
+    ids: std::collections::HashSet<String>,
+}
+
+/// Where a reservation is found in the index.
+enum Slot {
+    Host(String),
+    Port(u16),
+}
+
+fn slot(r: &Reservation) -> Option<Slot> {
+    match (r.kind, &r.hostname, r.port) {
+        (ReservationKind::Tcp, _, Some(port)) => Some(Slot::Port(port)),
+        (ReservationKind::Subdomain | ReservationKind::Custom, Some(host), _) => {
+            Some(Slot::Host(host.to_ascii_lowercase()))
+        }
+        _ => None,
+    }
 }
 
 impl RouteIndex {
     pub fn build(reservations: impl IntoIterator<Item = Reservation>) -> Self {
         let mut index = RouteIndex::default();
         for r in reservations {
-            match (r.kind, &r.hostname, r.port) {
-                (ReservationKind::Tcp, _, Some(port)) => {
-                    index.by_port.insert(port, r);
-                }
-                (ReservationKind::Subdomain | ReservationKind::Custom, Some(host), _) => {
-                    index.by_host.insert(host.to_ascii_lowercase(), r);
-                }
-                _ => {}
-            }
+            index.insert(r);
         }
         index
+    }
+
+    /// Applies one change.
+    pub fn apply(&mut self, change: &RouteChange) {
+        match change {
+            RouteChange::Insert(r) => self.insert(r.clone()),
+            RouteChange::Remove(r) => self.remove(r),
+        }
+    }
+
+    fn insert(&mut self, r: Reservation) {
+        let id = r.id.clone();
+        let replaced = match slot(&r) {
+            Some(Slot::Port(port)) => self.by_port.insert(port, Arc::new(r)),
+            Some(Slot::Host(host)) => self.by_host.insert(host, Arc::new(r)),
+            None => return,
+        };
+        if let Some(old) = replaced {
+            self.ids.remove(&old.id);
+        }
+        self.ids.insert(id);
+    }
+
+    fn remove(&mut self, r: &Reservation) {
+        match slot(r) {
+            Some(Slot::Port(port)) => {
+                if self.by_port.get(&port).is_some_and(|held| held.id == r.id) {
+                    self.by_port.remove(&port);
+                    self.ids.remove(&r.id);
+                }
+            }
+            Some(Slot::Host(host)) => {
+                if self.by_host.get(&host).is_some_and(|held| held.id == r.id) {
+                    self.by_host.remove(&host);
+                    self.ids.remove(&r.id);
+                }
+            }
+            None => {}
+        }
     }
 
     /// The reservation serving `host` (a Host header or :authority: any case,
     /// with or without port or trailing dot).
     pub fn host(&self, host: &str) -> Option<&Reservation> {
-        self.by_host.get(&normalize_host(host))
+        self.by_host.get(&normalize_host(host)).map(|r| &**r)
     }
 
     pub fn port(&self, port: u16) -> Option<&Reservation> {
-        self.by_port.get(&port)
+        self.by_port.get(&port).map(|r| &**r)
     }
 
     pub fn ports(&self) -> impl Iterator<Item = u16> + '_ {
@@ -44,7 +105,12 @@ impl RouteIndex {
 
     /// Every reservation.
     pub fn all(&self) -> impl Iterator<Item = &Reservation> + '_ {
-        self.by_host.values().chain(self.by_port.values())
+        self.by_host.values().chain(self.by_port.values()).map(|r| &**r)
+    }
+
+    /// How many reservations the index holds.
+    pub fn len(&self) -> usize {
+        self.by_host.len() + self.by_port.len()
     }
 
     /// The names the byte counters of each reservation are kept under
@@ -54,7 +120,15 @@ impl RouteIndex {
     }
 
     pub fn contains_id(&self, id: &str) -> bool {
-        self.by_host.values().chain(self.by_port.values()).any(|r| r.id == id)
+        self.ids.contains(id)
+    }
+}
+
+/// The name the byte counters of `r` are kept under (see [`RouteIndex::metric_names`]).
+pub fn metric_name(r: &Reservation) -> Option<String> {
+    match slot(r)? {
+        Slot::Host(host) => Some(host),
+        Slot::Port(port) => Some(format!(":{port}")),
     }
 }
 
@@ -106,6 +180,31 @@ mod tests {
         assert_eq!(index.port(20017).unwrap().id, "c");
         assert!(index.port(20018).is_none());
         assert!(index.contains_id("c") && !index.contains_id("z"));
+    }
+
+    /// A reserve or a release changes one entry; a stale release (of an id
+    /// that no longer holds the name) changes nothing.
+    #[test]
+    fn changes_one_entry_at_a_time() {
+        let a = res("a", ReservationKind::Subdomain, Some("blog.edge.test"), None);
+        let p = res("p", ReservationKind::Tcp, None, Some(20017));
+        let mut index = RouteIndex::build([a.clone()]);
+        index.apply(&RouteChange::Insert(p.clone()));
+        assert_eq!((index.len(), index.port(20017).unwrap().id.as_str()), (2, "p"));
+        index.apply(&RouteChange::Remove(a.clone()));
+        assert!(index.host("blog.edge.test").is_none() && !index.contains_id("a"));
+        // The name again, for another reservation: the old id's release leaves it.
+        let b = res("b", ReservationKind::Subdomain, Some("Blog.edge.test"), None);
+        index.apply(&RouteChange::Insert(b.clone()));
+        index.apply(&RouteChange::Remove(a));
+        assert_eq!(index.host("blog.edge.test").unwrap().id, "b");
+        // Inserting over a name replaces its id.
+        index.apply(&RouteChange::Insert(res("c", ReservationKind::Subdomain, Some("blog.edge.test"), None)));
+        assert!(index.contains_id("c") && !index.contains_id("b"));
+        index.apply(&RouteChange::Remove(p));
+        assert_eq!(index.len(), 1);
+        assert_eq!(index.ports().count(), 0);
+        assert_eq!(metric_name(&b).as_deref(), Some("blog.edge.test"));
     }
 
     #[test]

@@ -467,6 +467,8 @@ impl ApiFuzz {
             tcp_ports: PortRange { first: 20000, last: 20031 },
             acme: false,
             hooks: Arc::new(NoHooks),
+            reserved_names: crate::edge::api::RESERVED_NAMES.iter().map(|n| n.to_string()).collect(),
+            serial: Default::default(),
         };
         ApiFuzz { ctx, admin, endpoints }
     }

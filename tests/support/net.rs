@@ -81,6 +81,7 @@ pub fn edge_args(dir: &Path, https: SocketAddr, tcp_ports: PortRange) -> EdgeArg
         max_public_connections: 10_000,
         max_connections_per_tcp_port: 1_000,
         allow_upgrade: vec!["websocket".into()],
+        reserved_names: ["admin", "api", "edge", "status", "www"].map(String::from).into(),
     }
 }
 

@@ -51,14 +51,33 @@ use crate::api::{PortRange, Selector};
 use crate::constants::{API_BODY_TIMEOUT, API_MAX_BODY, API_PREFIX};
 use crate::http::percent_decode;
 pub use error::ApiError;
+pub use reservations::RESERVED_NAMES;
+
+/// What one control API call changed at the edge (already stored).
+#[derive(Debug, Clone)]
+pub enum Change {
+    /// A new reservation.
+    Reserved(crate::api::Reservation),
+    /// A released reservation, and the tunnel keys revoked with it.
+    Released { reservation: crate::api::Reservation, revoked_keys: Vec<String> },
+    /// A revoked tunnel key.
+    KeyRevoked(String),
+}
 
 /// What the control API needs from the running edge.
 pub trait EdgeHooks: Send + Sync + 'static {
-    /// Reservations or tunnel keys were added, released or revoked: the edge
-    /// reloads its routes and TCP listeners and closes connections of keys
-    /// that are no longer valid (within a second). Done when the edge has
-    /// reloaded (its reads run off the request threads).
+    /// Keys were revoked (or anything else changed): the edge reloads its
+    /// routes and TCP listeners from the store and closes connections of
+    /// keys that are no longer valid. Done when the edge has reloaded (its
+    /// reads run off the request threads).
     fn state_changed(&self) -> futures_util::future::BoxFuture<'_, ()>;
+    /// One reservation or tunnel key changed: the edge changes that route
+    /// entry (and listener, and connections) alone, without reading the
+    /// store. Without an edge of its own, as [`state_changed`](Self::state_changed).
+    fn changed(&self, change: Change) -> futures_util::future::BoxFuture<'_, ()> {
+        let _ = change;
+        self.state_changed()
+    }
     /// Agents connected now with this tunnel key.
     fn connections_for_key(&self, key_id: &str) -> usize;
     /// The status document listing at most `limit` tunnels (`None`: the edge is gone).
@@ -88,6 +107,12 @@ pub struct ApiContext {
     pub acme: bool,
     /// Callbacks into the running edge.
     pub hooks: Arc<dyn EdgeHooks>,
+    /// Names under the edge's domain only an admin key may reserve (`--reserved-names`).
+    pub reserved_names: Vec<String>,
+    /// Held from a reserve's or release's store write until the edge has
+    /// applied it, so the edge applies this edge's changes in the order they
+    /// were stored.
+    pub serial: Arc<tokio::sync::Mutex<()>>,
 }
 /// Serves one request whose path starts with [`crate::constants::API_PREFIX`].
 /// Generic over the body so unit tests can call it with `Full<Bytes>`.

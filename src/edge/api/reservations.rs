@@ -8,7 +8,7 @@ use hyper::Response;
 
 use super::auth::{may_use, not_owner};
 use super::names::{custom_or_subdomain, lookup_hostname, subdomain};
-use super::{ApiContext, ApiError, edge_domain, json_response};
+use super::{ApiContext, ApiError, Change, edge_domain, json_response};
 use crate::api::{
     ApiKey, List, ReleaseResponse, Reservation, ReservationKind, ReserveDomainRequest, ReservePortRequest,
     Selector, validate_labels,
@@ -83,13 +83,13 @@ pub(super) async fn reserve_domain(
     };
     if kind == ReservationKind::Subdomain
         && caller.scope != crate::api::ApiKeyScope::Admin
-        && let Some(label) = hostname.split('.').next().filter(|l| RESERVED_NAMES.contains(l))
+        && let Some(label) = hostname.split('.').next().filter(|l| ctx.reserved_names.iter().any(|n| n == l))
     {
         return Err(ApiError::invalid(
             "reserved_name",
             format!(
-                "{label}.{domain} is kept for the edge's operator (reserved names: {}); pick another name",
-                RESERVED_NAMES.join(", ")
+                "{label}.{domain} is kept for the edge's operator (reserved names: {}, set by the edge's --reserved-names); pick another name",
+                ctx.reserved_names.join(", ")
             ),
         ));
     }
@@ -104,18 +104,25 @@ pub(super) async fn reserve_domain(
             ),
         });
     }
-    let (reservation, created) =
-        ctx.store.reserve_domain(kind, &hostname, &caller.id, &request.labels).await?;
+    let (reservation, created) = {
+        let _serial = ctx.serial.lock().await;
+        let (reservation, created) =
+            ctx.store.reserve_domain(kind, &hostname, &caller.id, &request.labels).await?;
+        if created {
+            ctx.hooks.changed(Change::Reserved(reservation.clone())).await;
+        }
+        (reservation, created)
+    };
     if created {
         tracing::info!(hostname = %hostname, kind = %kind, by = %caller.id, "domain reserved");
-        ctx.hooks.state_changed().await;
     }
     let status = if created { StatusCode::CREATED } else { StatusCode::OK };
     Ok(json_response(status, &with_url(ctx, reservation).await))
 }
 
-/// Names under the edge's domain only an admin key may reserve: they look
-/// like the operator's own (phishing, or a tenant posing as the edge).
+/// Names under the edge's domain only an admin key may reserve by default
+/// (`--reserved-names`): they look like the operator's own (phishing, or a
+/// tenant posing as the edge).
 pub const RESERVED_NAMES: &[&str] = &["admin", "api", "edge", "status", "www"];
 
 /// The caller already holds `hostname` (asking again is answered as before).
@@ -145,16 +152,21 @@ pub(super) async fn reserve_port(
         ));
     }
     let (reservation, created) = {
+        let _serial = ctx.serial.lock().await;
         let hooks = ctx.hooks.clone();
-        ctx.store
+        let (reservation, created) = ctx
+            .store
             .reserve_usable_port(request.port, ctx.tcp_ports, &caller.id, &request.labels, move |p| {
                 hooks.port_usable(p)
             })
-            .await?
+            .await?;
+        if created {
+            ctx.hooks.changed(Change::Reserved(reservation.clone())).await;
+        }
+        (reservation, created)
     };
     if created {
         tracing::info!(port = ?reservation.port, by = %caller.id, "port reserved");
-        ctx.hooks.state_changed().await;
     }
     let status = if created { StatusCode::CREATED } else { StatusCode::OK };
     Ok(json_response(status, &with_url(ctx, reservation).await))
@@ -166,14 +178,19 @@ pub(super) async fn release(
     caller: &ApiKey,
     reservation: Reservation,
 ) -> Result<Response<Full<Bytes>>, ApiError> {
-    let (reservation, revoked_tunnel_keys) = ctx.store.release_reservation(&reservation.id).await?;
+    let (reservation, revoked_tunnel_keys) = {
+        let _serial = ctx.serial.lock().await;
+        let (reservation, revoked) = ctx.store.release_reservation(&reservation.id).await?;
+        let change = Change::Released { reservation: reservation.clone(), revoked_keys: revoked.clone() };
+        ctx.hooks.changed(change).await;
+        (reservation, revoked)
+    };
     tracing::info!(
         reservation = %reservation.target(),
         revoked_keys = revoked_tunnel_keys.len(),
         by = %caller.id,
         "reservation released"
     );
-    ctx.hooks.state_changed().await;
     let reservation = with_url(ctx, reservation).await;
     Ok(json_response(StatusCode::OK, &ReleaseResponse { reservation, revoked_tunnel_keys }))
 }
@@ -296,6 +313,29 @@ mod tests {
         assert_eq!((status, code(&v)), (StatusCode::UNPROCESSABLE_ENTITY, "invalid_custom_domains"));
         let (_, v) = e.call("GET", &format!("api-keys/{plain_id}"), Some(&e.admin), None).await;
         assert!(v.get("customDomains").is_none(), "{v}");
+    }
+
+    /// The deny-list is the edge's `--reserved-names` (issue 18 item 8).
+    #[tokio::test]
+    async fn reserved_names_are_configurable() {
+        let mut e = edge();
+        e.ctx.reserved_names = vec!["shop".into(), "billing".into()];
+        let ep = e.endpoints_key("a").await;
+        for name in ["shop", "Billing"] {
+            let (status, v) = e.call("POST", "domains", Some(&ep), Some(json!({"name": name}))).await;
+            assert_eq!((status, code(&v)), (StatusCode::UNPROCESSABLE_ENTITY, "reserved_name"), "{name}");
+            let message = v["error"]["message"].as_str().unwrap();
+            assert!(message.contains("shop, billing") && message.contains("--reserved-names"), "{message}");
+        }
+        // The defaults are no longer kept; the admin still may take a kept name.
+        let (status, _) = e.call("POST", "domains", Some(&ep), Some(json!({"name": "www"}))).await;
+        assert_eq!(status, StatusCode::CREATED);
+        let (status, _) = e.call("POST", "domains", Some(&e.admin), Some(json!({"name": "shop"}))).await;
+        assert_eq!(status, StatusCode::CREATED);
+        // None kept at all.
+        e.ctx.reserved_names.clear();
+        let (status, _) = e.call("POST", "domains", Some(&ep), Some(json!({"name": "billing"}))).await;
+        assert_eq!(status, StatusCode::CREATED);
     }
 
     #[tokio::test]

@@ -51,6 +51,8 @@ pub(super) fn edge() -> Edge {
         tcp_ports: PortRange { first: 20000, last: 20002 },
         acme: false,
         hooks: hooks.clone(),
+        reserved_names: super::RESERVED_NAMES.iter().map(|n| n.to_string()).collect(),
+        serial: Default::default(),
     };
     Edge { ctx, hooks, admin, _dir: dir }
 }
