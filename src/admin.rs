@@ -14,8 +14,8 @@ use serde_json::Value;
 
 use crate::api::{
     ApiKey, ApiKeyScope, CreateApiKeyRequest, CreateTunnelKeyRequest, CreatedApiKey, CreatedTunnelKey, Info,
-    Labels, List, Protocol, ReleaseResponse, Reservation, ReserveDomainRequest, ReservePortRequest,
-    TunnelKey, parse_label,
+    Labels, List, Protocol, QuotaUpdate, ReleaseResponse, Reservation, ReserveDomainRequest,
+    ReservePortRequest, TunnelKey, UpdateApiKeyRequest, parse_label,
 };
 use crate::api_client::{Client, ClientError, segment};
 
@@ -125,6 +125,11 @@ pub enum PortCommand {
         /// A label to store with the reservation (repeatable).
         #[arg(long = "label", value_name = "KEY=VALUE", value_parser = parse_label)]
         labels: Vec<(String, String)>,
+        /// Close the port's connections after this many seconds with no byte
+        /// either way [default: the edge's --tcp-idle-timeout-seconds]; given
+        /// for a port you hold, it replaces the one it had.
+        #[arg(long, value_name = "SECONDS")]
+        idle_timeout_seconds: Option<u64>,
     },
     /// List reserved ports.
     List {
@@ -198,6 +203,17 @@ pub enum ApiKeyCommand {
         /// name under it; `*` for any (repeatable). None: subdomains of the edge only.
         #[arg(long = "custom-domain")]
         custom_domains: Vec<String>,
+        /// What the (endpoints) key may hold.
+        #[command(flatten)]
+        quota: QuotaArgs,
+    },
+    /// Change an endpoints key's quota (the limits given; the others stay).
+    Update {
+        /// The key's id (`ak_…`).
+        id: String,
+        /// The limits to change.
+        #[command(flatten)]
+        quota: QuotaArgs,
     },
     /// List API keys.
     List,
@@ -211,6 +227,30 @@ pub enum ApiKeyCommand {
         /// The key's id (`ak_…`).
         id: String,
     },
+}
+
+/// The quota of an endpoints key (`api-key create`, `api-key update`).
+#[derive(Debug, Clone, Default, Args)]
+pub struct QuotaArgs {
+    /// Reservations (domains and ports together) the key may hold [default: 1000].
+    #[arg(long, value_name = "N")]
+    pub max_reservations: Option<u32>,
+    /// Labels on one of its reservations or tunnel keys [default: 32].
+    #[arg(long, value_name = "N")]
+    pub max_labels: Option<u32>,
+    /// Bytes of one record's labels, keys and values together [default: 4096].
+    #[arg(long, value_name = "BYTES")]
+    pub max_label_bytes: Option<u32>,
+}
+
+impl QuotaArgs {
+    fn update(&self) -> QuotaUpdate {
+        QuotaUpdate {
+            reservations: self.max_reservations,
+            labels: self.max_labels,
+            label_bytes: self.max_label_bytes,
+        }
+    }
 }
 
 /// Errors of `culvert admin`.
@@ -331,8 +371,12 @@ pub(crate) async fn execute(
             }
         },
         AdminCommand::Port(cmd) => match cmd {
-            PortCommand::Reserve { port, labels } => {
-                let request = ReservePortRequest { port: *port, labels: labels_of(labels) };
+            PortCommand::Reserve { port, labels, idle_timeout_seconds } => {
+                let request = ReservePortRequest {
+                    port: *port,
+                    labels: labels_of(labels),
+                    idle_timeout_seconds: *idle_timeout_seconds,
+                };
                 let a = answer!(client.post("ports", &request));
                 let created = a.created;
                 let r: Reservation = a.decode()?;
@@ -391,11 +435,12 @@ pub(crate) async fn execute(
             }
         },
         AdminCommand::ApiKey(cmd) => match cmd {
-            ApiKeyCommand::Create { name, scope, custom_domains } => {
+            ApiKeyCommand::Create { name, scope, custom_domains, quota } => {
                 let request = CreateApiKeyRequest {
                     name: name.clone(),
                     scope: *scope,
                     custom_domains: custom_domains.clone(),
+                    quota: quota.update(),
                 };
                 let a = answer!(client.post("api-keys", &request));
                 let made: CreatedApiKey = a.decode()?;
@@ -404,6 +449,11 @@ pub(crate) async fn execute(
                     made.key.scope, made.key.id, made.key.name
                 );
                 writeln!(out, "{}", made.secret)?;
+            }
+            ApiKeyCommand::Update { id, quota } => {
+                let request = UpdateApiKeyRequest { quota: quota.update() };
+                let a = answer!(client.patch(&format!("api-keys/{}", segment(id)), &request));
+                write!(out, "{}", api_keys_table(&[a.decode()?]))?;
             }
             ApiKeyCommand::List => {
                 let a = answer!(get("api-keys".into(), vec![]));
@@ -599,12 +649,13 @@ fn ports_table(items: &[Reservation]) -> String {
                 r.port.map(|p| p.to_string()).unwrap_or_default(),
                 r.url.clone().unwrap_or_default(),
                 r.owner.clone(),
+                r.idle_timeout_seconds.map_or_else(|| "-".into(), |s| format!("{s}s")),
                 labels_cell(&r.labels),
                 r.created_at.clone(),
             ]
         })
         .collect();
-    render_table(&["PORT", "ADDRESS", "OWNER", "LABELS", "CREATED"], &rows)
+    render_table(&["PORT", "ADDRESS", "OWNER", "IDLE TIMEOUT", "LABELS", "CREATED"], &rows)
 }
 
 fn tunnel_keys_table(items: &[TunnelKey], with_revoked: bool) -> String {
@@ -640,12 +691,21 @@ fn api_keys_table(items: &[ApiKey]) -> String {
                 k.id.clone(),
                 k.name.clone(),
                 k.scope.to_string(),
+                k.quota.map_or_else(
+                    || "-".into(),
+                    |q| {
+                        format!(
+                            "{} reservations, {} labels, {} label bytes",
+                            q.reservations, q.labels, q.label_bytes
+                        )
+                    },
+                ),
                 k.created_at.clone(),
                 k.revoked_at.clone().unwrap_or_else(|| "-".into()),
             ]
         })
         .collect();
-    render_table(&["ID", "NAME", "SCOPE", "CREATED", "REVOKED"], &rows)
+    render_table(&["ID", "NAME", "SCOPE", "QUOTA", "CREATED", "REVOKED"], &rows)
 }
 
 fn released(r: &ReleaseResponse) -> String {
@@ -718,6 +778,7 @@ mod tests {
                 created_at: "x".into(),
                 url: None,
                 certificate: None,
+                idle_timeout_seconds: None,
             },
             revoked_tunnel_keys: vec!["tk_1".into()],
         });
@@ -729,7 +790,8 @@ mod tests {
         use serde_json::json;
         let domain = ReserveDomainRequest { name: Some("a".into()), ..Default::default() };
         assert_eq!(body(&domain), json!({"name": "a"}));
-        let port = ReservePortRequest { port: None, labels: labels_of(&[("k".into(), "v".into())]) };
+        let port =
+            ReservePortRequest { labels: labels_of(&[("k".into(), "v".into())]), ..Default::default() };
         assert_eq!(body(&port), json!({"labels": {"k": "v"}}));
         let key =
             CreateTunnelKeyRequest { port: Some(20000), protocol: Some(Protocol::Tcp), ..Default::default() };

@@ -167,6 +167,11 @@ pub struct Reservation {
     /// in by the API.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub certificate: Option<Box<CertificateState>>,
+    /// A TCP port's own idle timeout (seconds): its connections with no byte
+    /// either way for this long are closed. None: the edge's
+    /// `--tcp-idle-timeout-seconds`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_timeout_seconds: Option<u64>,
 }
 
 /// Where a custom domain's certificate stands.
@@ -340,6 +345,103 @@ pub struct ApiKey {
     /// may reserve any).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub custom_domains: Vec<String>,
+    /// What an `endpoints` key may hold (admin keys: none, no limit).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quota: Option<Quota>,
+}
+
+/// The limits of an `endpoints` key: each is [`Quota::DEFAULT`]'s unless an
+/// admin set it for the key (`culvert admin api-key create|update --max-…`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Quota {
+    /// Reservations (domains and ports together) the key may hold.
+    pub reservations: u32,
+    /// Labels on one of its reservations or tunnel keys.
+    pub labels: u32,
+    /// Bytes of one record's labels, keys and values together.
+    pub label_bytes: u32,
+}
+
+impl Quota {
+    /// What an endpoints key may hold unless an admin says otherwise.
+    pub const DEFAULT: Quota = Quota { reservations: 1000, labels: 32, label_bytes: 4096 };
+    /// The largest values an admin may set.
+    pub const MAX: Quota = Quota {
+        reservations: 1_000_000,
+        labels: MAX_LABELS as u32,
+        label_bytes: (MAX_LABELS * (MAX_LABEL_KEY + MAX_LABEL_VALUE)) as u32,
+    };
+
+    /// `self` with what `update` gives.
+    pub fn with(self, update: &QuotaUpdate) -> Quota {
+        Quota {
+            reservations: update.reservations.unwrap_or(self.reservations),
+            labels: update.labels.unwrap_or(self.labels),
+            label_bytes: update.label_bytes.unwrap_or(self.label_bytes),
+        }
+    }
+
+    /// Checks labels against the key's label quota; the message says the
+    /// limit and how to raise it.
+    pub fn check_labels(&self, labels: &Labels, key_id: &str) -> Result<(), String> {
+        let raise = |flag: &str, value: usize| {
+            format!("ask the edge's admin to raise it (culvert admin api-key update {key_id} {flag} {value})")
+        };
+        if labels.len() > self.labels as usize {
+            return Err(format!(
+                "{} labels given; this key's quota is {} labels per record: drop some, or {}",
+                labels.len(),
+                self.labels,
+                raise("--max-labels", labels.len())
+            ));
+        }
+        let bytes: usize = labels.iter().map(|(k, v)| k.len() + v.len()).sum();
+        if bytes > self.label_bytes as usize {
+            return Err(format!(
+                "the labels take {bytes} bytes (keys and values); this key's quota is {} bytes per record: shorten them, or {}",
+                self.label_bytes,
+                raise("--max-label-bytes", bytes)
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A change of an `endpoints` key's quota: what is given replaces the key's value.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct QuotaUpdate {
+    /// See [`Quota::reservations`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reservations: Option<u32>,
+    /// See [`Quota::labels`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub labels: Option<u32>,
+    /// See [`Quota::label_bytes`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub label_bytes: Option<u32>,
+}
+
+impl QuotaUpdate {
+    /// Whether nothing is given.
+    pub fn is_empty(&self) -> bool {
+        *self == QuotaUpdate::default()
+    }
+
+    /// Checks each value given against [`Quota::MAX`].
+    pub fn validate(&self) -> Result<(), String> {
+        for (name, value, max) in [
+            ("reservations", self.reservations, Quota::MAX.reservations),
+            ("labels", self.labels, Quota::MAX.labels),
+            ("labelBytes", self.label_bytes, Quota::MAX.label_bytes),
+        ] {
+            if let Some(v) = value.filter(|v| *v > max) {
+                return Err(format!("quota.{name} {v} is above the largest allowed, {max}"));
+            }
+        }
+        Ok(())
+    }
 }
 
 impl ApiKey {
@@ -428,7 +530,15 @@ pub struct ReservePortRequest {
     /// Labels stored with a new reservation (an existing one keeps its own).
     #[serde(default, skip_serializing_if = "Labels::is_empty")]
     pub labels: Labels,
+    /// The port's own idle timeout in seconds (1 to [`MAX_IDLE_TIMEOUT_SECONDS`]),
+    /// instead of the edge's `--tcp-idle-timeout-seconds`; given for a port
+    /// the caller holds already, it replaces the one it had.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_timeout_seconds: Option<u64>,
 }
+
+/// The longest idle timeout a port reservation may ask for (30 days).
+pub const MAX_IDLE_TIMEOUT_SECONDS: u64 = 30 * 24 * 3600;
 
 /// `DELETE domains/{host}` and `DELETE ports/{port}`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -482,6 +592,18 @@ pub struct CreateApiKeyRequest {
     /// Custom domains an `endpoints` key may reserve (see [`ApiKey::custom_domains`]).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub custom_domains: Vec<String>,
+    /// An `endpoints` key's limits; what is not given is [`Quota::DEFAULT`]'s.
+    #[serde(default, skip_serializing_if = "QuotaUpdate::is_empty")]
+    pub quota: QuotaUpdate,
+}
+
+/// `PATCH api-keys/{id}`: what changes (an `endpoints` key's quota).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct UpdateApiKeyRequest {
+    /// The values of the quota to change; the others stay.
+    #[serde(default)]
+    pub quota: QuotaUpdate,
 }
 
 /// `POST api-keys` answer: the key and its secret, shown only here.
@@ -685,6 +807,7 @@ mod tests {
             created_at: "2025-01-01T00:00:00Z".into(),
             url: None,
             certificate: None,
+            idle_timeout_seconds: None,
         };
         let v = serde_json::to_value(&r).unwrap();
         assert_eq!(v["createdAt"], "2025-01-01T00:00:00Z");

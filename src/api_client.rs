@@ -208,6 +208,12 @@ impl Client {
         self.call(Method::POST, path, &[], Some(body)).await
     }
 
+    /// `PATCH <path>` with a JSON body.
+    pub async fn patch(&self, path: &str, body: &impl Serialize) -> Result<Answer, ClientError> {
+        let body = serde_json::to_vec(body).expect("request types serialize");
+        self.call(Method::PATCH, path, &[], Some(body)).await
+    }
+
     /// `DELETE <path>`.
     pub async fn delete(&self, path: &str) -> Result<Answer, ClientError> {
         self.call(Method::DELETE, path, &[], None).await

@@ -161,6 +161,7 @@ mod tests {
             created_at: String::new(),
             url: None,
             certificate: None,
+            idle_timeout_seconds: None,
         }
     }
 

@@ -179,7 +179,11 @@ pub async fn forward<S>(
         match sender.try_send_request(req).await {
             Ok(resp) if resp.status() == StatusCode::OK => {
                 let down = Counted::new(resp.into_body(), counters.outbound);
-                let bound = activity.expired(edge.tcp_idle_timeout, edge.half_close_timeout);
+                // The reservation's own idle timeout, else the edge's.
+                let idle = reservation
+                    .idle_timeout_seconds
+                    .map_or(edge.tcp_idle_timeout, std::time::Duration::from_secs);
+                let bound = activity.expired(idle, edge.half_close_timeout);
                 let mut bound = std::pin::pin!(bound);
                 tokio::select! {
                     r = body::copy_body(down, write) => debug!(result = ?r, "agent to client ended"),

@@ -230,6 +230,7 @@ pub mod fake {
                     None => format!("https://{key}"),
                 }),
                 certificate: None,
+                idle_timeout_seconds: None,
             };
             s.journal.push(format!("reserve {key}"));
             s.reservations.insert(key, r.clone());

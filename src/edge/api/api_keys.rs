@@ -1,4 +1,4 @@
-//! API keys (`api-keys`, admin only): list, create, read, revoke.
+//! API keys (`api-keys`, admin only): list, create, read, change the quota, revoke.
 
 use bytes::Bytes;
 use http::StatusCode;
@@ -6,7 +6,9 @@ use http_body_util::Full;
 use hyper::Response;
 
 use super::{ApiContext, ApiError, json_response};
-use crate::api::{ApiKey, ApiKeyScope, CreateApiKeyRequest, CreatedApiKey, List};
+use crate::api::{
+    ApiKey, ApiKeyScope, CreateApiKeyRequest, CreatedApiKey, List, QuotaUpdate, UpdateApiKeyRequest,
+};
 
 /// Longest API key name.
 pub const MAX_KEY_NAME: usize = 100;
@@ -51,7 +53,8 @@ pub(super) async fn create(
             "customDomains is for endpoints keys: an admin key may reserve any domain".to_string(),
         ));
     }
-    let (key, secret) = ctx.store.create_api_key(name, request.scope, &custom_domains).await?;
+    check_quota(request.scope, &request.quota)?;
+    let (key, secret) = ctx.store.create_api_key(name, request.scope, &custom_domains, request.quota).await?;
     tracing::info!(key = %key.id, scope = %key.scope, by = %caller.id, "api key created");
     Ok(json_response(StatusCode::CREATED, &CreatedApiKey { key, secret }))
 }
@@ -63,6 +66,41 @@ pub(super) async fn get(ctx: &ApiContext, id: &str) -> Result<Response<Full<Byte
         .api_key(id)
         .await?
         .ok_or_else(|| ApiError::NotFound { message: format!("api key {id} does not exist") })?;
+    Ok(json_response(StatusCode::OK, &key))
+}
+
+/// An admin key has no quota; values must be within [`crate::api::Quota::MAX`].
+fn check_quota(scope: ApiKeyScope, quota: &QuotaUpdate) -> Result<(), ApiError> {
+    if scope == ApiKeyScope::Admin && !quota.is_empty() {
+        return Err(ApiError::invalid(
+            "invalid_quota",
+            "quota is for endpoints keys: an admin key has no limits".to_string(),
+        ));
+    }
+    quota.validate().map_err(|m| ApiError::invalid("invalid_quota", m))
+}
+
+/// `PATCH api-keys/{id}`: changes an endpoints key's quota (what is given).
+pub(super) async fn update(
+    ctx: &ApiContext,
+    caller: &ApiKey,
+    id: &str,
+    request: UpdateApiKeyRequest,
+) -> Result<Response<Full<Bytes>>, ApiError> {
+    let key = ctx
+        .store
+        .api_key(id)
+        .await?
+        .ok_or_else(|| ApiError::NotFound { message: format!("api key {id} does not exist") })?;
+    if request.quota.is_empty() {
+        return Err(ApiError::invalid(
+            "invalid_request",
+            "nothing to change: give quota.reservations, quota.labels or quota.labelBytes".to_string(),
+        ));
+    }
+    check_quota(key.scope, &request.quota)?;
+    let key = ctx.store.update_api_key_quota(id, request.quota).await?;
+    tracing::info!(key = %key.id, quota = ?key.quota, by = %caller.id, "api key quota changed");
     Ok(json_response(StatusCode::OK, &key))
 }
 
@@ -84,6 +122,132 @@ mod tests {
     use serde_json::json;
 
     use super::super::test_support::{code, edge};
+
+    /// Quotas per endpoints key (issue 18 item 7): reservations, labels and
+    /// label bytes, with defaults, set at creation and changed by PATCH; a
+    /// refusal says the limit and how to raise it.
+    #[tokio::test]
+    async fn quotas_per_key() {
+        let e = edge();
+        let (status, v) = e
+            .call(
+                "POST",
+                "api-keys",
+                Some(&e.admin),
+                Some(json!({"name": "t", "scope": "endpoints", "quota": {"reservations": 2, "labels": 2}})),
+            )
+            .await;
+        assert_eq!(status, StatusCode::CREATED, "{v}");
+        assert_eq!(v["quota"], json!({"reservations": 2, "labels": 2, "labelBytes": 4096}));
+        let (key, id) = (v["secret"].as_str().unwrap().to_string(), v["id"].as_str().unwrap().to_string());
+        let reserve = |name: &str, labels: serde_json::Value| {
+            let (e, key, name) = (&e, key.clone(), name.to_string());
+            async move {
+                e.call("POST", "domains", Some(&key), Some(json!({"name": name, "labels": labels}))).await
+            }
+        };
+        assert_eq!(reserve("a", json!({"k1": "v", "k2": "v"})).await.0, StatusCode::CREATED);
+        // Labels over the quota.
+        let (status, v) = reserve("b", json!({"k1": "v", "k2": "v", "k3": "v"})).await;
+        assert_eq!((status, code(&v)), (StatusCode::FORBIDDEN, "quota_exceeded"), "{v}");
+        let message = v["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains("2 labels per record")
+                && message.contains(&format!("api-key update {id} --max-labels 3")),
+            "{message}"
+        );
+        let (status, v) = reserve("b", json!({"k": "x".repeat(200)})).await;
+        assert_eq!(status, StatusCode::CREATED, "{v}");
+        // Reservations over the quota; the port too.
+        let (status, v) = reserve("c", json!({})).await;
+        assert_eq!((status, code(&v)), (StatusCode::FORBIDDEN, "quota_exceeded"), "{v}");
+        let message = v["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains("holds 2 reservations")
+                && message.contains(&format!("api-key update {id} --max-reservations")),
+            "{message}"
+        );
+        let (status, v) = e.call("POST", "ports", Some(&key), None).await;
+        assert_eq!((status, code(&v)), (StatusCode::FORBIDDEN, "quota_exceeded"), "{v}");
+        // Tunnel keys' labels count too.
+        let (status, v) = e
+            .call(
+                "POST",
+                "tunnel-keys",
+                Some(&key),
+                Some(json!({"domain": "a", "labels": {"a": "1", "b": "2", "c": "3"}})),
+            )
+            .await;
+        assert_eq!((status, code(&v)), (StatusCode::FORBIDDEN, "quota_exceeded"), "{v}");
+
+        // The admin raises it: what is given changes, the rest stays.
+        let (status, v) = e
+            .call(
+                "PATCH",
+                &format!("api-keys/{id}"),
+                Some(&e.admin),
+                Some(json!({"quota": {"reservations": 3, "labelBytes": 100}})),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{v}");
+        assert_eq!(v["quota"], json!({"reservations": 3, "labels": 2, "labelBytes": 100}));
+        assert_eq!(reserve("c", json!({})).await.0, StatusCode::CREATED);
+        let (status, v) = reserve("d", json!({})).await;
+        assert_eq!(code(&v), "quota_exceeded", "{status}");
+        let (status, v) = e
+            .call(
+                "POST",
+                "tunnel-keys",
+                Some(&key),
+                Some(json!({"domain": "a", "labels": {"k": "x".repeat(100)}})),
+            )
+            .await;
+        assert_eq!((status, code(&v)), (StatusCode::FORBIDDEN, "quota_exceeded"), "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains("--max-label-bytes 101"), "{v}");
+
+        // Defaults for a key made without a quota; none for admin keys.
+        let plain = e.endpoints_key("plain").await;
+        let (_, info) = e.call("GET", "info", Some(&plain), None).await;
+        assert_eq!(info["caller"]["quota"], json!({"reservations": 1000, "labels": 32, "labelBytes": 4096}));
+        let (_, info) = e.call("GET", "info", Some(&e.admin), None).await;
+        assert!(info["caller"].get("quota").is_none(), "{info}");
+        let admin_id = info["caller"]["id"].as_str().unwrap().to_string();
+
+        // What cannot be given.
+        for (path, method, body, want) in [
+            (
+                "api-keys".to_string(),
+                "POST",
+                json!({"name": "x", "scope": "admin", "quota": {"labels": 1}}),
+                "invalid_quota",
+            ),
+            (
+                "api-keys".to_string(),
+                "POST",
+                json!({"name": "x", "scope": "endpoints", "quota": {"labels": 65}}),
+                "invalid_quota",
+            ),
+            (format!("api-keys/{admin_id}"), "PATCH", json!({"quota": {"reservations": 1}}), "invalid_quota"),
+            (
+                format!("api-keys/{id}"),
+                "PATCH",
+                json!({"quota": {"reservations": 1_000_001}}),
+                "invalid_quota",
+            ),
+            (format!("api-keys/{id}"), "PATCH", json!({}), "invalid_request"),
+        ] {
+            let (status, v) = e.call(method, &path, Some(&e.admin), Some(body.clone())).await;
+            assert_eq!((status, code(&v)), (StatusCode::UNPROCESSABLE_ENTITY, want), "{body}: {v}");
+        }
+        let (status, v) = e
+            .call("PATCH", "api-keys/ak_000000000000", Some(&e.admin), Some(json!({"quota": {"labels": 1}})))
+            .await;
+        assert_eq!((status, code(&v)), (StatusCode::NOT_FOUND, "not_found"));
+        let (status, v) = e
+            .call("PATCH", &format!("api-keys/{id}"), Some(&plain), Some(json!({"quota": {"labels": 1}})))
+            .await;
+        assert_eq!(status, StatusCode::FORBIDDEN, "{v}");
+    }
 
     #[tokio::test]
     async fn api_key_management() {

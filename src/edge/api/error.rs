@@ -190,6 +190,12 @@ impl From<StoreError> for ApiError {
                     "every port of the edge's TCP port range {range} is reserved; release one (culvert admin port release PORT) or widen the edge's --tcp-ports"
                 ),
             },
+            StoreError::QuotaExceeded { owner, limit } => ApiError::Forbidden {
+                code: "quota_exceeded",
+                message: format!(
+                    "this key holds {limit} reservations, its quota: release one (culvert admin domain|port release), or ask the edge's admin to raise it (culvert admin api-key update {owner} --max-reservations N)"
+                ),
+            },
             StoreError::NotFound { what } => ApiError::NotFound { message: format!("{what} does not exist") },
             StoreError::LastAdminKey { id } => ApiError::Conflict {
                 code: "last_admin_key",

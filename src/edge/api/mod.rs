@@ -11,7 +11,7 @@
 //! | GET, POST | `tunnel-keys` | admin, endpoints |
 //! | GET, DELETE | `tunnel-keys/{id}` | admin, endpoints (own) |
 //! | GET, POST | `api-keys` | admin |
-//! | GET, DELETE | `api-keys/{id}` | admin |
+//! | GET, PATCH, DELETE | `api-keys/{id}` | admin |
 //!
 //! An endpoints key sees and changes only what it holds (reservations it made
 //! and the tunnel keys of those); an admin key sees and changes everything.
@@ -170,7 +170,8 @@ impl Route {
         match self {
             Route::Info | Route::Status => "GET",
             Route::Domains | Route::Ports | Route::TunnelKeys | Route::ApiKeys => "GET, POST",
-            Route::Domain(_) | Route::Port(_) | Route::TunnelKey(_) | Route::ApiKey(_) => "GET, DELETE",
+            Route::Domain(_) | Route::Port(_) | Route::TunnelKey(_) => "GET, DELETE",
+            Route::ApiKey(_) => "GET, PATCH, DELETE",
         }
     }
 }
@@ -272,6 +273,10 @@ where
         (Route::ApiKey(id), &Method::GET) => {
             query.only(&[])?;
             api_keys::get(ctx, id).await
+        }
+        (Route::ApiKey(id), &Method::PATCH) => {
+            query.only(&[])?;
+            api_keys::update(ctx, &caller, id, read_json(body, &headers).await?).await
         }
         (Route::ApiKey(id), &Method::DELETE) => {
             query.only(&[])?;

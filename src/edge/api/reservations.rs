@@ -10,8 +10,8 @@ use super::auth::{may_use, not_owner};
 use super::names::{custom_or_subdomain, lookup_hostname, subdomain};
 use super::{ApiContext, ApiError, Change, edge_domain, json_response};
 use crate::api::{
-    ApiKey, List, ReleaseResponse, Reservation, ReservationKind, ReserveDomainRequest, ReservePortRequest,
-    Selector, validate_labels,
+    ApiKey, List, MAX_IDLE_TIMEOUT_SECONDS, ReleaseResponse, Reservation, ReservationKind,
+    ReserveDomainRequest, ReservePortRequest, Selector, validate_labels,
 };
 use crate::edge::store::{CertificateRecord, unix_now};
 
@@ -67,7 +67,7 @@ pub(super) async fn reserve_domain(
     caller: &ApiKey,
     request: ReserveDomainRequest,
 ) -> Result<Response<Full<Bytes>>, ApiError> {
-    validate_labels(&request.labels).map_err(|m| ApiError::invalid("invalid_labels", m))?;
+    check_labels(caller, &request.labels)?;
     let domain = edge_domain(ctx);
     let (kind, hostname) = match (request.name.as_deref(), request.fqdn.as_deref()) {
         (Some(name), None) => (ReservationKind::Subdomain, subdomain(name, &domain)?),
@@ -120,6 +120,18 @@ pub(super) async fn reserve_domain(
     Ok(json_response(status, &with_url(ctx, reservation).await))
 }
 
+/// Labels that are well-formed (422 `invalid_labels`) and within the
+/// caller's quota (403 `quota_exceeded`).
+pub(super) fn check_labels(caller: &ApiKey, labels: &crate::api::Labels) -> Result<(), ApiError> {
+    validate_labels(labels).map_err(|m| ApiError::invalid("invalid_labels", m))?;
+    match &caller.quota {
+        Some(quota) => quota
+            .check_labels(labels, &caller.id)
+            .map_err(|message| ApiError::Forbidden { code: "quota_exceeded", message }),
+        None => Ok(()),
+    }
+}
+
 /// Names under the edge's domain only an admin key may reserve by default
 /// (`--reserved-names`): they look like the operator's own (phishing, or a
 /// tenant posing as the edge).
@@ -141,7 +153,7 @@ pub(super) async fn reserve_port(
     caller: &ApiKey,
     request: ReservePortRequest,
 ) -> Result<Response<Full<Bytes>>, ApiError> {
-    validate_labels(&request.labels).map_err(|m| ApiError::invalid("invalid_labels", m))?;
+    check_labels(caller, &request.labels)?;
     if request.port == Some(0) {
         return Err(ApiError::invalid(
             "port_out_of_range",
@@ -151,16 +163,31 @@ pub(super) async fn reserve_port(
             ),
         ));
     }
+    if let Some(secs) = request.idle_timeout_seconds.filter(|s| !(1..=MAX_IDLE_TIMEOUT_SECONDS).contains(s)) {
+        return Err(ApiError::invalid(
+            "invalid_idle_timeout",
+            format!(
+                "idleTimeoutSeconds {secs} is not between 1 and {MAX_IDLE_TIMEOUT_SECONDS} (30 days); omit it for the edge's --tcp-idle-timeout-seconds"
+            ),
+        ));
+    }
     let (reservation, created) = {
         let _serial = ctx.serial.lock().await;
         let hooks = ctx.hooks.clone();
-        let (reservation, created) = ctx
+        let (mut reservation, created) = ctx
             .store
             .reserve_usable_port(request.port, ctx.tcp_ports, &caller.id, &request.labels, move |p| {
                 hooks.port_usable(p)
             })
             .await?;
         if created {
+            ctx.hooks.changed(Change::Reserved(reservation.clone())).await;
+        }
+        if let Some(secs) = request.idle_timeout_seconds
+            && reservation.idle_timeout_seconds != Some(secs)
+        {
+            reservation = ctx.store.set_idle_timeout(&reservation.id, Some(secs)).await?;
+            tracing::info!(port = ?reservation.port, idle_timeout_seconds = secs, by = %caller.id, "port idle timeout set");
             ctx.hooks.changed(Change::Reserved(reservation.clone())).await;
         }
         (reservation, created)
@@ -459,5 +486,28 @@ mod tests {
         assert_eq!((status, code(&err)), (StatusCode::FORBIDDEN, "not_owner"));
         let (status, _) = e.call("DELETE", "ports/20000", Some(&e.admin), None).await;
         assert_eq!(status, StatusCode::OK);
+
+        // A port's own idle timeout: set on reserving, replaced when given again.
+        let changes = e.hooks.changes.load(Ordering::SeqCst);
+        let (status, v) = e.call("POST", "ports", Some(&ep), Some(json!({"idleTimeoutSeconds": 90}))).await;
+        assert_eq!((status, v["idleTimeoutSeconds"].as_u64()), (StatusCode::CREATED, Some(90)), "{v}");
+        let port = v["port"].as_u64().unwrap();
+        let (status, v) =
+            e.call("POST", "ports", Some(&ep), Some(json!({"port": port, "idleTimeoutSeconds": 30}))).await;
+        assert_eq!((status, v["idleTimeoutSeconds"].as_u64()), (StatusCode::OK, Some(30)), "{v}");
+        let (_, v) = e.call("GET", &format!("ports/{port}"), Some(&ep), None).await;
+        assert_eq!(v["idleTimeoutSeconds"], 30);
+        let (_, v) = e.call("POST", "ports", Some(&ep), Some(json!({"port": port}))).await;
+        assert_eq!(v["idleTimeoutSeconds"], 30, "not given: kept");
+        assert!(e.hooks.changes.load(Ordering::SeqCst) >= changes + 2, "the edge is told of each change");
+        for bad in [json!(0), json!(2_592_001)] {
+            let (status, v) =
+                e.call("POST", "ports", Some(&ep), Some(json!({"idleTimeoutSeconds": bad}))).await;
+            assert_eq!(
+                (status, code(&v)),
+                (StatusCode::UNPROCESSABLE_ENTITY, "invalid_idle_timeout"),
+                "{bad}"
+            );
+        }
     }
 }

@@ -8,9 +8,7 @@ use hyper::Response;
 use super::auth::{may_use, not_owner};
 use super::names::lookup_hostname;
 use super::{ApiContext, ApiError, edge_domain, json_response};
-use crate::api::{
-    ApiKey, CreateTunnelKeyRequest, CreatedTunnelKey, List, Protocol, Selector, TunnelKey, validate_labels,
-};
+use crate::api::{ApiKey, CreateTunnelKeyRequest, CreatedTunnelKey, List, Protocol, Selector, TunnelKey};
 
 fn with_connections(ctx: &ApiContext, mut k: TunnelKey) -> TunnelKey {
     k.connections = if k.revoked_at.is_some() { 0 } else { ctx.hooks.connections_for_key(&k.id) };
@@ -76,7 +74,7 @@ pub(super) async fn create(
     caller: &ApiKey,
     request: CreateTunnelKeyRequest,
 ) -> Result<Response<Full<Bytes>>, ApiError> {
-    validate_labels(&request.labels).map_err(|m| ApiError::invalid("invalid_labels", m))?;
+    super::reservations::check_labels(caller, &request.labels)?;
     let domain = edge_domain(ctx);
     let reservation = match (request.domain.as_deref(), request.port) {
         (Some(host), None) => {

@@ -11,7 +11,8 @@ use super::{
     port_column,
 };
 use crate::api::{
-    ApiKey, ApiKeyScope, Labels, Protocol, Reservation, ReservationKind, ReservationRef, TunnelKey,
+    ApiKey, ApiKeyScope, Labels, Protocol, Quota, QuotaUpdate, Reservation, ReservationKind, ReservationRef,
+    TunnelKey,
 };
 
 /// Result of presenting a tunnel key to the edge.
@@ -57,18 +58,24 @@ pub trait Keys {
     fn ensure_admin_key(&self) -> Result<Option<String>, StoreError>;
 
     /// Makes an API key with the custom domains it may reserve (suffixes, or
-    /// `*`; endpoints keys only); returns it and its secret (shown once).
+    /// `*`; endpoints keys only) and its quota (what is not given is the
+    /// default); returns it and its secret (shown once).
     fn create_api_key_with(
         &self,
         name: &str,
         scope: ApiKeyScope,
         custom_domains: &[String],
+        quota: &QuotaUpdate,
     ) -> Result<(ApiKey, String), StoreError>;
 
-    /// [`create_api_key_with`](Self::create_api_key_with) with no custom domains.
+    /// [`create_api_key_with`](Self::create_api_key_with) with no custom
+    /// domains and the default quota.
     fn create_api_key(&self, name: &str, scope: ApiKeyScope) -> Result<(ApiKey, String), StoreError> {
-        self.create_api_key_with(name, scope, &[])
+        self.create_api_key_with(name, scope, &[], &QuotaUpdate::default())
     }
+
+    /// Changes what `quota` gives of an API key's quota; answers the key.
+    fn update_api_key_quota(&self, id: &str, quota: &QuotaUpdate) -> Result<ApiKey, StoreError>;
 
     /// Every API key, revoked ones included, oldest first.
     fn api_keys(&self) -> Result<Vec<ApiKey>, StoreError>;
@@ -135,12 +142,22 @@ impl Keys for Sqlite {
         name: &str,
         scope: ApiKeyScope,
         custom_domains: &[String],
+        quota: &QuotaUpdate,
     ) -> Result<(ApiKey, String), StoreError> {
         let mut conn = self.lock();
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-        let made = insert_api_key(&tx, name, scope, custom_domains)?;
+        let (key, secret) = insert_api_key(&tx, name, scope, custom_domains)?;
+        let key = if quota.is_empty() { key } else { set_quota(&tx, &key.id, quota)? };
         tx.commit()?;
-        Ok(made)
+        Ok((key, secret))
+    }
+
+    fn update_api_key_quota(&self, id: &str, quota: &QuotaUpdate) -> Result<ApiKey, StoreError> {
+        let mut conn = self.lock();
+        let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let key = set_quota(&tx, id, quota)?;
+        tx.commit()?;
+        Ok(key)
     }
 
     fn api_keys(&self) -> Result<Vec<ApiKey>, StoreError> {
@@ -392,19 +409,68 @@ fn insert_api_key(
         created_at,
         revoked_at: None,
         custom_domains: custom_domains.to_vec(),
+        quota: (scope == ApiKeyScope::Endpoints).then_some(Quota::DEFAULT),
     };
     Ok((key, secret))
 }
-pub(super) const API_KEY_COLUMNS: &str = "id, name, scope, created_at, revoked_at, custom_domains";
+
+/// Sets what `quota` gives of a key's quota; the key as it is now.
+fn set_quota(conn: &Connection, id: &str, quota: &QuotaUpdate) -> Result<ApiKey, StoreError> {
+    let changed = conn.execute(
+        "UPDATE api_keys SET max_reservations = coalesce(?2, max_reservations),
+             max_labels = coalesce(?3, max_labels), max_label_bytes = coalesce(?4, max_label_bytes)
+         WHERE id = ?1",
+        params![id, quota.reservations, quota.labels, quota.label_bytes],
+    )?;
+    if changed == 0 {
+        return Err(StoreError::NotFound { what: format!("api key {id}") });
+    }
+    Ok(conn.query_row(
+        &format!("SELECT {API_KEY_COLUMNS} FROM api_keys WHERE id = ?1"),
+        [id],
+        api_key_from_row,
+    )?)
+}
+
+/// Refuses a new reservation for `owner` when it holds its quota's worth.
+pub(super) fn check_reservation_quota(conn: &Connection, owner: &str) -> Result<(), StoreError> {
+    let key: Option<(String, Option<i64>)> = conn
+        .query_row("SELECT scope, max_reservations FROM api_keys WHERE id = ?1", [owner], |r| {
+            Ok((r.get(0)?, r.get(1)?))
+        })
+        .optional()?;
+    let Some((_, max)) = key.filter(|(scope, _)| scope == ApiKeyScope::Endpoints.as_str()) else {
+        return Ok(()); // admin keys have no quota (an unknown owner fails on insert)
+    };
+    let limit = max.map_or(Quota::DEFAULT.reservations, |m| m.clamp(0, i64::from(u32::MAX)) as u32);
+    let held: i64 =
+        conn.query_row("SELECT count(*) FROM reservations WHERE owner = ?1", [owner], |r| r.get(0))?;
+    if held >= i64::from(limit) {
+        return Err(StoreError::QuotaExceeded { owner: owner.to_string(), limit });
+    }
+    Ok(())
+}
+
+/// The quota of a key's row: the values set, else the defaults; none for admin keys.
+pub(crate) fn quota_of(scope: ApiKeyScope, set: [Option<i64>; 3]) -> Option<Quota> {
+    let v = |i: usize| set[i].map(|v| v.clamp(0, i64::from(u32::MAX)) as u32);
+    (scope == ApiKeyScope::Endpoints)
+        .then(|| Quota::DEFAULT.with(&QuotaUpdate { reservations: v(0), labels: v(1), label_bytes: v(2) }))
+}
+
+pub(super) const API_KEY_COLUMNS: &str =
+    "id, name, scope, created_at, revoked_at, custom_domains, max_reservations, max_labels, max_label_bytes";
 pub(super) const TUNNEL_KEY_COLUMNS: &str =
     "id, protocol, reservation_id, kind, hostname, port, owner, labels, created_at, revoked_at";
 
 pub(super) fn api_key_from_row(row: &Row<'_>) -> rusqlite::Result<ApiKey> {
     let scope: String = row.get(2)?;
+    let scope = ApiKeyScope::parse(&scope).ok_or_else(|| invalid(2, format!("unknown scope {scope:?}")))?;
     Ok(ApiKey {
         id: row.get(0)?,
         name: row.get(1)?,
-        scope: ApiKeyScope::parse(&scope).ok_or_else(|| invalid(2, format!("unknown scope {scope:?}")))?,
+        scope,
+        quota: quota_of(scope, [row.get(6)?, row.get(7)?, row.get(8)?]),
         created_at: row.get(3)?,
         revoked_at: row.get(4)?,
         custom_domains: serde_json::from_str(&row.get::<_, String>(5)?)

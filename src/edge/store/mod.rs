@@ -37,7 +37,9 @@ use tokio_util::sync::CancellationToken;
 use crate::api::PortRange;
 use std::collections::HashSet;
 
-use crate::api::{ApiKey, ApiKeyScope, Labels, Protocol, Reservation, ReservationKind, TunnelKey};
+use crate::api::{
+    ApiKey, ApiKeyScope, Labels, Protocol, QuotaUpdate, Reservation, ReservationKind, TunnelKey,
+};
 
 mod certificates;
 mod keys;
@@ -144,6 +146,15 @@ pub const MIGRATIONS: &[&str] = &[
     r#"
     ALTER TABLE api_keys ADD COLUMN custom_domains TEXT NOT NULL DEFAULT '[]';
     "#,
+    // 5: the quota of an endpoints key (NULL: `Quota::DEFAULT`'s value) and a
+    // TCP port's own idle timeout (NULL: the edge's flag).
+    r#"
+    ALTER TABLE api_keys ADD COLUMN max_reservations INTEGER;
+    ALTER TABLE api_keys ADD COLUMN max_labels INTEGER;
+    ALTER TABLE api_keys ADD COLUMN max_label_bytes INTEGER;
+    ALTER TABLE reservations ADD COLUMN idle_timeout_seconds INTEGER;
+    CREATE INDEX reservations_by_owner ON reservations (owner);
+    "#,
 ];
 
 /// Errors of the store. Conflicts and lookups that find nothing are errors
@@ -190,6 +201,14 @@ pub enum StoreError {
     /// A row holds something this binary cannot read.
     #[error("the database holds an invalid record: {0}")]
     Corrupt(String),
+    /// The owner holds as many reservations as its quota allows.
+    #[error("{owner} holds {limit} reservations, its quota")]
+    QuotaExceeded {
+        /// The API key id.
+        owner: String,
+        /// Its quota of reservations.
+        limit: u32,
+    },
     /// The name or port is held by another API key.
     #[error("{target} is held by another key ({owner})")]
     AlreadyReserved {
@@ -254,6 +273,7 @@ impl StoreError {
             StoreError::Random => "random",
             StoreError::Corrupt(_) => "corrupt",
             StoreError::AlreadyReserved { .. } => "already_reserved",
+            StoreError::QuotaExceeded { .. } => "quota_exceeded",
             StoreError::PortOutOfRange { .. } => "port_out_of_range",
             StoreError::PortInUse { .. } => "port_in_use",
             StoreError::NoFreePort { .. } => "no_free_port",
@@ -435,10 +455,16 @@ impl Store {
         name: &str,
         scope: ApiKeyScope,
         custom_domains: &[String],
+        quota: QuotaUpdate,
     ) -> Result<(ApiKey, String), StoreError> {
         let name = name.to_string();
         let custom_domains = custom_domains.to_vec();
-        self.run(move |e| e.create_api_key_with(&name, scope, &custom_domains)).await
+        self.run(move |e| e.create_api_key_with(&name, scope, &custom_domains, &quota)).await
+    }
+
+    pub async fn update_api_key_quota(&self, id: &str, quota: QuotaUpdate) -> Result<ApiKey, StoreError> {
+        let id = id.to_string();
+        self.run(move |e| e.update_api_key_quota(&id, &quota)).await
     }
 
     pub async fn api_keys(&self) -> Result<Vec<ApiKey>, StoreError> {
@@ -538,6 +564,11 @@ impl Store {
     pub async fn reservation(&self, id: &str) -> Result<Option<Reservation>, StoreError> {
         let id = id.to_string();
         self.run(move |e| e.reservation(&id)).await
+    }
+
+    pub async fn set_idle_timeout(&self, id: &str, seconds: Option<u64>) -> Result<Reservation, StoreError> {
+        let id = id.to_string();
+        self.run(move |e| e.set_idle_timeout(&id, seconds)).await
     }
 
     pub async fn release_reservation(&self, id: &str) -> Result<(Reservation, Vec<String>), StoreError> {
@@ -677,7 +708,7 @@ fn sqlite_export(tx: &rusqlite::Transaction<'_>) -> Result<Snapshot, StoreError>
             keys::API_KEY_COLUMNS
         ))?;
         s.api_keys = stmt
-            .query_map([], |r| Ok(ApiKeyRow { key: keys::api_key_from_row(r)?, secret_hash: r.get(6)? }))?
+            .query_map([], |r| Ok(ApiKeyRow { key: keys::api_key_from_row(r)?, secret_hash: r.get(9)? }))?
             .collect::<Result<_, _>>()?;
         let mut stmt = tx.prepare(&format!(
             "SELECT {} FROM reservations ORDER BY rowid",

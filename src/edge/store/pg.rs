@@ -48,7 +48,8 @@ use super::{
     labels_to_json, new_secret, now_rfc3339, unix_now,
 };
 use crate::api::{
-    ApiKey, ApiKeyScope, Labels, PortRange, Protocol, Reservation, ReservationKind, ReservationRef, TunnelKey,
+    ApiKey, ApiKeyScope, Labels, PortRange, Protocol, Quota, QuotaUpdate, Reservation, ReservationKind,
+    ReservationRef, TunnelKey,
 };
 use crate::edge::store::keys::TunnelGrant;
 
@@ -69,7 +70,8 @@ const MIGRATION_LOCK: i64 = 0x6375_6c76_6572_7401;
 
 /// Schema migrations; migration `i` brings the version from `i` to `i + 1`.
 /// Append only: never edit one that has shipped. Version 1 is SQLite's 4.
-pub const MIGRATIONS: &[&str] = &[r#"
+pub const MIGRATIONS: &[&str] = &[
+    r#"
     CREATE TABLE api_keys (
         seq         BIGSERIAL NOT NULL,
         id          TEXT PRIMARY KEY,
@@ -138,7 +140,17 @@ pub const MIGRATIONS: &[&str] = &[r#"
         holder     TEXT NOT NULL,
         expires_at BIGINT NOT NULL
     );
-    "#];
+    "#,
+    // 2: the quota of an endpoints key (NULL: `Quota::DEFAULT`'s value) and a
+    // TCP port's own idle timeout (NULL: the edge's flag).
+    r#"
+    ALTER TABLE api_keys ADD COLUMN max_reservations BIGINT;
+    ALTER TABLE api_keys ADD COLUMN max_labels BIGINT;
+    ALTER TABLE api_keys ADD COLUMN max_label_bytes BIGINT;
+    ALTER TABLE reservations ADD COLUMN idle_timeout_seconds BIGINT;
+    CREATE INDEX reservations_by_owner ON reservations (owner);
+    "#,
+];
 
 /// `url` with its password replaced by `***`, for messages and logs.
 pub fn redact(url: &str) -> String {
@@ -416,10 +428,11 @@ fn migrate(client: &mut Client) -> Result<(), StoreError> {
     Ok(())
 }
 
-const API_KEY_COLUMNS: &str = "id, name, scope, created_at, revoked_at, custom_domains";
+const API_KEY_COLUMNS: &str =
+    "id, name, scope, created_at, revoked_at, custom_domains, max_reservations, max_labels, max_label_bytes";
 const TUNNEL_KEY_COLUMNS: &str =
     "id, protocol, reservation_id, kind, hostname, port, owner, labels, created_at, revoked_at";
-const RESERVATION_COLUMNS: &str = "id, kind, hostname, port, owner, labels, created_at";
+const RESERVATION_COLUMNS: &str = "id, kind, hostname, port, owner, labels, created_at, idle_timeout_seconds";
 const CERTIFICATE_COLUMNS: &str = "hostname, status, chain_pem, key_pem, not_before, not_after, last_error, failures, next_attempt, updated_at";
 
 fn corrupt(message: String) -> StoreError {
@@ -444,10 +457,12 @@ fn labels(row: &Row, i: usize) -> Result<Labels, StoreError> {
 
 fn api_key_from_row(row: &Row) -> Result<ApiKey, StoreError> {
     let scope: String = get(row, 2)?;
+    let scope = ApiKeyScope::parse(&scope).ok_or_else(|| corrupt(format!("unknown scope {scope:?}")))?;
     Ok(ApiKey {
         id: get(row, 0)?,
         name: get(row, 1)?,
-        scope: ApiKeyScope::parse(&scope).ok_or_else(|| corrupt(format!("unknown scope {scope:?}")))?,
+        scope,
+        quota: super::keys::quota_of(scope, [get(row, 6)?, get(row, 7)?, get(row, 8)?]),
         created_at: get(row, 3)?,
         revoked_at: get(row, 4)?,
         custom_domains: serde_json::from_str(&get::<String>(row, 5)?)
@@ -488,6 +503,7 @@ fn reservation_from_row(row: &Row) -> Result<Reservation, StoreError> {
         created_at: get(row, 6)?,
         url: None,
         certificate: None,
+        idle_timeout_seconds: get::<Option<i64>>(row, 7)?.map(|s| s.max(0) as u64),
     })
 }
 
@@ -562,8 +578,40 @@ fn insert_api_key(
         created_at,
         revoked_at: None,
         custom_domains: custom_domains.to_vec(),
+        quota: (scope == ApiKeyScope::Endpoints).then_some(Quota::DEFAULT),
     };
     Ok((key, secret))
+}
+
+/// Sets what `quota` gives of a key's quota; the key as it is now.
+fn set_quota(tx: &mut Transaction<'_>, id: &str, quota: &QuotaUpdate) -> Result<ApiKey, StoreError> {
+    let v = |v: Option<u32>| v.map(i64::from);
+    tx.query_opt(
+        &format!(
+            "UPDATE api_keys SET max_reservations = coalesce($2, max_reservations),
+                 max_labels = coalesce($3, max_labels), max_label_bytes = coalesce($4, max_label_bytes)
+             WHERE id = $1 RETURNING {API_KEY_COLUMNS}"
+        ),
+        &[&id, &v(quota.reservations), &v(quota.labels), &v(quota.label_bytes)],
+    )?
+    .map(|r| api_key_from_row(&r))
+    .transpose()?
+    .ok_or_else(|| StoreError::NotFound { what: format!("api key {id}") })
+}
+
+/// Refuses a new reservation for `owner` when it holds its quota's worth.
+fn check_reservation_quota(tx: &mut Transaction<'_>, owner: &str) -> Result<(), StoreError> {
+    let key = tx.query_opt("SELECT scope, max_reservations FROM api_keys WHERE id = $1", &[&owner])?;
+    let Some(key) = key.filter(|r| r.get::<_, String>(0) == ApiKeyScope::Endpoints.as_str()) else {
+        return Ok(()); // admin keys have no quota (an unknown owner fails on insert)
+    };
+    let limit = get::<Option<i64>>(&key, 1)?
+        .map_or(Quota::DEFAULT.reservations, |m| m.clamp(0, i64::from(u32::MAX)) as u32);
+    let held: i64 = tx.query_one("SELECT count(*) FROM reservations WHERE owner = $1", &[&owner])?.get(0);
+    if held >= i64::from(limit) {
+        return Err(StoreError::QuotaExceeded { owner: owner.to_string(), limit });
+    }
+    Ok(())
 }
 
 fn insert_reservation(
@@ -574,6 +622,7 @@ fn insert_reservation(
     owner: &str,
     labels: &Labels,
 ) -> Result<Reservation, StoreError> {
+    check_reservation_quota(tx, owner)?;
     let created_at = now_rfc3339();
     let id = fresh_id("rs_")?;
     tx.execute(
@@ -599,6 +648,7 @@ fn insert_reservation(
         created_at,
         url: None,
         certificate: None,
+        idle_timeout_seconds: None,
     })
 }
 
@@ -620,8 +670,17 @@ impl Keys for Postgres {
         name: &str,
         scope: ApiKeyScope,
         custom_domains: &[String],
+        quota: &QuotaUpdate,
     ) -> Result<(ApiKey, String), StoreError> {
-        self.write(|tx| insert_api_key(tx, name, scope, custom_domains))
+        self.write(|tx| {
+            let (key, secret) = insert_api_key(tx, name, scope, custom_domains)?;
+            let key = if quota.is_empty() { key } else { set_quota(tx, &key.id, quota)? };
+            Ok((key, secret))
+        })
+    }
+
+    fn update_api_key_quota(&self, id: &str, quota: &QuotaUpdate) -> Result<ApiKey, StoreError> {
+        self.write(|tx| set_quota(tx, id, quota))
     }
 
     fn api_keys(&self) -> Result<Vec<ApiKey>, StoreError> {
@@ -907,6 +966,21 @@ impl Reservations for Postgres {
         self.read(|c| select_reservation(c, "id = $1", &id))
     }
 
+    fn set_idle_timeout(&self, id: &str, seconds: Option<u64>) -> Result<Reservation, StoreError> {
+        let seconds = seconds.map(|s| s.min(i64::MAX as u64) as i64);
+        self.write(|tx| {
+            tx.query_opt(
+                &format!(
+                    "UPDATE reservations SET idle_timeout_seconds = $2 WHERE id = $1 RETURNING {RESERVATION_COLUMNS}"
+                ),
+                &[&id, &seconds],
+            )?
+            .map(|r| reservation_from_row(&r))
+            .transpose()?
+            .ok_or_else(|| StoreError::NotFound { what: format!("reservation {id}") })
+        })
+    }
+
     fn release_reservation(&self, id: &str) -> Result<(Reservation, Vec<String>), StoreError> {
         self.write(|tx| {
             let reservation = select_reservation(tx, "id = $1", &id)?
@@ -1075,7 +1149,7 @@ impl Engine for Postgres {
             for r in
                 tx.query(&format!("SELECT {API_KEY_COLUMNS}, secret_hash FROM api_keys ORDER BY seq"), &[])?
             {
-                s.api_keys.push(ApiKeyRow { key: api_key_from_row(&r)?, secret_hash: get(&r, 6)? });
+                s.api_keys.push(ApiKeyRow { key: api_key_from_row(&r)?, secret_hash: get(&r, 9)? });
             }
             for r in tx.query(&format!("SELECT {RESERVATION_COLUMNS} FROM reservations ORDER BY seq"), &[])? {
                 s.reservations.push(reservation_from_row(&r)?);
@@ -1123,8 +1197,10 @@ impl Engine for Postgres {
                 ));
             }
             for k in &s.api_keys {
+                let quota = |f: fn(&Quota) -> u32| k.key.quota.as_ref().map(|q| i64::from(f(q)));
                 tx.execute(
-                    "INSERT INTO api_keys (id, name, scope, secret_hash, created_at, revoked_at, custom_domains) VALUES ($1, $2, $3, $4, $5, $6, $7)",
+                    "INSERT INTO api_keys (id, name, scope, secret_hash, created_at, revoked_at, custom_domains, max_reservations, max_labels, max_label_bytes)
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
                     &[
                         &k.key.id,
                         &k.key.name,
@@ -1133,13 +1209,16 @@ impl Engine for Postgres {
                         &k.key.created_at,
                         &k.key.revoked_at,
                         &serde_json::to_string(&k.key.custom_domains).expect("strings serialize"),
+                        &quota(|q| q.reservations),
+                        &quota(|q| q.labels),
+                        &quota(|q| q.label_bytes),
                     ],
                 )?;
             }
             for r in &s.reservations {
                 tx.execute(
-                    "INSERT INTO reservations (id, kind, hostname, port, owner, labels, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7)",
-                    &[&r.id, &r.kind.as_str(), &r.hostname, &r.port.map(i64::from), &r.owner, &labels_to_json(&r.labels)?, &r.created_at],
+                    "INSERT INTO reservations (id, kind, hostname, port, owner, labels, created_at, idle_timeout_seconds) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+                    &[&r.id, &r.kind.as_str(), &r.hostname, &r.port.map(i64::from), &r.owner, &labels_to_json(&r.labels)?, &r.created_at, &r.idle_timeout_seconds.map(|s| s.min(i64::MAX as u64) as i64)],
                 )?;
             }
             for t in &s.tunnel_keys {

@@ -58,6 +58,9 @@ pub trait Reservations {
     /// A reservation by id.
     fn reservation(&self, id: &str) -> Result<Option<Reservation>, StoreError>;
 
+    /// Sets a reservation's own TCP idle timeout (None: the edge's); answers it.
+    fn set_idle_timeout(&self, id: &str, seconds: Option<u64>) -> Result<Reservation, StoreError>;
+
     /// Releases a reservation: deletes it, revokes its live tunnel keys and
     /// forgets its certificate, in one transaction. Returns the released
     /// record and the revoked key ids.
@@ -135,6 +138,17 @@ impl Reservations for Sqlite {
         select_reservation(&self.lock(), "id = ?1", &id)
     }
 
+    fn set_idle_timeout(&self, id: &str, seconds: Option<u64>) -> Result<Reservation, StoreError> {
+        let conn = self.lock();
+        let seconds = seconds.map(|s| s.min(i64::MAX as u64) as i64);
+        conn.execute(
+            "UPDATE reservations SET idle_timeout_seconds = ?2 WHERE id = ?1",
+            params![id, seconds],
+        )?;
+        select_reservation(&conn, "id = ?1", &id)?
+            .ok_or_else(|| StoreError::NotFound { what: format!("reservation {id}") })
+    }
+
     fn release_reservation(&self, id: &str) -> Result<(Reservation, Vec<String>), StoreError> {
         let mut conn = self.lock();
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
@@ -181,6 +195,7 @@ fn insert_reservation(
     owner: &str,
     labels: &Labels,
 ) -> Result<Reservation, StoreError> {
+    super::keys::check_reservation_quota(conn, owner)?;
     let labels_json = labels_to_json(labels)?;
     let created_at = now_rfc3339();
     let id = insert_with_fresh_id("rs_", |id| {
@@ -200,6 +215,7 @@ fn insert_reservation(
         created_at,
         url: None,
         certificate: None,
+        idle_timeout_seconds: None,
     })
 }
 
@@ -217,7 +233,8 @@ pub(super) fn select_reservation(
         .optional()?)
 }
 
-pub(super) const RESERVATION_COLUMNS: &str = "id, kind, hostname, port, owner, labels, created_at";
+pub(super) const RESERVATION_COLUMNS: &str =
+    "id, kind, hostname, port, owner, labels, created_at, idle_timeout_seconds";
 
 pub(super) fn reservation_from_row(row: &Row<'_>) -> rusqlite::Result<Reservation> {
     let kind: String = row.get(1)?;
@@ -231,6 +248,7 @@ pub(super) fn reservation_from_row(row: &Row<'_>) -> rusqlite::Result<Reservatio
         created_at: row.get(6)?,
         url: None,
         certificate: None,
+        idle_timeout_seconds: row.get::<_, Option<i64>>(7)?.map(|s| s.max(0) as u64),
     })
 }
 
@@ -242,7 +260,77 @@ mod tests {
 
     use super::*;
 
-    both_engines!(idempotent_reservations_and_conflicts, port_allocation_stays_in_range);
+    both_engines!(
+        idempotent_reservations_and_conflicts,
+        port_allocation_stays_in_range,
+        quotas_and_idle_timeouts
+    );
+
+    /// An endpoints key holds at most its quota of reservations (checked in
+    /// the reserving transaction); admin keys have none. A port keeps its
+    /// own idle timeout.
+    fn quotas_and_idle_timeouts(t: &TestStore) {
+        use crate::api::{Quota, QuotaUpdate};
+        let store = &*t.store;
+        store.ensure_admin_key().unwrap();
+        let admin = super::super::tests::admin(store);
+        assert_eq!(admin.quota, None);
+        let two = QuotaUpdate { reservations: Some(2), ..Default::default() };
+        let (a, _) = store.create_api_key_with("a", ApiKeyScope::Endpoints, &[], &two).unwrap();
+        assert_eq!(a.quota, Some(Quota { reservations: 2, ..Quota::DEFAULT }));
+        let none = Labels::new();
+        store.reserve_domain(ReservationKind::Subdomain, "a1.example.com", &a.id, &none).unwrap();
+        let (p, _) = store.reserve_port(None, range(20000, 20010), &a.id, &none).unwrap();
+        let err =
+            store.reserve_domain(ReservationKind::Subdomain, "a3.example.com", &a.id, &none).unwrap_err();
+        assert!(matches!(&err, StoreError::QuotaExceeded { limit: 2, owner } if *owner == a.id), "{err:?}");
+        let err = store.reserve_port(None, range(20000, 20010), &a.id, &none).unwrap_err();
+        assert_eq!(err.category(), "quota_exceeded");
+        // What it holds already is still answered.
+        assert!(!store.reserve_port(p.port, range(20000, 20010), &a.id, &none).unwrap().1);
+        // Raised: one more; the other values stay.
+        let raised = store
+            .update_api_key_quota(
+                &a.id,
+                &QuotaUpdate { reservations: Some(3), labels: Some(5), ..Default::default() },
+            )
+            .unwrap();
+        assert_eq!(raised.quota, Some(Quota { reservations: 3, labels: 5, ..Quota::DEFAULT }));
+        assert_eq!(store.api_key(&a.id).unwrap().unwrap().quota, raised.quota);
+        store.reserve_domain(ReservationKind::Subdomain, "a3.example.com", &a.id, &none).unwrap();
+        assert!(store.reserve_domain(ReservationKind::Subdomain, "a4.example.com", &a.id, &none).is_err());
+        // A release frees one.
+        store.release_reservation(&p.id).unwrap();
+        store.reserve_domain(ReservationKind::Subdomain, "a4.example.com", &a.id, &none).unwrap();
+        // The admin key has no quota.
+        for i in 0..5 {
+            store
+                .reserve_domain(
+                    ReservationKind::Subdomain,
+                    &format!("admin{i}.example.com"),
+                    &admin.id,
+                    &none,
+                )
+                .unwrap();
+        }
+        assert!(matches!(
+            store.update_api_key_quota("ak_000000000000", &two).unwrap_err(),
+            StoreError::NotFound { .. }
+        ));
+
+        // Idle timeouts: none by default, set, read back, cleared.
+        let (port, _) = store.reserve_port(None, range(20000, 20010), &admin.id, &none).unwrap();
+        assert_eq!(port.idle_timeout_seconds, None);
+        let set = store.set_idle_timeout(&port.id, Some(90)).unwrap();
+        assert_eq!(set.idle_timeout_seconds, Some(90));
+        assert_eq!(store.reservation_by_port(port.port.unwrap()).unwrap().unwrap(), set);
+        assert!(store.reservations().unwrap().contains(&set));
+        assert_eq!(store.set_idle_timeout(&port.id, None).unwrap().idle_timeout_seconds, None);
+        assert!(matches!(
+            store.set_idle_timeout("rs_000000000000", Some(1)).unwrap_err(),
+            StoreError::NotFound { .. }
+        ));
+    }
 
     fn idempotent_reservations_and_conflicts(t: &TestStore) {
         let store = &*t.store;
