@@ -72,20 +72,17 @@ impl RouteIndex {
     }
 
     fn remove(&mut self, r: &Reservation) {
+        let held = |held: Option<&Arc<Reservation>>| held.is_some_and(|held| held.id == r.id);
         match slot(r) {
-            Some(Slot::Port(port)) => {
-                if self.by_port.get(&port).is_some_and(|held| held.id == r.id) {
-                    self.by_port.remove(&port);
-                    self.ids.remove(&r.id);
-                }
+            Some(Slot::Port(port)) if held(self.by_port.get(&port)) => {
+                self.by_port.remove(&port);
+                self.ids.remove(&r.id);
             }
-            Some(Slot::Host(host)) => {
-                if self.by_host.get(&host).is_some_and(|held| held.id == r.id) {
-                    self.by_host.remove(&host);
-                    self.ids.remove(&r.id);
-                }
+            Some(Slot::Host(host)) if held(self.by_host.get(&host)) => {
+                self.by_host.remove(&host);
+                self.ids.remove(&r.id);
             }
-            None => {}
+            _ => {}
         }
     }
 

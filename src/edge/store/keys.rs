@@ -17,6 +17,7 @@ use crate::api::{
 
 /// Result of presenting a tunnel key to the edge.
 #[derive(Debug, Clone)]
+#[allow(clippy::large_enum_variant)] // one short-lived value per handshake
 pub enum TunnelKeyAuth {
     /// A live key of an existing reservation.
     Valid(TunnelGrant),
