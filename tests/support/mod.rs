@@ -21,3 +21,5 @@ pub mod netns;
 pub mod operator;
 /// A real PostgreSQL from Debian on 127.0.0.1 (also used by the store suite in the lib).
 pub mod postgres;
+/// The abuse suite's bounds: another tunnel's latency, the edge's memory and descriptors.
+pub mod watch;
