@@ -978,6 +978,31 @@ mod tests {
             "released blog.edge.test; revoked 1 tunnel key\n"
         );
 
+        // Quotas (issue 18 item 7) and a port's own idle timeout (item 2).
+        let tenant = run(
+            &admin_client,
+            &["api-key", "create", "--name", "t", "--scope", "endpoints", "--max-reservations", "1"],
+        )
+        .unwrap();
+        let tenant = Client::new(&edge, tenant.trim(), None, false).unwrap();
+        let info = run(&tenant, &["-o", "json", "info"]).unwrap();
+        let info: Value = serde_json::from_str(&info).unwrap();
+        let id = info["caller"]["id"].as_str().unwrap().to_string();
+        assert_eq!(info["caller"]["quota"]["reservations"], 1);
+        assert_eq!(run(&tenant, &["port", "reserve", "--idle-timeout-seconds", "90"]).unwrap(), "20001\n");
+        let ports = run(&tenant, &["port", "list"]).unwrap();
+        assert!(ports.lines().next().unwrap().contains("IDLE TIMEOUT") && ports.contains(" 90s "), "{ports}");
+        let err = run(&tenant, &["domain", "reserve", "more"]).unwrap_err();
+        assert!(
+            err.to_string().contains("quota_exceeded") && err.to_string().contains("--max-reservations"),
+            "{err}"
+        );
+        let updated =
+            run(&admin_client, &["api-key", "update", &id, "--max-reservations", "2", "--max-labels", "3"])
+                .unwrap();
+        assert!(updated.contains("2 reservations, 3 labels, 4096 label bytes"), "{updated}");
+        assert_eq!(run(&tenant, &["domain", "reserve", "more"]).unwrap(), "more.edge.test\n");
+
         // Nothing listening: the error names the URL.
         let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let closed_addr = closed.local_addr().unwrap();

@@ -296,6 +296,52 @@ async fn tcp_reservations_have_an_idle_timeout_and_a_cap_per_port() {
     echo_once(port).await;
 }
 
+/// Item 2: a port reservation's own idle timeout (`idleTimeoutSeconds`)
+/// wins over --tcp-idle-timeout-seconds; given again, it replaces the old
+/// one for new connections.
+#[tokio::test]
+async fn a_port_has_its_own_idle_timeout() {
+    use serde_json::json;
+    let _serial = SERIAL.lock().await;
+    let edge = TestEdge::start_with(|a| a.tcp_idle_timeout_seconds = 3600).await;
+    let echo = net::tcp_echo().await;
+    let (s, r) = edge.api("POST", "ports", Some(json!({"idleTimeoutSeconds": 1}))).await;
+    assert!(s.is_success(), "{r}");
+    assert_eq!(r["idleTimeoutSeconds"], 1);
+    let short = r["port"].as_u64().unwrap() as u16;
+    let (s, k) = edge.api("POST", "tunnel-keys", Some(json!({"port": short}))).await;
+    assert!(s.is_success(), "{k}");
+    let _a = TestAgent::start(
+        &edge,
+        k["secret"].as_str().unwrap(),
+        Target::Tcp { addr: echo.to_string(), proxy: None },
+    )
+    .await;
+    let (long, key) = edge.tcp_tunnel_key().await;
+    let _b = TestAgent::start(&edge, &key, Target::Tcp { addr: echo.to_string(), proxy: None }).await;
+    async fn echo_once(port: u16) -> TcpStream {
+        let mut s = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+        s.write_all(b"ping").await.unwrap();
+        let mut b = [0u8; 4];
+        tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut b)).await.unwrap().unwrap();
+        s
+    }
+    let (mut a, mut b) = (echo_once(short).await, echo_once(long).await);
+    let took = until_closed(&mut a, Duration::from_secs(5)).await;
+    assert!(took >= Duration::from_millis(900), "after the port's own second, not before: {took:?}");
+    // The other port follows the edge's hour: still open, still echoing.
+    b.write_all(b"pong").await.unwrap();
+    let mut got = [0u8; 4];
+    tokio::time::timeout(Duration::from_secs(5), b.read_exact(&mut got)).await.unwrap().unwrap();
+    assert_eq!(&got, b"pong");
+    // Given again: 2 s for the connections made from now on.
+    let (s, r) = edge.api("POST", "ports", Some(json!({"port": short, "idleTimeoutSeconds": 2}))).await;
+    assert_eq!((s, r["idleTimeoutSeconds"].as_u64()), (http::StatusCode::OK, Some(2)), "{r}");
+    let mut a = echo_once(short).await;
+    let took = until_closed(&mut a, Duration::from_secs(6)).await;
+    assert!(took >= Duration::from_millis(1900), "after the new two seconds: {took:?}");
+}
+
 /// A raw tunnel handshake from 127.0.0.1 with `auth`; (status, error code).
 async fn handshake(edge: &TestEdge, auth: &str) -> (u16, String) {
     use bytes::Bytes;
