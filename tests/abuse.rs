@@ -107,6 +107,38 @@ impl EdgeProc {
         std::fs::read_dir(format!("/proc/{}/fd", self.pid())).map(|d| d.count()).unwrap_or(0)
     }
 
+    /// A tunnel of its own to watch (as [`watch::bystander`]): (host, agent).
+    async fn bystander(&self) -> (String, TestAgent) {
+        use bytes::Bytes;
+        use http_body_util::{BodyExt, Full};
+        let client = net::HttpsClient { addr: self.https.parse().unwrap(), ca_file: self.ca.clone() };
+        let call = |path: &str, body: serde_json::Value| {
+            let req = http::Request::post(format!("/_culvert/v1/api/{path}"))
+                .header("authorization", format!("Bearer {}", self.admin_key))
+                .body(Full::new(Bytes::from(body.to_string())))
+                .unwrap();
+            let client = client.clone();
+            async move {
+                let resp = client.send("127.0.0.1", req, false).await.unwrap();
+                assert!(resp.status().is_success(), "{}", resp.status());
+                let body = resp.into_body().collect().await.unwrap().to_bytes();
+                serde_json::from_slice::<serde_json::Value>(&body).unwrap()
+            }
+        };
+        let r = call("domains", serde_json::json!({"name": "bystander"})).await;
+        let host = r["hostname"].as_str().unwrap().to_string();
+        let k = call("tunnel-keys", serde_json::json!({"domain": host})).await;
+        let backend = net::http_backend().await;
+        let agent = TestAgent::start_at(
+            &self.url(),
+            &self.ca,
+            k["secret"].as_str().unwrap(),
+            Target::http(backend.to_string()),
+        )
+        .await;
+        (host, agent)
+    }
+
     /// Resident memory of the edge process in KiB.
     fn rss_kib(&self) -> u64 {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap();
@@ -240,10 +272,13 @@ async fn until_closed(s: &mut TcpStream, limit: Duration) -> Duration {
 /// --half-close-timeout-seconds, although nothing reads any more.
 #[tokio::test]
 async fn a_half_close_ignored_by_the_backend_is_closed_after_the_bound() {
+    let _serial = SERIAL.lock().await;
     let edge = TestEdge::start_with(|a| a.half_close_timeout_seconds = 1).await;
     let backend = deaf_backend().await;
     let (port, key) = edge.tcp_tunnel_key().await;
     let _agent = TestAgent::start(&edge, &key, Target::Tcp { addr: backend.to_string(), proxy: None }).await;
+    let (steady, _steady) = watch::bystander(&edge, "bystander").await;
+    let watch = Watch::start("a half-close the backend ignores", &edge.client(), &steady, Proc::This).await;
     let mut s = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
     s.write_all(b"hello").await.unwrap();
     s.shutdown().await.unwrap();
@@ -253,6 +288,7 @@ async fn a_half_close_ignored_by_the_backend_is_closed_after_the_bound() {
         (streams_open(&edge) == Some(0)).then_some(())
     })
     .await;
+    watch.check(Bounds { latency: Duration::from_millis(1000), rss_mib: 32, fds: 16 }).await;
 }
 
 /// Item 2: a TCP reservation's connections have an idle timeout and a cap
@@ -260,6 +296,7 @@ async fn a_half_close_ignored_by_the_backend_is_closed_after_the_bound() {
 /// other reservations keep answering.
 #[tokio::test]
 async fn tcp_reservations_have_an_idle_timeout_and_a_cap_per_port() {
+    let _serial = SERIAL.lock().await;
     let edge = TestEdge::start_with(|a| {
         a.tcp_idle_timeout_seconds = 1;
         a.max_connections_per_tcp_port = 3;
@@ -271,6 +308,14 @@ async fn tcp_reservations_have_an_idle_timeout_and_a_cap_per_port() {
     let (other, other_key) = edge.tcp_tunnel_key().await;
     let _other =
         TestAgent::start(&edge, &other_key, Target::Tcp { addr: echo.to_string(), proxy: None }).await;
+    let (steady, _steady) = watch::bystander(&edge, "bystander").await;
+    let watch = Watch::start(
+        "a TCP port's connections held idle and over its cap",
+        &edge.client(),
+        &steady,
+        Proc::This,
+    )
+    .await;
 
     async fn echo_once(port: u16) -> TcpStream {
         let mut s = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
@@ -294,6 +339,7 @@ async fn tcp_reservations_have_an_idle_timeout_and_a_cap_per_port() {
         until_closed(s, Duration::from_secs(5)).await;
     }
     echo_once(port).await;
+    watch.check(Bounds { latency: Duration::from_millis(1000), rss_mib: 32, fds: 32 }).await;
 }
 
 /// Item 2: a port reservation's own idle timeout (`idleTimeoutSeconds`)
@@ -367,10 +413,14 @@ async fn handshake(edge: &TestEdge, auth: &str) -> (u16, String) {
 /// does not notice.
 #[tokio::test]
 async fn refused_handshakes_are_limited_per_address() {
+    let _serial = SERIAL.lock().await;
     let edge = TestEdge::start().await;
     let backend = net::http_backend().await;
     let (host, key) = edge.http_tunnel_key("steady").await;
     let _agent = TestAgent::start(&edge, &key, Target::http(backend.to_string())).await;
+    let (steady, _steady) = watch::bystander(&edge, "bystander").await;
+    let watch =
+        Watch::start("refused handshakes from one address", &edge.client(), &steady, Proc::This).await;
     for i in 0..30 {
         assert_eq!(handshake(&edge, "culvert_t_guess").await, (401, "unknown_key".into()), "attempt {i}");
     }
@@ -378,15 +428,19 @@ async fn refused_handshakes_are_limited_per_address() {
     // Even a good key from this address waits for the window (no key lookup).
     assert_eq!(handshake(&edge, &key).await.0, 429);
     assert_eq!(edge.client().get(&host, "/").await.0, http::StatusCode::OK);
+    watch.check(Bounds { latency: Duration::from_millis(1000), rss_mib: 32, fds: 16 }).await;
 }
 
 /// Item 8: revoking an endpoints key revokes the tunnel keys it made: their
 /// live agents are cut and cannot come back.
 #[tokio::test]
 async fn revoking_an_endpoints_key_revokes_its_tunnel_keys() {
+    let _serial = SERIAL.lock().await;
     use serde_json::json;
     let edge = TestEdge::start().await;
     let backend = net::http_backend().await;
+    let (steady, _steady) = watch::bystander(&edge, "bystander").await;
+    let watch = Watch::start("a revoked tenant's agents", &edge.client(), &steady, Proc::This).await;
     let (s, k) = edge.api("POST", "api-keys", Some(json!({"name": "tenant", "scope": "endpoints"}))).await;
     assert!(s.is_success(), "{k}");
     let (tenant, tenant_id) =
@@ -408,14 +462,18 @@ async fn revoking_an_endpoints_key_revokes_its_tunnel_keys() {
     })
     .await;
     assert_eq!(handshake(&edge, &tunnel_key).await, (403, "key_revoked".into()));
+    watch.check(Bounds { latency: Duration::from_millis(1000), rss_mib: 32, fds: 16 }).await;
     agent.stop().await;
 }
 
 /// Item 8: a released reservation's metrics are removed.
 #[tokio::test]
 async fn a_released_reservation_leaves_no_metrics() {
+    let _serial = SERIAL.lock().await;
     let edge = TestEdge::start().await;
     let backend = net::http_backend().await;
+    let (steady, _steady) = watch::bystander(&edge, "bystander").await;
+    let watch = Watch::start("released reservations' metrics", &edge.client(), &steady, Proc::This).await;
     let (other, other_key) = edge.http_tunnel_key("counted").await;
     let agent = TestAgent::start(&edge, &other_key, Target::http(backend.to_string())).await;
     assert_eq!(edge.client().get(&other, "/").await.0, http::StatusCode::OK);
@@ -425,6 +483,7 @@ async fn a_released_reservation_leaves_no_metrics() {
     let (s, body) = edge.api("DELETE", &format!("domains/{other}"), None).await;
     assert!(s.is_success(), "{body}");
     assert!(!counted(&edge), "the released reservation's byte counters are gone");
+    watch.check(Bounds { latency: Duration::from_millis(1000), rss_mib: 32, fds: 16 }).await;
     agent.stop().await;
 }
 
@@ -472,12 +531,15 @@ async fn switching_backend() -> std::net::SocketAddr {
 /// WebSocket still switches.
 #[tokio::test]
 async fn an_h2c_upgrade_is_not_passed_to_the_backend() {
+    let _serial = SERIAL.lock().await;
     use bytes::Bytes;
     use http_body_util::{BodyExt, Full};
     let edge = TestEdge::start().await;
     let backend = switching_backend().await;
     let (host, key) = edge.http_tunnel_key("h2c").await;
     let _agent = TestAgent::start(&edge, &key, Target::http(backend.to_string())).await;
+    let (steady, _steady) = watch::bystander(&edge, "bystander").await;
+    let watch = Watch::start("h2c upgrades", &edge.client(), &steady, Proc::This).await;
     for (connection, upgrade) in
         [("Upgrade, HTTP2-Settings", "h2c"), ("upgrade", "websocket, h2c"), ("upgrade", "TLS/1.0")]
     {
@@ -504,6 +566,7 @@ async fn an_h2c_upgrade_is_not_passed_to_the_backend() {
         .unwrap();
     let resp = edge.client().send(&host, req, false).await.unwrap();
     assert_eq!(resp.status(), http::StatusCode::SWITCHING_PROTOCOLS);
+    watch.check(Bounds { latency: Duration::from_millis(1000), rss_mib: 32, fds: 16 }).await;
 }
 
 /// Sends `head` (and `body`) raw over TLS to the edge as `host`; the status
@@ -534,12 +597,15 @@ async fn raw_request(edge: &TestEdge, host: &str, raw: &str) -> String {
 /// forwarded to a tenant (nor the caller's Authorization with them).
 #[tokio::test]
 async fn bad_heads_are_refused_and_client_address_headers_replaced() {
+    let _serial = SERIAL.lock().await;
     use bytes::Bytes;
     use http_body_util::{BodyExt, Full};
     let edge = TestEdge::start().await;
     let backend = net::http_backend().await;
     let (host, key) = edge.http_tunnel_key("heads").await;
     let _agent = TestAgent::start(&edge, &key, Target::http(backend.to_string())).await;
+    let (steady, _steady) = watch::bystander(&edge, "bystander").await;
+    let watch = Watch::start("bad request heads", &edge.client(), &steady, Proc::This).await;
 
     let two_hosts = format!("GET /echo HTTP/1.1\r\nHost: {host}\r\nHost: other.edge.test\r\n\r\n");
     assert_eq!(raw_request(&edge, &host, &two_hosts).await, "HTTP/1.1 400 Bad Request");
@@ -586,6 +652,7 @@ async fn bad_heads_are_refused_and_client_address_headers_replaced() {
         assert_eq!(status, http::StatusCode::NOT_FOUND, "{path}: {body}");
         assert!(!body.contains("hello from backend") && !body.contains(&edge.admin_key), "{body}");
     }
+    watch.check(Bounds { latency: Duration::from_millis(1000), rss_mib: 32, fds: 16 }).await;
 }
 
 /// Item 3: an upgraded connection whose client half-closed while the
@@ -593,10 +660,14 @@ async fn bad_heads_are_refused_and_client_address_headers_replaced() {
 /// nothing reads it any more.
 #[tokio::test]
 async fn a_half_closed_upgrade_is_closed_after_the_bound() {
+    let _serial = SERIAL.lock().await;
     let edge = TestEdge::start_with(|a| a.half_close_timeout_seconds = 1).await;
     let backend = switching_backend().await;
     let (host, key) = edge.http_tunnel_key("halfws").await;
     let _agent = TestAgent::start(&edge, &key, Target::http(backend.to_string())).await;
+    let (steady, _steady) = watch::bystander(&edge, "bystander").await;
+    let watch =
+        Watch::start("a half-closed upgrade the backend ignores", &edge.client(), &steady, Proc::This).await;
     let mut tls = edge.client().connect(&host, false).await;
     let head = format!(
         "GET /ws HTTP/1.1\r\nHost: {host}\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\
@@ -620,6 +691,7 @@ async fn a_half_closed_upgrade_is_closed_after_the_bound() {
         (streams_open(&edge) == Some(0)).then_some(())
     })
     .await;
+    watch.check(Bounds { latency: Duration::from_millis(1000), rss_mib: 32, fds: 16 }).await;
 }
 
 /// Item 2: with a low open file limit, public clients that hold every
@@ -628,9 +700,12 @@ async fn a_half_closed_upgrade_is_closed_after_the_bound() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_public_side_leaves_the_control_api_and_agents_answering() {
     let dir = tempfile::tempdir().unwrap();
+    let _serial = SERIAL.lock().await;
     let edge = EdgeProc::start(dir.path(), Some(256), &[]).await;
     let https: std::net::SocketAddr = edge.https.parse().unwrap();
     let client = net::HttpsClient { addr: https, ca_file: edge.ca.clone() };
+    let (steady, _steady) = edge.bystander().await;
+    let watch = Watch::start("a full public side", &client, &steady, Proc::Pid(edge.pid())).await;
     // 400 public clients that each send a request and keep the connection.
     let mut held = Vec::new();
     for _ in 0..400 {
@@ -674,6 +749,8 @@ async fn a_full_public_side_leaves_the_control_api_and_agents_answering() {
     let mut b = [0u8; 12];
     tokio::time::timeout(Duration::from_secs(5), tls.read_exact(&mut b)).await.expect("an answer").unwrap();
     assert_eq!(&b, b"HTTP/1.1 401", "the tunnel endpoint answers");
+    // What was open keeps working: another tunnel's kept-alive connection.
+    watch.check(Bounds { latency: Duration::from_millis(1000), rss_mib: 64, fds: 200 }).await;
     drop(held);
 }
 
@@ -738,7 +815,7 @@ async fn reserving_beside_two_thousand_reservations_stays_fast() {
     use serde_json::json;
     let _serial = SERIAL.lock().await;
     let edge = TestEdge::start().await;
-    let (host, _agent) = watch::bystander(&edge, "steady").await;
+    let (host, _agent) = watch::bystander(&edge, "bystander").await;
     let mut keys = Vec::new();
     for name in ["a", "b"] {
         let body = json!({"name": name, "scope": "endpoints", "quota": {"reservations": 1100}});

@@ -380,6 +380,7 @@ pub fn api_json(data: &[u8]) {
     round_trip::<api::ReservePortRequest>(data);
     round_trip::<api::CreateTunnelKeyRequest>(data);
     round_trip::<api::CreateApiKeyRequest>(data);
+    round_trip::<api::UpdateApiKeyRequest>(data);
     round_trip::<api::Reservation>(data);
     round_trip::<api::TunnelKey>(data);
     round_trip::<api::ApiKey>(data);
