@@ -376,6 +376,7 @@ pub(crate) async fn execute(
                     port: *port,
                     labels: labels_of(labels),
                     idle_timeout_seconds: *idle_timeout_seconds,
+                    ..Default::default()
                 };
                 let a = answer!(client.post("ports", &request));
                 let created = a.created;
@@ -753,6 +754,7 @@ mod tests {
                 kind: ReservationKind::Tcp,
                 hostname: None,
                 port: Some(20017),
+                protocol: Default::default(),
             },
             labels: [("cluster".to_string(), "c1".to_string())].into(),
             owner: "ak_1".into(),
@@ -773,6 +775,7 @@ mod tests {
                 kind: ReservationKind::Subdomain,
                 hostname: Some("blog.example.com".into()),
                 port: None,
+                protocol: Default::default(),
                 labels: Labels::new(),
                 owner: "ak_1".into(),
                 created_at: "x".into(),

@@ -163,6 +163,9 @@ pub(super) async fn reserve_port(
             ),
         ));
     }
+    if request.protocol == crate::api::PortProtocol::Udp {
+        return Err(ApiError::invalid("udp_not_supported", "this edge version reserves TCP ports only"));
+    }
     if let Some(secs) = request.idle_timeout_seconds.filter(|s| !(1..=MAX_IDLE_TIMEOUT_SECONDS).contains(s)) {
         return Err(ApiError::invalid(
             "invalid_idle_timeout",
