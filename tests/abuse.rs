@@ -878,3 +878,38 @@ async fn reserving_beside_two_thousand_reservations_stays_fast() {
     assert!(p99 < Duration::from_millis(200), "reserve/release p99 at 2 000 reservations: {p99:?}");
     watch.check(Bounds { latency: Duration::from_millis(500), rss_mib: 64, fds: 32 }).await;
 }
+
+/// The README's head limits, as they are: 64 KiB of request head at the
+/// edge; through a tunnel 16 KiB of header fields counted as HTTP/2 does.
+/// Between the two the edge answers 431 itself, without a word to the agent;
+/// below them the request reaches the backend.
+#[tokio::test]
+async fn request_head_limits_are_what_the_readme_says() {
+    use bytes::Bytes;
+    use http_body_util::{BodyExt, Full};
+    let _serial = SERIAL.lock().await;
+    let edge = TestEdge::start().await;
+    let (host, _agent) = watch::bystander(&edge, "heads").await;
+    let send = |size: usize| {
+        let (client, host) = (edge.client(), host.clone());
+        async move {
+            let req = http::Request::get("/echo")
+                .header("x-big", "a".repeat(size))
+                .body(Full::new(Bytes::new()))
+                .unwrap();
+            match client.send(&host, req, false).await {
+                Ok(resp) => {
+                    let status = resp.status();
+                    let _ = resp.into_body().collect().await;
+                    status.as_u16()
+                }
+                Err(_) => 0, // closed: a refusal too
+            }
+        }
+    };
+    assert_eq!(send(12 * 1024).await, 200, "12 KiB through the tunnel");
+    assert_eq!(send(20 * 1024).await, 431, "20 KiB: over the tunnel's 16 KiB");
+    let over = send(70 * 1024).await;
+    assert!(over == 431 || over == 0, "70 KiB: over the edge's 64 KiB: {over}");
+    assert_eq!(send(1024).await, 200, "the tunnel still serves");
+}
