@@ -315,8 +315,13 @@ impl EdgeHooks for Hooks {
         self.0.upgrade().map_or(0, |e| e.registry.count_for_key(key_id))
     }
 
-    fn status(&self, limit: usize) -> Option<status::model::Status> {
-        self.0.upgrade().map(|e| status::snapshot(&e, limit))
+    fn status(&self, limit: usize) -> futures_util::future::BoxFuture<'_, Option<status::model::Status>> {
+        let edge = self.0.upgrade();
+        Box::pin(async move {
+            let edge = edge?;
+            // The snapshot reads the store (certificates, its health): on the blocking pool.
+            tokio::task::spawn_blocking(move || status::snapshot(&edge, limit)).await.ok()
+        })
     }
 
     fn port_usable(&self, port: u16) -> bool {

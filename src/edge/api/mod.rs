@@ -81,8 +81,12 @@ pub trait EdgeHooks: Send + Sync + 'static {
     /// Agents connected now with this tunnel key.
     fn connections_for_key(&self, key_id: &str) -> usize;
     /// The status document listing at most `limit` tunnels (`None`: the edge is gone).
-    fn status(&self, _limit: usize) -> Option<crate::edge::status::model::Status> {
-        None
+    /// Made off the request threads: the snapshot reads the store.
+    fn status(
+        &self,
+        _limit: usize,
+    ) -> futures_util::future::BoxFuture<'_, Option<crate::edge::status::model::Status>> {
+        Box::pin(std::future::ready(None))
     }
     /// Can the edge listen on this TCP port (no other program holds it)?
     fn port_usable(&self, _port: u16) -> bool {
@@ -206,7 +210,7 @@ where
         }
         (Route::Status, &Method::GET) => {
             query.only(&["limit"])?;
-            status::get(ctx, &caller, query.get("limit"))
+            status::get(ctx, &caller, query.get("limit")).await
         }
         (Route::Domains, &Method::GET) => {
             query.only(&["selector"])?;

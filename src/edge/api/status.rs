@@ -11,7 +11,7 @@ use crate::api::{ApiKey, ApiKeyScope};
 use crate::edge::status::{DEFAULT_LIMIT, parse_limit};
 
 /// The answer to `GET status?limit=N`.
-pub(super) fn get(
+pub(super) async fn get(
     ctx: &ApiContext,
     caller: &ApiKey,
     limit: Option<&str>,
@@ -34,6 +34,7 @@ pub(super) fn get(
     let status = ctx
         .hooks
         .status(limit)
+        .await
         .ok_or_else(|| ApiError::NotFound { message: "the edge is shutting down".into() })?;
     Ok(json_response(StatusCode::OK, &status))
 }
