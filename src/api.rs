@@ -614,8 +614,9 @@ pub struct ReservePortRequest {
     #[serde(default, skip_serializing_if = "Labels::is_empty")]
     pub labels: Labels,
     /// The port's own idle timeout in seconds (1 to [`MAX_IDLE_TIMEOUT_SECONDS`]),
-    /// instead of the edge's `--tcp-idle-timeout-seconds`; given for a port
-    /// the caller holds already, it replaces the one it had.
+    /// instead of the edge's `--tcp-idle-timeout-seconds` (0: the edge's
+    /// again); given for a port the caller holds already, it replaces the
+    /// one it had.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idle_timeout_seconds: Option<u64>,
 }

@@ -124,6 +124,12 @@ pub struct TcpPortSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(with = "Option<i32>", range(min = 1, max = 65535))]
     pub port: Option<u16>,
+    /// Close the port's public connections after this many seconds with no
+    /// byte either way (1 to 2592000); empty: the edge's
+    /// `--tcp-idle-timeout-seconds`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 2592000))]
+    pub idle_timeout_seconds: Option<u64>,
     /// `Delete` (default) or `Retain`, as for Domain.
     #[serde(default)]
     pub reclaim_policy: ReclaimPolicy,

@@ -279,7 +279,13 @@ pub mod fake {
                     .find(|p: &u16| !self.state().reservations.contains_key(&p.to_string()))
                     .expect("free")
             });
-            self.hold(port.to_string(), ReservationKind::Subdomain, Some(port), &request.labels)
+            let mut r =
+                self.hold(port.to_string(), ReservationKind::Subdomain, Some(port), &request.labels)?;
+            if let Some(s) = request.idle_timeout_seconds {
+                r.idle_timeout_seconds = (s > 0).then_some(s);
+                self.up()?.reservations.insert(port.to_string(), r.clone());
+            }
+            Ok(r)
         }
 
         async fn release(&self, _: Collection, key: &str) -> Result<bool, EdgeError> {

@@ -44,7 +44,13 @@ pub trait Reserved:
     /// The reservation's key at the edge if the spec (or the status) names it.
     fn edge_key(&self) -> Result<Option<String>, Error>;
     /// The reservation request, with the owner labels.
-    fn request(&self, labels: Labels) -> ReserveRequest;
+    /// What to reserve; `held`: what the edge holds now, if anything.
+    fn request(&self, labels: Labels, held: Option<&Reservation>) -> ReserveRequest;
+    /// Whether what the edge holds is as the spec says (else it is reserved
+    /// again, which changes it).
+    fn up_to_date(&self, _held: &Reservation) -> bool {
+        true
+    }
     fn conditions(&self) -> Vec<Condition>;
     fn reservation_id(&self) -> Option<String>;
     /// The status for a held reservation (`None`: not held).
@@ -91,7 +97,7 @@ impl Reserved for Domain {
         }
     }
 
-    fn request(&self, labels: Labels) -> ReserveRequest {
+    fn request(&self, labels: Labels, _held: Option<&Reservation>) -> ReserveRequest {
         let (name, fqdn) = match (&self.spec.name, &self.spec.fqdn) {
             (Some(name), _) => (Some(name.clone()), None),
             (_, fqdn) => (None, fqdn.clone()),
@@ -150,8 +156,26 @@ impl Reserved for TcpPort {
         }
     }
 
-    fn request(&self, labels: Labels) -> ReserveRequest {
-        ReserveRequest::Port(ReservePortRequest { port: self.spec.port, labels, ..Default::default() })
+    fn request(&self, labels: Labels, held: Option<&Reservation>) -> ReserveRequest {
+        ReserveRequest::Port(ReservePortRequest {
+            port: self.spec.port,
+            labels,
+            // 0: back to the edge's own (the field was removed from the spec);
+            // not sent at all otherwise (older edges refuse unknown fields).
+            idle_timeout_seconds: match (
+                self.spec.idle_timeout_seconds,
+                held.and_then(|r| r.idle_timeout_seconds),
+            ) {
+                (Some(s), _) => Some(s),
+                (None, Some(_)) => Some(0),
+                (None, None) => None,
+            },
+            ..Default::default()
+        })
+    }
+
+    fn up_to_date(&self, held: &Reservation) -> bool {
+        held.idle_timeout_seconds == self.spec.idle_timeout_seconds
     }
 
     fn conditions(&self) -> Vec<Condition> {
@@ -351,11 +375,19 @@ pub enum Plan {
 pub fn plan<K: Reserved>(obj: &K, cluster_id: &str, observed: &Observed) -> Result<Plan, Error> {
     obj.edge_key()?;
     Ok(match ours(obj, cluster_id, observed)? {
+        Some(r) if !obj.up_to_date(r) => {
+            let how = if obj.reservation_id().as_deref() == Some(&r.id) {
+                Outcome::Reserved
+            } else {
+                Outcome::Adopted
+            };
+            Plan::Reserve(obj.request(labels_of(cluster_id, K::KIND, obj), Some(r)), how)
+        }
         Some(r) if obj.reservation_id().as_deref() == Some(&r.id) => Plan::Keep(r.clone(), Outcome::Reserved),
         Some(r) => Plan::Keep(r.clone(), Outcome::Adopted),
         None => {
             let how = if obj.reservation_id().is_some() { Outcome::Recreated } else { Outcome::Reserved };
-            Plan::Reserve(obj.request(labels_of(cluster_id, K::KIND, obj)), how)
+            Plan::Reserve(obj.request(labels_of(cluster_id, K::KIND, obj), None), how)
         }
     })
 }
@@ -756,6 +788,49 @@ mod tests {
             words(plan(&port(json!({"port": 0})), CLUSTER, &Observed::default())),
             "InvalidSpec: spec.port must be 1-65535"
         );
+    }
+
+    /// A TcpPort's `idleTimeoutSeconds` (issue 18 item 2): sent when set,
+    /// the held port reserved again when it differs, `0` when the field was
+    /// removed (the edge's own again); nothing sent when neither has one.
+    #[test]
+    fn a_port_follows_its_idle_timeout() {
+        let port = |spec: serde_json::Value| -> TcpPort {
+            serde_json::from_value(json!({
+                "apiVersion": "culvert.dev/v1alpha1", "kind": "TcpPort",
+                "metadata": {"name": "db", "namespace": "web"}, "spec": spec,
+                "status": {"reservationId": "rs_1"},
+            }))
+            .unwrap()
+        };
+        let held = |idle: Option<u64>| {
+            let mut r: Reservation = serde_json::from_value(json!({
+                "id": "rs_1", "kind": "tcp", "port": 20005, "createdAt": "2026-12-01T00:00:00Z",
+                "labels": {LABEL_CLUSTER: CLUSTER, LABEL_NAMESPACE: "web", LABEL_KIND: "TcpPort", LABEL_NAME: "db"},
+            }))
+            .unwrap();
+            r.idle_timeout_seconds = idle;
+            Observed { found: Some(r), other_holder_exists: false }
+        };
+        let sent = |spec: serde_json::Value, idle: Option<u64>| match plan(&port(spec), CLUSTER, &held(idle))
+        {
+            Ok(Plan::Reserve(ReserveRequest::Port(req), Outcome::Reserved)) => Some(req.idle_timeout_seconds),
+            Ok(Plan::Keep(..)) => None,
+            other => panic!("{other:?}"),
+        };
+        let spec = json!({"port": 20005, "idleTimeoutSeconds": 90});
+        assert_eq!(sent(spec.clone(), None), Some(Some(90)));
+        assert_eq!(sent(spec.clone(), Some(30)), Some(Some(90)));
+        assert_eq!(sent(spec, Some(90)), None, "as the spec says: kept");
+        assert_eq!(sent(json!({"port": 20005}), Some(90)), Some(Some(0)), "removed: the edge's own");
+        assert_eq!(sent(json!({"port": 20005}), None), None);
+        // A new port: sent only when set.
+        let Ok(Plan::Reserve(ReserveRequest::Port(req), _)) =
+            plan(&port(json!({"idleTimeoutSeconds": 5})), CLUSTER, &Observed::default())
+        else {
+            panic!("a reservation")
+        };
+        assert_eq!(req.idle_timeout_seconds, Some(5));
     }
 
     #[test]

@@ -295,7 +295,8 @@ pub fn plan(svc: &Service, o: &Observed, manage_classless: bool, range: Option<(
         .zip(wanted)
         .map(|(p, want)| {
             let waits = want.is_none() && !o.ports.contains_key(&p.name) && !specific_settled;
-            let tcp_port = TcpPortSpec { port: want, reclaim_policy: translated.reclaim };
+            let tcp_port =
+                TcpPortSpec { port: want, reclaim_policy: translated.reclaim, idle_timeout_seconds: None };
             let tunnel = TunnelSpec {
                 service: Some(ServiceRef { name: svc.name_any(), port: IntOrString::Int(p.port.into()) }),
                 routes: Vec::new(),

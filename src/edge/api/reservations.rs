@@ -166,11 +166,11 @@ pub(super) async fn reserve_port(
     if request.protocol == crate::api::PortProtocol::Udp {
         return Err(ApiError::invalid("udp_not_supported", "this edge version reserves TCP ports only"));
     }
-    if let Some(secs) = request.idle_timeout_seconds.filter(|s| !(1..=MAX_IDLE_TIMEOUT_SECONDS).contains(s)) {
+    if let Some(secs) = request.idle_timeout_seconds.filter(|s| *s > MAX_IDLE_TIMEOUT_SECONDS) {
         return Err(ApiError::invalid(
             "invalid_idle_timeout",
             format!(
-                "idleTimeoutSeconds {secs} is not between 1 and {MAX_IDLE_TIMEOUT_SECONDS} (30 days); omit it for the edge's --tcp-idle-timeout-seconds"
+                "idleTimeoutSeconds {secs} is more than {MAX_IDLE_TIMEOUT_SECONDS} (30 days); give 1 to {MAX_IDLE_TIMEOUT_SECONDS}, or 0 (or nothing, for a new port) for the edge's --tcp-idle-timeout-seconds"
             ),
         ));
     }
@@ -186,11 +186,12 @@ pub(super) async fn reserve_port(
         if created {
             ctx.hooks.changed(Change::Reserved(reservation.clone())).await;
         }
-        if let Some(secs) = request.idle_timeout_seconds
-            && reservation.idle_timeout_seconds != Some(secs)
+        // 0: the edge's own again.
+        if let Some(wanted) = request.idle_timeout_seconds.map(|s| (s > 0).then_some(s))
+            && reservation.idle_timeout_seconds != wanted
         {
-            reservation = ctx.store.set_idle_timeout(&reservation.id, Some(secs)).await?;
-            tracing::info!(port = ?reservation.port, idle_timeout_seconds = secs, by = %caller.id, "port idle timeout set");
+            reservation = ctx.store.set_idle_timeout(&reservation.id, wanted).await?;
+            tracing::info!(port = ?reservation.port, idle_timeout_seconds = ?wanted, by = %caller.id, "port idle timeout set");
             ctx.hooks.changed(Change::Reserved(reservation.clone())).await;
         }
         (reservation, created)
@@ -503,14 +504,12 @@ mod tests {
         let (_, v) = e.call("POST", "ports", Some(&ep), Some(json!({"port": port}))).await;
         assert_eq!(v["idleTimeoutSeconds"], 30, "not given: kept");
         assert!(e.hooks.changes.load(Ordering::SeqCst) >= changes + 2, "the edge is told of each change");
-        for bad in [json!(0), json!(2_592_001)] {
-            let (status, v) =
-                e.call("POST", "ports", Some(&ep), Some(json!({"idleTimeoutSeconds": bad}))).await;
-            assert_eq!(
-                (status, code(&v)),
-                (StatusCode::UNPROCESSABLE_ENTITY, "invalid_idle_timeout"),
-                "{bad}"
-            );
-        }
+        // 0: the edge's own again.
+        let (_, v) =
+            e.call("POST", "ports", Some(&ep), Some(json!({"port": port, "idleTimeoutSeconds": 0}))).await;
+        assert!(v.get("idleTimeoutSeconds").is_none(), "{v}");
+        let (status, v) =
+            e.call("POST", "ports", Some(&ep), Some(json!({"idleTimeoutSeconds": 2_592_001}))).await;
+        assert_eq!((status, code(&v)), (StatusCode::UNPROCESSABLE_ENTITY, "invalid_idle_timeout"), "{v}");
     }
 }
