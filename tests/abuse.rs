@@ -913,3 +913,17 @@ async fn request_head_limits_are_what_the_readme_says() {
     assert!(over == 431 || over == 0, "70 KiB: over the edge's 64 KiB: {over}");
     assert_eq!(send(1024).await, 200, "the tunnel still serves");
 }
+
+/// Item 8: the names kept for the admin are the edge's `--reserved-names`.
+#[tokio::test]
+async fn reserved_names_come_from_the_flag() {
+    use serde_json::json;
+    let edge = TestEdge::start_with(|a| a.reserved_names = vec![" Shop ".into(), "".into()]).await;
+    let (s, k) = edge.api("POST", "api-keys", Some(json!({"name": "tenant", "scope": "endpoints"}))).await;
+    assert!(s.is_success(), "{k}");
+    let tenant = k["secret"].as_str().unwrap().to_string();
+    let (s, v) = edge.api_as(&tenant, "POST", "domains", Some(json!({"name": "shop"}))).await;
+    assert_eq!((s.as_u16(), v["error"]["code"].as_str()), (422, Some("reserved_name")), "{v}");
+    let (s, v) = edge.api_as(&tenant, "POST", "domains", Some(json!({"name": "www"}))).await;
+    assert_eq!(s.as_u16(), 201, "www is not kept on this edge: {v}");
+}
