@@ -614,6 +614,9 @@ async fn bad_heads_are_refused_and_client_address_headers_replaced() {
          Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nContent-Length: 5\r\n\r\nhello"
     );
     assert_eq!(raw_request(&edge, &host, &upgrade_with_body).await, "HTTP/1.1 400 Bad Request");
+    // Asterisk form (found by fuzzing: it became another authority): not forwarded.
+    let asterisk = format!("OPTIONS * HTTP/1.1\r\nHost: {host}\r\n\r\n");
+    assert_eq!(raw_request(&edge, &host, &asterisk).await, "HTTP/1.1 400 Bad Request");
 
     let spoofed = [
         ("true-client-ip", "6.6.6.1"),

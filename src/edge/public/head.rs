@@ -6,7 +6,6 @@
 use std::net::SocketAddr;
 
 use http::header::{self, HeaderMap, HeaderValue};
-use http::uri::InvalidUri;
 use http::{Request, Uri};
 
 use crate::constants::{STREAM_HEADER, UPGRADE_HEADER};
@@ -66,9 +65,14 @@ pub(crate) fn rewrite_request(
     scheme: &'static str,
     port: u16,
     upgrade: Option<&HeaderValue>,
-) -> Result<(), InvalidUri> {
+) -> Result<(), BadTarget> {
     let pq = parts.uri.path_and_query().map(|p| p.as_str().to_string()).unwrap_or_else(|| "/".into());
-    let uri = Uri::try_from(format!("https://{host}{pq}"))?;
+    // Origin form only: `OPTIONS *` (or `PRI *`) is about the edge, not a
+    // tenant's backend, and `https://host*` would name another authority.
+    if !pq.starts_with('/') {
+        return Err(BadTarget);
+    }
+    let uri = Uri::try_from(format!("https://{host}{pq}")).map_err(|_| BadTarget)?;
     strip_hop_by_hop(&mut parts.headers);
     strip_culvert_headers(&mut parts.headers);
     let h = &mut parts.headers;
@@ -93,9 +97,37 @@ pub(crate) fn rewrite_request(
     Ok(())
 }
 
+/// A request target the edge does not forward (answered `400`).
+#[derive(Debug)]
+pub(crate) struct BadTarget;
+
 /// Cleans the agent's response head for the client: hop-by-hop and culvert
 /// headers are dropped.
 pub(super) fn clean_response(headers: &mut HeaderMap) {
     strip_hop_by_hop(headers);
     strip_culvert_headers(headers);
+}
+
+#[cfg(test)]
+mod tests {
+    /// Found by the `http_head` fuzz target: `PRI * HTTP/1.0` (asterisk
+    /// form) was rewritten to `https://app.example.com*`, another authority.
+    #[test]
+    fn only_origin_form_targets_are_forwarded() {
+        let peer = "203.0.113.9:40000".parse().unwrap();
+        for (method, target, ok) in [
+            ("OPTIONS", "*", false),
+            ("PRI", "*", false),
+            ("GET", "/a?b=c", true),
+            ("GET", "http://x.test/p", true),
+        ] {
+            let req = http::Request::builder().method(method).uri(target).body(()).unwrap();
+            let (mut parts, _) = req.into_parts();
+            let got = super::rewrite_request(&mut parts, "app.example.com", peer, "https", 443, None);
+            assert_eq!(got.is_ok(), ok, "{method} {target}");
+            if ok {
+                assert_eq!(parts.uri.authority().unwrap().as_str(), "app.example.com", "{target}");
+            }
+        }
+    }
 }
