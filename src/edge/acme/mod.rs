@@ -372,14 +372,16 @@ impl Acme {
     }
 
     /// The HTTP-01 key authorization for a request path on the HTTP port:
-    /// of an order of this edge, or else of another edge's (from the store).
-    pub async fn http01_response(&self, path: &str) -> Option<String> {
+    /// of an order of this edge, or else (`ask_store`: the request is for a
+    /// reserved custom domain) of another edge's, from the store.
+    pub async fn http01_response(&self, path: &str, ask_store: bool) -> Option<String> {
         let token = path.strip_prefix(HTTP01_PREFIX)?;
         if let Some(answer) = self.http01.read().expect("poisoned").get(token).cloned() {
             return Some(answer);
         }
         // Tokens are base64url (RFC 8555 8.1); anything else is never asked of the store.
-        let plausible = (16..=128).contains(&token.len())
+        let plausible = ask_store
+            && (16..=128).contains(&token.len())
             && token.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
         if !plausible {
             return None;

@@ -104,10 +104,13 @@ async fn serve_tls(
         let io = sni::Prefixed::new(hello, tcp);
         return super::tcp::forward(&edge, io, &reservation, Protocol::Tls, &name, peer, local).await;
     }
-    // TLS-ALPN-01 validation of an order placed by another edge: its answer from the store.
+    // TLS-ALPN-01 validation of an order placed by another edge (for a
+    // reserved custom domain): its answer from the store.
     let acceptor = match (&edge.acme, sni.as_deref()) {
         (Some(acme), Some(host))
-            if hello.len() > 5 && sni::offers_alpn(&hello[5..], crate::tls::ALPN_ACME_TLS) =>
+            if hello.len() > 5
+                && sni::offers_alpn(&hello[5..], crate::tls::ALPN_ACME_TLS)
+                && edge.routes().host(host).is_some_and(|r| r.kind == ReservationKind::Custom) =>
         {
             match acme.tls_alpn01_config(host).await {
                 Some(config) => TlsAcceptor::from(config),
@@ -285,8 +288,11 @@ where
 /// `--plain-http`, published HTTP hosts are proxied here too.
 pub async fn serve_redirect(edge: Arc<Edge>, listener: TcpListener) {
     serve_plain(edge, listener, true, |edge, req, peer| async move {
+        // Another edge's order is looked up in the store only for a reserved custom domain.
+        let custom = |host: &str| edge.routes().host(host).is_some_and(|r| r.kind == ReservationKind::Custom);
         if let Some(acme) = &edge.acme
-            && let Some(key_authorization) = acme.http01_response(req.uri().path()).await
+            && let Some(key_authorization) =
+                acme.http01_response(req.uri().path(), request_host(&req).is_some_and(|h| custom(&h))).await
         {
             return Ok(text(StatusCode::OK, &key_authorization));
         }
