@@ -481,6 +481,7 @@ fn plan_host(
                 protocol: TunnelProtocol::Tls,
                 domain: Some(domain_name),
                 tcp_port: None,
+                udp_port: None,
                 proxy_protocol: None,
                 options: HttpOptions::default(),
             })
@@ -494,13 +495,19 @@ fn plan_host(
                 .map(|r| TunnelRoute {
                     path: r.path.clone(),
                     path_type: r.path_type,
-                    service: r.backend.service.clone(),
+                    service: Some(r.backend.service.clone()),
+                    backends: Vec::new(),
+                    method: None,
+                    headers: Vec::new(),
+                    query_params: Vec::new(),
+                    filters: Vec::new(),
                     options: r.backend.options.clone(),
                 })
                 .collect(),
             protocol: TunnelProtocol::Http,
             domain: Some(domain_name),
             tcp_port: None,
+            udp_port: None,
             proxy_protocol: None,
             options: merged.default.as_ref().map(|b| b.options.clone()).unwrap_or_default(),
         }))
