@@ -167,6 +167,7 @@ impl Edge {
         let since = self.routes.read().expect("poisoned").seq;
         let read = self.store.run(|s| Ok((s.reservations()?, s.live_tunnel_key_ids()))).await;
         self.apply(ticket, since, read);
+        status::recheck_sessions(self).await;
     }
 
     #[allow(clippy::type_complexity)]
@@ -510,6 +511,7 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
             .collect(),
     });
     edge.reload().await;
+    status::refresh_store(&edge).await;
 
     let mut tasks = tokio::task::JoinSet::new();
     if edge.store.kind() != "sqlite" {
