@@ -288,7 +288,14 @@ fn check_public_head<B>(req: Request<B>) {
     let kind: &[u8] = if upgrade.is_some() { b"upgrade" } else { b"http" };
     assert_eq!(all(STREAM_HEADER), [kind.to_vec()]);
     assert_eq!(all(UPGRADE_HEADER), upgrade.iter().map(|u| u.as_bytes().to_vec()).collect::<Vec<_>>());
-    let ours = ["x-forwarded-for", "x-forwarded-proto", "x-forwarded-host", STREAM_HEADER, UPGRADE_HEADER];
+    let ours = [
+        "x-forwarded-for",
+        "x-forwarded-proto",
+        "x-forwarded-host",
+        "x-forwarded-port",
+        STREAM_HEADER,
+        UPGRADE_HEADER,
+    ];
     for name in h.keys().map(|k| k.as_str()) {
         assert!(!NEVER_FROM_CLIENT.contains(&name), "{name} reaches the agent");
         assert!(ours.contains(&name) || !name.starts_with("culvert-"), "{name} reaches the agent");
