@@ -14,8 +14,8 @@ use serde_json::Value;
 
 use crate::api::{
     ApiKey, ApiKeyScope, CreateApiKeyRequest, CreateTunnelKeyRequest, CreatedApiKey, CreatedTunnelKey, Info,
-    Labels, List, Protocol, ReleaseResponse, Reservation, ReserveDomainRequest, ReservePortRequest,
-    TunnelKey, parse_label,
+    Labels, List, PortProtocol, Protocol, ReleaseResponse, Reservation, ReserveDomainRequest,
+    ReservePortRequest, TunnelKey, parse_label,
 };
 use crate::api_client::{Client, ClientError, segment};
 
@@ -118,29 +118,42 @@ pub enum DomainCommand {
 /// `culvert admin port ...`.
 #[derive(Debug, Clone, Subcommand)]
 pub enum PortCommand {
-    /// Reserve a TCP port (the lowest free one unless given); prints the port.
+    /// Reserve a TCP or UDP port (the lowest free one unless given); prints the port.
     Reserve {
         /// A port within the edge's range.
         port: Option<u16>,
+        /// `tcp` or `udp`: TCP and UDP ports are separate (UDP 5353 and TCP
+        /// 5353 are two reservations).
+        #[arg(long, value_enum, default_value_t = PortProtocol::Tcp)]
+        protocol: PortProtocol,
         /// A label to store with the reservation (repeatable).
         #[arg(long = "label", value_name = "KEY=VALUE", value_parser = parse_label)]
         labels: Vec<(String, String)>,
     },
-    /// List reserved ports.
+    /// List reserved ports (TCP and UDP).
     List {
         /// Only those whose labels match, e.g. `k=v,k2!=v2`.
         #[arg(long, short = 'l')]
         selector: Option<String>,
+        /// Only `tcp` or `udp` ports.
+        #[arg(long, value_enum)]
+        protocol: Option<PortProtocol>,
     },
     /// Show one port.
     Show {
         /// The port.
         port: u16,
+        /// `tcp` or `udp`.
+        #[arg(long, value_enum, default_value_t = PortProtocol::Tcp)]
+        protocol: PortProtocol,
     },
     /// Release a port; its tunnel keys are revoked.
     Release {
         /// The port.
         port: u16,
+        /// `tcp` or `udp`.
+        #[arg(long, value_enum, default_value_t = PortProtocol::Tcp)]
+        protocol: PortProtocol,
     },
 }
 
@@ -152,10 +165,11 @@ pub enum TunnelKeyCommand {
         /// Host name or subdomain label of a reserved domain (http, tls).
         #[arg(long, required_unless_present = "port", conflicts_with = "port")]
         domain: Option<String>,
-        /// A reserved TCP port (tcp).
+        /// A reserved port (tcp; udp with `--protocol udp`).
         #[arg(long)]
         port: Option<u16>,
-        /// What the key publishes [default: http for --domain, tcp for --port].
+        /// What the key publishes [default: http for --domain, tcp for
+        /// --port]; `udp` binds the key to the UDP reservation of --port.
         #[arg(long, value_enum)]
         protocol: Option<Protocol>,
         /// A label to store with the key (repeatable).
@@ -331,9 +345,9 @@ pub(crate) async fn execute(
             }
         },
         AdminCommand::Port(cmd) => match cmd {
-            PortCommand::Reserve { port, labels } => {
+            PortCommand::Reserve { port, protocol, labels } => {
                 let request =
-                    ReservePortRequest { port: *port, labels: labels_of(labels), ..Default::default() };
+                    ReservePortRequest { port: *port, protocol: *protocol, labels: labels_of(labels) };
                 let a = answer!(client.post("ports", &request));
                 let created = a.created;
                 let r: Reservation = a.decode()?;
@@ -342,17 +356,25 @@ pub(crate) async fn execute(
                 }
                 writeln!(out, "{}", r.port.map(|p| p.to_string()).unwrap_or_default())?;
             }
-            PortCommand::List { selector: s } => {
-                let a = answer!(get("ports".into(), selector(s)));
+            PortCommand::List { selector: s, protocol } => {
+                let mut query = selector(s);
+                if let Some(p) = protocol {
+                    query.push(("protocol", p.as_str().to_string()));
+                }
+                let a = answer!(get("ports".into(), query));
                 let list: List<Reservation> = a.decode()?;
                 write!(out, "{}", ports_table(&list.items))?;
             }
-            PortCommand::Show { port } => {
-                let a = answer!(get(format!("ports/{port}"), vec![]));
+            PortCommand::Show { port, protocol } => {
+                let a = answer!(get(format!("ports/{port}"), protocol_query(*protocol)));
                 write!(out, "{}", ports_table(&[a.decode()?]))?;
             }
-            PortCommand::Release { port } => {
-                let a = answer!(client.delete(&format!("ports/{port}")));
+            PortCommand::Release { port, protocol } => {
+                let path = match protocol {
+                    PortProtocol::Tcp => format!("ports/{port}"),
+                    PortProtocol::Udp => format!("ports/{port}?protocol=udp"),
+                };
+                let a = answer!(client.delete(&path));
                 write!(out, "{}", released(&a.decode()?))?;
             }
         },
@@ -592,12 +614,21 @@ fn domains_table(items: &[Reservation]) -> String {
     render_table(&headers, &rows)
 }
 
+/// `?protocol=udp` for a UDP port, nothing for TCP (what older edges know).
+fn protocol_query(protocol: PortProtocol) -> Vec<(&'static str, String)> {
+    match protocol {
+        PortProtocol::Tcp => vec![],
+        PortProtocol::Udp => vec![("protocol", "udp".to_string())],
+    }
+}
+
 fn ports_table(items: &[Reservation]) -> String {
     let rows: Vec<Vec<String>> = items
         .iter()
         .map(|r| {
             vec![
                 r.port.map(|p| p.to_string()).unwrap_or_default(),
+                r.protocol.to_string(),
                 r.url.clone().unwrap_or_default(),
                 r.owner.clone(),
                 labels_cell(&r.labels),
@@ -605,7 +636,7 @@ fn ports_table(items: &[Reservation]) -> String {
             ]
         })
         .collect();
-    render_table(&["PORT", "ADDRESS", "OWNER", "LABELS", "CREATED"], &rows)
+    render_table(&["PORT", "PROTOCOL", "ADDRESS", "OWNER", "LABELS", "CREATED"], &rows)
 }
 
 fn tunnel_keys_table(items: &[TunnelKey], with_revoked: bool) -> String {

@@ -3,12 +3,13 @@
 
 use std::collections::HashMap;
 
-use crate::api::{Reservation, ReservationKind};
+use crate::api::{PortProtocol, Reservation, ReservationKind};
 
 #[derive(Debug, Default)]
 pub struct RouteIndex {
     by_host: HashMap<String, Reservation>,
     by_port: HashMap<u16, Reservation>,
+    by_udp_port: HashMap<u16, Reservation>,
 }
 
 impl RouteIndex {
@@ -16,6 +17,9 @@ impl RouteIndex {
         let mut index = RouteIndex::default();
         for r in reservations {
             match (r.kind, &r.hostname, r.port) {
+                (ReservationKind::Tcp, _, Some(port)) if r.protocol == PortProtocol::Udp => {
+                    index.by_udp_port.insert(port, r);
+                }
                 (ReservationKind::Tcp, _, Some(port)) => {
                     index.by_port.insert(port, r);
                 }
@@ -42,20 +46,38 @@ impl RouteIndex {
         self.by_port.keys().copied()
     }
 
+    /// The reservation of a UDP port.
+    pub fn udp_port(&self, port: u16) -> Option<&Reservation> {
+        self.by_udp_port.get(&port)
+    }
+
+    pub fn udp_ports(&self) -> impl Iterator<Item = u16> + '_ {
+        self.by_udp_port.keys().copied()
+    }
+
     /// Every reservation.
     pub fn all(&self) -> impl Iterator<Item = &Reservation> + '_ {
-        self.by_host.values().chain(self.by_port.values())
+        self.by_host.values().chain(self.by_port.values()).chain(self.by_udp_port.values())
     }
 
     /// The names the byte counters of each reservation are kept under
-    /// (host names; `:PORT` for TCP ports).
+    /// (host names; `:PORT` for TCP ports, `udp:PORT` for UDP ports).
     pub fn metric_names(&self) -> impl Iterator<Item = String> + '_ {
-        self.by_host.keys().cloned().chain(self.by_port.keys().map(|p| format!(":{p}")))
+        self.by_host
+            .keys()
+            .cloned()
+            .chain(self.by_port.keys().map(|p| format!(":{p}")))
+            .chain(self.by_udp_port.keys().map(|p| udp_metric_name(*p)))
     }
 
     pub fn contains_id(&self, id: &str) -> bool {
-        self.by_host.values().chain(self.by_port.values()).any(|r| r.id == id)
+        self.all().any(|r| r.id == id)
     }
+}
+
+/// The name a UDP port's counters are kept under.
+pub fn udp_metric_name(port: u16) -> String {
+    format!("udp:{port}")
 }
 
 /// Lower case, no port, no trailing dot.

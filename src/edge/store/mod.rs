@@ -144,6 +144,49 @@ pub const MIGRATIONS: &[&str] = &[
     r#"
     ALTER TABLE api_keys ADD COLUMN custom_domains TEXT NOT NULL DEFAULT '[]';
     "#,
+    // UDP ports: a port reservation's transport (TCP and UDP ports are
+    // separate spaces, so the port is unique per protocol) and tunnel keys
+    // of protocol udp. SQLite changes a constraint by rebuilding the table;
+    // rowids are kept (tunnel keys are listed in rowid order).
+    r#"
+    CREATE TABLE reservations_new (
+        id         TEXT PRIMARY KEY,
+        kind       TEXT NOT NULL CHECK (kind IN ('subdomain', 'custom', 'tcp')),
+        hostname   TEXT UNIQUE,
+        port       INTEGER CHECK (port BETWEEN 1 AND 65535),
+        owner      TEXT NOT NULL REFERENCES api_keys (id),
+        labels     TEXT NOT NULL DEFAULT '{}',
+        created_at TEXT NOT NULL,
+        protocol   TEXT NOT NULL DEFAULT 'tcp' CHECK (protocol IN ('tcp', 'udp')),
+        UNIQUE (port, protocol),
+        CHECK ((kind = 'tcp' AND port IS NOT NULL AND hostname IS NULL)
+            OR (kind <> 'tcp' AND hostname IS NOT NULL AND port IS NULL AND protocol = 'tcp'))
+    ) STRICT;
+    INSERT INTO reservations_new (rowid, id, kind, hostname, port, owner, labels, created_at)
+        SELECT rowid, id, kind, hostname, port, owner, labels, created_at FROM reservations;
+    DROP TABLE reservations;
+    ALTER TABLE reservations_new RENAME TO reservations;
+
+    CREATE TABLE tunnel_keys_new (
+        id             TEXT PRIMARY KEY,
+        secret_hash    TEXT NOT NULL UNIQUE,
+        protocol       TEXT NOT NULL CHECK (protocol IN ('http', 'tcp', 'tls', 'udp')),
+        reservation_id TEXT NOT NULL,
+        kind           TEXT NOT NULL,
+        hostname       TEXT,
+        port           INTEGER,
+        owner          TEXT NOT NULL REFERENCES api_keys (id),
+        created_by     TEXT NOT NULL REFERENCES api_keys (id),
+        labels         TEXT NOT NULL DEFAULT '{}',
+        created_at     TEXT NOT NULL,
+        revoked_at     TEXT
+    ) STRICT;
+    INSERT INTO tunnel_keys_new (rowid, id, secret_hash, protocol, reservation_id, kind, hostname, port, owner, created_by, labels, created_at, revoked_at)
+        SELECT rowid, id, secret_hash, protocol, reservation_id, kind, hostname, port, owner, created_by, labels, created_at, revoked_at FROM tunnel_keys;
+    DROP TABLE tunnel_keys;
+    ALTER TABLE tunnel_keys_new RENAME TO tunnel_keys;
+    CREATE INDEX tunnel_keys_by_reservation ON tunnel_keys (reservation_id);
+    "#,
 ];
 
 /// Errors of the store. Conflicts and lookups that find nothing are errors
@@ -413,13 +456,14 @@ impl Store {
     pub async fn reserve_usable_port(
         &self,
         port: Option<u16>,
+        protocol: crate::api::PortProtocol,
         range: PortRange,
         owner: &str,
         labels: &Labels,
         usable: impl Fn(u16) -> bool + Send + 'static,
     ) -> Result<(Reservation, bool), StoreError> {
         let (owner, labels) = (owner.to_string(), labels.clone());
-        self.run(move |e| e.reserve_usable_port(port, range, &owner, &labels, &usable)).await
+        self.run(move |e| e.reserve_usable_port(port, protocol, range, &owner, &labels, &usable)).await
     }
 }
 
@@ -533,6 +577,14 @@ impl Store {
 
     pub async fn reservation_by_port(&self, port: u16) -> Result<Option<Reservation>, StoreError> {
         self.run(move |e| e.reservation_by_port(port)).await
+    }
+
+    pub async fn reservation_by_port_of(
+        &self,
+        port: u16,
+        protocol: crate::api::PortProtocol,
+    ) -> Result<Option<Reservation>, StoreError> {
+        self.run(move |e| e.reservation_by_port_of(port, protocol)).await
     }
 
     pub async fn reservation(&self, id: &str) -> Result<Option<Reservation>, StoreError> {

@@ -48,7 +48,8 @@ use super::{
     labels_to_json, new_secret, now_rfc3339, unix_now,
 };
 use crate::api::{
-    ApiKey, ApiKeyScope, Labels, PortRange, Protocol, Reservation, ReservationKind, ReservationRef, TunnelKey,
+    ApiKey, ApiKeyScope, Labels, PortProtocol, PortRange, Protocol, Reservation, ReservationKind,
+    ReservationRef, TunnelKey,
 };
 use crate::edge::store::keys::TunnelGrant;
 
@@ -69,7 +70,8 @@ const MIGRATION_LOCK: i64 = 0x6375_6c76_6572_7401;
 
 /// Schema migrations; migration `i` brings the version from `i` to `i + 1`.
 /// Append only: never edit one that has shipped. Version 1 is SQLite's 4.
-pub const MIGRATIONS: &[&str] = &[r#"
+pub const MIGRATIONS: &[&str] = &[
+    r#"
     CREATE TABLE api_keys (
         seq         BIGSERIAL NOT NULL,
         id          TEXT PRIMARY KEY,
@@ -138,7 +140,20 @@ pub const MIGRATIONS: &[&str] = &[r#"
         holder     TEXT NOT NULL,
         expires_at BIGINT NOT NULL
     );
-    "#];
+    "#,
+    // UDP ports: a port reservation's transport (TCP and UDP ports are
+    // separate spaces, so the port is unique per protocol) and tunnel keys
+    // of protocol udp.
+    r#"
+    ALTER TABLE reservations ADD COLUMN protocol TEXT NOT NULL DEFAULT 'tcp'
+        CHECK (protocol IN ('tcp', 'udp'));
+    ALTER TABLE reservations DROP CONSTRAINT reservations_port_key;
+    ALTER TABLE reservations ADD CONSTRAINT reservations_port_protocol_key UNIQUE (port, protocol);
+    ALTER TABLE tunnel_keys DROP CONSTRAINT tunnel_keys_protocol_check;
+    ALTER TABLE tunnel_keys ADD CONSTRAINT tunnel_keys_protocol_check
+        CHECK (protocol IN ('http', 'tcp', 'tls', 'udp'));
+    "#,
+];
 
 /// `url` with its password replaced by `***`, for messages and logs.
 pub fn redact(url: &str) -> String {
@@ -419,7 +434,7 @@ fn migrate(client: &mut Client) -> Result<(), StoreError> {
 const API_KEY_COLUMNS: &str = "id, name, scope, created_at, revoked_at, custom_domains";
 const TUNNEL_KEY_COLUMNS: &str =
     "id, protocol, reservation_id, kind, hostname, port, owner, labels, created_at, revoked_at";
-const RESERVATION_COLUMNS: &str = "id, kind, hostname, port, owner, labels, created_at";
+const RESERVATION_COLUMNS: &str = "id, kind, hostname, port, owner, labels, created_at, protocol";
 const CERTIFICATE_COLUMNS: &str = "hostname, status, chain_pem, key_pem, not_before, not_after, last_error, failures, next_attempt, updated_at";
 
 fn corrupt(message: String) -> StoreError {
@@ -479,6 +494,11 @@ fn tunnel_key_from_row(row: &Row) -> Result<TunnelKey, StoreError> {
     })
 }
 
+/// The condition of a port of `protocol` (a fixed word, not input).
+fn port_is(protocol: PortProtocol) -> String {
+    format!("port = $1 AND protocol = '{}'", protocol.as_str())
+}
+
 fn reservation_from_row(row: &Row) -> Result<Reservation, StoreError> {
     let kind: String = get(row, 1)?;
     Ok(Reservation {
@@ -489,7 +509,10 @@ fn reservation_from_row(row: &Row) -> Result<Reservation, StoreError> {
         owner: get(row, 4)?,
         labels: labels(row, 5)?,
         created_at: get(row, 6)?,
-        protocol: crate::api::PortProtocol::Tcp,
+        protocol: {
+            let p: String = get(row, 7)?;
+            PortProtocol::parse(&p).ok_or_else(|| corrupt(format!("unknown port protocol {p:?}")))?
+        },
         url: None,
         certificate: None,
     })
@@ -570,19 +593,21 @@ fn insert_api_key(
     Ok((key, secret))
 }
 
+#[allow(clippy::too_many_arguments)]
 fn insert_reservation(
     tx: &mut Transaction<'_>,
     kind: ReservationKind,
     hostname: Option<&str>,
     port: Option<u16>,
+    protocol: PortProtocol,
     owner: &str,
     labels: &Labels,
 ) -> Result<Reservation, StoreError> {
     let created_at = now_rfc3339();
     let id = fresh_id("rs_")?;
     tx.execute(
-        "INSERT INTO reservations (id, kind, hostname, port, owner, labels, created_at)
-         VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        "INSERT INTO reservations (id, kind, hostname, port, owner, labels, created_at, protocol)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
         &[
             &id,
             &kind.as_str(),
@@ -591,6 +616,7 @@ fn insert_reservation(
             &owner,
             &labels_to_json(labels)?,
             &created_at,
+            &protocol.as_str(),
         ],
     )?;
     Ok(Reservation {
@@ -601,7 +627,7 @@ fn insert_reservation(
         labels: labels.clone(),
         owner: owner.to_string(),
         created_at,
-        protocol: crate::api::PortProtocol::Tcp,
+        protocol,
         url: None,
         certificate: None,
     })
@@ -842,13 +868,14 @@ impl Reservations for Postgres {
             if let Some(existing) = select_reservation(tx, "hostname = $1", &hostname)? {
                 return held_by(existing, owner);
             }
-            Ok((insert_reservation(tx, kind, Some(hostname), None, owner, labels)?, true))
+            Ok((insert_reservation(tx, kind, Some(hostname), None, PortProtocol::Tcp, owner, labels)?, true))
         })
     }
 
     fn reserve_usable_port(
         &self,
         port: Option<u16>,
+        protocol: PortProtocol,
         range: PortRange,
         owner: &str,
         labels: &Labels,
@@ -860,7 +887,7 @@ impl Reservations for Postgres {
                     if !range.contains(port) {
                         return Err(StoreError::PortOutOfRange { port, range });
                     }
-                    if let Some(existing) = select_reservation(tx, "port = $1", &i64::from(port))? {
+                    if let Some(existing) = select_reservation(tx, &port_is(protocol), &i64::from(port))? {
                         return held_by(existing, owner);
                     }
                     if !usable(port) {
@@ -871,8 +898,8 @@ impl Reservations for Postgres {
                 None => {
                     let taken: HashSet<i64> = tx
                         .query(
-                            "SELECT port FROM reservations WHERE port BETWEEN $1 AND $2",
-                            &[&i64::from(range.first), &i64::from(range.last)],
+                            "SELECT port FROM reservations WHERE port BETWEEN $1 AND $2 AND protocol = $3",
+                            &[&i64::from(range.first), &i64::from(range.last), &protocol.as_str()],
                         )?
                         .iter()
                         .map(|r| get(r, 0))
@@ -882,7 +909,10 @@ impl Reservations for Postgres {
                         .ok_or(StoreError::NoFreePort { range })?
                 }
             };
-            Ok((insert_reservation(tx, ReservationKind::Tcp, None, Some(port), owner, labels)?, true))
+            Ok((
+                insert_reservation(tx, ReservationKind::Tcp, None, Some(port), protocol, owner, labels)?,
+                true,
+            ))
         })
     }
 
@@ -904,8 +934,12 @@ impl Reservations for Postgres {
         self.read(|c| select_reservation(c, "hostname = $1", &hostname))
     }
 
-    fn reservation_by_port(&self, port: u16) -> Result<Option<Reservation>, StoreError> {
-        self.read(|c| select_reservation(c, "port = $1", &i64::from(port)))
+    fn reservation_by_port_of(
+        &self,
+        port: u16,
+        protocol: PortProtocol,
+    ) -> Result<Option<Reservation>, StoreError> {
+        self.read(|c| select_reservation(c, &port_is(protocol), &i64::from(port)))
     }
 
     fn reservation(&self, id: &str) -> Result<Option<Reservation>, StoreError> {
@@ -1143,8 +1177,8 @@ impl Engine for Postgres {
             }
             for r in &s.reservations {
                 tx.execute(
-                    "INSERT INTO reservations (id, kind, hostname, port, owner, labels, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7)",
-                    &[&r.id, &r.kind.as_str(), &r.hostname, &r.port.map(i64::from), &r.owner, &labels_to_json(&r.labels)?, &r.created_at],
+                    "INSERT INTO reservations (id, kind, hostname, port, owner, labels, created_at, protocol) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+                    &[&r.id, &r.kind.as_str(), &r.hostname, &r.port.map(i64::from), &r.owner, &labels_to_json(&r.labels)?, &r.created_at, &r.protocol.as_str()],
                 )?;
             }
             for t in &s.tunnel_keys {

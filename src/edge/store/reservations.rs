@@ -7,7 +7,7 @@ use super::{
     port_column,
 };
 use crate::api::PortRange;
-use crate::api::{Labels, Reservation, ReservationKind};
+use crate::api::{Labels, PortProtocol, Reservation, ReservationKind};
 
 /// Reservations: host names and TCP ports, each held by one owner.
 pub trait Reservations {
@@ -31,15 +31,17 @@ pub trait Reservations {
         owner: &str,
         labels: &Labels,
     ) -> Result<(Reservation, bool), StoreError> {
-        self.reserve_usable_port(port, range, owner, labels, &|_| true)
+        self.reserve_usable_port(port, PortProtocol::Tcp, range, owner, labels, &|_| true)
     }
 
-    /// [`Reservations::reserve_port`] among the ports `usable` accepts (those
-    /// the edge can listen on): a new reservation of an unusable port is
-    /// `PortInUse`; a free port is taken only if it is usable.
+    /// [`Reservations::reserve_port`] of `protocol` (TCP and UDP ports are
+    /// separate spaces) among the ports `usable` accepts (those the edge can
+    /// listen on): a new reservation of an unusable port is `PortInUse`; a
+    /// free port is taken only if it is usable.
     fn reserve_usable_port(
         &self,
         port: Option<u16>,
+        protocol: PortProtocol,
         range: PortRange,
         owner: &str,
         labels: &Labels,
@@ -53,7 +55,16 @@ pub trait Reservations {
     fn reservation_by_hostname(&self, hostname: &str) -> Result<Option<Reservation>, StoreError>;
 
     /// The reservation of a TCP port.
-    fn reservation_by_port(&self, port: u16) -> Result<Option<Reservation>, StoreError>;
+    fn reservation_by_port(&self, port: u16) -> Result<Option<Reservation>, StoreError> {
+        self.reservation_by_port_of(port, PortProtocol::Tcp)
+    }
+
+    /// The reservation of a port of `protocol`.
+    fn reservation_by_port_of(
+        &self,
+        port: u16,
+        protocol: PortProtocol,
+    ) -> Result<Option<Reservation>, StoreError>;
 
     /// A reservation by id.
     fn reservation(&self, id: &str) -> Result<Option<Reservation>, StoreError>;
@@ -80,7 +91,8 @@ impl Reservations for Sqlite {
         if let Some(existing) = select_reservation(&tx, "hostname = ?1", &hostname)? {
             return held_by(existing, owner);
         }
-        let reservation = insert_reservation(&tx, kind, Some(hostname), None, owner, labels)?;
+        let reservation =
+            insert_reservation(&tx, kind, Some(hostname), None, PortProtocol::Tcp, owner, labels)?;
         tx.commit()?;
         Ok((reservation, true))
     }
@@ -88,6 +100,7 @@ impl Reservations for Sqlite {
     fn reserve_usable_port(
         &self,
         port: Option<u16>,
+        protocol: PortProtocol,
         range: PortRange,
         owner: &str,
         labels: &Labels,
@@ -100,7 +113,7 @@ impl Reservations for Sqlite {
                 if !range.contains(port) {
                     return Err(StoreError::PortOutOfRange { port, range });
                 }
-                if let Some(existing) = select_reservation(&tx, "port = ?1", &i64::from(port))? {
+                if let Some(existing) = select_reservation(&tx, &port_is(protocol), &i64::from(port))? {
                     return held_by(existing, owner);
                 }
                 if !usable(port) {
@@ -108,9 +121,12 @@ impl Reservations for Sqlite {
                 }
                 port
             }
-            None => lowest_free_port(&tx, range, usable)?.ok_or(StoreError::NoFreePort { range })?,
+            None => {
+                lowest_free_port(&tx, protocol, range, usable)?.ok_or(StoreError::NoFreePort { range })?
+            }
         };
-        let reservation = insert_reservation(&tx, ReservationKind::Tcp, None, Some(port), owner, labels)?;
+        let reservation =
+            insert_reservation(&tx, ReservationKind::Tcp, None, Some(port), protocol, owner, labels)?;
         tx.commit()?;
         Ok((reservation, true))
     }
@@ -127,8 +143,12 @@ impl Reservations for Sqlite {
         select_reservation(&self.lock(), "hostname = ?1", &hostname)
     }
 
-    fn reservation_by_port(&self, port: u16) -> Result<Option<Reservation>, StoreError> {
-        select_reservation(&self.lock(), "port = ?1", &i64::from(port))
+    fn reservation_by_port_of(
+        &self,
+        port: u16,
+        protocol: PortProtocol,
+    ) -> Result<Option<Reservation>, StoreError> {
+        select_reservation(&self.lock(), &port_is(protocol), &i64::from(port))
     }
 
     fn reservation(&self, id: &str) -> Result<Option<Reservation>, StoreError> {
@@ -160,15 +180,24 @@ impl Reservations for Sqlite {
     }
 }
 
+/// The condition of a port of `protocol` (a fixed word, not input).
+fn port_is(protocol: PortProtocol) -> String {
+    format!("port = ?1 AND protocol = '{}'", protocol.as_str())
+}
+
 fn lowest_free_port(
     conn: &Connection,
+    protocol: PortProtocol,
     range: PortRange,
     usable: &dyn Fn(u16) -> bool,
 ) -> Result<Option<u16>, StoreError> {
-    let mut stmt =
-        conn.prepare("SELECT port FROM reservations WHERE port BETWEEN ?1 AND ?2 ORDER BY port")?;
+    let mut stmt = conn.prepare(
+        "SELECT port FROM reservations WHERE port BETWEEN ?1 AND ?2 AND protocol = ?3 ORDER BY port",
+    )?;
     let taken = stmt
-        .query_map(params![i64::from(range.first), i64::from(range.last)], |r| r.get::<_, i64>(0))?
+        .query_map(params![i64::from(range.first), i64::from(range.last), protocol.as_str()], |r| {
+            r.get::<_, i64>(0)
+        })?
         .collect::<Result<std::collections::HashSet<i64>, _>>()?;
     Ok((range.first..=range.last).find(|&p| !taken.contains(&i64::from(p)) && usable(p)))
 }
@@ -178,6 +207,7 @@ fn insert_reservation(
     kind: ReservationKind,
     hostname: Option<&str>,
     port: Option<u16>,
+    protocol: PortProtocol,
     owner: &str,
     labels: &Labels,
 ) -> Result<Reservation, StoreError> {
@@ -185,9 +215,18 @@ fn insert_reservation(
     let created_at = now_rfc3339();
     let id = insert_with_fresh_id("rs_", |id| {
         conn.execute(
-            "INSERT INTO reservations (id, kind, hostname, port, owner, labels, created_at)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
-            params![id, kind.as_str(), hostname, port.map(i64::from), owner, labels_json, created_at],
+            "INSERT INTO reservations (id, kind, hostname, port, owner, labels, created_at, protocol)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+            params![
+                id,
+                kind.as_str(),
+                hostname,
+                port.map(i64::from),
+                owner,
+                labels_json,
+                created_at,
+                protocol.as_str()
+            ],
         )
     })?;
     Ok(Reservation {
@@ -198,7 +237,7 @@ fn insert_reservation(
         labels: labels.clone(),
         owner: owner.to_string(),
         created_at,
-        protocol: crate::api::PortProtocol::Tcp,
+        protocol,
         url: None,
         certificate: None,
     })
@@ -218,7 +257,7 @@ pub(super) fn select_reservation(
         .optional()?)
 }
 
-pub(super) const RESERVATION_COLUMNS: &str = "id, kind, hostname, port, owner, labels, created_at";
+pub(super) const RESERVATION_COLUMNS: &str = "id, kind, hostname, port, owner, labels, created_at, protocol";
 
 pub(super) fn reservation_from_row(row: &Row<'_>) -> rusqlite::Result<Reservation> {
     let kind: String = row.get(1)?;
@@ -230,7 +269,10 @@ pub(super) fn reservation_from_row(row: &Row<'_>) -> rusqlite::Result<Reservatio
         owner: row.get(4)?,
         labels: labels_column(row, 5)?,
         created_at: row.get(6)?,
-        protocol: crate::api::PortProtocol::Tcp,
+        protocol: {
+            let p: String = row.get(7)?;
+            PortProtocol::parse(&p).ok_or_else(|| invalid(7, format!("unknown port protocol {p:?}")))?
+        },
         url: None,
         certificate: None,
     })
