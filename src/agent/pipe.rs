@@ -152,7 +152,7 @@ pub async fn udp(addr: String, proxy_header: Option<Vec<u8>>, body: Incoming) ->
                 let Ok(data) = data.into_data() else { continue };
                 decoder.push(&data);
                 loop {
-                    let dg = match decoder.next() {
+                    let dg = match decoder.next_datagram() {
                         Ok(Some(dg)) => dg,
                         Ok(None) => break,
                         Err(e) => return warn!(error = %e, "udp flow: broken frame from the edge"),

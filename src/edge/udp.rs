@@ -348,7 +348,7 @@ async fn carry(
         };
         decoder.push(&data);
         loop {
-            match decoder.next() {
+            match decoder.next_datagram() {
                 Ok(Some(dg)) => {
                     state.touch();
                     match socket.try_send_to(&dg, peer) {

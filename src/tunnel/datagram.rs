@@ -51,7 +51,7 @@ impl Decoder {
     }
 
     /// The next whole datagram, if one is buffered.
-    pub fn next(&mut self) -> Result<Option<Bytes>, Oversize> {
+    pub fn next_datagram(&mut self) -> Result<Option<Bytes>, Oversize> {
         if self.buf.len() < 2 {
             return Ok(None);
         }
@@ -213,7 +213,7 @@ mod tests {
             let mut got = Vec::new();
             for piece in wire.chunks(chunk) {
                 d.push(piece);
-                while let Some(dg) = d.next().unwrap() {
+                while let Some(dg) = d.next_datagram().unwrap() {
                     got.push(dg);
                 }
             }
@@ -222,7 +222,7 @@ mod tests {
         }
         let mut d = Decoder::default();
         d.push(&[0xff, 0xff, 1, 2]);
-        assert!(d.next().is_err(), "a length over the limit ends the stream");
+        assert!(d.next_datagram().is_err(), "a length over the limit ends the stream");
     }
 
     #[tokio::test]

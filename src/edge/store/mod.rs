@@ -1050,6 +1050,41 @@ mod tests {
         two_edges_race_and_one_wins
     );
 
+    /// The UDP migration rebuilds SQLite's reservations and tunnel keys:
+    /// every row stays, TCP as before, and the UDP port of the same number is free.
+    #[test]
+    fn sqlite_keeps_every_row_through_the_udp_migration() {
+        use crate::api::PortProtocol;
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let conn = Connection::open(dir.path().join("culvert.db")).unwrap();
+            for sql in &MIGRATIONS[..4] {
+                conn.execute_batch(sql).unwrap();
+            }
+            conn.pragma_update(None, "user_version", 4).unwrap();
+            conn.execute_batch(
+                "INSERT INTO api_keys (id, name, scope, secret_hash, created_at) VALUES ('ak_1', 'a', 'endpoints', 'h1', 't');
+                 INSERT INTO reservations (id, kind, port, owner, created_at) VALUES ('rs_1', 'tcp', 20000, 'ak_1', 't');
+                 INSERT INTO reservations (id, kind, hostname, owner, created_at) VALUES ('rs_2', 'subdomain', 'a.example.com', 'ak_1', 't');
+                 INSERT INTO tunnel_keys (id, secret_hash, protocol, reservation_id, kind, port, owner, created_by, created_at)
+                     VALUES ('tk_1', 'h2', 'tcp', 'rs_1', 'tcp', 20000, 'ak_1', 'ak_1', 't');",
+            )
+            .unwrap();
+        }
+        let store = Sqlite::open(dir.path()).unwrap();
+        assert_eq!(store.schema_version().unwrap(), MIGRATIONS.len() as u32);
+        let r = store.reservation_by_port(20000).unwrap().unwrap();
+        assert_eq!((r.id.as_str(), r.protocol), ("rs_1", PortProtocol::Tcp));
+        assert!(store.reservation_by_hostname("a.example.com").unwrap().is_some());
+        let keys = store.tunnel_keys(false).unwrap();
+        assert_eq!(keys.iter().map(|k| k.id.as_str()).collect::<Vec<_>>(), ["tk_1"]);
+        let range = PortRange { first: 20000, last: 20000 };
+        let (udp, created) = store
+            .reserve_usable_port(Some(20000), PortProtocol::Udp, range, "ak_1", &Labels::new(), &|_| true)
+            .unwrap();
+        assert!(created && udp.protocol == PortProtocol::Udp);
+    }
+
     fn migrates_and_refuses_newer_schema(t: &TestStore) {
         let supported = match t.store.kind() {
             "sqlite" => MIGRATIONS.len() as u32,

@@ -286,7 +286,45 @@ mod tests {
 
     use super::*;
 
-    both_engines!(idempotent_reservations_and_conflicts, port_allocation_stays_in_range);
+    both_engines!(
+        idempotent_reservations_and_conflicts,
+        port_allocation_stays_in_range,
+        udp_and_tcp_ports_are_separate_spaces
+    );
+
+    fn udp_and_tcp_ports_are_separate_spaces(t: &TestStore) {
+        use crate::api::Protocol;
+        let store = &*t.store;
+        let (a, _) = store.create_api_key("a", ApiKeyScope::Endpoints).unwrap();
+        let (b, _) = store.create_api_key("b", ApiKeyScope::Endpoints).unwrap();
+        let (r, none, yes) = (range(40000, 40001), Labels::new(), &|_| true);
+        let (udp, created) =
+            store.reserve_usable_port(Some(40000), PortProtocol::Udp, r, &a.id, &none, yes).unwrap();
+        assert!(created);
+        assert_eq!((udp.protocol, udp.port), (PortProtocol::Udp, Some(40000)));
+        // The same number over TCP is free, for another key.
+        let (tcp, created) = store.reserve_port(Some(40000), r, &b.id, &none).unwrap();
+        assert!(created);
+        assert_eq!(tcp.protocol, PortProtocol::Tcp);
+        let err =
+            store.reserve_usable_port(Some(40000), PortProtocol::Udp, r, &b.id, &none, yes).unwrap_err();
+        assert_eq!(err.category(), "already_reserved");
+        assert_eq!(err.to_string(), format!("udp port 40000 is held by another key ({})", a.id));
+        // Lookups and the lowest free port are per protocol.
+        assert_eq!(store.reservation_by_port_of(40000, PortProtocol::Udp).unwrap(), Some(udp.clone()));
+        assert_eq!(store.reservation_by_port(40000).unwrap(), Some(tcp.clone()));
+        let (next, _) = store.reserve_usable_port(None, PortProtocol::Udp, r, &a.id, &none, yes).unwrap();
+        assert_eq!(next.port, Some(40001));
+        assert_eq!(store.reserve_port(None, r, &a.id, &none).unwrap().0.port, Some(40001));
+        assert!(store.reservations().unwrap().contains(&udp), "the protocol survives a read");
+        // A udp key names its UDP reservation.
+        let (key, _) = store.create_tunnel_key(&udp.id, Protocol::Udp, &none, &a.id).unwrap();
+        assert_eq!(key.reservation.protocol, PortProtocol::Udp);
+        assert_eq!(key.reservation.target(), "udp port 40000");
+        let (released, revoked) = store.release_reservation(&udp.id).unwrap();
+        assert_eq!((released.protocol, revoked), (PortProtocol::Udp, vec![key.id]));
+        assert_eq!(store.reservation_by_port(40000).unwrap(), Some(tcp), "the TCP port stays");
+    }
 
     fn idempotent_reservations_and_conflicts(t: &TestStore) {
         let store = &*t.store;
@@ -351,10 +389,19 @@ mod tests {
         // Ports the edge cannot listen on: skipped when free ones are picked, refused when asked for.
         let busy = |p: u16| p != 30005 && p != 30006;
         let r = range(30003, 30008);
-        assert_eq!(store.reserve_usable_port(None, r, &a.id, &none, &busy).unwrap().0.port, Some(30007));
-        let err = store.reserve_usable_port(Some(30006), r, &a.id, &none, &busy).unwrap_err();
+        assert_eq!(
+            store.reserve_usable_port(None, PortProtocol::Tcp, r, &a.id, &none, &busy).unwrap().0.port,
+            Some(30007)
+        );
+        let err =
+            store.reserve_usable_port(Some(30006), PortProtocol::Tcp, r, &a.id, &none, &busy).unwrap_err();
         assert!(matches!(err, StoreError::PortInUse { port: 30006 }), "{err:?}");
         // A port already held answers the reservation whatever the check says.
-        assert!(!store.reserve_usable_port(Some(30007), r, &a.id, &none, &|_| false).unwrap().1);
+        assert!(
+            !store
+                .reserve_usable_port(Some(30007), PortProtocol::Tcp, r, &a.id, &none, &|_| false)
+                .unwrap()
+                .1
+        );
     }
 }
