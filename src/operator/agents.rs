@@ -169,7 +169,7 @@ fn resolver(protocol: TunnelProtocol, routing: Arc<RwLock<Routing>>) -> Resolver
         Some(match protocol {
             TunnelProtocol::Http => Target::Http { authority: addr, options: backends.options.clone() },
             TunnelProtocol::Tcp | TunnelProtocol::Tls => Target::Tcp { addr, proxy: routing.proxy },
-            TunnelProtocol::Udp => return None,
+            TunnelProtocol::Udp => Target::Udp { addr, proxy: routing.proxy },
         })
     })
 }

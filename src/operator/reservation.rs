@@ -1,4 +1,5 @@
-//! The Domain and TcpPort controllers: one reservation at the edge per
+//! The Domain, TcpPort and UdpPort controllers (TcpPort and UdpPort are one
+//! code path, [`reserved_port`]): one reservation at the edge per
 //! object, adopted when it already exists for this cluster and namespace,
 //! re-created when it was deleted out-of-band, released (or kept, with
 //! `reclaimPolicy: Retain`) behind a finalizer.
@@ -20,11 +21,12 @@ use super::status::{
 };
 use super::{Context, Error};
 use crate::api::{
-    CertificateState, CertificateStatus, Labels, Reservation, ReserveDomainRequest, ReservePortRequest,
+    CertificateState, CertificateStatus, Labels, PortProtocol, Reservation, ReserveDomainRequest,
+    ReservePortRequest,
 };
-use crate::crd::{Condition, Domain, DomainStatus, ReclaimPolicy, TcpPort, TcpPortStatus, Tunnel};
+use crate::crd::{Condition, Domain, DomainStatus, ReclaimPolicy, TcpPort, TcpPortStatus, Tunnel, UdpPort};
 
-/// What differs between Domain and TcpPort.
+/// What differs between Domain, TcpPort and UdpPort.
 pub trait Reserved:
     Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
     + Clone
@@ -133,47 +135,75 @@ impl Reserved for Domain {
     }
 }
 
-impl Reserved for TcpPort {
-    const KIND: &'static str = "TcpPort";
-    const COLLECTION: Collection = Collection::Ports;
-    type Status = TcpPortStatus;
+/// TcpPort and UdpPort are one code path: the same spec and status, told
+/// apart by the edge collection (and so the protocol) they reserve in.
+macro_rules! reserved_port {
+    ($kind:ty, $name:literal, $collection:expr, $protocol:expr) => {
+        impl Reserved for $kind {
+            const KIND: &'static str = $name;
+            const COLLECTION: Collection = $collection;
+            type Status = TcpPortStatus;
 
-    fn reclaim(&self) -> ReclaimPolicy {
-        self.spec.reclaim_policy
-    }
+            fn reclaim(&self) -> ReclaimPolicy {
+                self.spec.reclaim_policy
+            }
 
-    fn edge_key(&self) -> Result<Option<String>, Error> {
-        match self.spec.port {
-            Some(0) => Err(Error::Invalid("spec.port must be 1-65535".into())),
-            Some(p) => Ok(Some(p.to_string())),
-            None => Ok(self.status.as_ref().and_then(|s| s.port).map(|p| p.to_string())),
+            fn edge_key(&self) -> Result<Option<String>, Error> {
+                port_key(self.spec.port, self.status.as_ref())
+            }
+
+            fn request(&self, labels: Labels) -> ReserveRequest {
+                ReserveRequest::Port(ReservePortRequest { port: self.spec.port, protocol: $protocol, labels })
+            }
+
+            fn conditions(&self) -> Vec<Condition> {
+                self.status.as_ref().map(|s| s.conditions.clone()).unwrap_or_default()
+            }
+
+            fn reservation_id(&self) -> Option<String> {
+                self.status.as_ref().and_then(|s| s.reservation_id.clone())
+            }
+
+            fn status(
+                &self,
+                r: Option<&Reservation>,
+                condition: Condition,
+                _edge_domain: &str,
+            ) -> TcpPortStatus {
+                port_status(self.metadata.generation, r, condition)
+            }
+
+            fn status_conditions(status: &mut TcpPortStatus) -> &mut Vec<Condition> {
+                &mut status.conditions
+            }
         }
-    }
+    };
+}
 
-    fn request(&self, labels: Labels) -> ReserveRequest {
-        ReserveRequest::Port(ReservePortRequest { port: self.spec.port, labels, ..Default::default() })
-    }
+reserved_port!(TcpPort, "TcpPort", Collection::Ports, PortProtocol::Tcp);
+reserved_port!(UdpPort, "UdpPort", Collection::UdpPorts, PortProtocol::Udp);
 
-    fn conditions(&self) -> Vec<Condition> {
-        self.status.as_ref().map(|s| s.conditions.clone()).unwrap_or_default()
+/// A port reservation's key at the edge: the spec's port, else the one the
+/// status recorded.
+fn port_key(spec: Option<u16>, status: Option<&TcpPortStatus>) -> Result<Option<String>, Error> {
+    match spec {
+        Some(0) => Err(Error::Invalid("spec.port must be 1-65535".into())),
+        Some(p) => Ok(Some(p.to_string())),
+        None => Ok(status.and_then(|s| s.port).map(|p| p.to_string())),
     }
+}
 
-    fn reservation_id(&self) -> Option<String> {
-        self.status.as_ref().and_then(|s| s.reservation_id.clone())
-    }
-
-    fn status(&self, r: Option<&Reservation>, condition: Condition, _edge_domain: &str) -> TcpPortStatus {
-        TcpPortStatus {
-            observed_generation: self.metadata.generation,
-            conditions: vec![condition],
-            port: r.and_then(|r| r.port),
-            address: r.and_then(|r| r.url.as_deref()).map(|u| u.trim_start_matches("tcp://").to_string()),
-            reservation_id: r.map(|r| r.id.clone()),
-        }
-    }
-
-    fn status_conditions(status: &mut TcpPortStatus) -> &mut Vec<Condition> {
-        &mut status.conditions
+/// The status of a TcpPort or UdpPort holding `r` (`None`: not held); the
+/// address is the URL without its `tcp://` or `udp://`.
+fn port_status(generation: Option<i64>, r: Option<&Reservation>, condition: Condition) -> TcpPortStatus {
+    let address =
+        r.and_then(|r| r.url.as_deref()).map(|u| u.split_once("://").map_or(u, |(_, a)| a).to_string());
+    TcpPortStatus {
+        observed_generation: generation,
+        conditions: vec![condition],
+        port: r.and_then(|r| r.port),
+        address,
+        reservation_id: r.map(|r| r.id.clone()),
     }
 }
 
@@ -520,6 +550,10 @@ pub async fn run_domains(ctx: Arc<Context>, stop: CancellationToken) {
 
 pub async fn run_tcp_ports(ctx: Arc<Context>, stop: CancellationToken) {
     run_controller::<TcpPort>(ctx, stop).await
+}
+
+pub async fn run_udp_ports(ctx: Arc<Context>, stop: CancellationToken) {
+    run_controller::<UdpPort>(ctx, stop).await
 }
 
 /// At start: revokes the keys of Tunnels of this cluster that no longer

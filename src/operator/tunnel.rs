@@ -1,5 +1,5 @@
 //! The Tunnel controller: validates the Tunnel against its namespace (the
-//! Service, the Domain or TcpPort), resolves the backend addresses, mints one
+//! Service, the Domain, TcpPort or UdpPort), resolves the backend addresses, mints one
 //! tunnel key per Tunnel into a Secret it owns, and revokes the key behind a
 //! finalizer.
 
@@ -32,6 +32,7 @@ use crate::agent::guard;
 use crate::api::{CreateTunnelKeyRequest, Protocol, TunnelKey};
 use crate::crd::{
     Condition, Domain, HttpOptions, ResolvedRoute, ServiceRef, TcpPort, Tunnel, TunnelProtocol, TunnelStatus,
+    UdpPort,
 };
 
 /// Name of the Secret holding a Tunnel's key.
@@ -100,26 +101,31 @@ pub fn validate(t: &Tunnel) -> Result<(), Error> {
             )));
         }
     }
-    match (t.spec.protocol, &t.spec.domain, &t.spec.tcp_port) {
-        (TunnelProtocol::Http | TunnelProtocol::Tls, Some(_), None)
-        | (TunnelProtocol::Tcp, None, Some(_)) => Ok(()),
-        (TunnelProtocol::Tls, _, _) => Err(Error::Invalid(
-            "protocol tls (passthrough) needs spec.domain (a Domain of this namespace) and no tcpPort".into(),
+    match (t.spec.protocol, &t.spec.domain, &t.spec.tcp_port, &t.spec.udp_port) {
+        (TunnelProtocol::Http | TunnelProtocol::Tls, Some(_), None, None)
+        | (TunnelProtocol::Tcp, None, Some(_), None)
+        | (TunnelProtocol::Udp, None, None, Some(_)) => Ok(()),
+        (TunnelProtocol::Tls, ..) => Err(Error::Invalid(
+            "protocol tls (passthrough) needs spec.domain (a Domain of this namespace) and no tcpPort or udpPort"
+                .into(),
         )),
-        (TunnelProtocol::Http, _, _) => Err(Error::Invalid(
-            "protocol http needs spec.domain (a Domain of this namespace) and no tcpPort".into(),
+        (TunnelProtocol::Http, ..) => Err(Error::Invalid(
+            "protocol http needs spec.domain (a Domain of this namespace) and no tcpPort or udpPort".into(),
         )),
-        (TunnelProtocol::Tcp, _, _) => Err(Error::Invalid(
-            "protocol tcp needs spec.tcpPort (a TcpPort of this namespace) and no domain".into(),
+        (TunnelProtocol::Tcp, ..) => Err(Error::Invalid(
+            "protocol tcp needs spec.tcpPort (a TcpPort of this namespace) and no domain or udpPort".into(),
         )),
-        (TunnelProtocol::Udp, _, _) => {
-            Err(Error::Invalid("protocol udp is not served by this operator version yet".into()))
-        }
+        (TunnelProtocol::Udp, ..) => Err(Error::Invalid(
+            "protocol udp needs spec.udpPort (a UdpPort of this namespace) and no domain or tcpPort".into(),
+        )),
     }
     .and_then(|()| match (t.spec.protocol, t.spec.proxy_protocol) {
         (TunnelProtocol::Http, Some(_)) => {
-            Err(Error::Invalid("proxyProtocol applies to tcp and tls only".into()))
+            Err(Error::Invalid("proxyProtocol applies to tcp, tls and udp only".into()))
         }
+        (TunnelProtocol::Udp, Some(crate::crd::ProxyProtocol::V1)) => Err(Error::Invalid(
+            "PROXY protocol v1 has no UDP form: use proxyProtocol v2 (a header before every datagram)".into(),
+        )),
         _ => Ok(()),
     })
 }
@@ -134,12 +140,12 @@ pub fn wire_protocol(p: TunnelProtocol) -> Protocol {
     }
 }
 
-/// The reservation a Tunnel publishes on, as its Domain or TcpPort says.
+/// The reservation a Tunnel publishes on, as its Domain, TcpPort or UdpPort says.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Publish {
     /// The Domain's host name.
     Domain(String),
-    /// The TcpPort's port.
+    /// The TcpPort's (protocol tcp) or UdpPort's (udp) port.
     Port(u16),
 }
 
@@ -158,16 +164,29 @@ async fn publish(t: &Tunnel, ctx: &Context, ns: &str) -> Result<Publish, Error> 
         let host = d.status.and_then(|s| s.hostname).ok_or_else(|| not_ready("Domain", name))?;
         return Ok(Publish::Domain(host));
     }
-    let name = t.spec.tcp_port.clone().unwrap_or_default();
-    let p = Api::<TcpPort>::namespaced(ctx.client.clone(), ns).get_opt(&name).await?.ok_or_else(|| {
-        Error::Waiting(format!("no TcpPort {name} in this namespace: create one (a Tunnel may only use its own namespace's TcpPorts)"))
+    let (kind, name, status) = if t.spec.protocol == TunnelProtocol::Udp {
+        let name = t.spec.udp_port.clone().unwrap_or_default();
+        let p = Api::<UdpPort>::namespaced(ctx.client.clone(), ns).get_opt(&name).await?;
+        ("UdpPort", name, p.map(|p| p.status))
+    } else {
+        let name = t.spec.tcp_port.clone().unwrap_or_default();
+        let p = Api::<TcpPort>::namespaced(ctx.client.clone(), ns).get_opt(&name).await?;
+        ("TcpPort", name, p.map(|p| p.status))
+    };
+    let status = status.ok_or_else(|| {
+        Error::Waiting(format!("no {kind} {name} in this namespace: create one (a Tunnel may only use its own namespace's {kind}s)"))
     })?;
-    let port = p.status.and_then(|s| s.port).ok_or_else(|| not_ready("TcpPort", &name))?;
+    let port = status.and_then(|s| s.port).ok_or_else(|| not_ready(kind, &name))?;
     Ok(Publish::Port(port))
 }
 
 /// The addresses agents dial for a Service port.
-async fn backends(svc_ref: &ServiceRef, ctx: &Context, ns: &str) -> Result<Vec<String>, Error> {
+/// The Service port's protocol must be the Tunnel's transport (`UDP` for
+/// protocol udp, `TCP` or absent otherwise): a Service with DNS on TCP 53
+/// and UDP 53 has two ports of that number.
+async fn backends(svc_ref: &ServiceRef, ctx: &Context, ns: &str, udp: bool) -> Result<Vec<String>, Error> {
+    let transport = if udp { "UDP" } else { "TCP" };
+    let of_transport = |p: &Option<String>| p.as_deref().unwrap_or("TCP") == transport;
     let name = &svc_ref.name;
     let svc = Api::<Service>::namespaced(ctx.client.clone(), ns)
         .get_opt(name)
@@ -182,11 +201,20 @@ async fn backends(svc_ref: &ServiceRef, ctx: &Context, ns: &str) -> Result<Vec<S
     let ports = spec.ports.unwrap_or_default();
     let port = ports
         .iter()
-        .find(|p| match &svc_ref.port {
-            IntOrString::Int(n) => p.port == *n,
-            IntOrString::String(s) => p.name.as_deref() == Some(s.as_str()),
+        .find(|p| {
+            of_transport(&p.protocol)
+                && match &svc_ref.port {
+                    IntOrString::Int(n) => p.port == *n,
+                    IntOrString::String(s) => p.name.as_deref() == Some(s.as_str()),
+                }
         })
-        .ok_or_else(|| Error::Invalid(format!("Service {name} has no port {:?}", svc_ref.port)))?;
+        .ok_or_else(|| {
+            let port = match &svc_ref.port {
+                IntOrString::Int(n) => n.to_string(),
+                IntOrString::String(s) => s.clone(),
+            };
+            Error::Invalid(format!("Service {name} has no {transport} port {port}"))
+        })?;
     let headless = spec.cluster_ip.as_deref().is_none_or(|ip| ip == "None" || ip.is_empty());
     if ctx.backend_address == BackendAddress::ClusterIp && !headless {
         let ip = spec.cluster_ip.unwrap_or_default();
@@ -202,7 +230,7 @@ async fn backends(svc_ref: &ServiceRef, ctx: &Context, ns: &str) -> Result<Vec<S
             .ports
             .unwrap_or_default()
             .iter()
-            .find(|p| p.name == port.name || slice_single(&p.name, &port.name))
+            .find(|p| of_transport(&p.protocol) && (p.name == port.name || slice_single(&p.name, &port.name)))
             .and_then(|p| p.port);
         let Some(target) = target else { continue };
         for ep in slice.endpoints.unwrap_or_default() {
@@ -258,10 +286,10 @@ async fn observe<E: EdgeApi>(edge: &E, t: &Tunnel, ctx: &Context) -> Result<Obse
     let publish = user_fixable(publish(t, ctx, &ns).await)?;
     let mut routes = Vec::new();
     for r in &t.spec.routes {
-        routes.push(user_fixable(backends(&r.service, ctx, &ns).await)?);
+        routes.push(user_fixable(backends(&r.service, ctx, &ns, false).await)?);
     }
     let default = match &t.spec.service {
-        Some(s) => Some(user_fixable(backends(s, ctx, &ns).await)?),
+        Some(s) => Some(user_fixable(backends(s, ctx, &ns, t.spec.protocol == TunnelProtocol::Udp).await)?),
         None => None,
     };
     let auth = auth_credentials(t, ctx, &ns).await?;
@@ -389,6 +417,7 @@ pub async fn execute_edge<E: EdgeApi>(edge: &E, key: &KeyAction) -> Result<Execu
         }
     };
     let at = match (&key.reservation.hostname, key.reservation.port) {
+        (_, Some(port)) if key.protocol == Protocol::Udp => Some((Collection::UdpPorts, port.to_string())),
         (_, Some(port)) => Some((Collection::Ports, port.to_string())),
         (Some(host), None) => Some((Collection::Domains, host.clone())),
         (None, None) => None,
@@ -721,7 +750,8 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
             .map(|t| ObjectRef::from_obj(&*t))
             .collect::<Vec<_>>()
     };
-    let (r1, r2, r3, r4, r5) = (refs.clone(), refs.clone(), refs.clone(), refs.clone(), refs);
+    let (r1, r2, r3, r4, r5, r6) =
+        (refs.clone(), refs.clone(), refs.clone(), refs.clone(), refs.clone(), refs);
     controller
         .owns(super::watched::<Secret>(&client, ns), watcher::Config::default().labels(LABEL_TUNNEL))
         .watches(super::watched::<Service>(&client, ns), watcher::Config::default(), move |s: Service| {
@@ -743,6 +773,10 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
         .watches(super::watched::<TcpPort>(&client, ns), watcher::Config::default(), move |p: TcpPort| {
             let name = p.name_any();
             r4(p.namespace(), Box::new(move |t| t.spec.tcp_port.as_deref() == Some(&name)))
+        })
+        .watches(super::watched::<UdpPort>(&client, ns), watcher::Config::default(), move |p: UdpPort| {
+            let name = p.name_any();
+            r6(p.namespace(), Box::new(move |t| t.spec.udp_port.as_deref() == Some(&name)))
         })
         // An auth Secret a route names changed.
         .watches(super::watched::<Secret>(&client, ns), watcher::Config::default(), move |s: Secret| {
