@@ -842,7 +842,19 @@ mod tests {
             ),
             (
                 json!({"service": {"name": "web", "port": 80}, "domain": "d", "proxyProtocol": "v1"}),
-                "tcp and tls only",
+                "tcp, tls and udp only",
+            ),
+            (
+                json!({"service": {"name": "dns", "port": 53}, "protocol": "udp", "udpPort": "p", "proxyProtocol": "v1"}),
+                "v1 has no UDP form",
+            ),
+            (
+                json!({"service": {"name": "dns", "port": 53}, "protocol": "udp", "tcpPort": "p"}),
+                "protocol udp needs spec.udpPort",
+            ),
+            (
+                json!({"service": {"name": "dns", "port": 53}, "protocol": "tcp", "tcpPort": "p", "udpPort": "q"}),
+                "no domain or udpPort",
             ),
             (json!({"domain": "d"}), "spec.service is required"),
             (
