@@ -221,6 +221,8 @@ async fn udp_connect(addr: &str) -> Result<UdpSocket, String> {
     let any: SocketAddr = if target.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }.parse().expect("literal");
     let socket = UdpSocket::bind(any).await.map_err(|e| format!("udp socket for {addr}: {e}"))?;
     socket.connect(target).await.map_err(|e| format!("backend {addr} unreachable: {e}"))?;
+    // A burst of replies waits here while the flow's task is busy.
+    datagram::set_socket_buffers(&socket, UDP_FLOW_QUEUE_BYTES * 2);
     Ok(socket)
 }
 

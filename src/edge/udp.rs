@@ -35,6 +35,10 @@ use crate::tunnel::body::{self, Counted};
 use crate::tunnel::budget::{BudgetSlot, Budgeted};
 use crate::tunnel::datagram::{self, Decoder, Queue, Refused, Tally};
 
+/// Socket buffers of a UDP reservation's socket, each way: every flow of the
+/// port shares it.
+const UDP_PORT_SOCKET_BUFFER: usize = 4 << 20;
+
 /// How often a reserved port the edge could not bind is tried again.
 const LISTEN_RETRY: Duration = Duration::from_secs(10);
 
@@ -100,6 +104,7 @@ impl UdpListeners {
                     continue;
                 }
             };
+            datagram::set_socket_buffers(&socket, UDP_PORT_SOCKET_BUFFER);
             let token = edge.shutdown.child_token();
             running.insert(port, token.clone());
             info!(%addr, "listening for a UDP reservation");

@@ -195,6 +195,30 @@ impl Drop for QueueBody {
     }
 }
 
+/// Asks the kernel for socket buffers of `bytes` each way (capped by
+/// `net.core.rmem_max`/`wmem_max`): datagrams arrive and leave in bursts
+/// (a tunnel stream delivers several at once), and a UDP socket whose
+/// buffer is full drops. Best effort: a refusal keeps the defaults.
+pub fn set_socket_buffers(socket: &tokio::net::UdpSocket, bytes: usize) {
+    #[cfg(unix)]
+    {
+        use std::os::fd::AsRawFd;
+        let size = libc::c_int::try_from(bytes).unwrap_or(libc::c_int::MAX);
+        for option in [libc::SO_RCVBUF, libc::SO_SNDBUF] {
+            // SAFETY: setsockopt on a socket this process owns, with a c_int value of the right size.
+            let _ = unsafe {
+                libc::setsockopt(
+                    socket.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    option,
+                    (&size as *const libc::c_int).cast(),
+                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                )
+            };
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
