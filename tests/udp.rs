@@ -192,10 +192,11 @@ async fn a_dns_query_through_the_tunnel() {
     assert_eq!(big.lines().count(), 40, "{big}");
 }
 
-/// A flood of flows and datagrams at a backend that never answers (the
-/// agent cannot pass them on as fast as they come): the edge and the agent
-/// (`culvert udp`, its own process) drop what does not fit, their memory
-/// stays bounded, and another tunnel keeps answering meanwhile.
+/// A flood of flows and datagrams at a backend that never answers, and an
+/// agent that cannot keep up (`culvert udp`, its own process, stopped with
+/// SIGSTOP for the second half of the flood): the edge drops what does not
+/// fit its queues (counted as `queue_full`), the memory of the edge and the
+/// agent stays bounded, and another tunnel keeps answering meanwhile.
 #[tokio::test]
 async fn a_flood_is_dropped_within_bounded_memory_and_other_tunnels_keep_working() {
     let edge = TestEdge::start().await;
@@ -246,7 +247,13 @@ async fn a_flood_is_dropped_within_bounded_memory_and_other_tunnels_keep_working
     let mut edge_peak = 0;
     let mut agent_peak = 0;
     let mut answered = 0;
-    while answered < 30 {
+    while answered < 60 {
+        if answered == 20 {
+            // The agent stops reading: its tunnel's windows, the edge's
+            // upload budget and then the flows' queues fill.
+            // SAFETY: kill(2) on the pid of a child this test spawned.
+            assert_eq!(unsafe { libc::kill(agent_pid as i32, libc::SIGSTOP) }, 0);
+        }
         let msg = format!("during {answered}");
         // A datagram may be lost on a loaded loopback; five tries.
         let mut ok = false;
@@ -265,28 +272,49 @@ async fn a_flood_is_dropped_within_bounded_memory_and_other_tunnels_keep_working
         edge_peak = edge_peak.max(net::rss_kib());
         agent_peak = agent_peak.max(rss_of(agent_pid));
     }
+    let queued_while_stopped = edge.edge().udp.queued_bytes();
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     while let Some(r) = flood.join_next().await {
         r.unwrap();
     }
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(agent_pid as i32, libc::SIGCONT) }, 0);
     let dropped = metric(&edge, "culvert_edge_udp_datagrams_dropped_total{");
+    let queue_full =
+        metric(&edge, "culvert_edge_udp_datagrams_dropped_total{direction=\"in\",reason=\"queue_full\"}");
     let sent = sent.load(std::sync::atomic::Ordering::Relaxed);
     eprintln!(
         "flood: {sent} datagrams of 1400 bytes in {flows} flows; edge dropped {dropped}; \
          edge RSS {edge_before} -> peak {edge_peak} KiB; agent RSS peak {agent_peak} KiB; \
-         other tunnel answered {answered} times; edge queue now {} bytes",
-        edge.edge().udp.queued_bytes()
+         other tunnel answered {answered} times; edge queues held {queued_while_stopped} bytes with the \
+         agent stopped ({queue_full} dropped as queue_full)",
     );
-    assert!(answered >= 1);
-    // Bounds: the edge's queues hold at most 32 MiB over every flow (and
-    // h2 buffers one stream window per stream); the agent's the same.
-    assert!(edge_peak < edge_before + 160 * 1024, "edge RSS grew from {edge_before} to {edge_peak} KiB");
-    assert!(agent_peak < 160 * 1024, "agent RSS reached {agent_peak} KiB");
+    assert!(queue_full > 0.0, "a stopped agent fills the flows' queues: the edge drops");
+    assert!(queued_while_stopped <= 32 << 20);
+    // Bounds: the edge holds at most the tunnel connection's upload budget
+    // (16 MiB) and 32 MiB of queues over every flow, plus buffers; the
+    // agent one stream window per flow and its own 32 MiB of replies.
+    assert!(edge_peak < edge_before + 128 * 1024, "edge RSS grew from {edge_before} to {edge_peak} KiB");
+    assert!(agent_peak < 128 * 1024, "agent RSS reached {agent_peak} KiB");
     // Most of the flood never reaches the edge (its socket's buffer is full:
     // the kernel drops); what does starts flows, at most one per client.
     assert!(metric(&edge, "culvert_edge_udp_flows_started_total") <= f64::from(flows + 1));
     assert!(edge.edge().udp.queued_bytes() <= 32 << 20);
     assert_eq!(round_trip(&other, b"after").await, b"after");
+    // The agent resumed, catches up within its bound, and its tunnel works:
+    // a new flow's datagram reaches the sink.
+    let mut buf = [0u8; 8];
+    let probe = client(port).await;
+    sink.set_nonblocking(true).unwrap();
+    let drain = |sink: &std::net::UdpSocket, buf: &mut [u8]| while sink.recv(buf).is_ok() {};
+    drain(&sink, &mut buf);
+    net::wait_for("the resumed agent to carry a new flow", Duration::from_secs(30), || {
+        let _ = probe.try_send(b"probe");
+        drain(&sink, &mut buf);
+        (buf[..5] == *b"probe").then_some(())
+    })
+    .await;
+    assert!(rss_of(agent_pid) < 128 * 1024, "agent RSS after catching up: {} KiB", rss_of(agent_pid));
     assert!(agent.try_wait().unwrap().is_none(), "the agent is still running");
 }
 
