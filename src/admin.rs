@@ -922,6 +922,37 @@ mod tests {
             run(&admin_client, &["-o", "json", "tunnel-key", "create", "--port", "20000"]).unwrap();
         let v: Value = serde_json::from_str(&json_out).unwrap();
         assert_eq!(v["protocol"], "tcp");
+        // UDP 20000 is a reservation of its own, with its own key.
+        assert_eq!(
+            run(&admin_client, &["port", "reserve", "--protocol", "udp", "20000"]).unwrap(),
+            "20000\n"
+        );
+        let json_out = run(
+            &admin_client,
+            &["-o", "json", "tunnel-key", "create", "--port", "20000", "--protocol", "udp"],
+        )
+        .unwrap();
+        let v: Value = serde_json::from_str(&json_out).unwrap();
+        assert_eq!(
+            (&v["protocol"], &v["reservation"]["protocol"]),
+            (&serde_json::json!("udp"), &serde_json::json!("udp"))
+        );
+        let ports = run(&admin_client, &["port", "list"]).unwrap();
+        let rows: Vec<Vec<&str>> = ports.lines().map(|l| l.split_whitespace().collect()).collect();
+        assert_eq!(rows[0][..3], ["PORT", "PROTOCOL", "ADDRESS"], "{ports}");
+        assert_eq!(rows[1..].iter().map(|r| r[1]).collect::<Vec<_>>(), ["tcp", "udp"], "{ports}");
+        let udp = run(&admin_client, &["port", "list", "--protocol", "udp"]).unwrap();
+        assert_eq!(udp.lines().count(), 2, "{udp}");
+        assert!(
+            run(&admin_client, &["port", "show", "20000", "--protocol", "udp"]).unwrap().contains("udp://")
+        );
+        assert!(
+            run(&admin_client, &["port", "release", "20000", "--protocol", "udp"])
+                .unwrap()
+                .contains("udp port 20000")
+        );
+        let list = run(&admin_client, &["tunnel-key", "list", "--all"]).unwrap();
+        assert_eq!(list.lines().count(), 4, "{list}");
         let list = run(&admin_client, &["tunnel-key", "list"]).unwrap();
         assert_eq!(list.lines().count(), 3, "{list}");
         assert!(list.lines().next().unwrap().starts_with("ID "));
