@@ -379,7 +379,7 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
         max_agents_per_key: args.max_agents_per_key.max(1),
         plain_http: args.plain_http,
         store,
-        registry: Registry::new(metrics.streams_open.clone()),
+        registry: Registry::new(metrics.streams_open.clone()).with_stream_limit(args.max_tunnel_streams),
         metrics,
         certs,
         cert_files,

@@ -80,6 +80,7 @@ pub fn edge_args(dir: &Path, https: SocketAddr, tcp_ports: PortRange) -> EdgeArg
         half_close_timeout_seconds: 60,
         max_public_connections: 10_000,
         max_connections_per_tcp_port: 1_000,
+        max_tunnel_streams: 4096,
         allow_upgrade: vec!["websocket".into()],
     }
 }
