@@ -221,7 +221,9 @@ fn resolver(protocol: TunnelProtocol, routing: Arc<RwLock<Routing>>) -> Resolver
         let routing = routing.read().expect("poisoned");
         let backends = match protocol {
             TunnelProtocol::Http => routing.table.lookup_request(&RequestHead::from(parts))?,
-            TunnelProtocol::Tcp | TunnelProtocol::Tls => routing.table.default_backend()?,
+            TunnelProtocol::Tcp | TunnelProtocol::Tls | TunnelProtocol::Udp => {
+                routing.table.default_backend()?
+            }
         };
         let answer = |status, location, message: &str| {
             Some(Target::Answer {
@@ -257,6 +259,7 @@ fn resolver(protocol: TunnelProtocol, routing: Arc<RwLock<Routing>>) -> Resolver
         Some(match protocol {
             TunnelProtocol::Http => Target::Http { authority: addr, options: backends.options.clone() },
             TunnelProtocol::Tcp | TunnelProtocol::Tls => Target::Tcp { addr, proxy: routing.proxy },
+            TunnelProtocol::Udp => return None,
         })
     })
 }
