@@ -269,7 +269,24 @@ async fn observe<E: EdgeApi>(edge: &E, t: &Tunnel, ctx: &Context) -> Result<Obse
         let mut shares = Vec::new();
         for b in &r.backends {
             let s = ServiceRef { name: b.name.clone(), port: b.port.clone() };
-            shares.push(user_fixable(backends(&s, ctx, &ns).await)?);
+            let found = match b.namespace.as_deref().filter(|other| *other != ns) {
+                None => backends(&s, ctx, &ns).await,
+                Some(other) => match reference_granted(ctx, &ns, other, &b.name).await {
+                    Ok(true) => backends(&s, ctx, other).await.map_err(|e| match e {
+                        Error::Waiting(m) | Error::Invalid(m) => {
+                            Error::Waiting(m.replace("in this namespace", &format!("in namespace {other}")))
+                        }
+                        e => e,
+                    }),
+                    Ok(false) => Err(Error::Invalid(format!(
+                        "Service {other}/{}: a Service of another namespace needs a ReferenceGrant in \
+                         namespace {other} from Gateway API routes of namespace {ns} to it",
+                        b.name
+                    ))),
+                    Err(e) => Err(e),
+                },
+            };
+            shares.push(user_fixable(found)?);
         }
         weighted.push(shares);
     }
@@ -314,6 +331,42 @@ pub struct Plan {
     pub problems: Vec<String>,
 }
 
+/// Does a ReferenceGrant of namespace `to_ns` let Gateway API routes
+/// (HTTPRoute, GRPCRoute) of `from_ns` refer to Service `name`? Without the
+/// Gateway API CRDs (or the right to read them): no.
+async fn reference_granted(ctx: &Context, from_ns: &str, to_ns: &str, name: &str) -> Result<bool, Error> {
+    let ar = kube::api::ApiResource {
+        group: "gateway.networking.k8s.io".into(),
+        version: "v1beta1".into(),
+        api_version: "gateway.networking.k8s.io/v1beta1".into(),
+        kind: "ReferenceGrant".into(),
+        plural: "referencegrants".into(),
+    };
+    let api = Api::<kube::api::DynamicObject>::namespaced_with(ctx.client.clone(), to_ns, &ar);
+    match api.list(&Default::default()).await {
+        Ok(list) => Ok(list.items.iter().any(|g| grants(&g.data, from_ns, name))),
+        Err(kube::Error::Api(s)) if matches!(s.code, 403 | 404) => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Does a ReferenceGrant's content (`spec.from`, `spec.to`) let Gateway API
+/// routes of `from_ns` refer to Service `name`?
+fn grants(grant: &serde_json::Value, from_ns: &str, name: &str) -> bool {
+    let list = |k: &str| grant["spec"][k].as_array().cloned().unwrap_or_default();
+    let from = list("from").iter().any(|f| {
+        f["group"] == "gateway.networking.k8s.io"
+            && (f["kind"] == "HTTPRoute" || f["kind"] == "GRPCRoute")
+            && f["namespace"] == from_ns
+    });
+    let to = list("to").iter().any(|t| {
+        t["group"].as_str().unwrap_or("").is_empty()
+            && t["kind"] == "Service"
+            && t["name"].as_str().is_none_or(|n| n == name)
+    });
+    from && to
+}
+
 /// The most a route's weight may be (as Gateway API's).
 const MAX_WEIGHT: u32 = 1_000_000;
 
@@ -322,6 +375,9 @@ const MAX_WEIGHT: u32 = 1_000_000;
 fn check_route(r: &TunnelRoute) -> Result<(), String> {
     if r.service.is_some() && !r.backends.is_empty() {
         return Err("give service or backends, not both".into());
+    }
+    if let Some(n) = r.backends.iter().filter_map(|b| b.namespace.as_deref()).find(|n| !dns_label(n)) {
+        return Err(format!("backend namespace `{n}` is not a namespace name"));
     }
     if let Some(b) = r.backends.iter().find(|b| b.weight > MAX_WEIGHT) {
         return Err(format!("backend {}: weight {} is more than {MAX_WEIGHT}", b.name, b.weight));
@@ -1045,6 +1101,26 @@ mod tests {
         assert_eq!(request.labels[LABEL_UID], "u1");
         assert_eq!(request.labels[super::super::names::LABEL_NAMESPACE], "shop");
         assert_eq!(request.labels[super::super::names::LABEL_CLUSTER], "c1");
+    }
+
+    #[test]
+    fn reference_grants_let_routes_of_a_namespace_reach_a_service() {
+        let grant =
+            |from: serde_json::Value, to: serde_json::Value| json!({"spec": {"from": [from], "to": [to]}});
+        let http_from_web =
+            json!({"group": "gateway.networking.k8s.io", "kind": "HTTPRoute", "namespace": "web"});
+        let svc = |name: Option<&str>| json!({"group": "", "kind": "Service", "name": name});
+        assert!(grants(&grant(http_from_web.clone(), svc(Some("api"))), "web", "api"));
+        assert!(grants(&grant(http_from_web.clone(), svc(None)), "web", "any"), "no name: every Service");
+        assert!(!grants(&grant(http_from_web.clone(), svc(Some("api"))), "web", "db"), "another Service");
+        assert!(!grants(&grant(http_from_web.clone(), svc(Some("api"))), "shop", "api"), "another namespace");
+        let grpc = json!({"group": "gateway.networking.k8s.io", "kind": "GRPCRoute", "namespace": "web"});
+        assert!(grants(&grant(grpc, svc(Some("api"))), "web", "api"));
+        let gateway = json!({"group": "gateway.networking.k8s.io", "kind": "Gateway", "namespace": "web"});
+        assert!(!grants(&grant(gateway, svc(Some("api"))), "web", "api"), "a Gateway's grant is for Secrets");
+        let secret = json!({"group": "", "kind": "Secret", "name": "api"});
+        assert!(!grants(&grant(http_from_web, secret), "web", "api"));
+        assert!(!grants(&json!({}), "web", "api"));
     }
 
     #[test]
