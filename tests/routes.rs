@@ -207,6 +207,8 @@ fn routes(root: &str) -> Value {
             "path": {"type": "ReplaceFullPath", "replaceFullPath": "/there"}}}]},
         {"path": "/gone", "backends": [{"name": "nope", "port": 80}]},
         {"path": "/nothing"},
+        // Service a of another namespace, without a ReferenceGrant: never this namespace's a.
+        {"path": "/cross", "backends": [{"name": "a", "port": 80, "namespace": "routes-elsewhere"}]},
         {"path": "/live", "service": svc("a"), "filters": [
             {"type": "RequestHeaderModifier", "requestHeaderModifier": {"set": [{"name": "x-ws", "value": "set"}]}},
             {"type": "ResponseHeaderModifier", "responseHeaderModifier": {"remove": ["x-backend-drop"]}},
@@ -238,6 +240,10 @@ async fn tunnel_routes_match_split_filter_redirect_and_change_live() {
     let t = f.wait_reason::<Tunnel>("web", "Degraded").await;
     let message = t["status"]["conditions"][0]["message"].as_str().unwrap_or_default().to_string();
     assert!(message.contains("route /gone: backend nope: Service nope not found"), "{message}");
+    assert!(
+        message.contains("route /cross: backend a: Service routes-elsewhere/a: a Service of another namespace needs a ReferenceGrant"),
+        "{message}"
+    );
     f.get_until(&host, "/x", |s, b| s == StatusCode::OK && b.contains("\"label\":\"A\"")).await;
 
     // Matches and precedence, asked by curl.
@@ -325,6 +331,11 @@ async fn tunnel_routes_match_split_filter_redirect_and_change_live() {
     // No usable backend: 500, as Gateway API says.
     assert_eq!(curl(&f, &host, "/gone", &[]).await.status, 500);
     assert_eq!(curl(&f, &host, "/nothing", &[]).await.status, 500);
+    assert_eq!(
+        curl(&f, &host, "/cross", &[]).await.status,
+        500,
+        "not granted: not this namespace's Service a"
+    );
 
     // Upgrades get the rewrite and the header changes; the WebSocket stays
     // open while the routes change, and the new routes apply.
