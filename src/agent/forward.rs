@@ -2,8 +2,11 @@
 //! standalone agent's with the default options, the operator's with its
 //! routes'): who may pass ([`admit`]), the body size limit (413), the scheme
 //! of the backend (HTTP, h2c, HTTPS; pooled connections: [`backend::client`])
-//! and the read timeout (504). Also the header rules every forwarded head
-//! follows, and the agent's own error answers.
+//! and the read timeout (504), the route's filters ([`super::filters`]:
+//! URLRewrite, then the head made for the backend, then
+//! RequestHeaderModifier; ResponseHeaderModifier on the answer). Also the
+//! header rules every forwarded head follows, and the agent's own answers
+//! (errors, redirects).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
