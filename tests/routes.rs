@@ -20,6 +20,7 @@ use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
+use k8s_openapi::api::core::v1::Secret;
 use netns::NetnsHost;
 use serde_json::{Value, json};
 use tokio::net::TcpStream;
@@ -205,6 +206,8 @@ fn routes(root: &str) -> Value {
             "statusCode": 301}}]},
         {"path": "/here", "filters": [{"type": "RequestRedirect", "requestRedirect": {
             "path": {"type": "ReplaceFullPath", "replaceFullPath": "/there"}}}]},
+        {"path": "/guarded", "options": {"authSecret": "creds"}, "filters": [{"type": "RequestRedirect",
+            "requestRedirect": {"hostname": "inside.example", "statusCode": 307}}]},
         {"path": "/gone", "backends": [{"name": "nope", "port": 80}]},
         {"path": "/nothing"},
         // Service a of another namespace, without a ReferenceGrant: never this namespace's a.
@@ -225,6 +228,9 @@ async fn tunnel_routes_match_split_filter_redirect_and_change_live() {
         let name = label.to_ascii_lowercase();
         service_with_endpoints(&f, &name, &backends.ip, json!({}), &[("http", 80, port, "TCP")]).await;
     }
+    f.create::<Secret>(json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "creds"},
+        "stringData": {"token": "tok-1\n"}}))
+        .await;
     let (stop, task) = f.operator();
     let label = format!("r{}", f.suffix());
     let host = format!("{label}.edge.test");
@@ -327,6 +333,13 @@ async fn tunnel_routes_match_split_filter_redirect_and_change_live() {
         Some(format!("https://{host}:{port}/there?q=1")),
         "no scheme, no port: the listener's port"
     );
+
+    // The route's auth comes before its redirect.
+    f.get_until(&host, "/guarded", |s, _| s == StatusCode::UNAUTHORIZED).await;
+    let r = curl(&f, &host, "/guarded/x", &["-H", "authorization: Bearer tok-1"]).await;
+    let port = f.edge.client().addr.port();
+    let want = format!("https://inside.example:{port}/guarded/x");
+    assert_eq!((r.status, r.header("location")), (307, Some(want)), "admitted, then redirected");
 
     // No usable backend: 500, as Gateway API says.
     assert_eq!(curl(&f, &host, "/gone", &[]).await.status, 500);
