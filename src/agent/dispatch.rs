@@ -26,6 +26,10 @@ pub enum Target {
     /// A TCP backend: `host:port`, optionally told the public client's
     /// address with a PROXY protocol header.
     Tcp { addr: String, proxy: Option<ProxyHeader> },
+    /// The agent answers an HTTP request itself, once its route's options
+    /// admit it: a redirect to `location`, or an error (a route without a
+    /// usable backend).
+    Answer { status: StatusCode, location: Option<String>, message: String, options: Arc<RouteOptions> },
 }
 
 impl Target {
@@ -56,6 +60,7 @@ impl std::fmt::Display for Target {
         match self {
             Target::Http { authority, options } => write!(f, "{}://{authority}", options.uri_scheme()),
             Target::Tcp { addr, .. } => write!(f, "tcp://{addr}"),
+            Target::Answer { status, .. } => write!(f, "the agent's own {status} answer"),
         }
     }
 }
@@ -118,6 +123,13 @@ async fn handle(req: Request<Incoming>, kind: StreamKind, resolver: &Resolver) -
         }
         (StreamKind::Http, Target::Http { authority, options }) => {
             forward::http(parts, body, &authority, &options).await
+        }
+        (StreamKind::Http | StreamKind::Upgrade, Target::Answer { status, location, message, options }) => {
+            let mut parts = parts;
+            if let Err(refused) = forward::admit(&mut parts.headers, &options) {
+                return refused;
+            }
+            forward::answer(status, location.as_deref(), &message, &options)
         }
         (StreamKind::Upgrade, Target::Http { authority, options }) => {
             let mut parts = parts;
