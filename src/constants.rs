@@ -123,6 +123,14 @@ pub const TUNNEL_UPLOAD_BUDGET: usize = 16 * 1024 * 1024;
 pub const EDGE_UPLOAD_BUDGET: usize = 256 * 1024 * 1024;
 /// HTTP/2 max frame size on the tunnel.
 pub const H2_MAX_FRAME: u32 = 64 * 1024;
+/// Tunnel streams the edge keeps open at once, all tunnels together
+/// (`--max-tunnel-streams`). Each may hold one stream window of response
+/// data its public client has not read, plus the chunk being written to it:
+/// this bounds what the edge buffers for downloads (4 096 × 320 KiB =
+/// 1.25 GiB). More requests wait, their clients unread, for a stream to end.
+pub const DEFAULT_MAX_TUNNEL_STREAMS: usize = 4096;
+/// How long a request waits for one of those streams before a 503.
+pub const TUNNEL_STREAM_WAIT: Duration = Duration::from_secs(10);
 
 /// Reconnect backoff: first delay and cap (each delay is drawn from the upper half of its step).
 pub const BACKOFF_INITIAL: Duration = Duration::from_millis(100);

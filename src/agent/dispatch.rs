@@ -29,6 +29,10 @@ pub enum Target {
     /// A UDP backend: `host:port`, optionally told each datagram's public
     /// client with a PROXY protocol v2 header.
     Udp { addr: String, proxy: Option<ProxyHeader> },
+    /// The agent answers an HTTP request itself, once its route's options
+    /// admit it: a redirect to `location`, or an error (a route without a
+    /// usable backend).
+    Answer { status: StatusCode, location: Option<String>, message: String, options: Arc<RouteOptions> },
 }
 
 impl Target {
@@ -65,6 +69,7 @@ impl std::fmt::Display for Target {
             Target::Http { authority, options } => write!(f, "{}://{authority}", options.uri_scheme()),
             Target::Tcp { addr, .. } => write!(f, "tcp://{addr}"),
             Target::Udp { addr, .. } => write!(f, "udp://{addr}"),
+            Target::Answer { status, .. } => write!(f, "the agent's own {status} answer"),
         }
     }
 }
@@ -134,6 +139,13 @@ async fn handle(req: Request<Incoming>, kind: StreamKind, resolver: &Resolver) -
         }
         (StreamKind::Http, Target::Http { authority, options }) => {
             forward::http(parts, body, &authority, &options).await
+        }
+        (StreamKind::Http | StreamKind::Upgrade, Target::Answer { status, location, message, options }) => {
+            let mut parts = parts;
+            if let Err(refused) = forward::admit(&mut parts.headers, &options) {
+                return refused;
+            }
+            forward::answer(status, location.as_deref(), &message, &options)
         }
         (StreamKind::Upgrade, Target::Http { authority, options }) => {
             let mut parts = parts;

@@ -9,6 +9,7 @@ pub(crate) mod backend;
 mod config;
 pub(crate) mod dispatch;
 pub mod edges;
+pub(crate) mod filters;
 pub(crate) mod forward;
 pub(crate) mod guard;
 pub(crate) mod pipe;

@@ -261,6 +261,10 @@ pub async fn upgrade(
     authority: &str,
     options: &RouteOptions,
 ) -> Response<BoxBody> {
+    let mut parts = parts;
+    if let Err(e) = options.filters.rewrite_request(&mut parts) {
+        return agent_error(StatusCode::BAD_REQUEST, &e);
+    }
     let server_name = parts.uri.host().map(str::to_string);
     let upgrade_to = parts.headers.get(UPGRADE_HEADER).cloned();
     let mut parts = match backend_request(parts, authority) {
@@ -270,6 +274,7 @@ pub async fn upgrade(
     let Some(upgrade_to) = upgrade_to else {
         return agent_error(StatusCode::BAD_REQUEST, "upgrade stream without culvert-upgrade");
     };
+    options.filters.edit_request(&mut parts.headers);
     parts.headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
     parts.headers.insert(header::UPGRADE, upgrade_to);
     // Origin-form on a dedicated connection.
@@ -298,6 +303,7 @@ pub async fn upgrade(
     if resp.status() != StatusCode::SWITCHING_PROTOCOLS {
         let (mut parts, b) = resp.into_parts();
         strip_hop_by_hop(&mut parts.headers);
+        options.filters.edit_response(&mut parts.headers);
         return Response::from_parts(parts, body::boxed(b));
     }
     let mut headers = resp.headers().clone();
@@ -307,6 +313,7 @@ pub async fn upgrade(
     };
     let upgraded_to = headers.get(header::UPGRADE).cloned();
     strip_hop_by_hop(&mut headers);
+    options.filters.edit_response(&mut headers);
     let (read, write) = tokio::io::split(TokioIo::new(upgraded));
     tokio::spawn(
         async move {

@@ -118,6 +118,13 @@ pub struct EdgeArgs {
     #[arg(long, env = "CULVERT_MAX_PUBLIC_CONNECTIONS", default_value_t = constants::MAX_PUBLIC_CONNECTIONS)]
     pub max_public_connections: usize,
 
+    /// Tunnel streams open at once, all tunnels together: each may hold one
+    /// 256 KiB stream window of response data its public client has not
+    /// read, so this bounds the edge's download buffering (default 4096:
+    /// 1.25 GiB). More requests wait for a stream to end (503 after 10 s).
+    #[arg(long, env = "CULVERT_MAX_TUNNEL_STREAMS", default_value_t = constants::DEFAULT_MAX_TUNNEL_STREAMS, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub max_tunnel_streams: usize,
+
     /// Connections one TCP reservation may hold at once (all TCP
     /// reservations together get a fifth of the open file limit).
     #[arg(long, env = "CULVERT_MAX_CONNECTIONS_PER_TCP_PORT", default_value_t = constants::DEFAULT_MAX_CONNECTIONS_PER_TCP_PORT)]

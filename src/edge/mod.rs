@@ -168,6 +168,7 @@ impl Edge {
         let ticket = self.reloads.fetch_add(1, Ordering::AcqRel) + 1;
         let read = self.store.run(|s| Ok((s.reservations()?, s.live_tunnel_key_ids()))).await;
         self.apply(ticket, read);
+        status::recheck_sessions(self).await;
     }
 
     #[allow(clippy::type_complexity)]
@@ -386,7 +387,7 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
         max_agents_per_key: args.max_agents_per_key.max(1),
         plain_http: args.plain_http,
         store,
-        registry: Registry::new(metrics.streams_open.clone()),
+        registry: Registry::new(metrics.streams_open.clone()).with_stream_limit(args.max_tunnel_streams),
         metrics,
         certs,
         cert_files,
@@ -422,6 +423,7 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
             .collect(),
     });
     edge.reload().await;
+    status::refresh_store(&edge).await;
 
     let mut tasks = tokio::task::JoinSet::new();
     if edge.store.kind() != "sqlite" {

@@ -31,8 +31,8 @@ use super::{BackendAddress, Context, Error};
 use crate::agent::guard;
 use crate::api::{CreateTunnelKeyRequest, Protocol, TunnelKey};
 use crate::crd::{
-    Condition, Domain, HttpOptions, ResolvedRoute, ServiceRef, TcpPort, Tunnel, TunnelProtocol, TunnelStatus,
-    UdpPort,
+    Condition, Domain, HttpOptions, ResolvedRoute, RouteFilterType, ServiceRef, TcpPort, Tunnel,
+    TunnelProtocol, TunnelRoute, TunnelStatus, UdpPort, WeightedBackends,
 };
 
 /// Name of the Secret holding a Tunnel's key.
@@ -261,8 +261,11 @@ fn slice_single(a: &Option<String>, b: &Option<String>) -> bool {
 pub struct Observed {
     /// What the Tunnel's Domain or TcpPort holds.
     pub publish: Result<Publish, Error>,
-    /// The backends of each of `spec.routes`, in order.
+    /// The backends of each of `spec.routes`' `service`, in order (none
+    /// without a `service`).
     pub routes: Vec<Result<Vec<String>, Error>>,
+    /// The backends of each of `spec.routes`' weighted `backends`, in order.
+    pub weighted: Vec<Vec<Result<Vec<String>, Error>>>,
     /// The backends of `spec.service`.
     pub default: Option<Result<Vec<String>, Error>>,
     pub auth: Auth,
@@ -284,12 +287,35 @@ fn user_fixable<T>(r: Result<T, Error>) -> Result<Result<T, Error>, Error> {
 async fn observe<E: EdgeApi>(edge: &E, t: &Tunnel, ctx: &Context) -> Result<Observed, Error> {
     let ns = t.namespace().unwrap_or_default();
     let publish = user_fixable(publish(t, ctx, &ns).await)?;
-    let mut routes = Vec::new();
+    let (mut routes, mut weighted) = (Vec::new(), Vec::new());
     for r in &t.spec.routes {
         routes.push(match &r.service {
             Some(s) => user_fixable(backends(s, ctx, &ns, false).await)?,
             None => Ok(Vec::new()),
         });
+        let mut shares = Vec::new();
+        for b in &r.backends {
+            let s = ServiceRef { name: b.name.clone(), port: b.port.clone() };
+            let found = match b.namespace.as_deref().filter(|other| *other != ns) {
+                None => backends(&s, ctx, &ns, false).await,
+                Some(other) => match reference_granted(ctx, &ns, other, &b.name).await {
+                    Ok(true) => backends(&s, ctx, other, false).await.map_err(|e| match e {
+                        Error::Waiting(m) | Error::Invalid(m) => {
+                            Error::Waiting(m.replace("in this namespace", &format!("in namespace {other}")))
+                        }
+                        e => e,
+                    }),
+                    Ok(false) => Err(Error::Invalid(format!(
+                        "Service {other}/{}: a Service of another namespace needs a ReferenceGrant in \
+                         namespace {other} from Gateway API routes of namespace {ns} to it",
+                        b.name
+                    ))),
+                    Err(e) => Err(e),
+                },
+            };
+            shares.push(user_fixable(found)?);
+        }
+        weighted.push(shares);
     }
     let default = match &t.spec.service {
         Some(s) => Some(user_fixable(backends(s, ctx, &ns, t.spec.protocol == TunnelProtocol::Udp).await)?),
@@ -307,7 +333,7 @@ async fn observe<E: EdgeApi>(edge: &E, t: &Tunnel, ctx: &Context) -> Result<Obse
         Some(id) => edge.tunnel_key(id).await?,
         None => None,
     };
-    Ok(Observed { publish, routes, default, auth, key })
+    Ok(Observed { publish, routes, weighted, default, auth, key })
 }
 
 /// What to do about the Tunnel's key.
@@ -330,6 +356,68 @@ pub struct Plan {
     pub routes: Vec<ResolvedRoute>,
     /// Routes (or the default backend of routes) that cannot be served.
     pub problems: Vec<String>,
+}
+
+/// Does a ReferenceGrant of namespace `to_ns` let Gateway API routes
+/// (HTTPRoute, GRPCRoute) of `from_ns` refer to Service `name`? Without the
+/// Gateway API CRDs (or the right to read them): no.
+async fn reference_granted(ctx: &Context, from_ns: &str, to_ns: &str, name: &str) -> Result<bool, Error> {
+    let ar = kube::api::ApiResource {
+        group: "gateway.networking.k8s.io".into(),
+        version: "v1beta1".into(),
+        api_version: "gateway.networking.k8s.io/v1beta1".into(),
+        kind: "ReferenceGrant".into(),
+        plural: "referencegrants".into(),
+    };
+    let api = Api::<kube::api::DynamicObject>::namespaced_with(ctx.client.clone(), to_ns, &ar);
+    match api.list(&Default::default()).await {
+        Ok(list) => Ok(list.items.iter().any(|g| grants(&g.data, from_ns, name))),
+        Err(kube::Error::Api(s)) if matches!(s.code, 403 | 404) => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Does a ReferenceGrant's content (`spec.from`, `spec.to`) let Gateway API
+/// routes of `from_ns` refer to Service `name`?
+fn grants(grant: &serde_json::Value, from_ns: &str, name: &str) -> bool {
+    let list = |k: &str| grant["spec"][k].as_array().cloned().unwrap_or_default();
+    let from = list("from").iter().any(|f| {
+        f["group"] == "gateway.networking.k8s.io"
+            && (f["kind"] == "HTTPRoute" || f["kind"] == "GRPCRoute")
+            && f["namespace"] == from_ns
+    });
+    let to = list("to").iter().any(|t| {
+        t["group"].as_str().unwrap_or("").is_empty()
+            && t["kind"] == "Service"
+            && t["name"].as_str().is_none_or(|n| n == name)
+    });
+    from && to
+}
+
+/// The most a route's weight may be (as Gateway API's).
+const MAX_WEIGHT: u32 = 1_000_000;
+
+/// What is wrong with a route's backends, matches or filters (they compile
+/// as the agents compile them).
+fn check_route(r: &TunnelRoute) -> Result<(), String> {
+    if r.service.is_some() && !r.backends.is_empty() {
+        return Err("give service or backends, not both".into());
+    }
+    if let Some(n) = r.backends.iter().filter_map(|b| b.namespace.as_deref()).find(|n| !dns_label(n)) {
+        return Err(format!("backend namespace `{n}` is not a namespace name"));
+    }
+    if let Some(b) = r.backends.iter().find(|b| b.weight > MAX_WEIGHT) {
+        return Err(format!("backend {}: weight {} is more than {MAX_WEIGHT}", b.name, b.weight));
+    }
+    super::routes::Conditions::compile(r.method.as_deref(), &r.headers, &r.query_params)?;
+    let filters = crate::agent::filters::Filters::compile(&r.filters, &r.path, r.path_type)
+        .map_err(|e| format!("filters: {e}"))?;
+    if filters.redirect.is_some() && (r.service.is_some() || !r.backends.is_empty()) {
+        return Err(
+            "a RequestRedirect route is answered by the redirect: remove its service and backends".into()
+        );
+    }
+    Ok(())
 }
 
 /// Decides, without IO, what the Tunnel needs from what was observed.
@@ -356,17 +444,46 @@ pub fn plan(t: &Tunnel, cluster_id: &str, o: Observed) -> Result<Plan, Error> {
         None => found,
     };
     let mut routes = Vec::new();
+    let mut weighted = o.weighted.into_iter();
     for (r, found) in t.spec.routes.iter().zip(o.routes) {
-        let b = degrade(format!("route {}", r.path), guarded(&r.options, found))?;
+        let what = format!("route {}", r.path);
+        let shares = weighted.next().unwrap_or_default();
+        // A route that does not make sense is left out (Gateway API drops an invalid rule).
+        if let Err(e) = check_route(r) {
+            degrade(what, Err(Error::Invalid(e)))?;
+            continue;
+        }
+        let denied = r.options.auth_secret.as_ref().and_then(|n| failed.get(n)).cloned();
+        if let Some(why) = &denied {
+            degrade(what.clone(), Err(Error::Invalid(why.clone())))?;
+        }
+        let b =
+            if denied.is_some() || r.service.is_none() { Vec::new() } else { degrade(what.clone(), found)? };
+        let mut weighted = Vec::new();
+        for (w, found) in
+            r.backends.iter().zip(shares.into_iter().chain(std::iter::repeat_with(|| Ok(Vec::new()))))
+        {
+            let backends = if denied.is_some() {
+                Vec::new()
+            } else {
+                degrade(format!("{what}: backend {}", w.name), found)?
+            };
+            weighted.push(WeightedBackends { weight: w.weight, backends });
+        }
+        let redirects = r.filters.iter().any(|f| f.type_ == RouteFilterType::RequestRedirect);
+        if r.service.is_none() && r.backends.is_empty() && !redirects {
+            // No backend at all: one empty share, so every request answers 500 (Gateway API).
+            weighted.push(WeightedBackends { weight: 1, backends: Vec::new() });
+        }
         routes.push(ResolvedRoute {
             path: r.path.clone(),
             path_type: r.path_type,
             backends: b,
-            weighted: Vec::new(),
-            method: None,
-            headers: Vec::new(),
-            query_params: Vec::new(),
-            filters: Vec::new(),
+            weighted,
+            method: r.method.clone(),
+            headers: r.headers.clone(),
+            query_params: r.query_params.clone(),
+            filters: r.filters.clone(),
             options: r.options.clone(),
         });
     }
@@ -942,6 +1059,7 @@ mod tests {
         Observed {
             publish,
             routes: Vec::new(),
+            weighted: Vec::new(),
             default: Some(Ok(vec!["10.0.0.1:80".into()])),
             auth: Auth::default(),
             key,
@@ -1028,6 +1146,83 @@ mod tests {
         assert_eq!(request.labels[LABEL_UID], "u1");
         assert_eq!(request.labels[super::super::names::LABEL_NAMESPACE], "shop");
         assert_eq!(request.labels[super::super::names::LABEL_CLUSTER], "c1");
+    }
+
+    #[test]
+    fn reference_grants_let_routes_of_a_namespace_reach_a_service() {
+        let grant =
+            |from: serde_json::Value, to: serde_json::Value| json!({"spec": {"from": [from], "to": [to]}});
+        let http_from_web =
+            json!({"group": "gateway.networking.k8s.io", "kind": "HTTPRoute", "namespace": "web"});
+        let svc = |name: Option<&str>| json!({"group": "", "kind": "Service", "name": name});
+        assert!(grants(&grant(http_from_web.clone(), svc(Some("api"))), "web", "api"));
+        assert!(grants(&grant(http_from_web.clone(), svc(None)), "web", "any"), "no name: every Service");
+        assert!(!grants(&grant(http_from_web.clone(), svc(Some("api"))), "web", "db"), "another Service");
+        assert!(!grants(&grant(http_from_web.clone(), svc(Some("api"))), "shop", "api"), "another namespace");
+        let grpc = json!({"group": "gateway.networking.k8s.io", "kind": "GRPCRoute", "namespace": "web"});
+        assert!(grants(&grant(grpc, svc(Some("api"))), "web", "api"));
+        let gateway = json!({"group": "gateway.networking.k8s.io", "kind": "Gateway", "namespace": "web"});
+        assert!(!grants(&grant(gateway, svc(Some("api"))), "web", "api"), "a Gateway's grant is for Secrets");
+        let secret = json!({"group": "", "kind": "Secret", "name": "api"});
+        assert!(!grants(&grant(http_from_web, secret), "web", "api"));
+        assert!(!grants(&json!({}), "web", "api"));
+    }
+
+    #[test]
+    fn plans_resolve_weighted_backends_and_leave_out_bad_routes() {
+        let t = tunnel(json!({"domain": "web", "routes": [
+            {"path": "/", "backends": [{"name": "a", "port": 80, "weight": 80}, {"name": "gone", "port": 80, "weight": 20}],
+             "method": "GET", "headers": [{"name": "x-env", "value": "canary"}],
+             "filters": [{"type": "ResponseHeaderModifier", "responseHeaderModifier": {"set": [{"name": "x-r", "value": "1"}]}}]},
+            {"path": "/empty"},
+            {"path": "/moved", "filters": [{"type": "RequestRedirect", "requestRedirect": {"statusCode": 301}}]},
+            {"path": "/regex", "service": {"name": "a", "port": 80},
+             "headers": [{"name": "x-v", "value": "v[0-9", "type": "RegularExpression"}]},
+            {"path": "/both", "service": {"name": "a", "port": 80}, "filters": [
+                {"type": "RequestRedirect", "requestRedirect": {}}, {"type": "URLRewrite", "urlRewrite": {}}]},
+            {"path": "/code", "filters": [{"type": "RequestRedirect", "requestRedirect": {"statusCode": 200}}]},
+            {"path": "/redirect-and-backend", "service": {"name": "a", "port": 80},
+             "filters": [{"type": "RequestRedirect", "requestRedirect": {}}]},
+            {"path": "/two", "service": {"name": "a", "port": 80}, "backends": [{"name": "a", "port": 80}]},
+        ]}));
+        let mut o = observed(Ok(Publish::Domain("web.edge.test".into())), None);
+        o.default = None;
+        o.routes = (0..8).map(|_| Ok(vec!["10.0.0.5:80".into()])).collect();
+        o.routes[0] = Ok(Vec::new());
+        o.weighted = vec![
+            vec![
+                Ok(vec!["10.0.0.1:80".into()]),
+                Err(Error::Waiting("Service gone not found in this namespace".into())),
+            ],
+            vec![],
+        ];
+        let p = plan(&t, "c1", o).unwrap();
+        let paths: Vec<_> = p.routes.iter().map(|r| r.path.as_str()).collect();
+        assert_eq!(paths, ["/", "/empty", "/moved"], "bad routes are left out");
+        let w: Vec<_> = p.routes[0].weighted.iter().map(|w| (w.weight, w.backends.clone())).collect();
+        assert_eq!(
+            w,
+            [(80, vec!["10.0.0.1:80".to_string()]), (20, vec![])],
+            "a missing Service is an empty share"
+        );
+        assert_eq!(p.routes[0].method.as_deref(), Some("GET"));
+        assert_eq!(p.routes[0].headers.len(), 1);
+        assert_eq!(p.routes[0].filters.len(), 1);
+        assert_eq!(
+            p.routes[1].weighted,
+            [WeightedBackends { weight: 1, backends: vec![] }],
+            "no backend: 500"
+        );
+        assert!(p.routes[2].weighted.is_empty() && p.routes[2].backends.is_empty(), "the redirect answers");
+        let want = [
+            "route /: backend gone: Service gone not found in this namespace",
+            "route /regex: header `x-v`: `v[0-9` is not a regular expression: unclosed character class",
+            "route /both: filters: RequestRedirect and URLRewrite cannot be combined: a redirect never reaches a backend",
+            "route /code: filters: requestRedirect: statusCode 200 is not allowed: use 301, 302, 303, 307 or 308",
+            "route /redirect-and-backend: a RequestRedirect route is answered by the redirect: remove its service and backends",
+            "route /two: give service or backends, not both",
+        ];
+        assert_eq!(p.problems, want);
     }
 
     #[test]

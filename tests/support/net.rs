@@ -80,6 +80,7 @@ pub fn edge_args(dir: &Path, https: SocketAddr, tcp_ports: PortRange) -> EdgeArg
         half_close_timeout_seconds: 60,
         max_public_connections: 10_000,
         max_connections_per_tcp_port: 1_000,
+        max_tunnel_streams: 4096,
         udp_idle_timeout_seconds: 60,
         max_udp_flows_per_port: 1_000,
         max_udp_flows: 10_000,
@@ -121,6 +122,26 @@ impl TestEdge {
             dir,
             admin_key,
             tcp_ports,
+            args,
+        }
+    }
+
+    /// Another edge on the store of `first` (`--store`, PostgreSQL), with
+    /// its own data dir and ports, and the admin key made by `first`.
+    pub async fn join(first: &TestEdge, configure: impl FnOnce(&mut EdgeArgs)) -> TestEdge {
+        let dir = tempfile::tempdir().unwrap();
+        let mut args = edge_args(dir.path(), "127.0.0.1:0".parse().unwrap(), first.tcp_ports);
+        args.store = first.args.store.clone();
+        configure(&mut args);
+        let handle = edge::start(args.clone()).await.expect("edge starts");
+        assert!(handle.new_admin_key.is_none(), "the store has its admin key");
+        TestEdge {
+            https: handle.https_addr,
+            ca_file: handle.ca_file.clone().unwrap_or_default(),
+            handle: Some(handle),
+            dir,
+            admin_key: first.admin_key.clone(),
+            tcp_ports: first.tcp_ports,
             args,
         }
     }

@@ -44,7 +44,7 @@ mod keys;
 pub mod pg;
 mod reservations;
 
-pub use certificates::{CertificateRecord, Certificates, StoredCertificateStatus};
+pub use certificates::{CertificateRecord, Certificates, Challenge, ChallengeKind, StoredCertificateStatus};
 pub use keys::{ApiKeyAuth, Keys, TunnelGrant, TunnelKeyAuth};
 pub use reservations::Reservations;
 
@@ -144,7 +144,20 @@ pub const MIGRATIONS: &[&str] = &[
     r#"
     ALTER TABLE api_keys ADD COLUMN custom_domains TEXT NOT NULL DEFAULT '[]';
     "#,
-    // UDP ports: a port reservation's transport (TCP and UDP ports are
+    // 5: answers to pending ACME challenges, so that any edge answers the
+    // CA's validation (one edge: the order's own memory would do).
+    r#"
+    CREATE TABLE acme_challenges (
+        kind       TEXT NOT NULL CHECK (kind IN ('http-01', 'tls-alpn-01')),
+        -- HTTP-01: the token; TLS-ALPN-01: the host name.
+        name       TEXT NOT NULL,
+        -- HTTP-01: the key authorization; TLS-ALPN-01: its SHA-256, hex.
+        value      TEXT NOT NULL,
+        expires_at INTEGER NOT NULL,
+        PRIMARY KEY (kind, name)
+    ) STRICT;
+    "#,
+    // 6: UDP ports: a port reservation's transport (TCP and UDP ports are
     // separate spaces, so the port is unique per protocol) and tunnel keys
     // of protocol udp. SQLite changes a constraint by rebuilding the table;
     // rowids are kept (tunnel keys are listed in rowid order).
@@ -603,7 +616,7 @@ impl Store {
         self.run(move |e| e.acme_account(&directory)).await
     }
 
-    pub async fn put_acme_account(&self, directory: &str, credentials: &str) -> Result<(), StoreError> {
+    pub async fn put_acme_account(&self, directory: &str, credentials: &str) -> Result<String, StoreError> {
         let directory = directory.to_string();
         let credentials = credentials.to_string();
         self.run(move |e| e.put_acme_account(&directory, &credentials)).await
@@ -626,6 +639,21 @@ impl Store {
     pub async fn delete_certificate(&self, hostname: &str) -> Result<(), StoreError> {
         let hostname = hostname.to_string();
         self.run(move |e| e.delete_certificate(&hostname)).await
+    }
+
+    pub async fn put_challenge(&self, c: &Challenge) -> Result<(), StoreError> {
+        let c = c.clone();
+        self.run(move |e| e.put_challenge(&c)).await
+    }
+
+    pub async fn challenge(&self, kind: ChallengeKind, name: &str) -> Result<Option<String>, StoreError> {
+        let name = name.to_string();
+        self.run(move |e| e.challenge(kind, &name)).await
+    }
+
+    pub async fn delete_challenge(&self, kind: ChallengeKind, name: &str) -> Result<(), StoreError> {
+        let name = name.to_string();
+        self.run(move |e| e.delete_challenge(kind, &name)).await
     }
 
     // Engine
@@ -1058,10 +1086,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         {
             let conn = Connection::open(dir.path().join("culvert.db")).unwrap();
-            for sql in &MIGRATIONS[..4] {
+            // Every migration before the UDP one (the last).
+            let before = MIGRATIONS.len() - 1;
+            for sql in &MIGRATIONS[..before] {
                 conn.execute_batch(sql).unwrap();
             }
-            conn.pragma_update(None, "user_version", 4).unwrap();
+            conn.pragma_update(None, "user_version", before as u32).unwrap();
             conn.execute_batch(
                 "INSERT INTO api_keys (id, name, scope, secret_hash, created_at) VALUES ('ak_1', 'a', 'endpoints', 'h1', 't');
                  INSERT INTO reservations (id, kind, port, owner, created_at) VALUES ('rs_1', 'tcp', 20000, 'ak_1', 't');
