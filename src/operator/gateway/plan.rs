@@ -545,6 +545,10 @@ fn namespace_allowed(l: &Listener, gw_ns: &str, route_ns: &str, o: &Observed) ->
     }
 }
 
+/// (gateway namespace, gateway, listener) → (route namespace, owner,
+/// backend, port, route id) of the route a TCP listener carries.
+type TcpClaims = BTreeMap<(String, String, String), (String, OwnerReference, ServiceRef, u16, String)>;
+
 /// Why a route is not served on a parent: `Accepted: False` with this reason and message.
 type Refusal = (&'static str, String);
 
@@ -773,7 +777,7 @@ pub fn plan(o: &Observed, s: Settings<'_>) -> Plan {
     for c in o.classes.iter().filter(|c| c.spec.controller_name == CONTROLLER_NAME) {
         let old = c.status.as_ref().map(|s| s.conditions.as_slice()).unwrap_or_default();
         let g = c.metadata.generation;
-        let version_ok = o.bundle_version.as_deref().is_none_or(|v| supported_bundle(v));
+        let version_ok = o.bundle_version.as_deref().is_none_or(supported_bundle);
         let version = match &o.bundle_version {
             Some(v) if version_ok => cond(
                 "SupportedVersion",
@@ -848,10 +852,7 @@ pub fn plan(o: &Observed, s: Settings<'_>) -> Plan {
     // (namespace, host) → the TLS route's backend.
     let mut tls_hosts: BTreeMap<(String, String), (OwnerReference, ServiceRef, String)> = BTreeMap::new();
     // (gateway namespace, gateway, listener) → (route namespace, owner, backend, port, route id).
-    let mut tcp_listeners: BTreeMap<
-        (String, String, String),
-        (String, OwnerReference, ServiceRef, u16, String),
-    > = BTreeMap::new();
+    let mut tcp_listeners: TcpClaims = BTreeMap::new();
 
     for route in routes {
         let mut parents = Vec::new();
@@ -1314,8 +1315,7 @@ fn attach(
 struct TranslateOut<'a> {
     http_hosts: &'a mut BTreeMap<(String, String), Vec<HostRoutes>>,
     tls_hosts: &'a mut BTreeMap<(String, String), (OwnerReference, ServiceRef, String)>,
-    tcp_listeners:
-        &'a mut BTreeMap<(String, String, String), (String, OwnerReference, ServiceRef, u16, String)>,
+    tcp_listeners: &'a mut TcpClaims,
     /// Hosts this route already gave (through another parent or listener).
     contributed: &'a mut BTreeSet<String>,
 }
@@ -1409,7 +1409,7 @@ fn translate(
     };
     let mut published = Vec::new();
     for (h, delegated) in hosts {
-        if !has_domain(&h) && !(delegated && s.domain_policy == DomainPolicy::Auto) {
+        if !(has_domain(&h) || delegated && s.domain_policy == DomainPolicy::Auto) {
             let why = if delegated {
                 format!(
                     "host {h}: the operator runs with --domain-policy require and namespace {} has no Domain for it: create one (spec.name or spec.fqdn)",
