@@ -261,8 +261,182 @@ impl HttpOptions {
     }
 }
 
-/// One HTTP route of a Tunnel: a path to a Service of the Tunnel's namespace.
+/// A backend of a weighted split: a Service of the Tunnel's namespace and
+/// its share of the route's requests (Gateway API `backendRefs`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct WeightedServiceRef {
+    /// Name of a Service in the Tunnel's own namespace (not ExternalName).
+    pub name: String,
+    /// The Service port, by number or by name.
+    #[schemars(schema_with = "int_or_string")]
+    pub port: IntOrString,
+    /// Share of the route's requests: this weight over the sum of the
+    /// route's weights (default 1; `0` never gets a request).
+    #[serde(default = "default_weight")]
+    #[schemars(range(min = 0, max = 1_000_000))]
+    pub weight: u32,
+}
+
+fn default_weight() -> u32 {
+    1
+}
+
+/// How a header or query parameter match compares the value.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+pub enum MatchType {
+    /// The value equals `value` exactly (case-sensitive).
+    #[default]
+    Exact,
+    /// `value` is a regular expression (Rust `regex` syntax) that must match
+    /// the whole value.
+    RegularExpression,
+}
+
+/// One header or query parameter a request must carry for a route to match.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ValueMatch {
+    /// The header name (compared case-insensitively) or the query
+    /// parameter name (compared exactly).
+    pub name: String,
+    /// The value to compare with (see `type`).
+    pub value: String,
+    /// `Exact` (default) or `RegularExpression`.
+    #[serde(rename = "type", default)]
+    pub type_: MatchType,
+}
+
+/// What a route filter does (Gateway API `HTTPRouteFilter` types).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+pub enum RouteFilterType {
+    /// Changes the request's headers before it goes to the backend
+    /// (`requestHeaderModifier`).
+    RequestHeaderModifier,
+    /// Changes the response's headers before they go to the client
+    /// (`responseHeaderModifier`).
+    ResponseHeaderModifier,
+    /// Answers with a redirect instead of forwarding (`requestRedirect`).
+    RequestRedirect,
+    /// Changes the Host header and/or the path sent to the backend
+    /// (`urlRewrite`).
+    #[serde(rename = "URLRewrite")]
+    UrlRewrite,
+}
+
+/// A header name and value.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct HttpHeader {
+    /// The header name (case-insensitive).
+    pub name: String,
+    /// The header value.
+    pub value: String,
+}
+
+/// Header changes (Gateway API `HTTPHeaderFilter`), applied in the order
+/// `set`, `add`, `remove`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct HeaderModifier {
+    /// Headers to set, replacing any value they had.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub set: Vec<HttpHeader>,
+    /// Headers to add to the values they already have.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub add: Vec<HttpHeader>,
+    /// Names of headers to remove.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub remove: Vec<String>,
+}
+
+/// How a redirect or a rewrite changes the path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+pub enum PathModifierType {
+    /// The whole path becomes `replaceFullPath`.
+    ReplaceFullPath,
+    /// The part of the path the route's `Prefix` path matched becomes
+    /// `replacePrefixMatch`; the rest of the path is kept.
+    ReplacePrefixMatch,
+}
+
+/// A path change of a redirect or a rewrite (Gateway API `HTTPPathModifier`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PathModifier {
+    /// `ReplaceFullPath` or `ReplacePrefixMatch`.
+    #[serde(rename = "type")]
+    pub type_: PathModifierType,
+    /// With `ReplaceFullPath`: the new path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replace_full_path: Option<String>,
+    /// With `ReplacePrefixMatch`: what replaces the matched prefix.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replace_prefix_match: Option<String>,
+}
+
+/// A redirect the agent answers itself (Gateway API `HTTPRequestRedirectFilter`).
+/// What is not given is kept from the request.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RequestRedirect {
+    /// `http` or `https`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scheme: Option<String>,
+    /// The host name of the Location.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hostname: Option<String>,
+    /// How the path changes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<PathModifier>,
+    /// The port of the Location; without it, the default port of the scheme.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<i32>", range(min = 1, max = 65535))]
+    pub port: Option<u16>,
+    /// `301`, `302` (default), `303`, `307` or `308`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<i32>")]
+    pub status_code: Option<u16>,
+}
+
+/// A rewrite of what the backend receives (Gateway API `HTTPURLRewriteFilter`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct UrlRewrite {
+    /// The Host header the backend receives.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hostname: Option<String>,
+    /// How the path the backend receives changes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<PathModifier>,
+}
+
+/// A filter of a route, in Gateway API's `HTTPRouteFilter` shape: `type`
+/// and the field of that type.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RouteFilter {
+    /// `RequestHeaderModifier`, `ResponseHeaderModifier`, `RequestRedirect`
+    /// or `URLRewrite`.
+    #[serde(rename = "type")]
+    pub type_: RouteFilterType,
+    /// With `RequestHeaderModifier`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_header_modifier: Option<HeaderModifier>,
+    /// With `ResponseHeaderModifier`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub response_header_modifier: Option<HeaderModifier>,
+    /// With `RequestRedirect`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_redirect: Option<RequestRedirect>,
+    /// With `URLRewrite`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url_rewrite: Option<UrlRewrite>,
+}
+
+/// One HTTP route of a Tunnel: requests that match its path (and its
+/// method, headers and query parameters, if given) go to its Service or
+/// its weighted `backends`, through its filters.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct TunnelRoute {
     /// The path, starting with `/`.
@@ -270,25 +444,70 @@ pub struct TunnelRoute {
     /// `Exact` or `Prefix` (default).
     #[serde(default)]
     pub path_type: PathType,
-    /// The backend Service and port.
-    pub service: ServiceRef,
+    /// The backend Service and port. Give this, or `backends`, or neither
+    /// (then only a `RequestRedirect` filter answers; otherwise 500).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service: Option<ServiceRef>,
+    /// Services sharing the route's requests by weight.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub backends: Vec<WeightedServiceRef>,
+    /// The HTTP method the request must have (upper case, e.g. `GET`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub method: Option<String>,
+    /// Headers the request must carry, each matching.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub headers: Vec<ValueMatch>,
+    /// Query parameters the request must carry, each matching.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub query_params: Vec<ValueMatch>,
+    /// Filters applied to the requests of this route, in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub filters: Vec<RouteFilter>,
     /// How requests of this route are forwarded.
     #[serde(default, skip_serializing_if = "HttpOptions::is_default")]
     pub options: HttpOptions,
 }
 
-/// A route with the addresses the operator resolved for it.
+/// The resolved addresses of one of a route's weighted `backends`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct WeightedBackends {
+    /// The share's weight.
+    #[schemars(with = "i32")]
+    pub weight: u32,
+    /// Backend addresses (`ip:port`); empty when the Service cannot be used
+    /// (the Ready condition says why): this share's requests answer 500.
+    #[serde(default)]
+    pub backends: Vec<String>,
+}
+
+/// A route with the addresses the operator resolved for it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ResolvedRoute {
     /// The path, starting with `/`.
     pub path: String,
     /// `Exact` or `Prefix`.
     pub path_type: PathType,
-    /// Backend addresses (`ip:port`); empty when the Service cannot be used
-    /// (the Ready condition says why) and the path answers 503.
+    /// Backend addresses (`ip:port`) of `service`; empty when the Service
+    /// cannot be used (the Ready condition says why) and the path answers 503.
     #[serde(default)]
     pub backends: Vec<String>,
+    /// The route's weighted `backends`, resolved, in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub weighted: Vec<WeightedBackends>,
+    /// The method the request must have.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub method: Option<String>,
+    /// Headers the request must carry.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub headers: Vec<ValueMatch>,
+    /// Query parameters the request must carry.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub query_params: Vec<ValueMatch>,
+    /// The route's filters.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub filters: Vec<RouteFilter>,
     /// The route's options, as the agents apply them.
     #[serde(default, skip_serializing_if = "HttpOptions::is_default")]
     pub options: HttpOptions,
@@ -320,9 +539,11 @@ pub struct TunnelSpec {
     /// requests no route matches (optional; without it they get 404).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub service: Option<ServiceRef>,
-    /// HTTP routes by path (protocol http only): the longest matching path
-    /// wins, `Exact` before `Prefix` at equal length. The Ingress controller
-    /// writes these; changing them never reconnects the tunnel.
+    /// HTTP routes (protocol http only). Of the routes a request matches,
+    /// an `Exact` path wins, then the longest path, then a route with a
+    /// `method`, then the most `headers`, then the most `queryParams`, then
+    /// the first listed. The Ingress and Gateway API controllers write
+    /// these; changing them never reconnects the tunnel.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub routes: Vec<TunnelRoute>,
     /// `http` (default), `tcp` or `tls` (passthrough).
@@ -346,7 +567,9 @@ pub struct TunnelSpec {
 impl TunnelSpec {
     /// Names of every Service the Tunnel sends traffic to.
     pub fn services(&self) -> impl Iterator<Item = &str> {
-        self.service.iter().chain(self.routes.iter().map(|r| &r.service)).map(|s| s.name.as_str())
+        self.service.iter().map(|s| s.name.as_str()).chain(self.routes.iter().flat_map(|r| {
+            r.service.iter().map(|s| s.name.as_str()).chain(r.backends.iter().map(|b| b.name.as_str()))
+        }))
     }
 
     /// Names of the Secrets the options name for auth.
@@ -426,5 +649,39 @@ mod tests {
         }))
         .unwrap();
         assert_eq!(t.service.unwrap().port, IntOrString::String("postgres".into()));
+    }
+
+    #[test]
+    fn route_reads_gateway_api_shapes_and_old_routes_stay_the_same() {
+        let old = serde_json::json!({
+            "path": "/api", "pathType": "Prefix", "service": {"name": "api", "port": 80}
+        });
+        let r: TunnelRoute = serde_json::from_value(old.clone()).unwrap();
+        assert_eq!(serde_json::to_value(&r).unwrap(), old, "an Ingress route serializes as before");
+        let r: TunnelRoute = serde_json::from_value(serde_json::json!({
+            "path": "/", "backends": [{"name": "a", "port": 80, "weight": 80}, {"name": "b", "port": "http"}],
+            "method": "GET",
+            "headers": [{"name": "x-env", "value": "canary"}, {"name": "x-v", "value": "^v[0-9]+$", "type": "RegularExpression"}],
+            "queryParams": [{"name": "q", "value": "1"}],
+            "filters": [
+                {"type": "RequestHeaderModifier", "requestHeaderModifier": {"set": [{"name": "a", "value": "1"}], "remove": ["b"]}},
+                {"type": "URLRewrite", "urlRewrite": {"hostname": "h", "path": {"type": "ReplacePrefixMatch", "replacePrefixMatch": "/v2"}}},
+                {"type": "RequestRedirect", "requestRedirect": {"scheme": "https", "port": 8443, "statusCode": 301}}
+            ]
+        }))
+        .unwrap();
+        assert_eq!(r.service, None);
+        assert_eq!(r.backends[0].weight, 80);
+        assert_eq!(r.backends[1].weight, 1, "weight defaults to 1");
+        assert_eq!(r.headers[0].type_, MatchType::Exact);
+        assert_eq!(r.headers[1].type_, MatchType::RegularExpression);
+        assert_eq!(r.filters[1].type_, RouteFilterType::UrlRewrite);
+        assert_eq!(
+            r.filters[1].url_rewrite.as_ref().unwrap().path.as_ref().unwrap().type_,
+            PathModifierType::ReplacePrefixMatch
+        );
+        assert_eq!(r.filters[2].request_redirect.as_ref().unwrap().status_code, Some(301));
+        let back = serde_json::to_value(&r.filters[1]).unwrap();
+        assert_eq!(back["type"], "URLRewrite");
     }
 }

@@ -494,7 +494,12 @@ fn plan_host(
                 .map(|r| TunnelRoute {
                     path: r.path.clone(),
                     path_type: r.path_type,
-                    service: r.backend.service.clone(),
+                    service: Some(r.backend.service.clone()),
+                    backends: Vec::new(),
+                    method: None,
+                    headers: Vec::new(),
+                    query_params: Vec::new(),
+                    filters: Vec::new(),
                     options: r.backend.options.clone(),
                 })
                 .collect(),

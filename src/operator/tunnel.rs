@@ -254,7 +254,10 @@ async fn observe<E: EdgeApi>(edge: &E, t: &Tunnel, ctx: &Context) -> Result<Obse
     let publish = user_fixable(publish(t, ctx, &ns).await)?;
     let mut routes = Vec::new();
     for r in &t.spec.routes {
-        routes.push(user_fixable(backends(&r.service, ctx, &ns).await)?);
+        routes.push(match &r.service {
+            Some(s) => user_fixable(backends(s, ctx, &ns).await)?,
+            None => Ok(Vec::new()),
+        });
     }
     let default = match &t.spec.service {
         Some(s) => Some(user_fixable(backends(s, ctx, &ns).await)?),
@@ -327,6 +330,11 @@ pub fn plan(t: &Tunnel, cluster_id: &str, o: Observed) -> Result<Plan, Error> {
             path: r.path.clone(),
             path_type: r.path_type,
             backends: b,
+            weighted: Vec::new(),
+            method: None,
+            headers: Vec::new(),
+            query_params: Vec::new(),
+            filters: Vec::new(),
             options: r.options.clone(),
         });
     }
