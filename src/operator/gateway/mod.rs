@@ -226,23 +226,48 @@ async fn observe(ctx: &Context, served: &Served) -> Result<Observed, Error> {
         // Without the right to read CRDs the version is not known; assume it fits.
         Err(_) => None,
     };
+    let mut grants =
+        if served.grants { list(super::watched::<ReferenceGrant>(c, ns), &lp).await? } else { Vec::new() };
+    let mut services: BTreeSet<(String, String)> = list(super::watched::<Service>(c, ns), &lp)
+        .await?
+        .into_iter()
+        .map(|s| (s.namespace().unwrap_or_default(), s.name_any()))
+        .collect();
+    // Namespaces outside the watched one that backendRefs name: their
+    // ReferenceGrants and Services. Without the right to read them (the chart
+    // binds the operator to the watched namespace only) nothing is granted.
+    if let Some(watched) = ns {
+        let targets: BTreeSet<String> = routes
+            .iter()
+            .flat_map(|r| r.backend_refs().into_iter().filter_map(|b| b.namespace.clone()))
+            .filter(|n| n != watched)
+            .collect();
+        let fatal =
+            |e: &Error| !matches!(e, Error::Kube(kube::Error::Api(s)) if [403, 404].contains(&s.code));
+        for target in targets {
+            if served.grants {
+                match list(Api::<ReferenceGrant>::namespaced(c.clone(), &target), &lp).await {
+                    Ok(g) => grants.extend(g),
+                    Err(e) if fatal(&e) => return Err(e),
+                    Err(_) => continue,
+                }
+            }
+            match list(Api::<Service>::namespaced(c.clone(), &target), &lp).await {
+                Ok(list) => services.extend(list.into_iter().map(|s| (target.clone(), s.name_any()))),
+                Err(e) if fatal(&e) => return Err(e),
+                Err(_) => {}
+            }
+        }
+    }
     Ok(Observed {
         classes: list(Api::<GatewayClass>::all(c.clone()), &lp).await?,
         gateways,
         routes,
-        grants: if served.grants {
-            list(super::watched::<ReferenceGrant>(c, ns), &lp).await?
-        } else {
-            Vec::new()
-        },
+        grants,
         domains: list(super::watched::<Domain>(c, ns), &lp).await?,
         tunnels: list(super::watched::<Tunnel>(c, ns), &managed).await?,
         tcp_ports: list(super::watched::<TcpPort>(c, ns), &managed).await?,
-        services: list(super::watched::<Service>(c, ns), &lp)
-            .await?
-            .into_iter()
-            .map(|s| (s.namespace().unwrap_or_default(), s.name_any()))
-            .collect(),
+        services,
         namespaces,
         served: served.routes.clone(),
         bundle_version,
@@ -364,4 +389,26 @@ async fn execute(ctx: &Context, o: &Observed, p: &Plan) -> Result<(), Error> {
         }
     }
     Ok(())
+}
+
+/// May a Tunnel of `from_ns` send traffic to the Service `name` of `to_ns`?
+/// Only while a ReferenceGrant of `to_ns` lets a Gateway API route kind of
+/// `from_ns` refer to that Service (the Gateway API controller writes such
+/// backends only then; this check holds for hand-written Tunnels too). No
+/// ReferenceGrant CRD, or no right to read them there: no.
+pub async fn cross_namespace_granted(
+    client: &Client,
+    from_ns: &str,
+    to_ns: &str,
+    name: &str,
+) -> Result<bool, kube::Error> {
+    let grants =
+        match Api::<ReferenceGrant>::namespaced(client.clone(), to_ns).list(&ListParams::default()).await {
+            Ok(l) => l.items,
+            Err(kube::Error::Api(e)) if [403, 404].contains(&e.code) => return Ok(false),
+            Err(e) => return Err(e),
+        };
+    Ok([Kind::Http, Kind::Grpc, Kind::Tls, Kind::Tcp, Kind::Udp]
+        .iter()
+        .any(|k| plan::granted(&grants, k.name(), from_ns, to_ns, name)))
 }

@@ -105,7 +105,7 @@ impl Route {
         format!("{} {}/{}", self.kind.name(), self.namespace, self.name)
     }
 
-    fn backend_refs(&self) -> Vec<&BackendRef> {
+    pub fn backend_refs(&self) -> Vec<&BackendRef> {
         match &self.rules {
             Rules::Http(r) => r.iter().flat_map(|r| &r.backend_refs).collect(),
             Rules::Grpc(r) => r.iter().flat_map(|r| &r.backend_refs).collect(),
@@ -1522,4 +1522,436 @@ fn finish(served: Vec<String>, ignored: Vec<String>) -> Result<String, Refusal> 
         msg.push_str(&format!("; not published: {}", ignored.join("; ")));
     }
     Ok(msg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn obj<K: serde::de::DeserializeOwned>(v: serde_json::Value) -> K {
+        serde_json::from_value(v).unwrap()
+    }
+
+    const S: Settings<'static> = Settings {
+        edge_domain: "edge.test",
+        public_host: "edge.example.com",
+        https_port: 8443,
+        tcp_ports: (20000, 20010),
+        domain_policy: DomainPolicy::Auto,
+    };
+
+    #[test]
+    fn hostnames_match_and_intersect_as_gateway_api_says() {
+        let table = [
+            ("a.example.com", "a.example.com", true),
+            ("*.example.com", "a.example.com", true),
+            ("*.example.com", "a.b.example.com", true),
+            ("*.example.com", "example.com", false),
+            ("*.example.com", "aexample.com", false),
+            ("a.example.com", "b.example.com", false),
+        ];
+        for (pattern, host, want) in table {
+            assert_eq!(host_matches(pattern, host), want, "{pattern} {host}");
+        }
+        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        let some = |v: &[&str]| v.iter().map(|x| Some(x.to_string())).collect::<Vec<_>>();
+        assert_eq!(intersect(&[], None), vec![None]);
+        assert_eq!(intersect(&[], Some("*.edge.test")), some(&["*.edge.test"]));
+        assert_eq!(intersect(&s(&["A.Edge.Test."]), None), some(&["a.edge.test"]));
+        assert_eq!(intersect(&s(&["a.edge.test", "b.other"]), Some("*.edge.test")), some(&["a.edge.test"]));
+        assert_eq!(intersect(&s(&["*.edge.test"]), Some("a.edge.test")), some(&["a.edge.test"]));
+        assert_eq!(intersect(&s(&["*.a.edge.test"]), Some("*.edge.test")), some(&["*.a.edge.test"]));
+        assert!(intersect(&s(&["b.other"]), Some("a.edge.test")).is_empty());
+    }
+
+    #[test]
+    fn reference_grants_name_the_kind_the_namespace_and_the_service() {
+        let g: ReferenceGrant =
+            obj(json!({"apiVersion": "gateway.networking.k8s.io/v1beta1", "kind": "ReferenceGrant",
+            "metadata": {"name": "g", "namespace": "backends"},
+            "spec": {"from": [{"group": GROUP, "kind": "HTTPRoute", "namespace": "web"}],
+                "to": [{"group": "", "kind": "Service", "name": "api"}]}}));
+        let any: ReferenceGrant =
+            obj(json!({"apiVersion": "gateway.networking.k8s.io/v1beta1", "kind": "ReferenceGrant",
+            "metadata": {"name": "h", "namespace": "backends"},
+            "spec": {"from": [{"group": GROUP, "kind": "TCPRoute", "namespace": "web"}],
+                "to": [{"group": "", "kind": "Service"}]}}));
+        let grants = [g, any];
+        assert!(granted(&grants, "HTTPRoute", "web", "backends", "api"));
+        assert!(!granted(&grants, "HTTPRoute", "web", "backends", "db"), "another Service");
+        assert!(!granted(&grants, "HTTPRoute", "other", "backends", "api"), "another namespace");
+        assert!(!granted(&grants, "GRPCRoute", "web", "backends", "api"), "another kind");
+        assert!(
+            !granted(&grants, "HTTPRoute", "web", "elsewhere", "api"),
+            "a grant lives in the target namespace"
+        );
+        assert!(granted(&grants, "TCPRoute", "web", "backends", "db"), "no name: every Service");
+    }
+
+    #[test]
+    fn listeners_are_checked_alone_then_together() {
+        let all: BTreeSet<Kind> = [Kind::Http, Kind::Grpc, Kind::Tls, Kind::Tcp].into();
+        let l = |v: serde_json::Value| -> Listener { obj(v) };
+        // (listener, refused reason, kinds, unresolved reason)
+        type Case = (Listener, Option<&'static str>, Vec<Kind>, Option<&'static str>);
+        let table: Vec<Case> = vec![
+            (
+                l(json!({"name": "a", "protocol": "HTTPS", "port": 443})),
+                None,
+                vec![Kind::Http, Kind::Grpc],
+                None,
+            ),
+            (
+                l(json!({"name": "a", "protocol": "HTTPS", "port": 8443})),
+                None,
+                vec![Kind::Http, Kind::Grpc],
+                None,
+            ),
+            (
+                l(json!({"name": "a", "protocol": "HTTPS", "port": 9443})),
+                Some("PortUnavailable"),
+                vec![],
+                None,
+            ),
+            (
+                l(json!({"name": "a", "protocol": "HTTP", "port": 80})),
+                None,
+                vec![Kind::Http, Kind::Grpc],
+                None,
+            ),
+            (
+                l(json!({"name": "a", "protocol": "HTTP", "port": 8080})),
+                Some("PortUnavailable"),
+                vec![],
+                None,
+            ),
+            (
+                l(json!({"name": "a", "protocol": "TLS", "port": 443, "tls": {"mode": "Passthrough"}})),
+                None,
+                vec![Kind::Tls],
+                None,
+            ),
+            (
+                l(json!({"name": "a", "protocol": "TLS", "port": 443})),
+                Some("UnsupportedProtocol"),
+                vec![],
+                None,
+            ),
+            (
+                l(json!({"name": "a", "protocol": "HTTPS", "port": 443, "tls": {"mode": "Passthrough"}})),
+                Some("UnsupportedProtocol"),
+                vec![],
+                None,
+            ),
+            (l(json!({"name": "a", "protocol": "TCP", "port": 20005})), None, vec![Kind::Tcp], None),
+            (l(json!({"name": "a", "protocol": "TCP", "port": 5432})), Some("PortUnavailable"), vec![], None),
+            (
+                l(json!({"name": "a", "protocol": "UDP", "port": 20005})),
+                Some("UnsupportedProtocol"),
+                vec![],
+                None,
+            ),
+            (
+                l(json!({"name": "a", "protocol": "SCTP", "port": 20005})),
+                Some("UnsupportedProtocol"),
+                vec![],
+                None,
+            ),
+            (
+                l(
+                    json!({"name": "a", "protocol": "HTTPS", "port": 443, "allowedRoutes": {"kinds": [{"kind": "GRPCRoute"}, {"kind": "TLSRoute"}]}}),
+                ),
+                None,
+                vec![Kind::Grpc],
+                Some("InvalidRouteKinds"),
+            ),
+        ];
+        for (listener, refused, kinds, unresolved) in table {
+            let e = check_listener(&listener, S, &all);
+            assert_eq!(e.refused.as_ref().map(|r| r.0), refused, "{listener:?}");
+            assert_eq!(e.kinds, kinds, "{listener:?}");
+            assert_eq!(e.unresolved.as_ref().map(|r| r.0), unresolved, "{listener:?}");
+        }
+        let mut ls: Vec<ListenerEval> = [
+            json!({"name": "https", "protocol": "HTTPS", "port": 443, "hostname": "a.edge.test"}),
+            json!({"name": "tls", "protocol": "TLS", "port": 443, "hostname": "a.edge.test", "tls": {"mode": "Passthrough"}}),
+            json!({"name": "other", "protocol": "TLS", "port": 443, "hostname": "b.edge.test", "tls": {"mode": "Passthrough"}}),
+            json!({"name": "http", "protocol": "HTTP", "port": 443}),
+        ]
+        .into_iter()
+        .map(|v| check_listener(&l(v), S, &all))
+        .collect();
+        check_conflicts(&mut ls);
+        let reasons: Vec<Option<&str>> = ls.iter().map(|e| e.conflicted.as_ref().map(|c| c.0)).collect();
+        assert_eq!(
+            reasons,
+            [
+                Some("HostnameConflict"),
+                Some("HostnameConflict"),
+                Some("ProtocolConflict"),
+                Some("ProtocolConflict")
+            ],
+            "the first conflict found is reported"
+        );
+        ls.pop();
+        check_conflicts(&mut ls);
+        let reasons: Vec<Option<&str>> = ls.iter().map(|e| e.conflicted.as_ref().map(|c| c.0)).collect();
+        assert_eq!(reasons, [Some("HostnameConflict"), Some("HostnameConflict"), None]);
+    }
+
+    fn world() -> Observed {
+        let class: GatewayClass =
+            obj(json!({"apiVersion": "gateway.networking.k8s.io/v1", "kind": "GatewayClass",
+            "metadata": {"name": "culvert", "generation": 1}, "spec": {"controllerName": CONTROLLER_NAME}}));
+        let other: GatewayClass =
+            obj(json!({"apiVersion": "gateway.networking.k8s.io/v1", "kind": "GatewayClass",
+            "metadata": {"name": "nginx"}, "spec": {"controllerName": "k8s.io/nginx"}}));
+        let gw: Gateway = obj(json!({"apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway",
+            "metadata": {"name": "edge", "namespace": "infra", "generation": 3},
+            "spec": {"gatewayClassName": "culvert", "listeners": [
+                {"name": "https", "protocol": "HTTPS", "port": 443, "hostname": "*.edge.test",
+                    "allowedRoutes": {"namespaces": {"from": "All"}}},
+                {"name": "tcp", "protocol": "TCP", "port": 20001, "allowedRoutes": {"namespaces": {"from": "Same"}}}]}}));
+        let foreign: Gateway = obj(json!({"apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway",
+            "metadata": {"name": "nginx", "namespace": "infra"},
+            "spec": {"gatewayClassName": "nginx", "listeners": [{"name": "h", "protocol": "HTTP", "port": 80}]}}));
+        Observed {
+            classes: vec![class, other],
+            gateways: vec![gw, foreign],
+            served: [Kind::Http, Kind::Grpc, Kind::Tls, Kind::Tcp].into(),
+            services: [("web", "a"), ("web", "b"), ("infra", "db")]
+                .iter()
+                .map(|(n, s)| (n.to_string(), s.to_string()))
+                .collect(),
+            bundle_version: Some("v1.6.3".into()),
+            ..Default::default()
+        }
+    }
+
+    fn http(
+        name: &str,
+        created: u32,
+        hostnames: &[&str],
+        parent: serde_json::Value,
+        rules: serde_json::Value,
+    ) -> Route {
+        let r: HTTPRoute = obj(json!({"apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute",
+            "metadata": {"name": name, "namespace": "web", "uid": format!("u-{name}"), "generation": 1,
+                "creationTimestamp": format!("2026-01-01T00:00:{created:02}Z")},
+            "spec": {"parentRefs": [parent], "hostnames": hostnames, "rules": rules}}));
+        Route::from(&r)
+    }
+
+    fn accepted<'a>(p: &'a Plan, name: &str) -> (&'a str, &'a str, &'a str) {
+        let (_, _, _, st) = p.route_status.iter().find(|(_, _, n, _)| n == name).expect("a status");
+        let c = st.parents[0].conditions.iter().find(|c| c.type_ == "Accepted").unwrap();
+        (c.status.as_str(), c.reason.as_str(), c.message.as_str())
+    }
+
+    fn resolved<'a>(p: &'a Plan, name: &str) -> (&'a str, &'a str) {
+        let (_, _, _, st) = p.route_status.iter().find(|(_, _, n, _)| n == name).expect("a status");
+        let c = st.parents[0].conditions.iter().find(|c| c.type_ == "ResolvedRefs").unwrap();
+        (c.status.as_str(), c.reason.as_str())
+    }
+
+    #[test]
+    fn routes_of_one_host_merge_oldest_first_into_one_tunnel() {
+        let mut o = world();
+        let parent = json!({"name": "edge", "namespace": "infra", "sectionName": "https"});
+        o.routes = vec![
+            // Younger, listed first: its rules come second.
+            http(
+                "young",
+                5,
+                &["shop.edge.test"],
+                parent.clone(),
+                json!([
+                {"matches": [{"path": {"type": "PathPrefix", "value": "/"}, "method": "post",
+                    "headers": [{"name": "x-env", "value": "canary"}]}],
+                 "filters": [{"type": "RequestHeaderModifier", "requestHeaderModifier": {"add": [{"name": "x-a", "value": "1"}]}}],
+                 "backendRefs": [{"name": "a", "port": 80, "weight": 90}, {"name": "b", "port": 80, "weight": 10}]}]),
+            ),
+            http(
+                "old",
+                1,
+                &["shop.edge.test"],
+                parent.clone(),
+                json!([
+                {"matches": [{"path": {"type": "Exact", "value": "/x"}}, {"queryParams": [{"name": "q", "value": "1"}]}],
+                 "backendRefs": [{"name": "a", "port": 80}]}]),
+            ),
+            http(
+                "regex",
+                2,
+                &["shop.edge.test"],
+                parent.clone(),
+                json!([
+                {"matches": [{"path": {"type": "RegularExpression", "value": "/.*"}}], "backendRefs": [{"name": "a", "port": 80}]}]),
+            ),
+            http(
+                "mirror",
+                3,
+                &["other.edge.test"],
+                parent.clone(),
+                json!([
+                {"filters": [{"type": "RequestMirror", "requestMirror": {"backendRef": {"name": "b", "port": 80}}}],
+                 "backendRefs": [{"name": "a", "port": 80}]}]),
+            ),
+        ];
+        let p = plan(&o, S);
+        assert_eq!(accepted(&p, "old").0, "True");
+        assert_eq!(accepted(&p, "young").0, "True");
+        assert_eq!(accepted(&p, "regex").1, "UnsupportedValue");
+        assert!(accepted(&p, "mirror").2.contains("RequestMirror"), "{:?}", accepted(&p, "mirror"));
+        assert_eq!(p.tunnels.len(), 1);
+        let t = &p.tunnels[0];
+        assert_eq!((t.namespace.as_str(), t.serves.as_str()), ("web", "shop.edge.test"));
+        assert_eq!(t.spec.domain.as_deref(), Some(t.name.as_str()), "a Domain made for it");
+        assert_eq!(p.domains[0].spec.name.as_deref(), Some("shop"));
+        let owners: Vec<&str> = t.owners.iter().map(|o| o.name.as_str()).collect();
+        assert_eq!(owners, ["old", "young"]);
+        assert_eq!(p.domains[0].owners.len(), 2);
+        let r = serde_json::to_value(&t.spec.routes).unwrap();
+        assert_eq!(
+            r,
+            json!([
+                {"path": "/x", "pathType": "Exact", "service": {"name": "a", "port": 80}},
+                {"path": "/", "pathType": "Prefix", "service": {"name": "a", "port": 80},
+                    "queryParams": [{"name": "q", "value": "1", "type": "Exact"}]},
+                {"path": "/", "pathType": "Prefix",
+                    "backends": [{"name": "a", "port": 80, "weight": 90}, {"name": "b", "port": 80, "weight": 10}],
+                    "method": "POST", "headers": [{"name": "x-env", "value": "canary", "type": "Exact"}],
+                    "filters": [{"type": "RequestHeaderModifier", "requestHeaderModifier": {"add": [{"name": "x-a", "value": "1"}]}}]}
+            ])
+        );
+        // The Gateway counts the two accepted routes on the listener.
+        let (_, _, gs) = &p.gateway_status[0];
+        assert_eq!(gs.listeners[0].attached_routes, 2);
+        assert_eq!(gs.addresses[0].type_, "Hostname");
+        assert_eq!(p.gateway_status.len(), 1, "the nginx Gateway is not ours");
+        assert_eq!(p.class_status.len(), 1);
+    }
+
+    #[test]
+    fn refusals_name_their_reason() {
+        let mut o = world();
+        let p = |v: serde_json::Value| v;
+        o.routes = vec![
+            http(
+                "section",
+                1,
+                &["a.edge.test"],
+                p(json!({"name": "edge", "namespace": "infra", "sectionName": "nope"})),
+                json!([]),
+            ),
+            http(
+                "tcp-listener",
+                1,
+                &["a.edge.test"],
+                p(json!({"name": "edge", "namespace": "infra", "sectionName": "tcp"})),
+                json!([]),
+            ),
+            http(
+                "hostname",
+                1,
+                &["a.other.org"],
+                p(json!({"name": "edge", "namespace": "infra"})),
+                json!([]),
+            ),
+            http(
+                "cross",
+                1,
+                &["c.edge.test"],
+                p(json!({"name": "edge", "namespace": "infra"})),
+                json!([{"backendRefs": [{"name": "db", "namespace": "infra", "port": 5432}]}]),
+            ),
+            http(
+                "kind",
+                1,
+                &["k.edge.test"],
+                p(json!({"name": "edge", "namespace": "infra"})),
+                json!([{"backendRefs": [{"group": "x.io", "kind": "Bucket", "name": "b"}]}]),
+            ),
+            http(
+                "missing",
+                1,
+                &["m.edge.test"],
+                p(json!({"name": "edge", "namespace": "infra"})),
+                json!([{"backendRefs": [{"name": "gone", "port": 80}]}]),
+            ),
+            http(
+                "foreign",
+                1,
+                &["f.edge.test"],
+                p(json!({"name": "nginx", "namespace": "infra"})),
+                json!([]),
+            ),
+        ];
+        let plan1 = plan(&o, S);
+        assert_eq!(accepted(&plan1, "section").1, "NoMatchingParent");
+        assert_eq!(accepted(&plan1, "tcp-listener").1, "NotAllowedByListeners");
+        assert_eq!(accepted(&plan1, "hostname").1, "NoMatchingListenerHostname");
+        assert_eq!(resolved(&plan1, "cross"), ("False", "RefNotPermitted"));
+        assert_eq!(resolved(&plan1, "kind"), ("False", "InvalidKind"));
+        assert_eq!(resolved(&plan1, "missing"), ("False", "BackendNotFound"));
+        assert!(!plan1.route_status.iter().any(|(_, _, n, _)| n == "foreign"), "not our Gateway: no status");
+        // Refused backends are left out: the rule answers 500.
+        let cross = plan1.tunnels.iter().find(|t| t.serves == "c.edge.test").unwrap();
+        assert_eq!(cross.spec.routes[0].service, None);
+        assert!(cross.spec.routes[0].backends.is_empty());
+        // With a grant the other namespace's Service is a backend, namespace and all.
+        o.grants = vec![obj(
+            json!({"apiVersion": "gateway.networking.k8s.io/v1beta1", "kind": "ReferenceGrant",
+            "metadata": {"name": "g", "namespace": "infra"},
+            "spec": {"from": [{"group": GROUP, "kind": "HTTPRoute", "namespace": "web"}], "to": [{"group": "", "kind": "Service"}]}}),
+        )];
+        let plan2 = plan(&o, S);
+        assert_eq!(resolved(&plan2, "cross"), ("True", "ResolvedRefs"));
+        let cross = plan2.tunnels.iter().find(|t| t.serves == "c.edge.test").unwrap();
+        assert_eq!(cross.spec.routes[0].backends[0].namespace.as_deref(), Some("infra"));
+        // A namespace without a Domain, on a listener without hostname: not published.
+        o.gateways[0].spec.listeners[0].hostname = None;
+        let plan3 = plan(&o, S);
+        let (status, reason, msg) = accepted(&plan3, "missing");
+        assert_eq!((status, reason), ("False", "NotAllowedByListeners"));
+        assert!(msg.contains("create a Domain"), "{msg}");
+        // TCP: routes of another namespace than the listener's (allowedRoutes Same).
+        let tcp: TCPRoute = obj(json!({"apiVersion": "gateway.networking.k8s.io/v1", "kind": "TCPRoute",
+            "metadata": {"name": "db", "namespace": "web", "uid": "u-db"},
+            "spec": {"parentRefs": [{"name": "edge", "namespace": "infra", "sectionName": "tcp"}],
+                "rules": [{"backendRefs": [{"name": "a", "port": 80}]}]}}));
+        o.routes = vec![Route::from(&tcp)];
+        let plan4 = plan(&o, S);
+        assert_eq!(accepted(&plan4, "db").1, "NotAllowedByListeners");
+        o.gateways[0].spec.listeners[1].allowed_routes = None;
+        o.gateways[0].metadata.namespace = Some("web".into());
+        o.routes[0].parent_refs[0].namespace = None;
+        let plan5 = plan(&o, S);
+        assert_eq!(accepted(&plan5, "db").0, "True");
+        assert_eq!(plan5.tcp_ports[0].spec.port, Some(20001));
+        assert_eq!(plan5.tunnels[0].spec.protocol, TunnelProtocol::Tcp);
+    }
+
+    #[test]
+    fn classes_gateways_and_what_we_made() {
+        let mut o = world();
+        o.bundle_version = Some("v1.2.0".into());
+        let p = plan(&o, S);
+        let c = &p.class_status[0].1.conditions;
+        assert_eq!((c[0].type_.as_str(), c[0].reason.as_str()), ("Accepted", "UnsupportedVersion"));
+        assert_eq!((c[1].type_.as_str(), c[1].status.as_str()), ("SupportedVersion", "False"));
+        assert!(p.gateway_status.is_empty(), "a class not accepted serves no Gateway");
+        // Objects made earlier that no route asks for are deleted.
+        o.bundle_version = None;
+        o.tunnels = vec![obj(json!({"apiVersion": "culvert.dev/v1alpha1", "kind": "Tunnel",
+            "metadata": {"name": "gw-old", "namespace": "web", "labels": {LABEL_MANAGED_BY: MANAGED_BY}},
+            "spec": {"domain": "x"}}))];
+        let p = plan(&o, S);
+        assert_eq!(p.delete_tunnels, [("web".to_string(), "gw-old".to_string())]);
+        let (_, _, gs) = &p.gateway_status[0];
+        let kinds: Vec<&str> = gs.conditions.iter().map(|c| c.type_.as_str()).collect();
+        assert_eq!(kinds, ["Accepted", "Programmed"]);
+        assert_eq!(gs.conditions[0].observed_generation, Some(3));
+        assert!(supported_bundle("v1.6.3") && supported_bundle("v1.7.0") && !supported_bundle("v1.5.1"));
+    }
 }
