@@ -11,13 +11,17 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use culvert::crd::{Domain, TcpPort, Tunnel, TunnelProtocol};
-use culvert::operator::gateway::types::{Gateway, GatewayClass, HTTPRoute, TCPRoute, TLSRoute};
+use culvert::operator::gateway::types::{
+    GRPCRoute, Gateway, GatewayClass, HTTPRoute, ReferenceGrant, TCPRoute, TLSRoute,
+};
 use fixture::{Fixture, NamespacedObject, WAIT, listen_in, service_with_endpoints};
 use futures_util::{SinkExt, StreamExt};
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use kube_env::wait_until;
@@ -58,6 +62,7 @@ async fn finish(
     let dp = DeleteParams::default();
     let lp = Default::default();
     f.api::<HTTPRoute>().delete_collection(&dp, &lp).await.unwrap();
+    f.api::<GRPCRoute>().delete_collection(&dp, &lp).await.unwrap();
     f.api::<TLSRoute>().delete_collection(&dp, &lp).await.unwrap();
     f.api::<TCPRoute>().delete_collection(&dp, &lp).await.unwrap();
     f.api::<Gateway>().delete_collection(&dp, &lp).await.unwrap();
@@ -693,4 +698,140 @@ async fn tlsroute_passes_tls_through_by_sni_and_tcproute_carries_tcp() {
         json!([{"group": "gateway.networking.k8s.io", "kind": "TCPRoute"}])
     );
     finish(f, &class, stop, task).await;
+}
+
+/// An HTTP/2-only backend without TLS (h2c, prior knowledge), as gRPC servers are.
+fn h2c_backend(host: &NetnsHost, port: u16) {
+    let listener = listen_in(host, port);
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else { return };
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(|req: Request<Incoming>| async move {
+                    let text = format!("h2c {:?} {}", req.version(), req.uri().path());
+                    Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::from(text))))
+                });
+                let _ = hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                    .serve_connection(TokioIo::new(tcp), service)
+                    .await;
+            });
+        }
+    });
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpcroute_method_matches_reach_an_h2c_backend() {
+    let Some((f, class)) = fixture("gw-grpc").await else { return };
+    let Some(backends) = NetnsHost::create() else { return };
+    h2c_backend(&backends, 50051);
+    service_with_endpoints(&f, "greeter", &backends.ip, json!({}), &[("grpc", 50051, 50051, "TCP")]).await;
+    let (stop, task) = f.operator();
+    f.create::<Gateway>(gateway(
+        "edge",
+        &class,
+        json!([{"name": "https", "protocol": "HTTPS", "port": 443, "hostname": "*.edge.test"}]),
+    ))
+    .await;
+    let host = format!("grpc{}.edge.test", f.suffix());
+    f.create::<GRPCRoute>(json!({"apiVersion": GW, "kind": "GRPCRoute", "metadata": {"name": "greeter"},
+        "spec": {"parentRefs": [{"name": "edge"}], "hostnames": [host], "rules": [
+            {"matches": [{"method": {"service": "helloworld.Greeter", "method": "SayHello"}}],
+             "backendRefs": [{"name": "greeter", "port": 50051}]}]}}))
+        .await;
+    wait_route::<GRPCRoute>(&f, "greeter", "edge", "Accepted", "True", "Accepted").await;
+    let call = |path: &'static str| {
+        let f = &f;
+        let host = host.clone();
+        async move {
+            let req = Request::post(path)
+                .header("content-type", "application/grpc")
+                .header("te", "trailers")
+                .body(Full::new(Bytes::new()))
+                .unwrap();
+            let resp = f.edge.client().send(&host, req, true).await.expect("h2 request");
+            let status = resp.status();
+            let body = resp.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+            (status, String::from_utf8_lossy(&body).into_owned())
+        }
+    };
+    let answer = wait_until("the gRPC method through the edge", WAIT, || async {
+        let (s, b) = call("/helloworld.Greeter/SayHello").await;
+        Ok((s == StatusCode::OK).then_some(b))
+    })
+    .await
+    .unwrap();
+    assert_eq!(answer, "h2c HTTP/2.0 /helloworld.Greeter/SayHello", "HTTP/2 cleartext to the backend");
+    assert_eq!(call("/helloworld.Greeter/Other").await.0, StatusCode::NOT_FOUND, "another method");
+    let st = wait_gateway(&f, "edge", "the GRPCRoute attached", |s| s["listeners"][0]["attachedRoutes"] == 1)
+        .await;
+    let kinds: Vec<&str> = st["listeners"][0]["supportedKinds"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k["kind"].as_str().unwrap())
+        .collect();
+    assert_eq!(kinds, ["HTTPRoute", "GRPCRoute"]);
+    finish(f, &class, stop, task).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "the Tunnel controller resolves weighted backends of another namespace once gwroute's weighted backends are merged"]
+async fn a_backend_of_another_namespace_needs_a_reference_grant() {
+    let Some((f, class)) = fixture("gw-grant").await else { return };
+    let Some(backends) = NetnsHost::create() else { return };
+    http_backend(&backends, 8001, "FAR");
+    let env = kube_env::connect().await.unwrap();
+    let other = env.namespace("gw-grant-far").await.unwrap();
+    // The Service and its endpoints in the other namespace.
+    let svc: Service = serde_json::from_value(json!({"apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "far"}, "spec": {"ports": [{"name": "http", "port": 80, "targetPort": 8001}]}}))
+    .unwrap();
+    other.api::<Service>().create(&Default::default(), &svc).await.unwrap();
+    let slice: EndpointSlice =
+        serde_json::from_value(json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"name": "far-1", "labels": {"kubernetes.io/service-name": "far"}},
+        "addressType": "IPv4", "ports": [{"name": "http", "port": 8001, "protocol": "TCP"}],
+        "endpoints": [{"addresses": [backends.ip], "conditions": {"ready": true}}]}))
+        .unwrap();
+    other.api::<EndpointSlice>().create(&Default::default(), &slice).await.unwrap();
+    let (stop, task) = f.operator();
+    f.create::<Gateway>(gateway(
+        "edge",
+        &class,
+        json!([{"name": "https", "protocol": "HTTPS", "port": 443, "hostname": "*.edge.test"}]),
+    ))
+    .await;
+    let host = format!("x{}.edge.test", f.suffix());
+    f.create::<HTTPRoute>(http_route(
+        "far",
+        json!({"name": "edge"}),
+        &[&host],
+        json!([
+        {"backendRefs": [{"name": "far", "namespace": other.name, "port": 80}]}]),
+    ))
+    .await;
+
+    // Refused without a grant: the condition says what to create; nothing reaches the Service.
+    let v = wait_route::<HTTPRoute>(&f, "far", "edge", "ResolvedRefs", "False", "RefNotPermitted").await;
+    let msg = route_condition(&v, "edge", "ResolvedRefs").unwrap()["message"].as_str().unwrap().to_string();
+    assert!(msg.contains("ReferenceGrant") && msg.contains(&other.name), "{msg}");
+    let (status, body) = f.get_until(&host, "/", |s, _| s.is_server_error()).await;
+    assert!(!body.starts_with("FAR"), "{status} {body}");
+
+    // A grant in the other namespace, from HTTPRoutes of ours to that Service: allowed.
+    let grant: ReferenceGrant = serde_json::from_value(json!({"apiVersion": "gateway.networking.k8s.io/v1beta1",
+        "kind": "ReferenceGrant", "metadata": {"name": "from-routes"},
+        "spec": {"from": [{"group": "gateway.networking.k8s.io", "kind": "HTTPRoute", "namespace": f.ns.name}],
+            "to": [{"group": "", "kind": "Service", "name": "far"}]}}))
+    .unwrap();
+    other.api::<ReferenceGrant>().create(&Default::default(), &grant).await.unwrap();
+    wait_route::<HTTPRoute>(&f, "far", "edge", "ResolvedRefs", "True", "ResolvedRefs").await;
+    f.get_until(&host, "/p", |s, b| s == StatusCode::OK && b == "FAR GET /p").await;
+
+    // The grant withdrawn: refused again, and the Service is no longer reached.
+    other.api::<ReferenceGrant>().delete("from-routes", &DeleteParams::default()).await.unwrap();
+    wait_route::<HTTPRoute>(&f, "far", "edge", "ResolvedRefs", "False", "RefNotPermitted").await;
+    f.get_until(&host, "/p", |s, _| s.is_server_error()).await;
+    finish(f, &class, stop, task).await;
+    other.delete_and_wait().await.unwrap();
 }
