@@ -332,7 +332,8 @@ pub(crate) async fn execute(
         },
         AdminCommand::Port(cmd) => match cmd {
             PortCommand::Reserve { port, labels } => {
-                let request = ReservePortRequest { port: *port, labels: labels_of(labels) };
+                let request =
+                    ReservePortRequest { port: *port, labels: labels_of(labels), ..Default::default() };
                 let a = answer!(client.post("ports", &request));
                 let created = a.created;
                 let r: Reservation = a.decode()?;
@@ -693,6 +694,7 @@ mod tests {
                 kind: ReservationKind::Tcp,
                 hostname: None,
                 port: Some(20017),
+                protocol: Default::default(),
             },
             labels: [("cluster".to_string(), "c1".to_string())].into(),
             owner: "ak_1".into(),
@@ -713,6 +715,7 @@ mod tests {
                 kind: ReservationKind::Subdomain,
                 hostname: Some("blog.example.com".into()),
                 port: None,
+                protocol: Default::default(),
                 labels: Labels::new(),
                 owner: "ak_1".into(),
                 created_at: "x".into(),
@@ -729,7 +732,11 @@ mod tests {
         use serde_json::json;
         let domain = ReserveDomainRequest { name: Some("a".into()), ..Default::default() };
         assert_eq!(body(&domain), json!({"name": "a"}));
-        let port = ReservePortRequest { port: None, labels: labels_of(&[("k".into(), "v".into())]) };
+        let port = ReservePortRequest {
+            port: None,
+            labels: labels_of(&[("k".into(), "v".into())]),
+            ..Default::default()
+        };
         assert_eq!(body(&port), json!({"labels": {"k": "v"}}));
         let key =
             CreateTunnelKeyRequest { port: Some(20000), protocol: Some(Protocol::Tcp), ..Default::default() };

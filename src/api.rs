@@ -21,15 +21,18 @@ pub enum Protocol {
     Tcp,
     /// TLS passthrough by SNI on a reserved host name.
     Tls,
+    /// Raw UDP datagrams on a reserved UDP port.
+    Udp,
 }
 
 impl Protocol {
-    /// The wire and JSON spelling (`http`, `tcp`, `tls`).
+    /// The wire and JSON spelling (`http`, `tcp`, `tls`, `udp`).
     pub fn as_str(self) -> &'static str {
         match self {
             Protocol::Http => "http",
             Protocol::Tcp => "tcp",
             Protocol::Tls => "tls",
+            Protocol::Udp => "udp",
         }
     }
 
@@ -39,6 +42,7 @@ impl Protocol {
             "http" => Some(Protocol::Http),
             "tcp" => Some(Protocol::Tcp),
             "tls" => Some(Protocol::Tls),
+            "udp" => Some(Protocol::Udp),
             _ => None,
         }
     }
@@ -50,7 +54,67 @@ impl std::fmt::Display for Protocol {
     }
 }
 
-/// An inclusive range of TCP ports; `FIRST-LAST` (or one `PORT`) in flags and JSON.
+/// The transport of a port reservation: TCP and UDP ports are separate
+/// spaces (UDP 5353 and TCP 5353 may be held by different keys).
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum PortProtocol {
+    /// A TCP port (the default: absent means tcp).
+    #[default]
+    Tcp,
+    /// A UDP port.
+    Udp,
+}
+
+impl PortProtocol {
+    /// The JSON spelling (`tcp`, `udp`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PortProtocol::Tcp => "tcp",
+            PortProtocol::Udp => "udp",
+        }
+    }
+
+    /// Parses the JSON spelling.
+    pub fn parse(s: &str) -> Option<PortProtocol> {
+        match s {
+            "tcp" => Some(PortProtocol::Tcp),
+            "udp" => Some(PortProtocol::Udp),
+            _ => None,
+        }
+    }
+
+    /// Whether this is TCP (the default, left out of JSON).
+    pub fn is_tcp(&self) -> bool {
+        *self == PortProtocol::Tcp
+    }
+
+    /// The transport of the port a tunnel key of `protocol` publishes on.
+    pub fn of_key(protocol: Protocol) -> PortProtocol {
+        match protocol {
+            Protocol::Udp => PortProtocol::Udp,
+            _ => PortProtocol::Tcp,
+        }
+    }
+
+    /// The tunnel key protocol that publishes a port of this transport.
+    pub fn tunnel_protocol(self) -> Protocol {
+        match self {
+            PortProtocol::Tcp => Protocol::Tcp,
+            PortProtocol::Udp => Protocol::Udp,
+        }
+    }
+}
+
+impl std::fmt::Display for PortProtocol {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An inclusive range of ports (TCP and UDP reservations share it); `FIRST-LAST` (or one `PORT`) in flags and JSON.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PortRange {
     pub first: u16,
@@ -106,7 +170,8 @@ pub enum ReservationKind {
     Subdomain,
     /// A custom domain pointed at the edge by CNAME.
     Custom,
-    /// A TCP port on the edge.
+    /// A port on the edge: TCP, or UDP (see [`Reservation::protocol`]).
+    /// The spelling `tcp` predates UDP and stays for compatibility.
     Tcp,
 }
 
@@ -148,9 +213,12 @@ pub struct Reservation {
     /// Full host name (subdomain and custom kinds), lower case, no trailing dot.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hostname: Option<String>,
-    /// TCP port (tcp kind).
+    /// Port (tcp kind).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub port: Option<u16>,
+    /// The transport of a port reservation: `tcp` (absent) or `udp`.
+    #[serde(default, skip_serializing_if = "PortProtocol::is_tcp")]
+    pub protocol: PortProtocol,
     /// Free-form labels (the operator keeps its cluster id and namespace here).
     #[serde(default)]
     pub labels: Labels,
@@ -159,7 +227,8 @@ pub struct Reservation {
     pub owner: String,
     /// RFC 3339 UTC time of creation.
     pub created_at: String,
-    /// Public address: `https://host[:port]` or `tcp://public-host:port`.
+    /// Public address: `https://host[:port]`, `tcp://public-host:port` or
+    /// `udp://public-host:port`.
     /// Filled in by the API (the store does not know the edge's addresses).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub url: Option<String>,
@@ -230,10 +299,10 @@ pub struct CertificateState {
 impl Reservation {
     /// The public address of the reservation: `https://<hostname>` (with
     /// `:<https_port>` unless 443) for domains, `tcp://<public_host>:<port>`
-    /// for TCP ports. TLS passthrough uses the same host and port as HTTPS.
+    /// (`udp://...`) for ports. TLS passthrough uses the same host and port as HTTPS.
     pub fn public_url(&self, https_port: u16, public_host: &str) -> String {
         match (self.kind, &self.hostname, self.port) {
-            (ReservationKind::Tcp, _, Some(port)) => format!("tcp://{public_host}:{port}"),
+            (ReservationKind::Tcp, _, Some(port)) => format!("{}://{public_host}:{port}", self.protocol),
             (_, Some(host), _) if https_port == 443 => format!("https://{host}"),
             (_, Some(host), _) => format!("https://{host}:{https_port}"),
             // Unreachable for records made by the store; say something useful anyway.
@@ -241,13 +310,19 @@ impl Reservation {
         }
     }
 
-    /// What the reservation holds, for messages and tables: the host name or the port.
+    /// What the reservation holds, for messages and tables: the host name or
+    /// the port (`port N`, `udp port N`).
     pub fn target(&self) -> String {
-        match (&self.hostname, self.port) {
-            (Some(host), _) => host.clone(),
-            (None, Some(port)) => format!("port {port}"),
-            (None, None) => self.id.clone(),
-        }
+        port_target(&self.hostname, self.port, self.protocol, &self.id)
+    }
+}
+
+fn port_target(hostname: &Option<String>, port: Option<u16>, protocol: PortProtocol, id: &str) -> String {
+    match (hostname, port) {
+        (Some(host), _) => host.clone(),
+        (None, Some(port)) if protocol == PortProtocol::Udp => format!("udp port {port}"),
+        (None, Some(port)) => format!("port {port}"),
+        (None, None) => id.to_string(),
     }
 }
 
@@ -263,25 +338,30 @@ pub struct ReservationRef {
     /// Host name (domain kinds).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hostname: Option<String>,
-    /// TCP port (tcp kind).
+    /// Port (tcp kind).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub port: Option<u16>,
+    /// The transport of a port: `tcp` (absent) or `udp`.
+    #[serde(default, skip_serializing_if = "PortProtocol::is_tcp")]
+    pub protocol: PortProtocol,
 }
 
 impl ReservationRef {
-    /// The host name or `port N`, for messages and tables.
+    /// The host name or `port N` (`udp port N`), for messages and tables.
     pub fn target(&self) -> String {
-        match (&self.hostname, self.port) {
-            (Some(host), _) => host.clone(),
-            (None, Some(port)) => format!("port {port}"),
-            (None, None) => self.id.clone(),
-        }
+        port_target(&self.hostname, self.port, self.protocol, &self.id)
     }
 }
 
 impl From<&Reservation> for ReservationRef {
     fn from(r: &Reservation) -> Self {
-        ReservationRef { id: r.id.clone(), kind: r.kind, hostname: r.hostname.clone(), port: r.port }
+        ReservationRef {
+            id: r.id.clone(),
+            kind: r.kind,
+            hostname: r.hostname.clone(),
+            port: r.port,
+            protocol: r.protocol,
+        }
     }
 }
 
@@ -392,7 +472,7 @@ pub struct Info {
     pub protocol_version: u32,
     /// Oldest agent protocol version the edge accepts.
     pub min_protocol_version: u32,
-    /// TCP port range for TCP reservations, `FIRST-LAST` on the wire.
+    /// Port range for port reservations (TCP and UDP), `FIRST-LAST` on the wire.
     pub tcp_ports: PortRange,
     /// Host name public TCP addresses are reported with.
     pub public_host: String,
@@ -425,6 +505,9 @@ pub struct ReservePortRequest {
     /// A port within the edge's range; none picks the lowest free one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub port: Option<u16>,
+    /// `tcp` (default) or `udp`: TCP and UDP ports are separate spaces.
+    #[serde(default, skip_serializing_if = "PortProtocol::is_tcp")]
+    pub protocol: PortProtocol,
     /// Labels stored with a new reservation (an existing one keeps its own).
     #[serde(default, skip_serializing_if = "Labels::is_empty")]
     pub labels: Labels,
@@ -447,10 +530,11 @@ pub struct CreateTunnelKeyRequest {
     /// Host name or subdomain label of a domain reservation (http, tls).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub domain: Option<String>,
-    /// Port of a TCP reservation (tcp).
+    /// Port of a port reservation (tcp, or udp for a UDP port).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub port: Option<u16>,
-    /// What the key publishes; defaults to `http` for a domain, `tcp` for a port.
+    /// What the key publishes; defaults to `http` for a domain, `tcp` for a
+    /// port. `udp` binds the key to the UDP reservation of `port`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub protocol: Option<Protocol>,
     /// Free-form labels.
@@ -680,6 +764,7 @@ mod tests {
             kind: ReservationKind::Subdomain,
             hostname: Some("blog.example.com".into()),
             port: None,
+            protocol: PortProtocol::Tcp,
             labels: Labels::new(),
             owner: "ak_0123456789ab".into(),
             created_at: "2025-01-01T00:00:00Z".into(),
@@ -692,6 +777,24 @@ mod tests {
         assert!(v.get("port").is_none());
         assert_eq!(r.public_url(443, "x"), "https://blog.example.com");
         assert_eq!(r.public_url(8443, "x"), "https://blog.example.com:8443");
+        assert!(v.get("protocol").is_none(), "tcp (and domains) leave protocol out");
+        let udp = Reservation {
+            kind: ReservationKind::Tcp,
+            hostname: None,
+            port: Some(5353),
+            protocol: PortProtocol::Udp,
+            ..r.clone()
+        };
+        let v = serde_json::to_value(&udp).unwrap();
+        assert_eq!(v["protocol"], "udp");
+        assert_eq!(udp.public_url(443, "edge.example.com"), "udp://edge.example.com:5353");
+        assert_eq!(udp.target(), "udp port 5353");
+        let back: Reservation = serde_json::from_value(v).unwrap();
+        assert_eq!(back, udp);
+        let req: ReservePortRequest = serde_json::from_str(r#"{"port": 53}"#).unwrap();
+        assert_eq!(req.protocol, PortProtocol::Tcp, "absent is tcp");
+        let req: ReservePortRequest = serde_json::from_str(r#"{"protocol": "udp"}"#).unwrap();
+        assert_eq!(req.protocol, PortProtocol::Udp);
         let e = serde_json::to_value(ErrorBody::new("c", "m")).unwrap();
         assert_eq!(e, serde_json::json!({"error": {"code": "c", "message": "m"}}));
         let bad = serde_json::from_str::<ReserveDomainRequest>(r#"{"nmae":"x"}"#);

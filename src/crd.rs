@@ -1,5 +1,5 @@
-//! The custom resources of `culvert.dev/v1alpha1`: `Domain`, `TcpPort` and
-//! `Tunnel`. The YAML in `crds/` is generated from these types by
+//! The custom resources of `culvert.dev/v1alpha1`: `Domain`, `TcpPort`,
+//! `UdpPort` and `Tunnel`. The YAML in `crds/` is generated from these types by
 //! `culvert crd` and checked for drift by a test.
 
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -151,6 +151,39 @@ pub struct TcpPortStatus {
     pub reservation_id: Option<String>,
 }
 
+/// A reserved UDP port on the edge. UDP and TCP ports are separate spaces:
+/// UDP 5353 and TCP 5353 are two reservations.
+#[derive(CustomResource, Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "culvert.dev",
+    version = "v1alpha1",
+    kind = "UdpPort",
+    namespaced,
+    status = "UdpPortStatus",
+    shortname = "cudpport",
+    category = "culvert",
+    doc = "A public UDP port reserved on the edge for this namespace (the address is in status.address). A Tunnel of protocol udp publishes a Service on it.",
+    printcolumn = r#"{"name":"Address","type":"string","jsonPath":".status.address"}"#,
+    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Reason","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].reason"}"#,
+    printcolumn = r#"{"name":"Reclaim","type":"string","priority":1,"jsonPath":".spec.reclaimPolicy"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct UdpPortSpec {
+    /// The UDP port to reserve; empty takes any free UDP port of the edge's range.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<i32>", range(min = 1, max = 65535))]
+    pub port: Option<u16>,
+    /// `Delete` (default) or `Retain`, as for Domain.
+    #[serde(default)]
+    pub reclaim_policy: ReclaimPolicy,
+}
+
+/// Observed state of a UdpPort: the same fields as a TcpPort's (the
+/// address is `host:port` of the UDP port).
+pub type UdpPortStatus = TcpPortStatus;
+
 /// How a Tunnel publishes its Service.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
@@ -162,6 +195,8 @@ pub enum TunnelProtocol {
     Tcp,
     /// TLS passthrough on a Domain: the backend terminates TLS.
     Tls,
+    /// UDP datagrams on a UdpPort.
+    Udp,
 }
 
 /// PROXY protocol header sent to the backend with the public client's address.
@@ -519,8 +554,8 @@ pub struct ResolvedRoute {
     pub options: HttpOptions,
 }
 
-/// Publishes one port of a Service on a Domain (http, tls) or a TcpPort
-/// (tcp) of the same namespace, without an Ingress.
+/// Publishes one port of a Service on a Domain (http, tls), a TcpPort (tcp)
+/// or a UdpPort (udp) of the same namespace, without an Ingress.
 #[derive(CustomResource, Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[kube(
     group = "culvert.dev",
@@ -530,7 +565,7 @@ pub struct ResolvedRoute {
     status = "TunnelStatus",
     shortname = "ctunnel",
     category = "culvert",
-    doc = "Publishes a Service of this namespace on the internet through the edge: on a Domain (protocol http or tls) or a TcpPort (tcp). Ready means published and an agent connected, that is, reachable.",
+    doc = "Publishes a Service of this namespace on the internet through the edge: on a Domain (protocol http or tls), a TcpPort (tcp) or a UdpPort (udp). Ready means published and an agent connected, that is, reachable.",
     printcolumn = r#"{"name":"Service","type":"string","jsonPath":".spec.service.name"}"#,
     printcolumn = r#"{"name":"URL","type":"string","jsonPath":".status.url"}"#,
     printcolumn = r#"{"name":"Agents","type":"integer","jsonPath":".status.agents"}"#,
@@ -552,7 +587,7 @@ pub struct TunnelSpec {
     /// these; changing them never reconnects the tunnel.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub routes: Vec<TunnelRoute>,
-    /// `http` (default), `tcp` or `tls` (passthrough).
+    /// `http` (default), `tcp`, `tls` (passthrough) or `udp`.
     #[serde(default)]
     pub protocol: TunnelProtocol,
     /// Name of a Domain in this namespace (http and tls).
@@ -561,7 +596,11 @@ pub struct TunnelSpec {
     /// Name of a TcpPort in this namespace (tcp).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tcp_port: Option<String>,
-    /// Send a PROXY protocol header (tcp, tls) with the public client address.
+    /// Name of a UdpPort in this namespace (udp).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub udp_port: Option<String>,
+    /// Send a PROXY protocol header (tcp, tls; udp: `v2` only, one before
+    /// every datagram) with the public client address.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub proxy_protocol: Option<ProxyProtocol>,
     /// How requests to `service` are forwarded (protocol http; each route
@@ -623,7 +662,7 @@ pub struct TunnelStatus {
 /// Every CRD of culvert as one multi-document YAML.
 pub fn crds_yaml() -> String {
     use kube::CustomResourceExt;
-    [Domain::crd(), TcpPort::crd(), Tunnel::crd()]
+    [Domain::crd(), TcpPort::crd(), UdpPort::crd(), Tunnel::crd()]
         .iter()
         .map(|crd| format!("---\n{}", serde_saphyr::to_string(crd).expect("CRDs serialize")))
         .collect()
@@ -655,6 +694,11 @@ mod tests {
         }))
         .unwrap();
         assert_eq!(t.service.unwrap().port, IntOrString::String("postgres".into()));
+        let t: TunnelSpec = serde_json::from_value(serde_json::json!({
+            "service": {"name": "dns", "port": 53}, "protocol": "udp", "udpPort": "dns"
+        }))
+        .unwrap();
+        assert_eq!((t.protocol, t.udp_port.as_deref()), (TunnelProtocol::Udp, Some("dns")));
     }
 
     #[test]

@@ -213,7 +213,7 @@ pub async fn run_standalone(args: AgentArgs, protocol: Protocol) -> Result<(), A
     let target = match protocol {
         Protocol::Tcp => Target::parse_tcp(&args.target),
         Protocol::Http => Target::parse_http(&args.target),
-        Protocol::Tls => Err("the standalone agent publishes http or tcp".to_string()),
+        Protocol::Tls | Protocol::Udp => Err("the standalone agent publishes http or tcp".to_string()),
     }
     .map_err(|why| AgentError::BadTarget { target: args.target.clone(), why })?;
     let edges = EdgeSet::parse(&args.edge)?;

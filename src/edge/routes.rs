@@ -82,6 +82,7 @@ mod tests {
             kind,
             hostname: host.map(Into::into),
             port,
+            protocol: Default::default(),
             labels: Default::default(),
             owner: String::new(),
             created_at: String::new(),

@@ -157,7 +157,9 @@ fn resolver(protocol: TunnelProtocol, routing: Arc<RwLock<Routing>>) -> Resolver
         let routing = routing.read().expect("poisoned");
         let backends = match protocol {
             TunnelProtocol::Http => routing.table.lookup(parts.uri.path())?,
-            TunnelProtocol::Tcp | TunnelProtocol::Tls => routing.table.default_backend()?,
+            TunnelProtocol::Tcp | TunnelProtocol::Tls | TunnelProtocol::Udp => {
+                routing.table.default_backend()?
+            }
         };
         let list = &backends.addrs;
         if list.is_empty() {
@@ -167,6 +169,7 @@ fn resolver(protocol: TunnelProtocol, routing: Arc<RwLock<Routing>>) -> Resolver
         Some(match protocol {
             TunnelProtocol::Http => Target::Http { authority: addr, options: backends.options.clone() },
             TunnelProtocol::Tcp | TunnelProtocol::Tls => Target::Tcp { addr, proxy: routing.proxy },
+            TunnelProtocol::Udp => return None,
         })
     })
 }

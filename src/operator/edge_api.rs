@@ -222,6 +222,7 @@ pub mod fake {
                 kind,
                 hostname: port.is_none().then(|| key.clone()),
                 port,
+                protocol: Default::default(),
                 labels: labels.clone(),
                 owner: "ak_1".into(),
                 created_at: "2026-12-01T00:00:00Z".into(),

@@ -481,6 +481,7 @@ fn plan_host(
                 protocol: TunnelProtocol::Tls,
                 domain: Some(domain_name),
                 tcp_port: None,
+                udp_port: None,
                 proxy_protocol: None,
                 options: HttpOptions::default(),
             })
@@ -506,6 +507,7 @@ fn plan_host(
             protocol: TunnelProtocol::Http,
             domain: Some(domain_name),
             tcp_port: None,
+            udp_port: None,
             proxy_protocol: None,
             options: merged.default.as_ref().map(|b| b.options.clone()).unwrap_or_default(),
         }))

@@ -151,7 +151,7 @@ impl Reserved for TcpPort {
     }
 
     fn request(&self, labels: Labels) -> ReserveRequest {
-        ReserveRequest::Port(ReservePortRequest { port: self.spec.port, labels })
+        ReserveRequest::Port(ReservePortRequest { port: self.spec.port, labels, ..Default::default() })
     }
 
     fn conditions(&self) -> Vec<Condition> {

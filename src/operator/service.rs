@@ -302,6 +302,7 @@ pub fn plan(svc: &Service, o: &Observed, manage_classless: bool, range: Option<(
                 protocol: TunnelProtocol::Tcp,
                 domain: None,
                 tcp_port: Some(p.name.clone()),
+                udp_port: None,
                 proxy_protocol: translated.proxy,
                 options: HttpOptions::default(),
             };

@@ -112,6 +112,9 @@ pub fn validate(t: &Tunnel) -> Result<(), Error> {
         (TunnelProtocol::Tcp, _, _) => Err(Error::Invalid(
             "protocol tcp needs spec.tcpPort (a TcpPort of this namespace) and no domain".into(),
         )),
+        (TunnelProtocol::Udp, _, _) => {
+            Err(Error::Invalid("protocol udp is not served by this operator version yet".into()))
+        }
     }
     .and_then(|()| match (t.spec.protocol, t.spec.proxy_protocol) {
         (TunnelProtocol::Http, Some(_)) => {
@@ -127,6 +130,7 @@ pub fn wire_protocol(p: TunnelProtocol) -> Protocol {
         TunnelProtocol::Http => Protocol::Http,
         TunnelProtocol::Tcp => Protocol::Tcp,
         TunnelProtocol::Tls => Protocol::Tls,
+        TunnelProtocol::Udp => Protocol::Udp,
     }
 }
 

@@ -246,7 +246,8 @@ pub async fn install_culvert_crds(client: &Client) {
             .await
             .unwrap();
     }
-    for name in ["domains.culvert.dev", "tcpports.culvert.dev", "tunnels.culvert.dev"] {
+    for name in ["domains.culvert.dev", "tcpports.culvert.dev", "udpports.culvert.dev", "tunnels.culvert.dev"]
+    {
         wait_until("CRD established", Duration::from_secs(60), || async {
             let c = api.get(name).await?;
             let conditions = c.status.and_then(|s| s.conditions).unwrap_or_default();

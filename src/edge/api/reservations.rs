@@ -144,6 +144,9 @@ pub(super) async fn reserve_port(
             ),
         ));
     }
+    if request.protocol == crate::api::PortProtocol::Udp {
+        return Err(ApiError::invalid("udp_not_supported", "this edge version reserves TCP ports only"));
+    }
     let (reservation, created) = {
         let hooks = ctx.hooks.clone();
         ctx.store

@@ -415,11 +415,14 @@ pub(super) fn api_key_from_row(row: &Row<'_>) -> rusqlite::Result<ApiKey> {
 pub(super) fn tunnel_key_from_row(row: &Row<'_>) -> rusqlite::Result<TunnelKey> {
     let protocol: String = row.get(1)?;
     let kind: String = row.get(3)?;
+    let protocol =
+        Protocol::parse(&protocol).ok_or_else(|| invalid(1, format!("unknown protocol {protocol:?}")))?;
     Ok(TunnelKey {
         id: row.get(0)?,
-        protocol: Protocol::parse(&protocol)
-            .ok_or_else(|| invalid(1, format!("unknown protocol {protocol:?}")))?,
+        protocol,
         reservation: ReservationRef {
+            // A udp key is only ever minted for a UDP port.
+            protocol: crate::api::PortProtocol::of_key(protocol),
             id: row.get(2)?,
             kind: ReservationKind::parse(&kind)
                 .ok_or_else(|| invalid(3, format!("unknown kind {kind:?}")))?,

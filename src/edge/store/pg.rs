@@ -458,11 +458,14 @@ fn api_key_from_row(row: &Row) -> Result<ApiKey, StoreError> {
 fn tunnel_key_from_row(row: &Row) -> Result<TunnelKey, StoreError> {
     let protocol: String = get(row, 1)?;
     let kind: String = get(row, 3)?;
+    let protocol =
+        Protocol::parse(&protocol).ok_or_else(|| corrupt(format!("unknown protocol {protocol:?}")))?;
     Ok(TunnelKey {
         id: get(row, 0)?,
-        protocol: Protocol::parse(&protocol)
-            .ok_or_else(|| corrupt(format!("unknown protocol {protocol:?}")))?,
+        protocol,
         reservation: ReservationRef {
+            // A udp key is only ever minted for a UDP port.
+            protocol: crate::api::PortProtocol::of_key(protocol),
             id: get(row, 2)?,
             kind: ReservationKind::parse(&kind).ok_or_else(|| corrupt(format!("unknown kind {kind:?}")))?,
             hostname: get(row, 4)?,
@@ -486,6 +489,7 @@ fn reservation_from_row(row: &Row) -> Result<Reservation, StoreError> {
         owner: get(row, 4)?,
         labels: labels(row, 5)?,
         created_at: get(row, 6)?,
+        protocol: crate::api::PortProtocol::Tcp,
         url: None,
         certificate: None,
     })
@@ -597,6 +601,7 @@ fn insert_reservation(
         labels: labels.clone(),
         owner: owner.to_string(),
         created_at,
+        protocol: crate::api::PortProtocol::Tcp,
         url: None,
         certificate: None,
     })

@@ -198,6 +198,7 @@ fn insert_reservation(
         labels: labels.clone(),
         owner: owner.to_string(),
         created_at,
+        protocol: crate::api::PortProtocol::Tcp,
         url: None,
         certificate: None,
     })
@@ -229,6 +230,7 @@ pub(super) fn reservation_from_row(row: &Row<'_>) -> rusqlite::Result<Reservatio
         owner: row.get(4)?,
         labels: labels_column(row, 5)?,
         created_at: row.get(6)?,
+        protocol: crate::api::PortProtocol::Tcp,
         url: None,
         certificate: None,
     })
