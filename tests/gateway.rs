@@ -10,9 +10,9 @@ use support::{kube as kube_env, netns, operator as fixture};
 use std::time::Duration;
 
 use bytes::Bytes;
-use culvert::crd::{Domain, TcpPort, Tunnel, TunnelProtocol};
+use culvert::crd::{Domain, TcpPort, Tunnel, TunnelProtocol, UdpPort};
 use culvert::operator::gateway::types::{
-    GRPCRoute, Gateway, GatewayClass, HTTPRoute, ReferenceGrant, TCPRoute, TLSRoute,
+    GRPCRoute, Gateway, GatewayClass, HTTPRoute, ReferenceGrant, TCPRoute, TLSRoute, UDPRoute,
 };
 use fixture::{Fixture, NamespacedObject, WAIT, listen_in, service_with_endpoints};
 use futures_util::{SinkExt, StreamExt};
@@ -65,6 +65,7 @@ async fn finish(
     f.api::<GRPCRoute>().delete_collection(&dp, &lp).await.unwrap();
     f.api::<TLSRoute>().delete_collection(&dp, &lp).await.unwrap();
     f.api::<TCPRoute>().delete_collection(&dp, &lp).await.unwrap();
+    f.api::<UDPRoute>().delete_collection(&dp, &lp).await.unwrap();
     f.api::<Gateway>().delete_collection(&dp, &lp).await.unwrap();
     wait_until("the routes' Tunnels gone", WAIT, || async {
         Ok(f.api::<Tunnel>().list(&lp).await?.items.is_empty().then_some(()))
@@ -834,4 +835,72 @@ async fn a_backend_of_another_namespace_needs_a_reference_grant() {
     f.get_until(&host, "/p", |s, _| s.is_server_error()).await;
     finish(f, &class, stop, task).await;
     other.delete_and_wait().await.unwrap();
+}
+
+/// A UDP echo on `ip:port` inside the network namespace: each datagram comes
+/// back prefixed with `label `.
+fn udp_echo(host: &NetnsHost, port: u16, label: &'static str) {
+    use std::os::fd::AsRawFd;
+    let (path, ip) = (format!("/run/netns/{}", host.name), host.ip.clone());
+    let socket = std::thread::spawn(move || {
+        let ns = std::fs::File::open(&path).unwrap();
+        // SAFETY: setns on a valid descriptor of a network namespace, on this thread only.
+        let rc = unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) };
+        assert_eq!(rc, 0, "setns {path}: {}", std::io::Error::last_os_error());
+        let s = std::net::UdpSocket::bind((ip.as_str(), port)).unwrap();
+        s.set_nonblocking(true).unwrap();
+        s
+    })
+    .join()
+    .unwrap();
+    let socket = tokio::net::UdpSocket::from_std(socket).unwrap();
+    tokio::spawn(async move {
+        let mut buf = vec![0u8; 65536];
+        loop {
+            let Ok((n, from)) = socket.recv_from(&mut buf).await else { return };
+            let mut answer = format!("{label} ").into_bytes();
+            answer.extend_from_slice(&buf[..n]);
+            let _ = socket.send_to(&answer, from).await;
+        }
+    });
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the UDP data path (helper udp) on main"]
+async fn udproute_carries_datagrams_to_a_udp_echo() {
+    let Some((f, class)) = fixture("gw-udp").await else { return };
+    let Some(backends) = NetnsHost::create() else { return };
+    udp_echo(&backends, 5353, "echo");
+    service_with_endpoints(&f, "dns", &backends.ip, json!({}), &[("dns", 53, 5353, "UDP")]).await;
+    let (stop, task) = f.operator();
+    let port = f.edge.tcp_ports.first + 1;
+    f.create::<Gateway>(gateway("edge", &class, json!([{"name": "dns", "protocol": "UDP", "port": port}])))
+        .await;
+    f.create::<UDPRoute>(json!({"apiVersion": GW, "kind": "UDPRoute", "metadata": {"name": "dns"},
+        "spec": {"parentRefs": [{"name": "edge", "sectionName": "dns"}],
+            "rules": [{"backendRefs": [{"name": "dns", "port": 53}]}]}}))
+        .await;
+    wait_route::<UDPRoute>(&f, "dns", "edge", "Accepted", "True", "Accepted").await;
+    let client = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    let answer = wait_until("a UDP echo through the edge", WAIT, || async {
+        client.send_to(b"ping", ("127.0.0.1", port)).await?;
+        let mut buf = [0u8; 64];
+        match tokio::time::timeout(Duration::from_millis(500), client.recv(&mut buf)).await {
+            Ok(Ok(n)) => Ok(Some(String::from_utf8_lossy(&buf[..n]).into_owned())),
+            _ => Ok(None),
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(answer, "echo ping");
+    let ports = f.api::<UdpPort>().list(&Default::default()).await.unwrap().items;
+    assert_eq!(ports.len(), 1);
+    assert_eq!(ports[0].spec.port, Some(port));
+    f.api::<UDPRoute>().delete("dns", &DeleteParams::default()).await.unwrap();
+    wait_until("the UdpPort released", WAIT, || async {
+        Ok(f.api::<UdpPort>().list(&Default::default()).await?.items.is_empty().then_some(()))
+    })
+    .await
+    .unwrap();
+    finish(f, &class, stop, task).await;
 }

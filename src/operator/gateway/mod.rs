@@ -1,9 +1,9 @@
 //! The Gateway API controller (`gateway.networking.k8s.io`): GatewayClasses
 //! of controller `culvert.dev/gateway-controller`, their Gateways, and the
-//! HTTPRoutes, GRPCRoutes, TLSRoutes and TCPRoutes attached to them become
-//! `Domain`, `TcpPort` and `Tunnel` objects in the routes' namespaces, as
-//! the Ingress controller does for Ingresses; the statuses of the classes,
-//! Gateways and routes say what is served and why not.
+//! HTTPRoutes, GRPCRoutes, TLSRoutes, TCPRoutes and UDPRoutes attached to
+//! them become `Domain`, `TcpPort`, `UdpPort` and `Tunnel` objects in the
+//! routes' namespaces, as the Ingress controller does for Ingresses; the
+//! statuses of the classes, Gateways and routes say what is served and why not.
 //!
 //! It starts only when the Gateway API CRDs are served (discovery; checked
 //! again every minute while they are not), so the operator runs without them.
@@ -36,7 +36,7 @@ use tracing::{Instrument, info, warn};
 
 use super::names::{ANNOTATION_HOST, FIELD_MANAGER, LABEL_MANAGED_BY};
 use super::{Context, Error};
-use crate::crd::{Domain, TcpPort, Tunnel};
+use crate::crd::{Domain, TcpPort, Tunnel, UdpPort};
 use plan::{Child, Kind, MANAGED_BY, Observed, Plan, Route, Settings};
 use types::*;
 
@@ -63,7 +63,7 @@ pub async fn discover(client: &Client) -> Result<Served, kube::Error> {
     let v1 = kinds("v1");
     let has = |k: &str| v1.contains(k);
     let mut routes = BTreeSet::new();
-    for k in [Kind::Http, Kind::Grpc, Kind::Tls, Kind::Tcp] {
+    for k in [Kind::Http, Kind::Grpc, Kind::Tls, Kind::Tcp, Kind::Udp] {
         if has(k.name()) {
             routes.insert(k);
         }
@@ -154,6 +154,7 @@ fn triggers(ctx: &Context, served: &Served) -> impl Stream<Item = ()> + Unpin + 
         watch(super::watched::<Domain>(c, ns), any()),
         watch(super::watched::<Tunnel>(c, ns), managed()),
         watch(super::watched::<TcpPort>(c, ns), managed()),
+        watch(super::watched::<UdpPort>(c, ns), managed()),
         watch(super::watched::<Service>(c, ns), any()),
     ];
     for k in &served.routes {
@@ -267,6 +268,7 @@ async fn observe(ctx: &Context, served: &Served) -> Result<Observed, Error> {
         domains: list(super::watched::<Domain>(c, ns), &lp).await?,
         tunnels: list(super::watched::<Tunnel>(c, ns), &managed).await?,
         tcp_ports: list(super::watched::<TcpPort>(c, ns), &managed).await?,
+        udp_ports: list(super::watched::<UdpPort>(c, ns), &managed).await?,
         services,
         namespaces,
         served: served.routes.clone(),
@@ -337,6 +339,9 @@ async fn execute(ctx: &Context, o: &Observed, p: &Plan) -> Result<(), Error> {
     for t in &p.tcp_ports {
         apply_child("TcpPort", t, Api::<TcpPort>::namespaced(c.clone(), &t.namespace)).await?;
     }
+    for u in &p.udp_ports {
+        apply_child("UdpPort", u, Api::<UdpPort>::namespaced(c.clone(), &u.namespace)).await?;
+    }
     for t in &p.tunnels {
         apply_child("Tunnel", t, Api::<Tunnel>::namespaced(c.clone(), &t.namespace)).await?;
     }
@@ -357,6 +362,10 @@ async fn execute(ctx: &Context, o: &Observed, p: &Plan) -> Result<(), Error> {
     for (ns, name) in &p.delete_tcp_ports {
         gone(Api::<TcpPort>::namespaced(c.clone(), ns).delete(name, &dp).await.map(|_| ()))?;
         info!(namespace = %ns, tcp_port = %name, "deleted the TcpPort made for a TCP listener");
+    }
+    for (ns, name) in &p.delete_udp_ports {
+        gone(Api::<UdpPort>::namespaced(c.clone(), ns).delete(name, &dp).await.map(|_| ()))?;
+        info!(namespace = %ns, udp_port = %name, "deleted the UdpPort made for a UDP listener");
     }
     for (name, status) in &p.class_status {
         let old = o.classes.iter().find(|x| x.name_any() == *name).and_then(|x| x.status.as_ref());

@@ -16,8 +16,9 @@
 //! - the hosts of the HTTP and gRPC routes of one namespace become one
 //!   Tunnel per host (protocol http) on a Domain of that namespace, the
 //!   routes' rules merged oldest route first; a TLSRoute host becomes a Tunnel
-//!   of protocol tls; a TCP listener with its TCPRoute becomes a TcpPort and
-//!   a Tunnel of protocol tcp, in the route's namespace.
+//!   of protocol tls; a TCP (UDP) listener with its TCPRoute (UDPRoute)
+//!   becomes a TcpPort (UdpPort) and a Tunnel of protocol tcp (udp), in the
+//!   route's namespace.
 //!
 //! Which hosts a route may publish: a host its own namespace holds a
 //! `Domain` for (any listener), or, with `--domain-policy auto`, a host the
@@ -38,7 +39,7 @@ use serde_json::json;
 use super::types::*;
 use crate::crd::{
     BackendProtocol, Condition, Domain, DomainSpec, HttpOptions, ReclaimPolicy, ServiceRef, TcpPort,
-    TcpPortSpec, Tunnel, TunnelProtocol, TunnelRoute, TunnelSpec,
+    TcpPortSpec, Tunnel, TunnelProtocol, TunnelRoute, TunnelSpec, UdpPort,
 };
 use crate::operator::DomainPolicy;
 use crate::operator::names::LABEL_MANAGED_BY;
@@ -207,6 +208,8 @@ pub struct Observed {
     pub tunnels: Vec<Tunnel>,
     /// Made by this controller.
     pub tcp_ports: Vec<TcpPort>,
+    /// Made by this controller.
+    pub udp_ports: Vec<UdpPort>,
     /// `(namespace, name)` of the Services that exist.
     pub services: BTreeSet<(String, String)>,
     /// Labels of the namespaces (read only when a listener selects namespaces).
@@ -247,11 +250,14 @@ pub struct Plan {
     pub route_status: Vec<(Kind, String, String, RouteStatus)>,
     pub domains: Vec<Child<DomainSpec>>,
     pub tcp_ports: Vec<Child<TcpPortSpec>>,
+    /// UdpPorts (the same spec shape as a TcpPort's).
+    pub udp_ports: Vec<Child<TcpPortSpec>>,
     pub tunnels: Vec<Child<TunnelSpec>>,
     /// `(namespace, name)` of what this controller made and no longer needs.
     pub delete_tunnels: Vec<(String, String)>,
     pub delete_domains: Vec<(String, String)>,
     pub delete_tcp_ports: Vec<(String, String)>,
+    pub delete_udp_ports: Vec<(String, String)>,
 }
 
 /// Name of the objects of a key (`gw-<slug>-<hash>`, at most 63 characters).
@@ -431,8 +437,12 @@ fn check_listener(l: &Listener, s: Settings<'_>, served: &BTreeSet<Kind>) -> Lis
             "port {port} is outside the edge's TCP port range {}-{}",
             s.tcp_ports.0, s.tcp_ports.1
         )),
-        "UDP" => protocol_error("UDP listeners are not supported by this culvert version".into()),
-        other => protocol_error(format!("protocol {other} is not supported: use HTTP, HTTPS, TLS or TCP")),
+        "UDP" if (i32::from(s.tcp_ports.0)..=i32::from(s.tcp_ports.1)).contains(&port) => Ok(vec![Kind::Udp]),
+        "UDP" => port_error(format!(
+            "port {port} is outside the edge's port range {}-{}",
+            s.tcp_ports.0, s.tcp_ports.1
+        )),
+        other => protocol_error(format!("protocol {other} is not supported: use HTTP, HTTPS, TLS, TCP or UDP")),
     };
     let kinds = match kinds {
         Ok(k) => k,
@@ -545,9 +555,20 @@ fn namespace_allowed(l: &Listener, gw_ns: &str, route_ns: &str, o: &Observed) ->
     }
 }
 
-/// (gateway namespace, gateway, listener) → (route namespace, owner,
-/// backend, port, route id) of the route a TCP listener carries.
-type TcpClaims = BTreeMap<(String, String, String), (String, OwnerReference, ServiceRef, u16, String)>;
+/// (gateway namespace, gateway, listener) → the route a TCP or UDP listener carries.
+type TcpClaims = BTreeMap<(String, String, String), PortClaim>;
+
+/// The route a TCP or UDP listener carries.
+#[derive(Debug, Clone)]
+struct PortClaim {
+    namespace: String,
+    owner: OwnerReference,
+    service: ServiceRef,
+    port: u16,
+    /// `Kind namespace/name` of the route.
+    route: String,
+    kind: Kind,
+}
 
 /// Why a route is not served on a parent: `Accepted: False` with this reason and message.
 type Refusal = (&'static str, String);
@@ -1123,30 +1144,37 @@ pub fn plan(o: &Observed, s: Settings<'_>) -> Plan {
             serves: host.clone(),
         });
     }
-    for ((gw_ns, gw, listener), (ns, owner, service, port, _)) in &tcp_listeners {
-        let name = object_name("gw-tcp", &format!("{gw_ns}.{gw}.{listener}"));
-        p.tcp_ports.push(Child {
-            namespace: ns.clone(),
+    for ((gw_ns, gw, listener), c) in &tcp_listeners {
+        let udp = c.kind == Kind::Udp;
+        let name = object_name(if udp { "gw-udp" } else { "gw-tcp" }, &format!("{gw_ns}.{gw}.{listener}"));
+        let serves = format!("{gw_ns}/{gw}/{listener}");
+        let port = Child {
+            namespace: c.namespace.clone(),
             name: name.clone(),
-            spec: TcpPortSpec { port: Some(*port), reclaim_policy: ReclaimPolicy::Delete },
-            owners: vec![owner.clone()],
-            serves: format!("{gw_ns}/{gw}/{listener}"),
-        });
+            spec: TcpPortSpec { port: Some(c.port), reclaim_policy: ReclaimPolicy::Delete },
+            owners: vec![c.owner.clone()],
+            serves: serves.clone(),
+        };
+        if udp {
+            p.udp_ports.push(port);
+        } else {
+            p.tcp_ports.push(port);
+        }
         p.tunnels.push(Child {
-            namespace: ns.clone(),
+            namespace: c.namespace.clone(),
             name: name.clone(),
             spec: TunnelSpec {
-                service: Some(service.clone()),
+                service: Some(c.service.clone()),
                 routes: Vec::new(),
-                protocol: TunnelProtocol::Tcp,
+                protocol: if udp { TunnelProtocol::Udp } else { TunnelProtocol::Tcp },
                 domain: None,
-                tcp_port: Some(name),
-                udp_port: None,
+                tcp_port: (!udp).then(|| name.clone()),
+                udp_port: udp.then(|| name.clone()),
                 proxy_protocol: None,
                 options: HttpOptions::default(),
             },
-            owners: vec![owner.clone()],
-            serves: format!("{gw_ns}/{gw}/{listener}"),
+            owners: vec![c.owner.clone()],
+            serves,
         });
     }
 
@@ -1174,6 +1202,15 @@ pub fn plan(o: &Observed, s: Settings<'_>) -> Plan {
         let (ns, name) = (x.namespace().unwrap_or_default(), x.name_any());
         if !wanted(&tp, &ns, &name) {
             p.delete_tcp_ports.push((ns, name));
+        }
+    }
+    let up: Vec<(String, String)> =
+        p.udp_ports.iter().map(|c| (c.namespace.clone(), c.name.clone())).collect();
+    for x in o.udp_ports.iter().filter(|x| made_by_us(x.labels()) && x.metadata.deletion_timestamp.is_none())
+    {
+        let (ns, name) = (x.namespace().unwrap_or_default(), x.name_any());
+        if !wanted(&up, &ns, &name) {
+            p.delete_udp_ports.push((ns, name));
         }
     }
     p
@@ -1363,21 +1400,29 @@ fn translate(
             let l = &ls[*i].spec;
             let key = (gw_ns.to_string(), gw.to_string(), l.name.clone());
             match out.tcp_listeners.get(&key) {
-                Some((_, _, _, _, other)) if *other != route.id() => {
-                    taken.push(format!("listener {} already carries {other}", l.name))
+                Some(other) if other.route != route.id() => {
+                    taken.push(format!("listener {} already carries {}", l.name, other.route))
                 }
                 _ => {
-                    out.tcp_listeners.insert(
-                        key,
-                        (route.namespace.clone(), route.owner(), service_ref(one), l.port as u16, route.id()),
-                    );
+                    let claim = PortClaim {
+                        namespace: route.namespace.clone(),
+                        owner: route.owner(),
+                        service: service_ref(one),
+                        port: l.port as u16,
+                        route: route.id(),
+                        kind: route.kind,
+                    };
+                    out.tcp_listeners.insert(key, claim);
                 }
             }
         }
         if taken.len() == idx.len() {
             return Err((
                 "NotAllowedByListeners",
-                format!("{} (the oldest route wins; a TCP listener carries one route)", taken.join("; ")),
+                format!(
+                    "{} (the oldest route wins; a TCP or UDP listener carries one route)",
+                    taken.join("; ")
+                ),
             ));
         }
         let ports: Vec<String> =
@@ -1593,7 +1638,7 @@ mod tests {
 
     #[test]
     fn listeners_are_checked_alone_then_together() {
-        let all: BTreeSet<Kind> = [Kind::Http, Kind::Grpc, Kind::Tls, Kind::Tcp].into();
+        let all: BTreeSet<Kind> = [Kind::Http, Kind::Grpc, Kind::Tls, Kind::Tcp, Kind::Udp].into();
         let l = |v: serde_json::Value| -> Listener { obj(v) };
         // (listener, refused reason, kinds, unresolved reason)
         type Case = (Listener, Option<&'static str>, Vec<Kind>, Option<&'static str>);
@@ -1648,12 +1693,7 @@ mod tests {
             ),
             (l(json!({"name": "a", "protocol": "TCP", "port": 20005})), None, vec![Kind::Tcp], None),
             (l(json!({"name": "a", "protocol": "TCP", "port": 5432})), Some("PortUnavailable"), vec![], None),
-            (
-                l(json!({"name": "a", "protocol": "UDP", "port": 20005})),
-                Some("UnsupportedProtocol"),
-                vec![],
-                None,
-            ),
+            (l(json!({"name": "a", "protocol": "UDP", "port": 20005})), None, vec![Kind::Udp], None),
             (
                 l(json!({"name": "a", "protocol": "SCTP", "port": 20005})),
                 Some("UnsupportedProtocol"),
@@ -1721,7 +1761,7 @@ mod tests {
         Observed {
             classes: vec![class, other],
             gateways: vec![gw, foreign],
-            served: [Kind::Http, Kind::Grpc, Kind::Tls, Kind::Tcp].into(),
+            served: [Kind::Http, Kind::Grpc, Kind::Tls, Kind::Tcp, Kind::Udp].into(),
             services: [("web", "a"), ("web", "b"), ("infra", "db")]
                 .iter()
                 .map(|(n, s)| (n.to_string(), s.to_string()))
@@ -1933,6 +1973,19 @@ mod tests {
         assert_eq!(accepted(&plan5, "db").0, "True");
         assert_eq!(plan5.tcp_ports[0].spec.port, Some(20001));
         assert_eq!(plan5.tunnels[0].spec.protocol, TunnelProtocol::Tcp);
+        // UDP: a UdpPort with the listener's port and a Tunnel of protocol udp.
+        o.gateways[0].spec.listeners.push(obj(json!({"name": "dns", "protocol": "UDP", "port": 20002})));
+        let udp: UDPRoute = obj(json!({"apiVersion": "gateway.networking.k8s.io/v1", "kind": "UDPRoute",
+            "metadata": {"name": "dns", "namespace": "web", "uid": "u-dns"},
+            "spec": {"parentRefs": [{"name": "edge", "sectionName": "dns"}],
+                "rules": [{"backendRefs": [{"name": "a", "port": 53}]}]}}));
+        o.routes.push(Route::from(&udp));
+        let plan6 = plan(&o, S);
+        assert_eq!(accepted(&plan6, "dns").0, "True", "{:?}", accepted(&plan6, "dns"));
+        assert_eq!(plan6.udp_ports[0].spec.port, Some(20002));
+        let t = plan6.tunnels.iter().find(|t| t.spec.protocol == TunnelProtocol::Udp).unwrap();
+        assert_eq!(t.spec.udp_port.as_deref(), Some(t.name.as_str()));
+        assert_eq!(t.spec.tcp_port, None);
     }
 
     #[test]
