@@ -904,3 +904,82 @@ async fn udproute_carries_datagrams_to_a_udp_echo() {
     .unwrap();
     finish(f, &class, stop, task).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the HTTPRoute data path (helper gwroute) on main"]
+async fn httproute_weights_matches_and_filters_through_the_whole_path() {
+    let Some((f, class)) = fixture("gw-filters").await else { return };
+    let Some(backends) = NetnsHost::create() else { return };
+    http_backend(&backends, 8001, "A");
+    http_backend(&backends, 8002, "B");
+    service_with_endpoints(&f, "a", &backends.ip, json!({}), &[("http", 80, 8001, "TCP")]).await;
+    service_with_endpoints(&f, "b", &backends.ip, json!({}), &[("http", 80, 8002, "TCP")]).await;
+    let (stop, task) = f.operator();
+    f.create::<Gateway>(gateway(
+        "edge",
+        &class,
+        json!([{"name": "https", "protocol": "HTTPS", "port": 443, "hostname": "*.edge.test"}]),
+    ))
+    .await;
+    let host = format!("w{}.edge.test", f.suffix());
+    f.create::<HTTPRoute>(http_route("split", json!({"name": "edge"}), &[&host], json!([
+        {"matches": [{"path": {"type": "PathPrefix", "value": "/split"}}],
+         "backendRefs": [{"name": "a", "port": 80, "weight": 80}, {"name": "b", "port": 80, "weight": 20}]},
+        {"matches": [{"path": {"type": "PathPrefix", "value": "/m"}, "headers": [{"name": "x-env", "value": "canary"}]},
+                     {"path": {"type": "PathPrefix", "value": "/m"}, "method": "DELETE"}],
+         "backendRefs": [{"name": "b", "port": 80}]},
+        {"matches": [{"path": {"type": "PathPrefix", "value": "/m"}, "queryParams": [{"name": "v", "type": "RegularExpression", "value": "^[0-9]+$"}]}],
+         "filters": [{"type": "RequestHeaderModifier", "requestHeaderModifier": {
+                "set": [{"name": "x-set", "value": "one"}], "add": [{"name": "x-add", "value": "two"}], "remove": ["x-drop"]}},
+             {"type": "ResponseHeaderModifier", "responseHeaderModifier": {"set": [{"name": "x-resp", "value": "yes"}]}}],
+         "backendRefs": [{"name": "a", "port": 80}]},
+        prefix_to("/m", "a", 80),
+        {"matches": [{"path": {"type": "PathPrefix", "value": "/old"}}],
+         "filters": [{"type": "URLRewrite", "urlRewrite": {"path": {"type": "ReplacePrefixMatch", "replacePrefixMatch": "/new"}}}],
+         "backendRefs": [{"name": "b", "port": 80}]},
+        {"matches": [{"path": {"type": "Exact", "value": "/moved"}}],
+         "filters": [{"type": "RequestRedirect", "requestRedirect": {"hostname": "elsewhere.example.org", "statusCode": 301,
+            "path": {"type": "ReplaceFullPath", "replaceFullPath": "/here"}}}]},
+    ])))
+    .await;
+    wait_route::<HTTPRoute>(&f, "split", "edge", "Accepted", "True", "Accepted").await;
+    f.get_until(&host, "/m", |s, b| s == StatusCode::OK && b == "A GET /m").await;
+
+    // Matches: a header, a method, a query parameter by regular expression.
+    assert_eq!(request(&f, &host, "GET", "/m", &[("x-env", "canary")]).await.1, "B GET /m");
+    assert_eq!(request(&f, &host, "DELETE", "/m/x", &[]).await.1, "B DELETE /m/x");
+    // Filters: request headers set, added and removed; a response header set.
+    let (status, body, headers) =
+        request(&f, &host, "GET", "/m?v=12", &[("x-set", "zero"), ("x-drop", "1")]).await;
+    assert_eq!((status, body.as_str()), (StatusCode::OK, "A GET /m?v=12"));
+    assert_eq!(headers["echo-x-set"], "one", "set replaces");
+    assert_eq!(headers["echo-x-add"], "two");
+    assert!(!headers.contains_key("echo-x-drop"), "removed before the backend");
+    assert_eq!(headers["x-resp"], "yes");
+    assert_eq!(
+        request(&f, &host, "GET", "/m?v=x1", &[]).await.1,
+        "A GET /m?v=x1",
+        "no match: the plain rule"
+    );
+    // URLRewrite: the prefix is replaced, the rest kept.
+    assert_eq!(request(&f, &host, "GET", "/old/page?q=1", &[]).await.1, "B GET /new/page?q=1");
+    // RequestRedirect: answered without a backend.
+    let (status, _, headers) = request(&f, &host, "GET", "/moved", &[]).await;
+    assert_eq!(status, StatusCode::MOVED_PERMANENTLY);
+    assert_eq!(headers["location"], "https://elsewhere.example.org/here");
+
+    // Weights 80/20 over 200 requests: A's share within 80% ± 10% (the
+    // binomial standard deviation is 2.8%, so this fails by chance < 1e-3).
+    let mut a = 0;
+    for i in 0..200 {
+        let (status, body) = f.edge.client().get(&host, &format!("/split/{i}")).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        if body.starts_with("A ") {
+            a += 1;
+        } else {
+            assert!(body.starts_with("B "), "{body}");
+        }
+    }
+    assert!((140..=180).contains(&a), "A got {a} of 200 requests, want 160 ± 20");
+    finish(f, &class, stop, task).await;
+}
