@@ -399,25 +399,3 @@ async fn execute(ctx: &Context, o: &Observed, p: &Plan) -> Result<(), Error> {
     }
     Ok(())
 }
-
-/// May a Tunnel of `from_ns` send traffic to the Service `name` of `to_ns`?
-/// Only while a ReferenceGrant of `to_ns` lets a Gateway API route kind of
-/// `from_ns` refer to that Service (the Gateway API controller writes such
-/// backends only then; this check holds for hand-written Tunnels too). No
-/// ReferenceGrant CRD, or no right to read them there: no.
-pub async fn cross_namespace_granted(
-    client: &Client,
-    from_ns: &str,
-    to_ns: &str,
-    name: &str,
-) -> Result<bool, kube::Error> {
-    let grants =
-        match Api::<ReferenceGrant>::namespaced(client.clone(), to_ns).list(&ListParams::default()).await {
-            Ok(l) => l.items,
-            Err(kube::Error::Api(e)) if [403, 404].contains(&e.code) => return Ok(false),
-            Err(e) => return Err(e),
-        };
-    Ok([Kind::Http, Kind::Grpc, Kind::Tls, Kind::Tcp, Kind::Udp]
-        .iter()
-        .any(|k| plan::granted(&grants, k.name(), from_ns, to_ns, name)))
-}
