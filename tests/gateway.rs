@@ -938,7 +938,7 @@ async fn httproute_weights_matches_and_filters_through_the_whole_path() {
          "filters": [{"type": "URLRewrite", "urlRewrite": {"path": {"type": "ReplacePrefixMatch", "replacePrefixMatch": "/new"}}}],
          "backendRefs": [{"name": "b", "port": 80}]},
         {"matches": [{"path": {"type": "Exact", "value": "/moved"}}],
-         "filters": [{"type": "RequestRedirect", "requestRedirect": {"hostname": "elsewhere.example.org", "statusCode": 301,
+         "filters": [{"type": "RequestRedirect", "requestRedirect": {"scheme": "https", "hostname": "elsewhere.example.org", "statusCode": 301,
             "path": {"type": "ReplaceFullPath", "replaceFullPath": "/here"}}}]},
     ])))
     .await;
@@ -963,7 +963,8 @@ async fn httproute_weights_matches_and_filters_through_the_whole_path() {
     );
     // URLRewrite: the prefix is replaced, the rest kept.
     assert_eq!(request(&f, &host, "GET", "/old/page?q=1", &[]).await.1, "B GET /new/page?q=1");
-    // RequestRedirect: answered without a backend.
+    // RequestRedirect: answered without a backend; with a scheme and no
+    // port, the scheme's well-known port (none in the Location).
     let (status, _, headers) = request(&f, &host, "GET", "/moved", &[]).await;
     assert_eq!(status, StatusCode::MOVED_PERMANENTLY);
     assert_eq!(headers["location"], "https://elsewhere.example.org/here");
