@@ -587,6 +587,8 @@ struct Resolved {
     namespace: Option<String>,
     port: i32,
     weight: u32,
+    /// The Service exists (a missing one's share answers 500).
+    found: bool,
 }
 
 /// The backendRefs of a route checked: the usable ones of each rule, and
@@ -626,7 +628,8 @@ fn resolve_refs(
             continue;
         }
         let target_ns = ns.clone().unwrap_or_else(|| route.namespace.clone());
-        if !o.services.contains(&(target_ns.clone(), b.name.clone())) {
+        let found = o.services.contains(&(target_ns.clone(), b.name.clone()));
+        if !found {
             problems
                 .push(("BackendNotFound", format!("backendRef Service {target_ns}/{} not found", b.name)));
             // Still routed: its share answers 500 until the Service exists.
@@ -636,7 +639,7 @@ fn resolve_refs(
             continue;
         };
         let weight = b.weight.unwrap_or(1).clamp(0, 1_000_000) as u32;
-        out.push(Resolved { name: b.name.clone(), namespace: ns, port, weight });
+        out.push(Resolved { name: b.name.clone(), namespace: ns, port, weight, found });
     }
     out
 }
@@ -713,7 +716,11 @@ fn http_rule_routes(
 fn tunnel_backends(r: &mut serde_json::Value, backends: &[Resolved]) {
     match backends {
         [] => {}
-        [one] if one.namespace.is_none() && one.weight > 0 => r["service"] = json!(service_ref(one)),
+        // One Service of this namespace that exists: the plain `service`; a
+        // missing one stays a share, which answers 500 as Gateway API asks.
+        [one] if one.namespace.is_none() && one.weight > 0 && one.found => {
+            r["service"] = json!(service_ref(one))
+        }
         several => {
             r["backends"] = several
                 .iter()
