@@ -22,7 +22,8 @@ use crate::api_client::{Client, ClientError, segment};
 /// `culvert admin`: manage API keys, domains, ports and tunnel keys on an edge.
 #[derive(Debug, Clone, Args)]
 pub struct AdminArgs {
-    /// The edge's URL, e.g. https://edge.example.com.
+    /// The edge's URL, e.g. https://edge.example.com; several edges sharing
+    /// one store as a comma list (a call goes to the next when one is down).
     #[arg(long, global = true, env = "CULVERT_EDGE")]
     pub edge: Option<String>,
 
@@ -250,8 +251,18 @@ pub fn run(args: AdminArgs) -> Result<(), AdminError> {
     let given = args.key.clone().or_else(|| std::env::var("CULVERT_KEY").ok());
     let key = crate::secret::key_from(given.as_deref(), args.key_file.as_deref(), "--key-file")?
         .ok_or(AdminError::NoKey)?;
-    let edge = args.edge.as_deref().filter(|e| !e.trim().is_empty()).ok_or(AdminError::NoEdge)?;
-    let client = Client::new(edge, key.trim(), args.ca_file.as_deref(), true)?;
+    let edges: Vec<&str> = args
+        .edge
+        .as_deref()
+        .unwrap_or_default()
+        .split(',')
+        .map(str::trim)
+        .filter(|e| !e.is_empty())
+        .collect();
+    if edges.is_empty() {
+        return Err(AdminError::NoEdge);
+    }
+    let client = Client::with_edges(&edges, key.trim(), args.ca_file.as_deref(), true)?;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let stdout = std::io::stdout();
     let mut out = stdout.lock();

@@ -5,9 +5,17 @@
 //! through `HTTPS_PROXY` when asked, within [`API_CLIENT_TIMEOUT`]. Every
 //! answer is checked to be a culvert answer: an error body becomes
 //! [`ClientError::Refused`], anything else [`ClientError::UnexpectedAnswer`].
+//!
+//! Several edges (one store): [`Client::with_edges`] calls the edge that
+//! answered last and fails over to the next one when it cannot be reached
+//! (or answers 503): always when the request was not sent, and for GET and
+//! DELETE also when it was sent but got no answer (a POST then is not
+//! repeated: it may have been done).
 
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Method, Request, StatusCode, header};
@@ -28,6 +36,9 @@ use crate::tunnel::proxy::{self, Proxy};
 
 /// The largest answer read (lists of many keys stay far below it).
 const MAX_ANSWER: usize = 10 * 1024 * 1024;
+/// With several edges, the connection (TCP and TLS) to one is given up
+/// after this, for the next one.
+const FAILOVER_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Why a call of the control API failed.
 #[derive(Debug, thiserror::Error)]
@@ -130,26 +141,68 @@ impl Answer {
     }
 }
 
-/// A client of one edge's control API.
+/// A client of the control API of one edge, or of several sharing a store.
 pub struct Client {
+    edges: Vec<Endpoint>,
+    /// The edge that answered last (tried first).
+    current: AtomicUsize,
+    bearer: String,
+    proxy_from_env: bool,
+}
+
+/// One edge's API.
+struct Endpoint {
     tls: Option<tokio_rustls::TlsConnector>,
     host: String,
     port: u16,
     base: String,
-    bearer: String,
-    proxy_from_env: bool,
+}
+
+/// A request that failed without an answer.
+struct NoAnswer {
+    /// Whether the request may have reached the edge.
+    sent: bool,
+    error: BoxError,
 }
 
 impl Client {
     /// A client of the edge at `edge` (`https://host[:port]`; `https://` is
     /// assumed when no scheme is given) using `key`. `ca_file` replaces the
     /// built-in Mozilla roots; `proxy_from_env` honours `HTTPS_PROXY`/`NO_PROXY`.
+    #[cfg(test)]
     pub fn new(
         edge: &str,
         key: &str,
         ca_file: Option<&Path>,
         proxy_from_env: bool,
     ) -> Result<Client, ClientError> {
+        Client::with_edges(&[edge], key, ca_file, proxy_from_env)
+    }
+
+    /// A client of several edges sharing one store, tried in this order
+    /// (see the module's documentation for when it fails over).
+    pub fn with_edges<S: AsRef<str>>(
+        edges: &[S],
+        key: &str,
+        ca_file: Option<&Path>,
+        proxy_from_env: bool,
+    ) -> Result<Client, ClientError> {
+        let edges =
+            edges.iter().map(|e| Endpoint::new(e.as_ref(), ca_file)).collect::<Result<Vec<_>, _>>()?;
+        if edges.is_empty() {
+            return Err(ClientError::BadEdge(String::new()));
+        }
+        Ok(Client { edges, current: AtomicUsize::new(0), bearer: format!("Bearer {key}"), proxy_from_env })
+    }
+
+    /// The base URL of the edge tried first now.
+    pub fn current_edge(&self) -> &str {
+        &self.edges[self.current.load(Ordering::Relaxed) % self.edges.len()].base
+    }
+}
+
+impl Endpoint {
+    fn new(edge: &str, ca_file: Option<&Path>) -> Result<Endpoint, ClientError> {
         let given = edge.trim();
         let bad = || ClientError::BadEdge(given.to_string());
         let (scheme, authority) = given.split_once("://").unwrap_or(("https", given));
@@ -187,16 +240,11 @@ impl Client {
                 None
             }
         };
-        Ok(Client {
-            tls,
-            host,
-            port,
-            base: format!("{scheme}://{authority}{API_PREFIX}"),
-            bearer: format!("Bearer {key}"),
-            proxy_from_env,
-        })
+        Ok(Endpoint { tls, host, port, base: format!("{scheme}://{authority}{API_PREFIX}") })
     }
+}
 
+impl Client {
     /// `GET <path>` with query parameters.
     pub async fn get(&self, path: &str, query: &[(&str, &str)]) -> Result<Answer, ClientError> {
         self.call(Method::GET, path, query, None).await
@@ -250,6 +298,7 @@ impl Client {
         Ok(list.items)
     }
 
+    /// The call on the edge that answered last, then on the next ones.
     async fn call(
         &self,
         method: Method,
@@ -257,7 +306,60 @@ impl Client {
         query: &[(&str, &str)],
         body: Option<Vec<u8>>,
     ) -> Result<Answer, ClientError> {
-        let mut url = format!("{}{path}", self.base);
+        let n = self.edges.len();
+        let first = self.current.load(Ordering::Relaxed) % n;
+        let idempotent = method == Method::GET || method == Method::DELETE;
+        let mut first_error = None;
+        for i in 0..n {
+            let index = (first + i) % n;
+            let edge = &self.edges[index];
+            let (result, sent) = self.call_one(edge, method.clone(), path, query, body.clone()).await;
+            let next = match &result {
+                Err(ClientError::Connect { .. }) => !sent || idempotent,
+                Err(ClientError::Refused { status: 503, .. }) => true,
+                _ => false,
+            };
+            if !next || i + 1 == n {
+                if !next {
+                    self.current.store(index, Ordering::Relaxed);
+                }
+                return match (result, first_error) {
+                    (Err(_), Some(e)) if next => Err(e),
+                    (result, _) => result,
+                };
+            }
+            if let Err(e) = result {
+                tracing::warn!(edge = %edge.base, error = %e, "the edge's API does not answer; trying the next edge");
+                first_error.get_or_insert(e);
+            }
+        }
+        unreachable!("the last edge returns")
+    }
+
+    /// One call on one edge; whether the request may have been sent.
+    async fn call_one(
+        &self,
+        edge: &Endpoint,
+        method: Method,
+        path: &str,
+        query: &[(&str, &str)],
+        body: Option<Vec<u8>>,
+    ) -> (Result<Answer, ClientError>, bool) {
+        let mut sent = true;
+        let result = self.call_on(edge, method, path, query, body, &mut sent).await;
+        (result, sent)
+    }
+
+    async fn call_on(
+        &self,
+        edge: &Endpoint,
+        method: Method,
+        path: &str,
+        query: &[(&str, &str)],
+        body: Option<Vec<u8>>,
+        sent: &mut bool,
+    ) -> Result<Answer, ClientError> {
+        let mut url = format!("{}{path}", edge.base);
         for (i, (k, v)) in query.iter().enumerate() {
             url.push(if i == 0 { '?' } else { '&' });
             url.push_str(&form_escape(k));
@@ -272,9 +374,13 @@ impl Client {
             };
             ClientError::Connect { url: url.clone(), source, hint }
         };
-        let exchange = self.exchange(method, &url, body);
+        let exchange = self.exchange(edge, method, &url, body);
         let (status, bytes) = match tokio::time::timeout(API_CLIENT_TIMEOUT, exchange).await {
-            Ok(result) => result.map_err(connect_error)?,
+            Ok(Ok(answer)) => answer,
+            Ok(Err(NoAnswer { sent: was_sent, error })) => {
+                *sent = was_sent;
+                return Err(connect_error(error));
+            }
             Err(_) => {
                 return Err(connect_error(
                     format!("no answer within {}s", API_CLIENT_TIMEOUT.as_secs()).into(),
@@ -298,19 +404,40 @@ impl Client {
     /// One request on a new connection: the status and the whole body.
     async fn exchange(
         &self,
+        edge: &Endpoint,
         method: Method,
         url: &str,
         body: Option<Vec<u8>>,
-    ) -> Result<(StatusCode, Bytes), BoxError> {
-        let proxy = if self.proxy_from_env { Proxy::from_env(&self.host)? } else { None };
-        let tcp = proxy::dial(&self.host, self.port, proxy.as_ref()).await?;
-        match &self.tls {
-            Some(tls) => {
-                let name = rustls_pki_types::ServerName::try_from(self.host.clone())?;
-                let stream = tls.connect(name, tcp).await?;
-                self.send(stream, method, url, body).await
+    ) -> Result<(StatusCode, Bytes), NoAnswer> {
+        let not_sent = |error: BoxError| NoAnswer { sent: false, error };
+        let connect = async {
+            let proxy = if self.proxy_from_env { Proxy::from_env(&edge.host)? } else { None };
+            let tcp = proxy::dial(&edge.host, edge.port, proxy.as_ref()).await?;
+            match &edge.tls {
+                Some(tls) => {
+                    let name = rustls_pki_types::ServerName::try_from(edge.host.clone())?;
+                    Ok::<_, BoxError>(Stream::Tls(Box::new(tls.connect(name, tcp).await?)))
+                }
+                None => Ok(Stream::Plain(tcp)),
             }
-            None => self.send(tcp, method, url, body).await,
+        };
+        // With several edges, one that does not answer is left for the next sooner.
+        let stream = if self.edges.len() > 1 {
+            match tokio::time::timeout(FAILOVER_CONNECT_TIMEOUT, connect).await {
+                Ok(r) => r.map_err(not_sent)?,
+                Err(_) => {
+                    return Err(not_sent(
+                        format!("no connection within {}s", FAILOVER_CONNECT_TIMEOUT.as_secs()).into(),
+                    ));
+                }
+            }
+        } else {
+            connect.await.map_err(not_sent)?
+        };
+        let sent = |error: BoxError| NoAnswer { sent: true, error };
+        match stream {
+            Stream::Tls(s) => self.send(*s, method, url, body).await.map_err(sent),
+            Stream::Plain(s) => self.send(s, method, url, body).await.map_err(sent),
         }
     }
 
@@ -344,6 +471,12 @@ impl Client {
         let bytes = Limited::new(response.into_body(), MAX_ANSWER).collect().await?.to_bytes();
         Ok((status, bytes))
     }
+}
+
+/// The connection of one call.
+enum Stream {
+    Tls(Box<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>),
+    Plain(tokio::net::TcpStream),
 }
 
 fn decode<T: DeserializeOwned>(value: Value) -> Result<T, ClientError> {
@@ -393,8 +526,8 @@ mod tests {
             assert!(matches!(Client::new(bad, "k", None, false), Err(ClientError::BadEdge(_))), "{bad}");
         }
         let c = Client::new("edge.example.com/", "k", None, false).unwrap();
-        assert_eq!(c.base, "https://edge.example.com/_culvert/v1/api/");
-        assert_eq!((c.host.as_str(), c.port), ("edge.example.com", 443));
+        assert_eq!(c.edges[0].base, "https://edge.example.com/_culvert/v1/api/");
+        assert_eq!((c.edges[0].host.as_str(), c.edges[0].port), ("edge.example.com", 443));
         for plain in ["http://edge.example.com", "http://10.0.0.1:8080", "http://[2001:db8::1]"] {
             let e = Client::new(plain, "k", None, false).err().expect("plain HTTP off loopback is refused");
             assert!(matches!(e, ClientError::PlainHttp(_)), "{plain}: {e}");
@@ -404,6 +537,11 @@ mod tests {
             Client::new(loopback, "k", None, false).unwrap();
         }
         let c = Client::new("http://127.0.0.1:8080", "k", None, false).unwrap();
-        assert_eq!((c.host.as_str(), c.port, c.tls.is_none()), ("127.0.0.1", 8080, true));
+        let e = &c.edges[0];
+        assert_eq!((e.host.as_str(), e.port, e.tls.is_none()), ("127.0.0.1", 8080, true));
+        let two =
+            Client::with_edges(&["https://a.example", "https://b.example:8443"], "k", None, false).unwrap();
+        assert_eq!(two.current_edge(), "https://a.example/_culvert/v1/api/");
+        assert_eq!(two.edges[1].port, 8443);
     }
 }

@@ -158,6 +158,30 @@ impl CertResolver {
     pub(crate) fn remove_acme_challenge(&self, name: &str) {
         self.acme_challenges.write().expect("poisoned").remove(&name.to_ascii_lowercase());
     }
+
+    /// Whether this edge answers TLS-ALPN-01 validation of `name` itself.
+    pub(crate) fn has_acme_challenge(&self, name: &str) -> bool {
+        self.acme_challenges.read().expect("poisoned").contains_key(&name.to_ascii_lowercase())
+    }
+}
+
+/// The server configuration of one TLS-ALPN-01 answer (an order placed by
+/// another edge): only ALPN `acme-tls/1`, only the challenge certificate.
+pub(crate) fn acme_challenge_config(key: Arc<CertifiedKey>) -> Result<Arc<rustls::ServerConfig>, TlsError> {
+    #[derive(Debug)]
+    struct One(Arc<CertifiedKey>);
+    impl ResolvesServerCert for One {
+        fn resolve(&self, _: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+            Some(self.0.clone())
+        }
+    }
+    let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(provider::default_provider()))
+        .with_safe_default_protocol_versions()
+        .map_err(TlsError::Config)?
+        .with_no_client_auth()
+        .with_cert_resolver(Arc::new(One(key)));
+    config.alpn_protocols = vec![ALPN_ACME_TLS.to_vec()];
+    Ok(Arc::new(config))
 }
 
 impl ResolvesServerCert for CertResolver {

@@ -11,9 +11,13 @@
 //!
 //! DNS-01 for the edge's own wildcard runs against a real BIND (`named`,
 //! scripts/deps installs bind9 and dnsutils) that pebble resolves through.
+//!
+//! Two edges on one PostgreSQL (started by the test): pebble validates
+//! through a router of the test that sends each validation connection to
+//! the edge that did not place the order, which answers it from the store.
 
 mod support;
-use support::net;
+use support::{net, postgres};
 
 use std::collections::{HashMap, HashSet};
 use std::net::{Ipv4Addr, SocketAddr};
@@ -743,4 +747,197 @@ EOF
     })
     .await;
     assert!(bind.txt(&name).await.is_empty(), "records removed");
+}
+
+/// Sends each connection to the edge that is not ordering `host` (the
+/// other edge placed the order); counts where they went (`[to A, to B]`).
+async fn route_to_the_other_edge(
+    front: TcpListener,
+    host: &'static str,
+    edges: [(Arc<culvert::edge::Edge>, SocketAddr); 2],
+    routed: Arc<Mutex<[u32; 2]>>,
+) {
+    loop {
+        let Ok((mut inbound, _)) = front.accept().await else { return };
+        let ordering = |i: usize| edges[i].0.acme.as_ref().unwrap().in_flight().iter().any(|h| h == host);
+        // The edge that lost the order's lease drops the name from its jobs at once.
+        let mut to = None;
+        for _ in 0..100 {
+            to = match (ordering(0), ordering(1)) {
+                (true, false) => Some(1),
+                (false, true) => Some(0),
+                _ => None,
+            };
+            if to.is_some() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let Some(to) = to else {
+            eprintln!("validation of {host} while no single edge orders it: refused");
+            continue;
+        };
+        routed.lock().unwrap()[to] += 1;
+        let addr = edges[to].1;
+        tokio::spawn(async move {
+            if let Ok(mut outbound) = TcpStream::connect(addr).await {
+                let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+            }
+        });
+    }
+}
+
+/// The leaf served by the edge at `addr` for SNI `host`, validated against `root_pem`.
+async fn served_leaf_at(
+    addr: SocketAddr,
+    root_pem: &str,
+    host: &str,
+) -> Result<CertificateDer<'static>, String> {
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls_pki_types::pem::PemObject::pem_slice_iter(root_pem.as_bytes()) {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let config = rustls::ClientConfig::builder().with_root_certificates(roots).with_no_client_auth();
+    let tcp = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+    let name = rustls_pki_types::ServerName::try_from(host.to_string()).unwrap();
+    let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect(name, tcp)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(tls.get_ref().1.peer_certificates().unwrap()[0].clone().into_owned())
+}
+
+/// Rows of `table` in the test database at `url`.
+async fn count_rows(url: &str, table: &str) -> i64 {
+    let (url, query) = (url.to_string(), format!("SELECT count(*) FROM {table}"));
+    // The blocking client runs a runtime of its own: on a thread outside tokio's.
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::spawn(move || {
+        let mut c = ::postgres::Client::connect(&url, ::postgres::NoTls).unwrap();
+        let _ = tx.send(c.query_one(&query, &[]).unwrap().get::<_, i64>(0));
+    });
+    rx.await.expect("the count query ran")
+}
+
+/// Two edges on one PostgreSQL behind one name. Both need the ACME account
+/// at the same moment: one registers it, the other waits and uses it (one
+/// account at the CA). The order for a custom domain runs on one edge (the
+/// name's lease) and the CA's validation reaches the other edge, which
+/// answers from the store; the certificate is then served by both, and the
+/// challenge answers leave the store.
+async fn two_edges_on_one_store(challenge: AcmeChallenge, host: &'static str) {
+    net::init();
+    let Some(pg) = postgres::Postgres::shared() else { return };
+    let store = pg.fresh_database();
+    let dns = Dns::start().await;
+    dns.set(host, Ipv4Addr::LOCALHOST);
+    let forwarder = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let directory = format!("https://127.0.0.1:{}/dir", forwarder.local_addr().unwrap().port());
+    let ca_dir = tempfile::tempdir().unwrap();
+    let ca_file = ca_dir.path().join("pebble-listener-ca.pem");
+    let configure = |args: &mut EdgeArgs| {
+        args.store = Some(store.clone());
+        args.acme.enabled = true;
+        args.acme.directory = directory.clone();
+        args.acme.ca_file = Some(ca_file.clone());
+        args.acme.challenge = challenge;
+        args.acme.dns_server = Some(dns.addr);
+    };
+    let a = TestEdge::start_with(configure).await;
+    let b = TestEdge::join(&a, configure).await;
+
+    // Pebble validates on the router's ports, which pick the edge.
+    let (http_front, tls_front) =
+        (TcpListener::bind("127.0.0.1:0").await.unwrap(), TcpListener::bind("127.0.0.1:0").await.unwrap());
+    let (http_port, tls_port) =
+        (http_front.local_addr().unwrap().port(), tls_front.local_addr().unwrap().port());
+    let pebble =
+        Pebble::start_at(http_port, tls_port, dns.addr, forwarder, Duration::from_secs(90 * 86_400)).await;
+    std::fs::copy(&pebble.listener_ca, &ca_file).unwrap();
+    let routed: Arc<Mutex<[u32; 2]>> = Arc::default();
+    let edge_of = |e: &TestEdge, port: fn(&culvert::edge::EdgeHandle) -> SocketAddr| {
+        (e.edge().clone(), port(e.handle.as_ref().unwrap()))
+    };
+    let front = match challenge {
+        AcmeChallenge::Http01 => http_front,
+        AcmeChallenge::TlsAlpn01 => tls_front,
+    };
+    let port: fn(&culvert::edge::EdgeHandle) -> SocketAddr = match challenge {
+        AcmeChallenge::Http01 => |h| h.http_addr,
+        AcmeChallenge::TlsAlpn01 => |h| h.https_addr,
+    };
+    tokio::spawn(route_to_the_other_edge(
+        front,
+        host,
+        [edge_of(&a, port), edge_of(&b, port)],
+        routed.clone(),
+    ));
+
+    // The account, asked for by both edges at once: one registration.
+    let (acme_a, acme_b) = (a.edge().acme.clone().unwrap(), b.edge().acme.clone().unwrap());
+    let (id_a, id_b) = tokio::join!(acme_a.account_id(), acme_b.account_id());
+    let (id_a, id_b) = (id_a.expect("account on A"), id_b.expect("account on B"));
+    assert_eq!(id_a, id_b, "both edges use the one account");
+    assert_eq!(count_rows(&store, "acme_accounts").await, 1);
+
+    let (status, r) = a.api("POST", "domains", Some(json!({"fqdn": host}))).await;
+    assert_eq!(status, 201, "{r}");
+    let deadline = tokio::time::Instant::now() + ISSUE_TIMEOUT;
+    loop {
+        let (_, r) = b.api("GET", &format!("domains/{host}"), None).await;
+        if r["certificate"]["status"] == "ready" {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{host}: still {r} after {ISSUE_TIMEOUT:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let routed = *routed.lock().unwrap();
+    let issued = |e: &TestEdge| {
+        let prefix = "culvert_edge_acme_orders_total{result=\"issued\"} ";
+        e.edge()
+            .metrics
+            .encode()
+            .lines()
+            .find_map(|l| l.strip_prefix(prefix)?.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let (by_a, by_b) = (issued(&a), issued(&b));
+    println!("{challenge:?}: ordered by A/B {by_a}/{by_b}, validation connections to A/B {routed:?}");
+    assert_eq!(by_a + by_b, 1, "one order");
+    let orderer = if by_a == 1 { 0 } else { 1 };
+    assert_eq!(routed[orderer], 0, "no validation reached the ordering edge: {routed:?}");
+    assert!(routed[1 - orderer] > 0, "the CA validated on the other edge: {routed:?}");
+
+    // Served by both: the orderer at once, the other once it read the store.
+    for e in [&a, &b] {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while let Err(why) = served_leaf_at(e.https, &pebble.root_pem, host).await {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{} does not serve the certificate: {why}",
+                e.https
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    assert_eq!(
+        served_leaf_at(a.https, &pebble.root_pem, host).await.unwrap(),
+        served_leaf_at(b.https, &pebble.root_pem, host).await.unwrap()
+    );
+    // The order ended: its answers left the store.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while count_rows(&store, "acme_challenges").await != 0 {
+        assert!(tokio::time::Instant::now() < deadline, "challenge answers still in the store");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_edges_http01_validated_on_the_other_edge() {
+    two_edges_on_one_store(AcmeChallenge::Http01, "app.two-http.test").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_edges_tls_alpn01_validated_on_the_other_edge() {
+    two_edges_on_one_store(AcmeChallenge::TlsAlpn01, "app.two-alpn.test").await;
 }

@@ -1,11 +1,12 @@
 //! Several edges with real processes on 127.0.0.1: edges sharing one data
-//! directory (one SQLite store in WAL mode) and an agent connected to all of
-//! them. How fast an agent is back after an edge outage; a load that loses no
+//! directory (one SQLite store in WAL mode, or one PostgreSQL started by the
+//! test, the CA and admin key file in the directory) and an agent connected
+//! to all of them. How fast an agent is back after an edge outage; a load that loses no
 //! request while one edge is killed (SIGKILL) and another restarted (SIGTERM);
 //! one edge name resolving to several addresses.
 
 mod support;
-use support::net;
+use support::{net, postgres};
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -68,10 +69,16 @@ struct Edge {
     dir: PathBuf,
     https: SocketAddr,
     drain_seconds: u64,
+    /// `--store` (PostgreSQL), else the SQLite file in `dir`.
+    store: Option<String>,
 }
 
 impl Edge {
     async fn start(dir: &Path, https: SocketAddr, drain_seconds: u64) -> Edge {
+        Edge::start_on(dir, https, drain_seconds, None).await
+    }
+
+    async fn start_on(dir: &Path, https: SocketAddr, drain_seconds: u64, store: Option<&str>) -> Edge {
         let mut cmd = Command::new(BIN);
         cmd.args(["edge", "--domain", net::DOMAIN, "--self-signed", "--data-dir"])
             .arg(dir)
@@ -79,10 +86,13 @@ impl Edge {
             .arg(https.to_string())
             .args(["--http-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0", "--tcp-bind", "127.0.0.1"])
             .args(["--public-host", "127.0.0.1", "--drain-seconds", &drain_seconds.to_string()]);
+        if let Some(url) = store {
+            cmd.args(["--store", url]);
+        }
         let mut proc = Proc::spawn(&mut cmd);
         let ready = proc.line("culvert edge ready").await;
         let https = field(&ready, "https").parse().unwrap();
-        Edge { proc, dir: dir.to_path_buf(), https, drain_seconds }
+        Edge { proc, dir: dir.to_path_buf(), https, drain_seconds, store: store.map(str::to_string) }
     }
 
     fn url(&self) -> String {
@@ -95,7 +105,8 @@ impl Edge {
 
     /// Starts again on the same port and data dir (after it exited).
     async fn restart(&mut self) {
-        *self = Edge::start(&self.dir.clone(), self.https, self.drain_seconds).await;
+        let store = self.store.clone();
+        *self = Edge::start_on(&self.dir.clone(), self.https, self.drain_seconds, store.as_deref()).await;
     }
 }
 
@@ -276,13 +287,33 @@ async fn get_via_any(
 /// refused and go to another edge).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_request_fails_while_edges_are_killed_and_restarted() {
+    no_request_fails(None).await;
+}
+
+/// The same on one PostgreSQL: the name is reserved on edge A once all three
+/// run, and B and C serve it from the change feed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_request_fails_while_edges_are_killed_and_restarted_on_postgres() {
+    net::init();
+    let Some(pg) = postgres::Postgres::shared() else { return };
+    no_request_fails(Some(pg.fresh_database())).await;
+}
+
+async fn no_request_fails(store: Option<String>) {
     net::init();
     let dir = tempfile::tempdir().unwrap();
     let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-    let mut a = Edge::start(dir.path(), any, 5).await;
-    let (host, key) = publish(&a, "ha").await;
-    let mut b = Edge::start(dir.path(), any, 5).await;
-    let c = Edge::start(dir.path(), any, 5).await;
+    let store = store.as_deref();
+    let mut a = Edge::start_on(dir.path(), any, 5, store).await;
+    // SQLite: B and C read the reservation at their start; PostgreSQL: made
+    // on A with B and C running, they learn it from the change feed.
+    let published = if store.is_none() { Some(publish(&a, "ha").await) } else { None };
+    let mut b = Edge::start_on(dir.path(), any, 5, store).await;
+    let c = Edge::start_on(dir.path(), any, 5, store).await;
+    let (host, key) = match published {
+        Some(p) => p,
+        None => publish(&a, "ha").await,
+    };
     let backend = net::http_backend().await;
 
     // Several edges both ways: a repeated flag and a comma list.
@@ -334,6 +365,11 @@ async fn no_request_fails_while_edges_are_killed_and_restarted() {
     };
     served(50).await;
     println!("before: {}", counts.show());
+    // Every edge serves the name (B and C too, where it was not reserved).
+    net::wait_for("every edge answered", Duration::from_secs(30), || {
+        counts.by_edge.iter().all(|n| n.load(Ordering::Relaxed) > 0).then_some(())
+    })
+    .await;
 
     // A dies at once, with requests in flight.
     a.proc.signal("-KILL");
@@ -405,4 +441,62 @@ async fn one_name_with_two_addresses_is_two_edges() {
         let (status, body) = net::HttpsClient { addr: edge.https, ca_file: edge.ca() }.get(&host, "/").await;
         assert_eq!((status, body.as_str()), (StatusCode::OK, "hello from backend"), "via {}", edge.https);
     }
+}
+
+/// The control-API client of the operator (and of `culvert admin`) with
+/// several edges: while the first edge answers it is used; killed, every
+/// call (reserving a domain and a port, a tunnel key, a list, a release)
+/// goes to the next edge, which has the same store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_calls_fail_over_to_the_next_edge() {
+    net::init();
+    let dir = tempfile::tempdir().unwrap();
+    let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+    let mut a = Edge::start(dir.path(), any, 0).await;
+    let mut b = Edge::start(dir.path(), any, 0).await;
+    let key = std::fs::read_to_string(dir.path().join("admin.key")).unwrap();
+    let both = format!("{},{}", a.url(), b.url());
+    let ca = a.ca();
+    let admin = |args: &'static [&'static str]| {
+        let (both, key, ca) = (both.clone(), key.clone(), ca.clone());
+        async move {
+            Command::new(BIN)
+                .args(["admin", "--edge", &both, "--key", key.trim(), "--ca-file"])
+                .arg(ca)
+                .args(args)
+                .output()
+                .await
+                .unwrap()
+        }
+    };
+    let ok = |out: std::process::Output| {
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    let first = ok(admin(&["domain", "reserve", "over1"]).await);
+
+    a.proc.signal("-KILL");
+    a.proc.exited().await;
+    let second = ok(admin(&["domain", "reserve", "over2"]).await);
+    ok(admin(&["tunnel-key", "create", "--domain", "over2", "--protocol", "http"]).await);
+    let port = ok(admin(&["port", "reserve"]).await);
+    let listed = ok(admin(&["domain", "list"]).await);
+    assert!(listed.contains(&first) && listed.contains(&second), "{listed}");
+    let port = port.rsplit(':').next().unwrap().to_string();
+    let release = Command::new(BIN)
+        .args(["admin", "--edge", &both, "--key", key.trim(), "--ca-file"])
+        .arg(&ca)
+        .args(["port", "release", &port])
+        .output()
+        .await
+        .unwrap();
+    ok(release);
+
+    // Every edge down: the error says it could not reach them.
+    b.proc.signal("-KILL");
+    b.proc.exited().await;
+    let out = admin(&["domain", "reserve", "over3"]).await;
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("failed to reach"), "{err}");
 }

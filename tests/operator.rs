@@ -634,6 +634,59 @@ async fn agents_connect_to_every_edge() {
     f.finish(stop, task).await;
 }
 
+/// The operator's control-API calls fail over: edge B shares A's store and
+/// is the second `--edge`; with A (the first) stopped, a Domain and a
+/// TcpPort are reserved through B, and their release at the end too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconciles_go_to_the_next_edge_when_the_first_is_down() {
+    let Some(mut f) = Fixture::new("op-failover").await else { return };
+    let mut b_args = f.edge.args.clone();
+    b_args.https_addr = "127.0.0.1:0".parse().unwrap();
+    b_args.tcp_ports = net::free_port_range(4);
+    let b = culvert::edge::start(b_args.clone()).await.expect("edge B starts");
+    let mut args = f.args("solo");
+    args.edge.push(format!("https://{}", b.https_addr));
+    let (stop, task) = f.operator_with(args);
+    let client_b = net::HttpsClient { addr: b.https_addr, ca_file: f.edge.ca_file.clone() };
+    let admin_key = f.edge.admin_key.clone();
+    let on_b = |path: String| {
+        let (client_b, key) = (client_b.clone(), admin_key.clone());
+        async move {
+            let req = http::Request::get(format!("/_culvert/v1/api/{path}"))
+                .header("authorization", format!("Bearer {key}"))
+                .body(http_body_util::Full::new(bytes::Bytes::new()))
+                .unwrap();
+            client_b.send("127.0.0.1", req, false).await.unwrap().status()
+        }
+    };
+
+    let one = format!("a{}", f.suffix());
+    f.create::<Domain>(json!({"apiVersion": "culvert.dev/v1alpha1", "kind": "Domain", "metadata": {"name": "one"}, "spec": {"name": one}})).await;
+    f.wait_reason::<Domain>("one", "Reserved").await;
+
+    // A goes: the next calls go to B.
+    f.edge.stop().await;
+    let two = format!("b{}", f.suffix());
+    f.create::<Domain>(json!({"apiVersion": "culvert.dev/v1alpha1", "kind": "Domain", "metadata": {"name": "two"}, "spec": {"name": two}})).await;
+    f.create::<TcpPort>(json!({"apiVersion": "culvert.dev/v1alpha1", "kind": "TcpPort", "metadata": {"name": "db"}, "spec": {}})).await;
+    f.wait_reason::<Domain>("two", "Reserved").await;
+    let p = f.wait_reason::<TcpPort>("db", "Reserved").await;
+    let port = p["status"]["port"].as_u64().unwrap() as u16;
+    assert!(b_args.tcp_ports.contains(port), "B's range: {p}");
+    assert_eq!(on_b(format!("domains/{two}.edge.test")).await, StatusCode::OK);
+    assert_eq!(on_b(format!("ports/{port}")).await, StatusCode::OK);
+
+    // The releases at the end go to B too.
+    f.api::<Domain>().delete("two", &DeleteParams::default()).await.unwrap();
+    wait_until("domain released through B", WAIT, || async {
+        Ok((on_b(format!("domains/{two}.edge.test")).await == StatusCode::NOT_FOUND).then_some(()))
+    })
+    .await
+    .unwrap();
+    f.finish(stop, task).await;
+    b.stop().await;
+}
+
 /// The id of the first tunnel key at the edge.
 async fn first_key(f: &Fixture) -> String {
     let (s, keys) = f.edge.api("GET", "tunnel-keys", None).await;

@@ -165,6 +165,7 @@ impl Edge {
         let ticket = self.reloads.fetch_add(1, Ordering::AcqRel) + 1;
         let read = self.store.run(|s| Ok((s.reservations()?, s.live_tunnel_key_ids()))).await;
         self.apply(ticket, read);
+        status::recheck_sessions(self).await;
     }
 
     #[allow(clippy::type_complexity)]
@@ -410,6 +411,7 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
             .collect(),
     });
     edge.reload().await;
+    status::refresh_store(&edge).await;
 
     let mut tasks = tokio::task::JoinSet::new();
     if edge.store.kind() != "sqlite" {

@@ -63,6 +63,37 @@ pub async fn read_client_hello<S: AsyncRead + Unpin>(io: &mut S) -> io::Result<(
 
 /// The `server_name` extension of a ClientHello handshake message.
 pub fn server_name(hs: &[u8]) -> Option<String> {
+    let mut d = Reader(extension(hs, 0)?);
+    let list = d.u16()? as usize;
+    let mut names = Reader(d.take(list)?);
+    while let Some(kind) = names.u8() {
+        let n = names.u16()? as usize;
+        let name = names.take(n)?;
+        if kind == 0 {
+            return std::str::from_utf8(name).ok().map(|s| s.to_ascii_lowercase());
+        }
+    }
+    None
+}
+
+/// Whether a ClientHello handshake message offers the ALPN protocol `protocol`.
+pub fn offers_alpn(hs: &[u8], protocol: &[u8]) -> bool {
+    let offered = || -> Option<bool> {
+        let mut d = Reader(extension(hs, 16)?);
+        let list = d.u16()? as usize;
+        let mut protocols = Reader(d.take(list)?);
+        while let Some(n) = protocols.u8() {
+            if protocols.take(n as usize)? == protocol {
+                return Some(true);
+            }
+        }
+        Some(false)
+    };
+    offered().unwrap_or(false)
+}
+
+/// The data of the extension of type `wanted` in a ClientHello handshake message.
+fn extension(hs: &[u8], wanted: u16) -> Option<&[u8]> {
     let mut r = Reader(hs);
     if r.u8()? != 0x01 {
         return None; // not a ClientHello
@@ -79,18 +110,8 @@ pub fn server_name(hs: &[u8]) -> Option<String> {
     let mut exts = Reader(r.take(ext_len)?);
     while let (Some(ty), Some(len)) = (exts.u16(), exts.u16()) {
         let data = exts.take(len as usize)?;
-        if ty != 0 {
-            continue;
-        }
-        let mut d = Reader(data);
-        let list = d.u16()? as usize;
-        let mut names = Reader(d.take(list)?);
-        while let Some(kind) = names.u8() {
-            let n = names.u16()? as usize;
-            let name = names.take(n)?;
-            if kind == 0 {
-                return std::str::from_utf8(name).ok().map(|s| s.to_ascii_lowercase());
-            }
+        if ty == wanted {
+            return Some(data);
         }
     }
     None
@@ -125,13 +146,18 @@ mod tests {
 
     /// A real ClientHello from rustls, captured through a duplex pipe.
     async fn hello_for(name: &str) -> Bytes {
+        hello_with_alpn(name, Vec::new()).await
+    }
+
+    async fn hello_with_alpn(name: &str, alpn: Vec<Vec<u8>>) -> Bytes {
         let roots = rustls::RootCertStore::empty();
-        let config =
+        let mut config =
             rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
                 .with_safe_default_protocol_versions()
                 .unwrap()
                 .with_root_certificates(roots)
                 .with_no_client_auth();
+        config.alpn_protocols = alpn;
         let (client, mut server) = tokio::io::duplex(64 * 1024);
         let name = rustls_pki_types::ServerName::try_from(name.to_string()).unwrap();
         tokio::spawn(async move {
@@ -149,6 +175,18 @@ mod tests {
         let mut got = Vec::new();
         replay.read_to_end(&mut got).await.unwrap();
         assert_eq!(got, hello.to_vec());
+        assert!(!offers_alpn(&hello[5..], b"acme-tls/1"));
+    }
+
+    #[tokio::test]
+    async fn finds_the_alpn_protocols_offered() {
+        let hello = hello_with_alpn("a.example", vec![b"h2".to_vec(), b"acme-tls/1".to_vec()]).await;
+        assert!(offers_alpn(&hello[5..], b"acme-tls/1"));
+        assert!(offers_alpn(&hello[5..], b"h2"));
+        assert!(!offers_alpn(&hello[5..], b"http/1.1"));
+        assert!(!offers_alpn(&hello[5..], b"acme-tls"));
+        assert_eq!(server_name(&hello[5..]).as_deref(), Some("a.example"));
+        assert!(!offers_alpn(&[], b"h2"));
     }
 
     #[tokio::test]

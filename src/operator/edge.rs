@@ -1,5 +1,7 @@
 //! The operator's client of the edge's control API: the shared async client
 //! ([`crate::api_client`]) behind a cheap clone, with 404 read as "absent".
+//! With several edges (`--edge` repeated, chart `edge.urls`) a call fails
+//! over to the next edge when one does not answer.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -16,8 +18,18 @@ use crate::api_client::{Client, ClientError};
 pub struct EdgeClient(Arc<Client>);
 
 impl EdgeClient {
-    pub fn new(edge: &str, key: &str, ca_file: Option<&Path>) -> Result<Self, ClientError> {
-        Ok(EdgeClient(Arc::new(Client::new(edge, key, ca_file, true)?)))
+    /// A client of the edges of `--edge` (sharing one store), tried in this order.
+    pub fn with_edges<S: AsRef<str>>(
+        edges: &[S],
+        key: &str,
+        ca_file: Option<&Path>,
+    ) -> Result<Self, ClientError> {
+        Ok(EdgeClient(Arc::new(Client::with_edges(edges, key, ca_file, true)?)))
+    }
+
+    /// The base URL of the edge that answered last.
+    pub fn current_edge(&self) -> String {
+        self.0.current_edge().trim_end_matches(crate::constants::API_PREFIX).to_string()
     }
 
     /// Checks the key and learns the edge's domain.

@@ -410,8 +410,9 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<()> {
     start(client, args, shutdown).await
 }
 
-/// The control API of the first edge of `--edge` that answers (edges share
-/// one store, any of them will do); the error of the first when none does.
+/// The control API of every edge of `--edge` (edges share one store, any
+/// of them will do: calls fail over to the next when one does not answer),
+/// checked on the first that answers; the error of the first when none does.
 async fn first_answering_edge(
     args: &OperatorArgs,
     place: Place,
@@ -422,25 +423,16 @@ async fn first_answering_edge(
             .ok_or_else(|| {
                 anyhow::anyhow!("no API key given: pass --api-key-file FILE or set CULVERT_API_KEY")
             })?;
-    let mut first_error = None;
-    for url in edges.urls() {
-        let base = format!("https://{}", url.authority());
-        let answer = match EdgeClient::new(&base, &api_key, args.ca_file.as_deref()) {
-            Ok(client) => client.check().await.map(|info| (client, info)),
-            Err(e) => Err(e),
-        };
-        match answer {
-            Ok((client, info)) => return Ok((client, info, base)),
-            Err(e) => {
-                if edges.urls().len() > 1 {
-                    warn!(edge = %base, error = %e, "the edge's API does not answer; trying the next edge");
-                }
-                first_error.get_or_insert((e, base));
-            }
+    let bases: Vec<String> = edges.urls().iter().map(|u| format!("https://{}", u.authority())).collect();
+    let client = EdgeClient::with_edges(&bases, &api_key, args.ca_file.as_deref())
+        .map_err(|e| anyhow::anyhow!(edge_start_error(&e, &bases[0], place)))?;
+    match client.check().await {
+        Ok(info) => {
+            let base = client.current_edge();
+            Ok((client, info, base))
         }
+        Err(e) => Err(anyhow::anyhow!(edge_start_error(&e, &bases[0], place))),
     }
-    let (e, base) = first_error.expect("an edge set has at least one edge");
-    Err(anyhow::anyhow!(edge_start_error(&e, &base, place)))
 }
 
 /// Runs the operator with `client` until `shutdown` (tests call this directly).

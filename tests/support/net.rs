@@ -122,6 +122,26 @@ impl TestEdge {
         }
     }
 
+    /// Another edge on the store of `first` (`--store`, PostgreSQL), with
+    /// its own data dir and ports, and the admin key made by `first`.
+    pub async fn join(first: &TestEdge, configure: impl FnOnce(&mut EdgeArgs)) -> TestEdge {
+        let dir = tempfile::tempdir().unwrap();
+        let mut args = edge_args(dir.path(), "127.0.0.1:0".parse().unwrap(), first.tcp_ports);
+        args.store = first.args.store.clone();
+        configure(&mut args);
+        let handle = edge::start(args.clone()).await.expect("edge starts");
+        assert!(handle.new_admin_key.is_none(), "the store has its admin key");
+        TestEdge {
+            https: handle.https_addr,
+            ca_file: handle.ca_file.clone().unwrap_or_default(),
+            handle: Some(handle),
+            dir,
+            admin_key: first.admin_key.clone(),
+            tcp_ports: first.tcp_ports,
+            args,
+        }
+    }
+
     pub fn edge(&self) -> &Arc<edge::Edge> {
         &self.handle.as_ref().unwrap().edge
     }

@@ -44,16 +44,23 @@ impl Postgres {
 
     /// A server of one's own (to stop and start again), stopped when dropped.
     pub fn start() -> Option<Postgres> {
-        Postgres::start_with(None)
+        Postgres::start_with(None, None)
     }
 
     /// [`Postgres::start`] with TLS on (`ssl = on`), serving this PEM chain and key.
     pub fn start_tls(cert_pem: &str, key_pem: &str) -> Option<Postgres> {
-        Postgres::start_with(Some((cert_pem, key_pem)))
+        Postgres::start_with(Some((cert_pem, key_pem)), None)
     }
 
-    fn start_with(tls: Option<(&str, &str)>) -> Option<Postgres> {
-        match Postgres::try_start(tls) {
+    /// [`Postgres::start_tls`] accepting only TLS connections with a client
+    /// certificate from `client_ca_pem` whose common name is the user
+    /// (`hostssl … clientcert=verify-full` in `pg_hba.conf`).
+    pub fn start_tls_client_auth(cert_pem: &str, key_pem: &str, client_ca_pem: &str) -> Option<Postgres> {
+        Postgres::start_with(Some((cert_pem, key_pem)), Some(client_ca_pem))
+    }
+
+    fn start_with(tls: Option<(&str, &str)>, client_ca: Option<&str>) -> Option<Postgres> {
+        match Postgres::try_start(tls, client_ca) {
             Ok(pg) => Some(pg),
             Err(e) if std::env::var_os("CI").is_some() => {
                 panic!("PostgreSQL for the tests could not be started: {e} (scripts/deps installs it)")
@@ -67,7 +74,7 @@ impl Postgres {
         }
     }
 
-    fn try_start(tls: Option<(&str, &str)>) -> Result<Postgres, String> {
+    fn try_start(tls: Option<(&str, &str)>, client_ca: Option<&str>) -> Result<Postgres, String> {
         let bin = bin_dir()
             .ok_or("no initdb and pg_ctl found in /usr/lib/postgresql/*/bin (or $CULVERT_PG_BIN)")?;
         let dir = tempfile::Builder::new().prefix("culvert-pg-").tempdir().map_err(|e| e.to_string())?;
@@ -96,7 +103,18 @@ impl Postgres {
         let mut conf = String::new();
         if let Some((cert, key)) = tls {
             use std::os::unix::fs::PermissionsExt;
-            for (name, pem, mode) in [("server.crt", cert, 0o644), ("server.key", key, 0o600)] {
+            let mut files = vec![("server.crt", cert, 0o644), ("server.key", key, 0o600)];
+            if let Some(ca) = client_ca {
+                files.push(("client-ca.crt", ca, 0o644));
+                conf.push_str("\nssl_ca_file = 'client-ca.crt'\n");
+                // Existing file: its owner stays.
+                std::fs::write(
+                    data.join("pg_hba.conf"),
+                    "hostssl all all 127.0.0.1/32 trust clientcert=verify-full\n",
+                )
+                .map_err(|e| format!("pg_hba.conf: {e}"))?;
+            }
+            for (name, pem, mode) in files {
                 let path = data.join(name);
                 std::fs::write(&path, pem).map_err(|e| format!("{name}: {e}"))?;
                 std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode))

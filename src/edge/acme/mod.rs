@@ -12,6 +12,14 @@
 //! [`crate::tls::CertResolver`]) or HTTP-01 challenge (on the HTTP port, see
 //! [`Acme::http01_response`]). Failures back off exponentially.
 //!
+//! Several edges on one store: an order runs on one edge at a time (a
+//! lease per name in the store), and the challenge answers it publishes go
+//! to the store too, so whichever edge the CA's validation reaches (DNS
+//! round robin, a load balancer) answers it: an edge that does not know a
+//! token or a TLS-ALPN-01 name reads it from the store ([`Acme::remote`],
+//! cached for a few seconds, a miss for one). The account is registered by
+//! one edge (a lease) and reused by the others.
+//!
 //! The account (one per directory URL), the certificates and their state
 //! live in the edge's store, so a restart serves the stored certificates at
 //! once and orders nothing new. Issued certificates are served by SNI
@@ -27,7 +35,7 @@ use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, RwLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use hyper_util::client::legacy::Client as HyperClient;
@@ -47,7 +55,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, warn};
 
 use super::config::{AcmeArgs, AcmeChallenge, Dns01Kind};
-use super::store::{CertificateRecord, Store, StoreError, StoredCertificateStatus, unix_now};
+use super::store::{
+    CertificateRecord, Challenge, ChallengeKind, Store, StoreError, StoredCertificateStatus, unix_now,
+};
 use crate::api::ReservationKind;
 use crate::constants::{
     ACME_DNS_RECHECK_INITIAL, ACME_DNS_RECHECK_MAX, ACME_DNS01_HOOK_TIMEOUT, ACME_ORDER_BACKOFF_INITIAL,
@@ -58,6 +68,20 @@ use dns01::{Dns01Error, Dns01Provider};
 
 /// Path prefix of HTTP-01 challenge responses on the HTTP port.
 pub const HTTP01_PREFIX: &str = "/.well-known/acme-challenge/";
+/// A challenge answer read from the store is kept this long.
+const REMOTE_HIT_TTL: Duration = Duration::from_secs(10);
+/// A challenge the store does not hold is asked for again after this.
+const REMOTE_MISS_TTL: Duration = Duration::from_secs(1);
+/// Challenge answers (and misses) kept from the store, at most.
+const REMOTE_CACHE_MAX: usize = 1024;
+/// The account's registration lease (one edge registers; the others wait
+/// for it this long at most).
+const ACCOUNT_LEASE: Duration = Duration::from_secs(60);
+/// How often an edge waiting for another's registration looks again.
+const ACCOUNT_POLL: Duration = Duration::from_millis(200);
+/// How long the store keeps a challenge answer when its order never
+/// removes it (the edge died).
+const CHALLENGE_TTL: Duration = Duration::from_secs(ACME_ORDER_TIMEOUT.as_secs() + 60);
 
 /// Why a certificate job failed.
 #[derive(Debug, thiserror::Error)]
@@ -235,6 +259,9 @@ pub struct Acme {
     certs: Arc<CertResolver>,
     /// HTTP-01: token to key authorization.
     http01: RwLock<HashMap<String, String>>,
+    /// Challenge answers of other edges' orders, read from the store, with
+    /// when they are to be read again (`None`: the store has none).
+    remote: Mutex<RemoteCache>,
     account: tokio::sync::Mutex<Option<Account>>,
     orders: Semaphore,
     in_flight: Mutex<HashSet<String>>,
@@ -267,6 +294,7 @@ impl Acme {
             store,
             certs,
             http01: RwLock::default(),
+            remote: Mutex::default(),
             account: tokio::sync::Mutex::new(None),
             in_flight: Mutex::default(),
             served: Mutex::default(),
@@ -343,10 +371,91 @@ impl Acme {
         self.wake.notify_one();
     }
 
-    /// The HTTP-01 key authorization for a request path on the HTTP port.
-    pub fn http01_response(&self, path: &str) -> Option<String> {
+    /// The HTTP-01 key authorization for a request path on the HTTP port:
+    /// of an order of this edge, or else (`ask_store`: the request is for a
+    /// reserved custom domain) of another edge's, from the store.
+    pub async fn http01_response(&self, path: &str, ask_store: bool) -> Option<String> {
         let token = path.strip_prefix(HTTP01_PREFIX)?;
-        self.http01.read().expect("poisoned").get(token).cloned()
+        if let Some(answer) = self.http01.read().expect("poisoned").get(token).cloned() {
+            return Some(answer);
+        }
+        // Tokens are base64url (RFC 8555 8.1); anything else is never asked of the store.
+        let plausible = ask_store
+            && (16..=128).contains(&token.len())
+            && token.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+        if !plausible {
+            return None;
+        }
+        match self.remote(ChallengeKind::Http01, token).await? {
+            RemoteAnswer::Http(answer) => Some(answer),
+            RemoteAnswer::Alpn(_) => None,
+        }
+    }
+
+    /// The TLS configuration that answers TLS-ALPN-01 validation of `host`
+    /// for an order of another edge (from the store); `None` when this edge
+    /// placed the order (its resolver answers) or nobody did.
+    pub async fn tls_alpn01_config(&self, host: &str) -> Option<Arc<rustls::ServerConfig>> {
+        if self.certs.has_acme_challenge(host) || host.len() > 253 {
+            return None;
+        }
+        match self.remote(ChallengeKind::TlsAlpn01, &host.to_ascii_lowercase()).await? {
+            RemoteAnswer::Alpn(key) => match tls::acme_challenge_config(key) {
+                Ok(config) => Some(config),
+                Err(e) => {
+                    warn!(host = %host, error = %e, "cannot answer a TLS-ALPN-01 validation");
+                    None
+                }
+            },
+            RemoteAnswer::Http(_) => None,
+        }
+    }
+
+    /// A challenge answer another edge stored: from the cache, or read
+    /// from the store (a miss is cached for [`REMOTE_MISS_TTL`]).
+    async fn remote(&self, kind: ChallengeKind, name: &str) -> Option<RemoteAnswer> {
+        let key = (kind, name.to_string());
+        let now = Instant::now();
+        if let Some((until, answer)) = self.remote.lock().expect("poisoned").get(&key)
+            && *until > now
+        {
+            return answer.clone();
+        }
+        let value = match self.store.challenge(kind, name).await {
+            Ok(v) => v,
+            Err(e) => {
+                warn!(challenge = kind.as_str(), error = %e, "cannot read a challenge answer from the store");
+                return None;
+            }
+        };
+        let answer = match (kind, value) {
+            (_, None) => None,
+            (ChallengeKind::Http01, Some(v)) => Some(RemoteAnswer::Http(v)),
+            (ChallengeKind::TlsAlpn01, Some(v)) => match from_hex(&v).map(|d| alpn_challenge_key(name, &d)) {
+                Some(Ok(key)) => Some(RemoteAnswer::Alpn(key)),
+                Some(Err(e)) => {
+                    warn!(host = %name, error = %e, "cannot make the TLS-ALPN-01 answer");
+                    None
+                }
+                None => {
+                    warn!(host = %name, "the store holds an invalid TLS-ALPN-01 answer");
+                    None
+                }
+            },
+        };
+        let ttl = if answer.is_some() { REMOTE_HIT_TTL } else { REMOTE_MISS_TTL };
+        let mut cache = self.remote.lock().expect("poisoned");
+        if cache.len() >= REMOTE_CACHE_MAX {
+            cache.retain(|_, (until, _)| *until > now);
+            if cache.len() >= REMOTE_CACHE_MAX {
+                cache.clear();
+            }
+        }
+        if answer.is_some() {
+            debug!(challenge = kind.as_str(), "answering a challenge of another edge's order");
+        }
+        cache.insert(key, (now + ttl, answer.clone()));
+        answer
     }
 
     /// The background task: scan, start due jobs, sleep until the next is due.
@@ -599,44 +708,81 @@ impl Acme {
     }
 
     /// The account for the directory: from the store, or registered once.
+    /// Edges sharing a store register one account: the one holding the
+    /// account's lease registers it, the others wait for it and load it.
     async fn account(&self) -> Result<Account, AcmeError> {
         let mut slot = self.account.lock().await;
         if let Some(account) = &*slot {
             return Ok(account.clone());
         }
-        let http =
-            || -> Result<Box<dyn HttpClient>, AcmeError> { Ok(Box::new(AcmeHttp::new(&self.config)?)) };
         let directory = &self.config.directory;
-        let account = match self.store.acme_account(directory).await? {
-            Some(json) => {
-                let credentials: AccountCredentials = serde_json::from_str(&json)
-                    .map_err(|e| AcmeError::Account(instant_acme::Error::Json(e)))?;
-                Account::builder_with_http(http()?)
-                    .from_credentials(credentials)
-                    .await
-                    .map_err(AcmeError::Account)?
+        let lease = format!("acme-account:{directory}");
+        let waiting_since = Instant::now();
+        let account = loop {
+            if let Some(json) = self.store.acme_account(directory).await? {
+                break self.load_account(&json).await?;
             }
-            None => {
-                let contact = self.config.email.as_ref().map(|e| format!("mailto:{e}"));
-                let contacts: Vec<&str> = contact.iter().map(String::as_str).collect();
-                let new = NewAccount {
-                    contact: &contacts,
-                    terms_of_service_agreed: true,
-                    only_return_existing: false,
-                };
-                let (account, credentials) = Account::builder_with_http(http()?)
-                    .create(&new, directory.clone(), None)
-                    .await
-                    .map_err(AcmeError::Account)?;
-                let json = serde_json::to_string(&credentials)
-                    .map_err(|e| AcmeError::Account(instant_acme::Error::Json(e)))?;
-                self.store.put_acme_account(directory, &json).await?;
-                info!(account = %account.id(), directory = %directory, "ACME account registered");
-                account
+            if self.store.try_lease(&lease, &self.holder, ACCOUNT_LEASE).await? {
+                let registered = self.register_account().await;
+                if let Err(e) = self.store.release_lease(&lease, &self.holder).await {
+                    warn!(error = %e, "could not give the account's lease up (it expires)");
+                }
+                break registered?;
             }
+            if waiting_since.elapsed() > ACCOUNT_LEASE {
+                return Err(AcmeError::Account(instant_acme::Error::Str(
+                    "another edge holds the ACME account's lease and has registered no account",
+                )));
+            }
+            debug!("another edge is registering the ACME account; waiting for it");
+            tokio::time::sleep(ACCOUNT_POLL).await;
         };
         *slot = Some(account.clone());
         Ok(account)
+    }
+
+    /// Registers the account, unless one is stored (another edge was
+    /// faster); the account stored is the one used.
+    async fn register_account(&self) -> Result<Account, AcmeError> {
+        let directory = &self.config.directory;
+        if let Some(json) = self.store.acme_account(directory).await? {
+            return self.load_account(&json).await;
+        }
+        let contact = self.config.email.as_ref().map(|e| format!("mailto:{e}"));
+        let contacts: Vec<&str> = contact.iter().map(String::as_str).collect();
+        let new =
+            NewAccount { contact: &contacts, terms_of_service_agreed: true, only_return_existing: false };
+        let (account, credentials) = Account::builder_with_http(self.http()?)
+            .create(&new, directory.clone(), None)
+            .await
+            .map_err(AcmeError::Account)?;
+        let json = serde_json::to_string(&credentials)
+            .map_err(|e| AcmeError::Account(instant_acme::Error::Json(e)))?;
+        let stored = self.store.put_acme_account(directory, &json).await?;
+        if stored != json {
+            warn!(account = %account.id(), "another edge stored an ACME account first: using it instead");
+            return self.load_account(&stored).await;
+        }
+        info!(account = %account.id(), directory = %directory, "ACME account registered");
+        Ok(account)
+    }
+
+    async fn load_account(&self, json: &str) -> Result<Account, AcmeError> {
+        let credentials: AccountCredentials =
+            serde_json::from_str(json).map_err(|e| AcmeError::Account(instant_acme::Error::Json(e)))?;
+        Account::builder_with_http(self.http()?)
+            .from_credentials(credentials)
+            .await
+            .map_err(AcmeError::Account)
+    }
+
+    fn http(&self) -> Result<Box<dyn HttpClient>, AcmeError> {
+        Ok(Box::new(AcmeHttp::new(&self.config)?))
+    }
+
+    /// The ACME account's URL at the CA (registered or loaded now if needed).
+    pub async fn account_id(&self) -> Result<String, AcmeError> {
+        Ok(self.account().await?.id().to_string())
     }
 
     /// One order: DNS check, challenge, finalize, download.
@@ -650,6 +796,7 @@ impl Acme {
             AcmeChallenge::Http01 => (ChallengeType::Http01, "http-01", "tls-alpn-01"),
         };
         let mut published = Published { acme: self, tokens: Vec::new(), alpn: Vec::new() };
+        let expires_at = unix_now() + CHALLENGE_TTL.as_secs();
         {
             let mut authorizations = order.authorizations();
             while let Some(authorization) = authorizations.next().await {
@@ -663,10 +810,10 @@ impl Acme {
                 let key_authorization = challenge.key_authorization();
                 match self.config.challenge {
                     AcmeChallenge::Http01 => {
-                        published.token(&challenge.token, key_authorization.as_str());
+                        published.token(&challenge.token, key_authorization.as_str(), expires_at).await?;
                     }
                     AcmeChallenge::TlsAlpn01 => {
-                        published.alpn(host, alpn_challenge_key(host, key_authorization.digest().as_ref())?);
+                        published.alpn(host, key_authorization.digest().as_ref(), expires_at).await?;
                     }
                 }
                 debug!(challenge = name, "challenge published");
@@ -843,7 +990,20 @@ fn alpn_challenge_key(host: &str, digest: &[u8]) -> Result<Arc<CertifiedKey>, Ac
     Ok(Arc::new(CertifiedKey::new(vec![cert.der().clone()], signer)))
 }
 
-/// Challenge responses of one order; withdrawn when dropped.
+/// Challenge answers read from the store: until when each holds, and the answer.
+type RemoteCache = HashMap<(ChallengeKind, String), (Instant, Option<RemoteAnswer>)>;
+
+/// A challenge answer of another edge's order, ready to serve.
+#[derive(Clone)]
+enum RemoteAnswer {
+    /// HTTP-01: the key authorization.
+    Http(String),
+    /// TLS-ALPN-01: the challenge certificate.
+    Alpn(Arc<CertifiedKey>),
+}
+
+/// Challenge responses of one order, in this edge's memory and in the
+/// store (for the other edges); withdrawn from both when dropped.
 struct Published<'a> {
     acme: &'a Acme,
     tokens: Vec<String>,
@@ -851,14 +1011,33 @@ struct Published<'a> {
 }
 
 impl Published<'_> {
-    fn token(&mut self, token: &str, key_authorization: &str) {
+    async fn token(
+        &mut self,
+        token: &str,
+        key_authorization: &str,
+        expires_at: u64,
+    ) -> Result<(), AcmeError> {
         self.acme.http01.write().expect("poisoned").insert(token.to_string(), key_authorization.to_string());
         self.tokens.push(token.to_string());
+        let c = Challenge {
+            kind: ChallengeKind::Http01,
+            name: token.to_string(),
+            value: key_authorization.to_string(),
+            expires_at,
+        };
+        Ok(self.acme.store.put_challenge(&c).await?)
     }
 
-    fn alpn(&mut self, host: &str, key: Arc<CertifiedKey>) {
-        self.acme.certs.set_acme_challenge(host, key);
+    async fn alpn(&mut self, host: &str, digest: &[u8], expires_at: u64) -> Result<(), AcmeError> {
+        self.acme.certs.set_acme_challenge(host, alpn_challenge_key(host, digest)?);
         self.alpn.push(host.to_string());
+        let c = Challenge {
+            kind: ChallengeKind::TlsAlpn01,
+            name: host.to_ascii_lowercase(),
+            value: to_hex(digest),
+            expires_at,
+        };
+        Ok(self.acme.store.put_challenge(&c).await?)
     }
 }
 
@@ -871,7 +1050,36 @@ impl Drop for Published<'_> {
         for host in &self.alpn {
             self.acme.certs.remove_acme_challenge(host);
         }
+        let stored: Vec<(ChallengeKind, String)> = (self.tokens.iter())
+            .map(|t| (ChallengeKind::Http01, t.clone()))
+            .chain(self.alpn.iter().map(|h| (ChallengeKind::TlsAlpn01, h.to_ascii_lowercase())))
+            .collect();
+        if stored.is_empty() {
+            return;
+        }
+        // Dropped in a task of the runtime; the answers expire in the store anyway.
+        let store = self.acme.store.clone();
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                for (kind, name) in stored {
+                    if let Err(e) = store.delete_challenge(kind, &name).await {
+                        debug!(challenge = kind.as_str(), error = %e, "could not remove a challenge answer from the store (it expires)");
+                    }
+                }
+            });
+        }
     }
+}
+
+fn to_hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn from_hex(s: &str) -> Option<Vec<u8>> {
+    if !s.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok()).collect()
 }
 
 /// instant-acme's HTTP client: hyper over rustls (ring), trusting the

@@ -104,6 +104,21 @@ async fn serve_tls(
         let io = sni::Prefixed::new(hello, tcp);
         return super::tcp::forward(&edge, io, &reservation, Protocol::Tls, &name, peer, local).await;
     }
+    // TLS-ALPN-01 validation of an order placed by another edge (for a
+    // reserved custom domain): its answer from the store.
+    let acceptor = match (&edge.acme, sni.as_deref()) {
+        (Some(acme), Some(host))
+            if hello.len() > 5
+                && sni::offers_alpn(&hello[5..], crate::tls::ALPN_ACME_TLS)
+                && edge.routes().host(host).is_some_and(|r| r.kind == ReservationKind::Custom) =>
+        {
+            match acme.tls_alpn01_config(host).await {
+                Some(config) => TlsAcceptor::from(config),
+                None => acceptor,
+            }
+        }
+        _ => acceptor,
+    };
     let tcp = ReadAhead::new(sni::Prefixed::new(hello, tcp));
     let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
         Ok(Ok(tls)) => tls,
@@ -273,7 +288,11 @@ where
 /// `--plain-http`, published HTTP hosts are proxied here too.
 pub async fn serve_redirect(edge: Arc<Edge>, listener: TcpListener) {
     serve_plain(edge, listener, true, |edge, req, peer| async move {
-        if let Some(key_authorization) = edge.acme.as_ref().and_then(|a| a.http01_response(req.uri().path()))
+        // Another edge's order is looked up in the store only for a reserved custom domain.
+        let custom = |host: &str| edge.routes().host(host).is_some_and(|r| r.kind == ReservationKind::Custom);
+        if let Some(acme) = &edge.acme
+            && let Some(key_authorization) =
+                acme.http01_response(req.uri().path(), request_host(&req).is_some_and(|h| custom(&h))).await
         {
             return Ok(text(StatusCode::OK, &key_authorization));
         }

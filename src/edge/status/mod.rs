@@ -25,8 +25,8 @@ pub(crate) mod traffic;
 
 use std::collections::HashMap;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -38,7 +38,7 @@ use hyper::body::{Body, Frame, Incoming};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::Edge;
-use super::store::{ApiKeyAuth, rfc3339, unix_now};
+use super::store::{ApiKeyAuth, CertificateRecord, rfc3339, unix_now};
 use crate::BoxError;
 use crate::api::{ApiKeyScope, Reservation, ReservationKind};
 use crate::constants::{API_BODY_TIMEOUT, PROTOCOL_VERSION};
@@ -82,6 +82,16 @@ pub struct Monitor {
     subscribers: Arc<Semaphore>,
     skipped: AtomicU64,
     bytes_sent: AtomicU64,
+    /// What the page shows of the store, read by [`sample`] (a document
+    /// never waits for the store: with PostgreSQL that is the network).
+    store_view: RwLock<Arc<StoreView>>,
+}
+
+/// The store as last read by [`refresh_store`].
+#[derive(Default)]
+struct StoreView {
+    certificates: Vec<CertificateRecord>,
+    health: Option<StoreHealth>,
 }
 
 impl Monitor {
@@ -96,6 +106,7 @@ impl Monitor {
             subscribers: Arc::new(Semaphore::new(MAX_SUBSCRIBERS)),
             skipped: AtomicU64::new(0),
             bytes_sent: AtomicU64::new(0),
+            store_view: RwLock::default(),
         }
     }
 
@@ -154,13 +165,8 @@ pub fn snapshot(edge: &Edge, limit: usize) -> Status {
     all.truncate(limit);
 
     let now = unix_now();
-    let certificates = match &edge.acme {
-        Some(_) => edge.store.engine().certificates().unwrap_or_else(|e| {
-            tracing::warn!(error = %e, "status: failed to read the certificates");
-            Vec::new()
-        }),
-        None => Vec::new(),
-    };
+    let view = monitor.store_view.read().expect("poisoned").clone();
+    let certificates = &view.certificates;
     let cert_by_host: HashMap<&str, _> = certificates.iter().map(|c| (c.hostname.as_str(), c)).collect();
 
     let tunnels = all
@@ -230,14 +236,12 @@ pub fn snapshot(edge: &Edge, limit: usize) -> Status {
         AcmeStatus { in_flight, errors }
     });
 
-    let started = Instant::now();
-    let store = edge.store.engine().schema_version();
-    let store = StoreHealth {
+    let store = view.health.clone().unwrap_or_else(|| StoreHealth {
         engine: edge.store.kind().into(),
-        ok: store.is_ok(),
-        latency_ms: started.elapsed().as_secs_f64() * 1000.0,
-        error: store.err().map(|e| e.to_string()),
-    };
+        ok: false,
+        latency_ms: 0.0,
+        error: Some("not read yet".into()),
+    });
 
     Status {
         status_version: STATUS_VERSION,
@@ -297,7 +301,46 @@ mod proc {
     }
 }
 
-/// Samples every tunnel's counters into the history until the edge stops.
+/// Reads what the page shows of the store: its health (a query timed) and,
+/// with ACME, the certificates' state.
+pub async fn refresh_store(edge: &Edge) {
+    let started = Instant::now();
+    let version = edge.store.run(|e| e.schema_version()).await;
+    let health = StoreHealth {
+        engine: edge.store.kind().into(),
+        ok: version.is_ok(),
+        latency_ms: started.elapsed().as_secs_f64() * 1000.0,
+        error: version.err().map(|e| e.to_string()),
+    };
+    let certificates = match &edge.acme {
+        Some(_) => match edge.store.certificates().await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "status: failed to read the certificates");
+                edge.monitor.store_view.read().expect("poisoned").certificates.clone()
+            }
+        },
+        None => Vec::new(),
+    };
+    *edge.monitor.store_view.write().expect("poisoned") =
+        Arc::new(StoreView { certificates, health: Some(health) });
+}
+
+/// Ends the sessions of keys that are no live admin keys any more (after
+/// every change of the store, and periodically); a store that cannot be
+/// read keeps them.
+pub async fn recheck_sessions(edge: &Edge) {
+    for id in edge.monitor.sessions.key_ids() {
+        match edge.store.api_key(&id).await {
+            Ok(Some(k)) if k.revoked_at.is_none() && k.scope == ApiKeyScope::Admin => {}
+            Ok(_) => edge.monitor.sessions.close_key(&id),
+            Err(e) => tracing::warn!(error = %e, "status: failed to check a session's key"),
+        }
+    }
+}
+
+/// Samples every tunnel's counters into the history until the edge stops;
+/// reads the store's view ([`refresh_store`]) and checks the sessions.
 pub async fn sample(edge: Arc<Edge>) {
     let mut tick = tokio::time::interval(traffic::INTERVAL);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -312,6 +355,8 @@ pub async fn sample(edge: Arc<Edge>) {
             .into_iter()
             .map(|(name, c)| (name.to_string(), c.tunnel.totals(c.inbound.get(), c.outbound.get())));
         edge.monitor.histories.sample(totals);
+        refresh_store(&edge).await;
+        recheck_sessions(&edge).await;
     }
 }
 
@@ -506,21 +551,11 @@ pub fn serve_admin(edge: &Arc<Edge>, req: &Request<Incoming>) -> Option<Response
     Some(serve_view(edge, req, Side::Admin, rest))
 }
 
-/// The admin key id of the request's session, if it is open and its key is
-/// still a live admin key.
+/// The admin key id of the request's session, if it is open. Sessions of
+/// keys revoked (or no admin keys any more) are closed by
+/// [`recheck_sessions`], after every change of the store.
 fn session_key(edge: &Edge, headers: &HeaderMap) -> Option<String> {
-    let id = edge.monitor.sessions.key_of(headers)?;
-    match edge.store.engine().api_key(&id) {
-        Ok(Some(k)) if k.revoked_at.is_none() && k.scope == ApiKeyScope::Admin => Some(id),
-        Ok(_) => {
-            edge.monitor.sessions.close_key(&id);
-            None
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, "status: failed to check a session's key");
-            None
-        }
-    }
+    edge.monitor.sessions.key_of(headers)
 }
 
 /// A post from the page itself: not from another site's page (CSRF).

@@ -81,6 +81,11 @@ impl Sessions {
         self.by_hash.lock().expect("poisoned").retain(|_, s| s.key_id != key_id);
     }
 
+    /// The admin keys of the open sessions.
+    pub fn key_ids(&self) -> std::collections::HashSet<String> {
+        self.by_hash.lock().expect("poisoned").values().map(|s| s.key_id.clone()).collect()
+    }
+
     pub fn len(&self) -> usize {
         self.by_hash.lock().expect("poisoned").len()
     }

@@ -2,7 +2,7 @@
 
 use rusqlite::{OptionalExtension, Row, TransactionBehavior, params};
 
-use super::{Sqlite, StoreError, invalid, now_rfc3339, rfc3339};
+use super::{Sqlite, StoreError, invalid, now_rfc3339, rfc3339, unix_now};
 use crate::api::{CertificateState, CertificateStatus};
 use crate::constants::RENEW_BEFORE_EXPIRY;
 
@@ -11,8 +11,10 @@ pub trait Certificates {
     /// The stored ACME account credentials (JSON) for a directory URL.
     fn acme_account(&self, directory: &str) -> Result<Option<String>, StoreError>;
 
-    /// Keeps the ACME account credentials (JSON) for a directory URL.
-    fn put_acme_account(&self, directory: &str, credentials: &str) -> Result<(), StoreError>;
+    /// Keeps the ACME account credentials (JSON) for a directory URL,
+    /// unless an account is stored already (another edge registered one
+    /// meanwhile); returns the credentials stored, the first ones.
+    fn put_acme_account(&self, directory: &str, credentials: &str) -> Result<String, StoreError>;
 
     /// Every certificate record, by host name.
     fn certificates(&self) -> Result<Vec<CertificateRecord>, StoreError>;
@@ -28,6 +30,45 @@ pub trait Certificates {
 
     /// Forgets the certificate of a host name (idempotent).
     fn delete_certificate(&self, hostname: &str) -> Result<(), StoreError>;
+
+    /// Keeps the answer to a pending ACME challenge until `expires_at`
+    /// (unix seconds), so that every edge can answer the CA's validation,
+    /// whichever edge placed the order. Expired answers are dropped.
+    fn put_challenge(&self, c: &Challenge) -> Result<(), StoreError>;
+
+    /// The answer to a pending challenge, unless it has expired.
+    fn challenge(&self, kind: ChallengeKind, name: &str) -> Result<Option<String>, StoreError>;
+
+    /// Forgets a challenge (its order ended; idempotent).
+    fn delete_challenge(&self, kind: ChallengeKind, name: &str) -> Result<(), StoreError>;
+}
+
+/// The two challenges answered by the edge's listeners.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ChallengeKind {
+    /// `name` is the token, `value` the key authorization.
+    Http01,
+    /// `name` is the host name, `value` the SHA-256 of the key authorization, hex.
+    TlsAlpn01,
+}
+
+impl ChallengeKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ChallengeKind::Http01 => "http-01",
+            ChallengeKind::TlsAlpn01 => "tls-alpn-01",
+        }
+    }
+}
+
+/// A pending ACME challenge's answer, as the store keeps it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Challenge {
+    pub kind: ChallengeKind,
+    pub name: String,
+    pub value: String,
+    /// Unix seconds.
+    pub expires_at: u64,
 }
 
 impl Certificates for Sqlite {
@@ -40,13 +81,18 @@ impl Certificates for Sqlite {
             .optional()?)
     }
 
-    fn put_acme_account(&self, directory: &str, credentials: &str) -> Result<(), StoreError> {
-        self.lock().execute(
+    fn put_acme_account(&self, directory: &str, credentials: &str) -> Result<String, StoreError> {
+        let conn = self.lock();
+        conn.execute(
             "INSERT INTO acme_accounts (directory, credentials, created_at) VALUES (?1, ?2, ?3)
-             ON CONFLICT (directory) DO UPDATE SET credentials = excluded.credentials",
+             ON CONFLICT (directory) DO NOTHING",
             params![directory, credentials, now_rfc3339()],
         )?;
-        Ok(())
+        Ok(conn.query_row(
+            "SELECT credentials FROM acme_accounts WHERE directory = ?1",
+            [directory],
+            |r| r.get(0),
+        )?)
     }
 
     fn certificates(&self) -> Result<Vec<CertificateRecord>, StoreError> {
@@ -114,6 +160,38 @@ impl Certificates for Sqlite {
 
     fn delete_certificate(&self, hostname: &str) -> Result<(), StoreError> {
         self.lock().execute("DELETE FROM certificates WHERE hostname = ?1", [hostname])?;
+        Ok(())
+    }
+
+    fn put_challenge(&self, c: &Challenge) -> Result<(), StoreError> {
+        let mut conn = self.lock();
+        let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        tx.execute("DELETE FROM acme_challenges WHERE expires_at <= ?1", [unix_now() as i64])?;
+        tx.execute(
+            "INSERT INTO acme_challenges (kind, name, value, expires_at) VALUES (?1, ?2, ?3, ?4)
+             ON CONFLICT (kind, name) DO UPDATE SET value = excluded.value, expires_at = excluded.expires_at",
+            params![c.kind.as_str(), c.name, c.value, c.expires_at as i64],
+        )?;
+        tx.commit()?;
+        Ok(())
+    }
+
+    fn challenge(&self, kind: ChallengeKind, name: &str) -> Result<Option<String>, StoreError> {
+        Ok(self
+            .lock()
+            .query_row(
+                "SELECT value FROM acme_challenges WHERE kind = ?1 AND name = ?2 AND expires_at > ?3",
+                params![kind.as_str(), name, unix_now() as i64],
+                |r| r.get(0),
+            )
+            .optional()?)
+    }
+
+    fn delete_challenge(&self, kind: ChallengeKind, name: &str) -> Result<(), StoreError> {
+        self.lock().execute(
+            "DELETE FROM acme_challenges WHERE kind = ?1 AND name = ?2",
+            params![kind.as_str(), name],
+        )?;
         Ok(())
     }
 }
@@ -295,8 +373,52 @@ mod tests {
         );
 
         assert_eq!(store.acme_account("https://ca/dir").unwrap(), None);
-        store.put_acme_account("https://ca/dir", "{\"id\":1}").unwrap();
-        store.put_acme_account("https://ca/dir", "{\"id\":2}").unwrap();
-        assert_eq!(store.acme_account("https://ca/dir").unwrap().as_deref(), Some("{\"id\":2}"));
+        assert_eq!(store.put_acme_account("https://ca/dir", "{\"id\":1}").unwrap(), "{\"id\":1}");
+        // Another edge registered too: the first account stays, and is what it gets back.
+        assert_eq!(store.put_acme_account("https://ca/dir", "{\"id\":2}").unwrap(), "{\"id\":1}");
+        assert_eq!(store.acme_account("https://ca/dir").unwrap().as_deref(), Some("{\"id\":1}"));
+    }
+
+    both_engines!(challenges_are_shared_until_removed_or_expired);
+
+    fn challenges_are_shared_until_removed_or_expired(t: &TestStore) {
+        let a = &*t.store;
+        let b = t.reopen().unwrap();
+        let in_a_minute = unix_now() + 60;
+        let http = |name: &str, value: &str, expires_at| Challenge {
+            kind: ChallengeKind::Http01,
+            name: name.into(),
+            value: value.into(),
+            expires_at,
+        };
+        a.put_challenge(&http("tok1", "tok1.thumb", in_a_minute)).unwrap();
+        a.put_challenge(&Challenge {
+            kind: ChallengeKind::TlsAlpn01,
+            name: "app.example.org".into(),
+            value: "ab01".into(),
+            expires_at: in_a_minute,
+        })
+        .unwrap();
+        // Another edge (another connection) reads them.
+        assert_eq!(b.challenge(ChallengeKind::Http01, "tok1").unwrap().as_deref(), Some("tok1.thumb"));
+        assert_eq!(
+            b.challenge(ChallengeKind::TlsAlpn01, "app.example.org").unwrap().as_deref(),
+            Some("ab01")
+        );
+        assert_eq!(b.challenge(ChallengeKind::Http01, "app.example.org").unwrap(), None, "kinds are apart");
+        assert_eq!(b.challenge(ChallengeKind::Http01, "tok2").unwrap(), None);
+        // An expired one is not answered, and goes with the next put.
+        a.put_challenge(&http("old", "old.thumb", unix_now() - 1)).unwrap();
+        assert_eq!(b.challenge(ChallengeKind::Http01, "old").unwrap(), None);
+        a.put_challenge(&http("tok2", "tok2.thumb", in_a_minute)).unwrap();
+        assert_eq!(b.challenge(ChallengeKind::Http01, "tok2").unwrap().as_deref(), Some("tok2.thumb"));
+        // The order ended.
+        a.delete_challenge(ChallengeKind::Http01, "tok1").unwrap();
+        a.delete_challenge(ChallengeKind::Http01, "tok1").unwrap();
+        assert_eq!(b.challenge(ChallengeKind::Http01, "tok1").unwrap(), None);
+        assert_eq!(
+            b.challenge(ChallengeKind::TlsAlpn01, "app.example.org").unwrap().as_deref(),
+            Some("ab01")
+        );
     }
 }

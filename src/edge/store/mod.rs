@@ -44,7 +44,7 @@ mod keys;
 pub mod pg;
 mod reservations;
 
-pub use certificates::{CertificateRecord, Certificates, StoredCertificateStatus};
+pub use certificates::{CertificateRecord, Certificates, Challenge, ChallengeKind, StoredCertificateStatus};
 pub use keys::{ApiKeyAuth, Keys, TunnelGrant, TunnelKeyAuth};
 pub use reservations::Reservations;
 
@@ -143,6 +143,19 @@ pub const MIGRATIONS: &[&str] = &[
     // suffixes; keys made before may reserve none).
     r#"
     ALTER TABLE api_keys ADD COLUMN custom_domains TEXT NOT NULL DEFAULT '[]';
+    "#,
+    // 5: answers to pending ACME challenges, so that any edge answers the
+    // CA's validation (one edge: the order's own memory would do).
+    r#"
+    CREATE TABLE acme_challenges (
+        kind       TEXT NOT NULL CHECK (kind IN ('http-01', 'tls-alpn-01')),
+        -- HTTP-01: the token; TLS-ALPN-01: the host name.
+        name       TEXT NOT NULL,
+        -- HTTP-01: the key authorization; TLS-ALPN-01: its SHA-256, hex.
+        value      TEXT NOT NULL,
+        expires_at INTEGER NOT NULL,
+        PRIMARY KEY (kind, name)
+    ) STRICT;
     "#,
 ];
 
@@ -551,7 +564,7 @@ impl Store {
         self.run(move |e| e.acme_account(&directory)).await
     }
 
-    pub async fn put_acme_account(&self, directory: &str, credentials: &str) -> Result<(), StoreError> {
+    pub async fn put_acme_account(&self, directory: &str, credentials: &str) -> Result<String, StoreError> {
         let directory = directory.to_string();
         let credentials = credentials.to_string();
         self.run(move |e| e.put_acme_account(&directory, &credentials)).await
@@ -574,6 +587,21 @@ impl Store {
     pub async fn delete_certificate(&self, hostname: &str) -> Result<(), StoreError> {
         let hostname = hostname.to_string();
         self.run(move |e| e.delete_certificate(&hostname)).await
+    }
+
+    pub async fn put_challenge(&self, c: &Challenge) -> Result<(), StoreError> {
+        let c = c.clone();
+        self.run(move |e| e.put_challenge(&c)).await
+    }
+
+    pub async fn challenge(&self, kind: ChallengeKind, name: &str) -> Result<Option<String>, StoreError> {
+        let name = name.to_string();
+        self.run(move |e| e.challenge(kind, &name)).await
+    }
+
+    pub async fn delete_challenge(&self, kind: ChallengeKind, name: &str) -> Result<(), StoreError> {
+        let name = name.to_string();
+        self.run(move |e| e.delete_challenge(kind, &name)).await
     }
 
     // Engine

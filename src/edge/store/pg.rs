@@ -8,7 +8,9 @@
 //! - TLS: rustls (ring), as everywhere else; `sslmode` is honoured
 //!   (`disable`, `prefer` (the default), `require`: no certificate check,
 //!   like libpq; `verify-ca`: the chain; `verify-full`: the chain and the
-//!   host name), against `sslrootcert` (a PEM file) or the built-in roots.
+//!   host name), against `sslrootcert` (a PEM file) or the built-in roots;
+//!   a client certificate with `sslcert` and `sslkey` (PEM files, as libpq;
+//!   for `clientcert=verify-ca|verify-full` in `pg_hba.conf`).
 //! - Every write is one SERIALIZABLE transaction, retried on a
 //!   serialization failure or a unique violation, so a check-then-write (a
 //!   name already held, the last admin key, the lowest free port) stays
@@ -42,10 +44,10 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::{
-    ADMIN_KEY_PREFIX, ApiKeyAuth, ApiKeyRow, CertificateRecord, Certificates, ChangeCallback,
-    ENDPOINTS_KEY_PREFIX, Engine, INITIAL_ADMIN_KEY_NAME, Keys, Reservations, Snapshot, StoreError,
-    StoredCertificateStatus, TUNNEL_KEY_PREFIX, TunnelKeyAuth, TunnelKeyRow, fresh_id, hash_secret, held_by,
-    labels_to_json, new_secret, now_rfc3339, unix_now,
+    ADMIN_KEY_PREFIX, ApiKeyAuth, ApiKeyRow, CertificateRecord, Certificates, Challenge, ChallengeKind,
+    ChangeCallback, ENDPOINTS_KEY_PREFIX, Engine, INITIAL_ADMIN_KEY_NAME, Keys, Reservations, Snapshot,
+    StoreError, StoredCertificateStatus, TUNNEL_KEY_PREFIX, TunnelKeyAuth, TunnelKeyRow, fresh_id,
+    hash_secret, held_by, labels_to_json, new_secret, now_rfc3339, unix_now,
 };
 use crate::api::{
     ApiKey, ApiKeyScope, Labels, PortRange, Protocol, Reservation, ReservationKind, ReservationRef, TunnelKey,
@@ -69,7 +71,8 @@ const MIGRATION_LOCK: i64 = 0x6375_6c76_6572_7401;
 
 /// Schema migrations; migration `i` brings the version from `i` to `i + 1`.
 /// Append only: never edit one that has shipped. Version 1 is SQLite's 4.
-pub const MIGRATIONS: &[&str] = &[r#"
+pub const MIGRATIONS: &[&str] = &[
+    r#"
     CREATE TABLE api_keys (
         seq         BIGSERIAL NOT NULL,
         id          TEXT PRIMARY KEY,
@@ -138,7 +141,21 @@ pub const MIGRATIONS: &[&str] = &[r#"
         holder     TEXT NOT NULL,
         expires_at BIGINT NOT NULL
     );
-    "#];
+    "#,
+    // 2 (SQLite's 5): answers to pending ACME challenges, so that any edge
+    // answers the CA's validation, whichever edge placed the order.
+    r#"
+    CREATE TABLE acme_challenges (
+        kind       TEXT NOT NULL CHECK (kind IN ('http-01', 'tls-alpn-01')),
+        -- HTTP-01: the token; TLS-ALPN-01: the host name.
+        name       TEXT NOT NULL,
+        -- HTTP-01: the key authorization; TLS-ALPN-01: its SHA-256, hex.
+        value      TEXT NOT NULL,
+        expires_at BIGINT NOT NULL,
+        PRIMARY KEY (kind, name)
+    );
+    "#,
+];
 
 /// `url` with its password replaced by `***`, for messages and logs.
 pub fn redact(url: &str) -> String {
@@ -164,9 +181,18 @@ pub enum SslMode {
     VerifyFull,
 }
 
+/// What culvert reads of a URL itself: `sslmode`, `sslrootcert`, `sslcert`, `sslkey`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct TlsParams {
+    mode: SslMode,
+    root: Option<PathBuf>,
+    cert: Option<PathBuf>,
+    key: Option<PathBuf>,
+}
+
 /// A `postgres://` URL split into what the `postgres` crate parses and what
-/// culvert handles itself (`sslmode`, `sslrootcert`).
-fn parse_url(url: &str) -> Result<(postgres::Config, SslMode, Option<PathBuf>), StoreError> {
+/// culvert handles itself ([`TlsParams`]).
+fn parse_url(url: &str) -> Result<(postgres::Config, TlsParams), StoreError> {
     let bad = |what: String| {
         StoreError::BadLocation(format!(
             "--store {}: {what}; expected postgres://USER:PASSWORD@HOST:PORT/DATABASE?sslmode=verify-full",
@@ -174,7 +200,7 @@ fn parse_url(url: &str) -> Result<(postgres::Config, SslMode, Option<PathBuf>), 
         ))
     };
     let (base, query) = url.split_once('?').unwrap_or((url, ""));
-    let (mut mode, mut root) = (SslMode::Prefer, None);
+    let (mut mode, mut root, mut cert, mut key) = (SslMode::Prefer, None, None, None);
     let mut kept = Vec::new();
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
@@ -194,6 +220,8 @@ fn parse_url(url: &str) -> Result<(postgres::Config, SslMode, Option<PathBuf>), 
                 }
             }
             "sslrootcert" => root = Some(PathBuf::from(percent_decode(v))),
+            "sslcert" => cert = Some(PathBuf::from(percent_decode(v))),
+            "sslkey" => key = Some(PathBuf::from(percent_decode(v))),
             _ => kept.push(pair),
         }
     }
@@ -210,7 +238,15 @@ fn parse_url(url: &str) -> Result<(postgres::Config, SslMode, Option<PathBuf>), 
     if config.get_application_name().is_none() {
         config.application_name("culvert-edge");
     }
-    Ok((config, mode, root))
+    if cert.is_some() != key.is_some() {
+        return Err(bad(
+            "give both sslcert and sslkey (the client certificate and its key), or neither".into()
+        ));
+    }
+    if cert.is_some() && mode == SslMode::Disable {
+        return Err(bad("sslcert with sslmode=disable: a client certificate needs TLS".into()));
+    }
+    Ok((config, TlsParams { mode, root, cert, key }))
 }
 
 fn percent_decode(s: &str) -> String {
@@ -243,8 +279,8 @@ pub struct Postgres {
 impl Postgres {
     /// Connects, applies pending migrations and keeps the connection.
     pub fn open(url: &str) -> Result<Postgres, StoreError> {
-        let (config, mode, root) = parse_url(url)?;
-        let tls = Tls::new(mode, root)?;
+        let (config, params) = parse_url(url)?;
+        let tls = Tls::new(params)?;
         let pg = Postgres { config, tls, idle: Mutex::new(Vec::new()), display: redact(url) };
         let mut client = pg.connect()?;
         migrate(&mut client)?;
@@ -328,6 +364,21 @@ impl Postgres {
                 }
             }
         })
+    }
+}
+
+impl Drop for Postgres {
+    fn drop(&mut self) {
+        // The blocking client's drop blocks on its own runtime, which panics
+        // on a thread of tokio's (an edge dropped in a task): drop them elsewhere.
+        let idle = std::mem::take(&mut *self.idle.lock().unwrap_or_else(|p| p.into_inner()));
+        if !idle.is_empty() && tokio::runtime::Handle::try_current().is_ok() {
+            let spawned =
+                std::thread::Builder::new().name("culvert-store-close".into()).spawn(move || drop(idle));
+            if let Err(e) = spawned {
+                warn!(error = %e, "could not close the store's idle connections");
+            }
+        }
     }
 }
 
@@ -945,14 +996,17 @@ impl Certificates for Postgres {
         })
     }
 
-    fn put_acme_account(&self, directory: &str, credentials: &str) -> Result<(), StoreError> {
+    fn put_acme_account(&self, directory: &str, credentials: &str) -> Result<String, StoreError> {
         self.write(|tx| {
             tx.execute(
                 "INSERT INTO acme_accounts (directory, credentials, created_at) VALUES ($1, $2, $3)
-                 ON CONFLICT (directory) DO UPDATE SET credentials = excluded.credentials",
+                 ON CONFLICT (directory) DO NOTHING",
                 &[&directory, &credentials, &now_rfc3339()],
             )?;
-            Ok(())
+            get(
+                &tx.query_one("SELECT credentials FROM acme_accounts WHERE directory = $1", &[&directory])?,
+                0,
+            )
         })
     }
 
@@ -1016,6 +1070,45 @@ impl Certificates for Postgres {
     fn delete_certificate(&self, hostname: &str) -> Result<(), StoreError> {
         self.write(|tx| {
             tx.execute("DELETE FROM certificates WHERE hostname = $1", &[&hostname])?;
+            Ok(())
+        })
+    }
+
+    // Single statements, no NOTIFY: the other edges read challenges when
+    // the CA asks them (nothing to reload).
+    fn put_challenge(&self, c: &Challenge) -> Result<(), StoreError> {
+        let now = unix_now() as i64;
+        self.with_client(|client| {
+            client.execute("DELETE FROM acme_challenges WHERE expires_at <= $1", &[&now])?;
+            let upsert = client.execute(
+                "INSERT INTO acme_challenges (kind, name, value, expires_at) VALUES ($1, $2, $3, $4)
+                 ON CONFLICT (kind, name) DO UPDATE SET value = excluded.value, expires_at = excluded.expires_at",
+                &[&c.kind.as_str(), &c.name, &c.value, &(c.expires_at as i64)],
+            );
+            match upsert {
+                Ok(_) => Ok(()),
+                // Two first inserts at once (one order's answer twice): the same row.
+                Err(e) if e.code() == Some(&SqlState::UNIQUE_VIOLATION) => Ok(()),
+                Err(e) => Err(e.into()),
+            }
+        })
+    }
+
+    fn challenge(&self, kind: ChallengeKind, name: &str) -> Result<Option<String>, StoreError> {
+        let now = unix_now() as i64;
+        self.read(|c| {
+            c.query_opt(
+                "SELECT value FROM acme_challenges WHERE kind = $1 AND name = $2 AND expires_at > $3",
+                &[&kind.as_str(), &name, &now],
+            )?
+            .map(|r| get(&r, 0))
+            .transpose()
+        })
+    }
+
+    fn delete_challenge(&self, kind: ChallengeKind, name: &str) -> Result<(), StoreError> {
+        self.read(|c| {
+            c.execute("DELETE FROM acme_challenges WHERE kind = $1 AND name = $2", &[&kind.as_str(), &name])?;
             Ok(())
         })
     }
@@ -1269,7 +1362,8 @@ pub struct Tls {
 }
 
 impl Tls {
-    fn new(mode: SslMode, root: Option<PathBuf>) -> Result<Tls, StoreError> {
+    fn new(params: TlsParams) -> Result<Tls, StoreError> {
+        let TlsParams { mode, root, cert, key } = params;
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let builder = rustls::ClientConfig::builder_with_provider(provider.clone())
             .with_safe_default_protocol_versions()
@@ -1284,17 +1378,26 @@ impl Tls {
                 .build()
                 .map_err(|e| StoreError::BadLocation(format!("TLS for the store: {e}")))
         };
-        let config = match mode {
+        let builder = match mode {
             SslMode::Disable => return Ok(Tls { config: None }),
             SslMode::Prefer | SslMode::Require => builder
                 .dangerous()
-                .with_custom_certificate_verifier(Arc::new(crate::tls::AnyCertificate(provider.clone())))
-                .with_no_client_auth(),
-            SslMode::VerifyCa => builder
-                .dangerous()
-                .with_custom_certificate_verifier(Arc::new(ChainOnly(verifier(roots()?)?)))
-                .with_no_client_auth(),
-            SslMode::VerifyFull => builder.with_webpki_verifier(verifier(roots()?)?).with_no_client_auth(),
+                .with_custom_certificate_verifier(Arc::new(crate::tls::AnyCertificate(provider.clone()))),
+            SslMode::VerifyCa => {
+                builder.dangerous().with_custom_certificate_verifier(Arc::new(ChainOnly(verifier(roots()?)?)))
+            }
+            SslMode::VerifyFull => builder.with_webpki_verifier(verifier(roots()?)?),
+        };
+        let config = match (cert, key) {
+            (Some(cert), Some(key)) => {
+                let bad = |what: &str, e: String| StoreError::BadLocation(format!("{what}: {e}"));
+                let chain = crate::tls::load_pem_certs(&cert).map_err(|e| bad("sslcert", e.to_string()))?;
+                let key = crate::tls::load_pem_key(&key).map_err(|e| bad("sslkey", e.to_string()))?;
+                builder
+                    .with_client_auth_cert(chain, key)
+                    .map_err(|e| bad("sslcert and sslkey", e.to_string()))?
+            }
+            _ => builder.with_no_client_auth(),
         };
         Ok(Tls { config: Some(Arc::new(config)) })
     }
@@ -1423,16 +1526,21 @@ mod tests {
             "postgres://u:***@db:5432/c?sslmode=require"
         );
         assert_eq!(redact("postgres://u@db/c"), "postgres://u@db/c");
-        let (config, mode, root) = parse_url(
-            "postgres://u:p@db.example:6543/culvert?sslmode=verify-full&sslrootcert=/etc/ca%20x.pem",
+        let (config, params) = parse_url(
+            "postgres://u:p@db.example:6543/culvert?sslmode=verify-full&sslrootcert=/etc/ca%20x.pem&sslcert=/c.pem&sslkey=/k.pem",
         )
         .unwrap();
-        assert_eq!(mode, SslMode::VerifyFull);
-        assert_eq!(root, Some(PathBuf::from("/etc/ca x.pem")));
+        assert_eq!(params.mode, SslMode::VerifyFull);
+        assert_eq!(params.root, Some(PathBuf::from("/etc/ca x.pem")));
+        assert_eq!((params.cert, params.key), (Some(PathBuf::from("/c.pem")), Some(PathBuf::from("/k.pem"))));
         assert_eq!(config.get_ports(), &[6543]);
         assert_eq!(config.get_dbname(), Some("culvert"));
         assert_eq!(config.get_ssl_mode(), postgres::config::SslMode::Require);
-        assert_eq!(parse_url("postgres://u@db/c").unwrap().1, SslMode::Prefer);
+        assert_eq!(parse_url("postgres://u@db/c").unwrap().1.mode, SslMode::Prefer);
+        let err = parse_url("postgres://u@db/c?sslcert=/c.pem").unwrap_err();
+        assert!(err.to_string().contains("give both sslcert and sslkey"), "{err}");
+        let err = parse_url("postgres://u@db/c?sslmode=disable&sslcert=/c.pem&sslkey=/k.pem").unwrap_err();
+        assert!(err.to_string().contains("needs TLS"), "{err}");
         let err = parse_url("postgres://u:hunter2@db/c?sslmode=always").unwrap_err();
         assert!(err.to_string().contains("sslmode=always is not one of"), "{err}");
         assert!(!err.to_string().contains("hunter2"), "{err}");
@@ -1478,5 +1586,74 @@ mod tests {
         assert!(err.contains("certificate"), "{err}");
         let err = open(url("db.example", "sslmode=verify-full&sslrootcert=/nonexistent/ca.pem")).unwrap_err();
         assert!(err.contains("sslrootcert"), "{err}");
+    }
+
+    /// A client certificate (`sslcert`, `sslkey`) against a real PostgreSQL
+    /// that takes only TLS with a certificate from its client CA whose name
+    /// is the user (`clientcert=verify-full`).
+    #[test]
+    fn client_certificate_for_clientcert_verify_full() {
+        use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let pki = crate::tls::generate_pki(&["db.example".to_string()]).unwrap();
+        let client_ca = |name: &str| {
+            let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+            params.distinguished_name.push(DnType::CommonName, name);
+            params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+            let key = KeyPair::generate().unwrap();
+            let cert = params.self_signed(&key).unwrap();
+            (cert.pem(), Issuer::new(params, key))
+        };
+        let (ca_pem, ca) = client_ca("client CA");
+        let (_, other_ca) = client_ca("another client CA");
+        let client = |user: &str, issuer: &Issuer<'_, KeyPair>| {
+            let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+            params.distinguished_name.push(DnType::CommonName, user);
+            let key = KeyPair::generate().unwrap();
+            (params.signed_by(&key, issuer).unwrap().pem(), key.serialize_pem())
+        };
+        let Some(server) = super::super::test_postgres::Postgres::start_tls_client_auth(
+            &pki.cert_pem,
+            &pki.key_pem,
+            &ca_pem,
+        ) else {
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let write = |name: &str, body: &str| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, body).unwrap();
+            path.display().to_string()
+        };
+        let root = write("ca.pem", &pki.ca_pem);
+        let (cert, key) = client(super::super::test_postgres::USER, &ca);
+        let (cert, key) = (write("client.pem", &cert), write("client.key", &key));
+        let (wrong_cert, wrong_key) = client("somebody-else", &ca);
+        let (wrong_cert, wrong_key) = (write("wrong.pem", &wrong_cert), write("wrong.key", &wrong_key));
+        let (foreign_cert, foreign_key) = client(super::super::test_postgres::USER, &other_ca);
+        let (foreign_cert, foreign_key) =
+            (write("foreign.pem", &foreign_cert), write("foreign.key", &foreign_key));
+        let port = server.port;
+        let url = |query: &str| {
+            format!(
+                "postgres://culvert@db.example:{port}/postgres?hostaddr=127.0.0.1&sslmode=verify-full&sslrootcert={root}{query}"
+            )
+        };
+        let open = |u: String| Postgres::open(&u).map(|_| ()).map_err(|e| e.to_string());
+        open(url(&format!("&sslcert={cert}&sslkey={key}"))).expect("the client certificate is accepted");
+        let refused = [
+            ("no client certificate", url("")),
+            ("another user's certificate", url(&format!("&sslcert={wrong_cert}&sslkey={wrong_key}"))),
+            ("another CA's certificate", url(&format!("&sslcert={foreign_cert}&sslkey={foreign_key}"))),
+        ];
+        for (what, u) in refused {
+            let err = open(u).expect_err(what);
+            assert!(err.contains("the store is unavailable"), "{what}: {err}");
+        }
+        // A file that is not there: said at once; a key that is not the certificate's: refused.
+        let err = open(url(&format!("&sslcert=/nonexistent.pem&sslkey={key}"))).unwrap_err();
+        assert!(err.contains("sslcert"), "{err}");
+        let err = open(url(&format!("&sslcert={cert}&sslkey={wrong_key}"))).unwrap_err();
+        assert!(err.contains("sslcert and sslkey") || err.contains("the store is unavailable"), "{err}");
     }
 }
