@@ -11,6 +11,7 @@
 pub(crate) mod agents;
 pub(crate) mod edge;
 pub(crate) mod edge_api;
+pub mod gateway;
 pub mod ingress;
 pub(crate) mod leader;
 pub(crate) mod reservation;
@@ -523,6 +524,7 @@ async fn controllers(ctx: Arc<Context>, stop: CancellationToken) {
         tunnel::run(ctx.clone(), stop.clone()),
         ingress::run(ctx.clone(), stop.clone()),
         service::run(ctx.clone(), stop.clone()),
+        gateway::run(ctx.clone(), stop.clone()),
     );
 }
 
