@@ -865,7 +865,6 @@ fn udp_echo(host: &NetnsHost, port: u16, label: &'static str) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs the UDP data path (helper udp) on main"]
 async fn udproute_carries_datagrams_to_a_udp_echo() {
     let Some((f, class)) = fixture("gw-udp").await else { return };
     let Some(backends) = NetnsHost::create() else { return };
