@@ -14,7 +14,7 @@ use serde_json::Value;
 
 use crate::api::{
     ApiKey, ApiKeyScope, CreateApiKeyRequest, CreateTunnelKeyRequest, CreatedApiKey, CreatedTunnelKey, Info,
-    Labels, List, Protocol, QuotaUpdate, ReleaseResponse, Reservation, ReserveDomainRequest,
+    Labels, List, PortProtocol, Protocol, QuotaUpdate, ReleaseResponse, Reservation, ReserveDomainRequest,
     ReservePortRequest, TunnelKey, UpdateApiKeyRequest, parse_label,
 };
 use crate::api_client::{Client, ClientError, segment};
@@ -119,10 +119,14 @@ pub enum DomainCommand {
 /// `culvert admin port ...`.
 #[derive(Debug, Clone, Subcommand)]
 pub enum PortCommand {
-    /// Reserve a TCP port (the lowest free one unless given); prints the port.
+    /// Reserve a TCP or UDP port (the lowest free one unless given); prints the port.
     Reserve {
         /// A port within the edge's range.
         port: Option<u16>,
+        /// `tcp` or `udp`: TCP and UDP ports are separate (UDP 5353 and TCP
+        /// 5353 are two reservations).
+        #[arg(long, value_enum, default_value_t = PortProtocol::Tcp)]
+        protocol: PortProtocol,
         /// A label to store with the reservation (repeatable).
         #[arg(long = "label", value_name = "KEY=VALUE", value_parser = parse_label)]
         labels: Vec<(String, String)>,
@@ -132,21 +136,30 @@ pub enum PortCommand {
         #[arg(long, value_name = "SECONDS")]
         idle_timeout_seconds: Option<u64>,
     },
-    /// List reserved ports.
+    /// List reserved ports (TCP and UDP).
     List {
         /// Only those whose labels match, e.g. `k=v,k2!=v2`.
         #[arg(long, short = 'l')]
         selector: Option<String>,
+        /// Only `tcp` or `udp` ports.
+        #[arg(long, value_enum)]
+        protocol: Option<PortProtocol>,
     },
     /// Show one port.
     Show {
         /// The port.
         port: u16,
+        /// `tcp` or `udp`.
+        #[arg(long, value_enum, default_value_t = PortProtocol::Tcp)]
+        protocol: PortProtocol,
     },
     /// Release a port; its tunnel keys are revoked.
     Release {
         /// The port.
         port: u16,
+        /// `tcp` or `udp`.
+        #[arg(long, value_enum, default_value_t = PortProtocol::Tcp)]
+        protocol: PortProtocol,
     },
 }
 
@@ -158,10 +171,11 @@ pub enum TunnelKeyCommand {
         /// Host name or subdomain label of a reserved domain (http, tls).
         #[arg(long, required_unless_present = "port", conflicts_with = "port")]
         domain: Option<String>,
-        /// A reserved TCP port (tcp).
+        /// A reserved port (tcp; udp with `--protocol udp`).
         #[arg(long)]
         port: Option<u16>,
-        /// What the key publishes [default: http for --domain, tcp for --port].
+        /// What the key publishes [default: http for --domain, tcp for
+        /// --port]; `udp` binds the key to the UDP reservation of --port.
         #[arg(long, value_enum)]
         protocol: Option<Protocol>,
         /// A label to store with the key (repeatable).
@@ -382,12 +396,12 @@ pub(crate) async fn execute(
             }
         },
         AdminCommand::Port(cmd) => match cmd {
-            PortCommand::Reserve { port, labels, idle_timeout_seconds } => {
+            PortCommand::Reserve { port, protocol, labels, idle_timeout_seconds } => {
                 let request = ReservePortRequest {
                     port: *port,
+                    protocol: *protocol,
                     labels: labels_of(labels),
                     idle_timeout_seconds: *idle_timeout_seconds,
-                    ..Default::default()
                 };
                 let a = answer!(client.post("ports", &request));
                 let created = a.created;
@@ -397,17 +411,25 @@ pub(crate) async fn execute(
                 }
                 writeln!(out, "{}", r.port.map(|p| p.to_string()).unwrap_or_default())?;
             }
-            PortCommand::List { selector: s } => {
-                let a = answer!(get("ports".into(), selector(s)));
+            PortCommand::List { selector: s, protocol } => {
+                let mut query = selector(s);
+                if let Some(p) = protocol {
+                    query.push(("protocol", p.as_str().to_string()));
+                }
+                let a = answer!(get("ports".into(), query));
                 let list: List<Reservation> = a.decode()?;
                 write!(out, "{}", ports_table(&list.items))?;
             }
-            PortCommand::Show { port } => {
-                let a = answer!(get(format!("ports/{port}"), vec![]));
+            PortCommand::Show { port, protocol } => {
+                let a = answer!(get(format!("ports/{port}"), protocol_query(*protocol)));
                 write!(out, "{}", ports_table(&[a.decode()?]))?;
             }
-            PortCommand::Release { port } => {
-                let a = answer!(client.delete(&format!("ports/{port}")));
+            PortCommand::Release { port, protocol } => {
+                let path = match protocol {
+                    PortProtocol::Tcp => format!("ports/{port}"),
+                    PortProtocol::Udp => format!("ports/{port}?protocol=udp"),
+                };
+                let a = answer!(client.delete(&path));
                 write!(out, "{}", released(&a.decode()?))?;
             }
         },
@@ -653,12 +675,21 @@ fn domains_table(items: &[Reservation]) -> String {
     render_table(&headers, &rows)
 }
 
+/// `?protocol=udp` for a UDP port, nothing for TCP (what older edges know).
+fn protocol_query(protocol: PortProtocol) -> Vec<(&'static str, String)> {
+    match protocol {
+        PortProtocol::Tcp => vec![],
+        PortProtocol::Udp => vec![("protocol", "udp".to_string())],
+    }
+}
+
 fn ports_table(items: &[Reservation]) -> String {
     let rows: Vec<Vec<String>> = items
         .iter()
         .map(|r| {
             vec![
                 r.port.map(|p| p.to_string()).unwrap_or_default(),
+                r.protocol.to_string(),
                 r.url.clone().unwrap_or_default(),
                 r.owner.clone(),
                 r.idle_timeout_seconds.map_or_else(|| "-".into(), |s| format!("{s}s")),
@@ -667,7 +698,7 @@ fn ports_table(items: &[Reservation]) -> String {
             ]
         })
         .collect();
-    render_table(&["PORT", "ADDRESS", "OWNER", "IDLE TIMEOUT", "LABELS", "CREATED"], &rows)
+    render_table(&["PORT", "PROTOCOL", "ADDRESS", "OWNER", "IDLE TIMEOUT", "LABELS", "CREATED"], &rows)
 }
 
 fn tunnel_keys_table(items: &[TunnelKey], with_revoked: bool) -> String {
@@ -962,6 +993,37 @@ mod tests {
             run(&admin_client, &["-o", "json", "tunnel-key", "create", "--port", "20000"]).unwrap();
         let v: Value = serde_json::from_str(&json_out).unwrap();
         assert_eq!(v["protocol"], "tcp");
+        // UDP 20000 is a reservation of its own, with its own key.
+        assert_eq!(
+            run(&admin_client, &["port", "reserve", "--protocol", "udp", "20000"]).unwrap(),
+            "20000\n"
+        );
+        let json_out = run(
+            &admin_client,
+            &["-o", "json", "tunnel-key", "create", "--port", "20000", "--protocol", "udp"],
+        )
+        .unwrap();
+        let v: Value = serde_json::from_str(&json_out).unwrap();
+        assert_eq!(
+            (&v["protocol"], &v["reservation"]["protocol"]),
+            (&serde_json::json!("udp"), &serde_json::json!("udp"))
+        );
+        let ports = run(&admin_client, &["port", "list"]).unwrap();
+        let rows: Vec<Vec<&str>> = ports.lines().map(|l| l.split_whitespace().collect()).collect();
+        assert_eq!(rows[0][..3], ["PORT", "PROTOCOL", "ADDRESS"], "{ports}");
+        assert_eq!(rows[1..].iter().map(|r| r[1]).collect::<Vec<_>>(), ["tcp", "udp"], "{ports}");
+        let udp = run(&admin_client, &["port", "list", "--protocol", "udp"]).unwrap();
+        assert_eq!(udp.lines().count(), 2, "{udp}");
+        assert!(
+            run(&admin_client, &["port", "show", "20000", "--protocol", "udp"]).unwrap().contains("udp://")
+        );
+        assert!(
+            run(&admin_client, &["port", "release", "20000", "--protocol", "udp"])
+                .unwrap()
+                .contains("udp port 20000")
+        );
+        let list = run(&admin_client, &["tunnel-key", "list", "--all"]).unwrap();
+        assert_eq!(list.lines().count(), 4, "{list}");
         let list = run(&admin_client, &["tunnel-key", "list"]).unwrap();
         assert_eq!(list.lines().count(), 3, "{list}");
         assert!(list.lines().next().unwrap().starts_with("ID "));

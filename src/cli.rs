@@ -35,6 +35,9 @@ pub(crate) enum Command {
     Http(AgentArgs),
     /// Publish a local TCP port through the edge.
     Tcp(AgentArgs),
+    /// Publish a local UDP port through the edge (with a key of a UDP port
+    /// reservation: `culvert admin tunnel-key create --port N --protocol udp`).
+    Udp(AgentArgs),
     /// Manage API keys, domains, ports and tunnel keys on an edge.
     Admin(culvert::admin::AdminArgs),
     /// Run the Kubernetes operator and in-cluster agent.

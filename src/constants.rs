@@ -67,6 +67,23 @@ pub const MAX_PUBLIC_CONNECTIONS: usize = 10_000;
 pub const DEFAULT_MAX_CONNECTIONS_PER_TCP_PORT: usize = 1_000;
 /// A TCP reservation's connection silent this long is closed (default of `--tcp-idle-timeout-seconds`).
 pub const DEFAULT_TCP_IDLE_TIMEOUT_SECONDS: u64 = 3600;
+
+/// Largest UDP payload carried: the path's limit over IPv4 (65535 bytes of
+/// IP packet, less 20 of IP header and 8 of UDP header). Larger datagrams
+/// (possible only over IPv6) are dropped and counted as `oversize`.
+pub const MAX_DATAGRAM: usize = 65_507;
+/// A UDP flow with no datagram either way for this long ends (seconds).
+pub const DEFAULT_UDP_IDLE_TIMEOUT_SECONDS: u64 = 60;
+/// Flows one UDP reservation may have at once (new clients beyond are dropped).
+pub const DEFAULT_MAX_UDP_FLOWS_PER_PORT: u64 = 1_000;
+/// Flows the edge carries at once over every UDP reservation.
+pub const DEFAULT_MAX_UDP_FLOWS: u64 = 10_000;
+/// Bytes of datagrams one UDP flow may queue each way (at the edge toward
+/// the agent, at the agent toward the edge) before new ones are dropped.
+pub const UDP_FLOW_QUEUE_BYTES: usize = 256 * 1024;
+/// Bytes of datagrams queued over every flow together, at the edge and at
+/// each agent.
+pub const UDP_QUEUE_TOTAL_BYTES: usize = 32 * 1024 * 1024;
 /// A half-closed spliced connection silent this long is closed (default of `--half-close-timeout-seconds`).
 pub const DEFAULT_HALF_CLOSE_TIMEOUT_SECONDS: u64 = 60;
 /// Refused tunnel handshakes (bad or revoked keys, not WebSocket...) one
@@ -106,6 +123,14 @@ pub const TUNNEL_UPLOAD_BUDGET: usize = 16 * 1024 * 1024;
 pub const EDGE_UPLOAD_BUDGET: usize = 256 * 1024 * 1024;
 /// HTTP/2 max frame size on the tunnel.
 pub const H2_MAX_FRAME: u32 = 64 * 1024;
+/// Tunnel streams the edge keeps open at once, all tunnels together
+/// (`--max-tunnel-streams`). Each may hold one stream window of response
+/// data its public client has not read, plus the chunk being written to it:
+/// this bounds what the edge buffers for downloads (4 096 × 320 KiB =
+/// 1.25 GiB). More requests wait, their clients unread, for a stream to end.
+pub const DEFAULT_MAX_TUNNEL_STREAMS: usize = 4096;
+/// How long a request waits for one of those streams before a 503.
+pub const TUNNEL_STREAM_WAIT: Duration = Duration::from_secs(10);
 
 /// Reconnect backoff: first delay and cap (each delay is drawn from the upper half of its step).
 pub const BACKOFF_INITIAL: Duration = Duration::from_millis(100);

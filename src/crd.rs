@@ -317,6 +317,12 @@ pub struct WeightedServiceRef {
     #[serde(default = "default_weight")]
     #[schemars(range(min = 0, max = 1_000_000))]
     pub weight: u32,
+    /// A Service of another namespace (the Gateway API controller writes
+    /// this for a granted cross-namespace backendRef): used only while a
+    /// ReferenceGrant of that namespace lets Gateway API routes of the
+    /// Tunnel's namespace refer to the Service; otherwise this share answers 500.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
 }
 
 fn default_weight() -> u32 {

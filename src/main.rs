@@ -51,6 +51,9 @@ fn run() -> anyhow::Result<()> {
                     Command::Tcp(args) => {
                         culvert::agent::run_standalone(args, Protocol::Tcp).await.map_err(Into::into)
                     }
+                    Command::Udp(args) => {
+                        culvert::agent::run_standalone(args, Protocol::Udp).await.map_err(Into::into)
+                    }
                     Command::Admin(_) | Command::Crd | Command::Probe(_) => unreachable!("handled above"),
                 }
             })?;

@@ -99,6 +99,47 @@ async fn clients_that_stop_reading_do_not_stall_the_tunnel() {
     drop((held, stalled));
 }
 
+/// Issue 17: what the edge buffers of responses has an edge-wide bound. Each
+/// tunnel stream holds at most its stream window for a public client that
+/// does not read, and the edge opens at most `--max-tunnel-streams` streams
+/// at once: more requests wait (their clients unread) and go through as
+/// soon as a stream ends.
+#[tokio::test]
+async fn the_edge_opens_at_most_its_stream_limit_and_further_requests_wait_for_one() {
+    let _serial = SERIAL.lock().await;
+    const BIG: u64 = 1 << 30;
+    const LIMIT: usize = 4;
+    let edge = TestEdge::start_with(|a| a.max_tunnel_streams = LIMIT).await;
+    let backend = net::http_backend().await;
+    let (host, key) = edge.http_tunnel_key("app").await;
+    let _agent = TestAgent::start(&edge, &key, Target::http(backend.to_string())).await;
+    let client = edge.client();
+
+    // LIMIT downloads whose clients read the first bytes, then stop.
+    let mut stalled = Vec::new();
+    for _ in 0..LIMIT {
+        let mut tls = client.connect(&host, false).await;
+        let head = format!("GET /bytes?n={BIG} HTTP/1.1\r\nhost: {host}\r\n\r\n");
+        tls.write_all(head.as_bytes()).await.unwrap();
+        let mut first = [0u8; 12];
+        tls.read_exact(&mut first).await.unwrap();
+        assert_eq!(&first, b"HTTP/1.1 200");
+        stalled.push(tls);
+    }
+    // Every stream is taken: the next request waits for one.
+    let edge = Arc::new(edge);
+    let (e, h) = (edge.clone(), host.clone());
+    let mut waiting =
+        tokio::spawn(async move { download(&e, &h, 1 << 20, false, Duration::from_secs(9)).await });
+    let early = tokio::time::timeout(Duration::from_secs(1), &mut waiting).await;
+    assert!(early.is_err(), "a request got a stream beyond the limit: {early:?}");
+    // One download ends: its stream goes to the waiting request.
+    drop(stalled.pop());
+    let got = tokio::time::timeout(Duration::from_secs(10), waiting).await.expect("served").unwrap();
+    assert_eq!(got, Some(1 << 20), "the waiting request got the stream that ended");
+    drop(stalled);
+}
+
 /// A malicious agent: the WebSocket upgrade with a valid tunnel key, then
 /// whatever bytes the test writes to the raw TLS stream.
 async fn raw_agent(edge: &TestEdge, key: &str) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {

@@ -11,7 +11,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::Bytes;
-use culvert::crd::{Domain, TcpPort, Tunnel};
+use culvert::crd::{Domain, TcpPort, Tunnel, UdpPort};
 use culvert::operator::DomainPolicy;
 use fixture::{Fixture, WAIT, listen_in, service_with_endpoints};
 use futures_util::{SinkExt, StreamExt};
@@ -452,11 +452,31 @@ async fn ask(
     answer.trim_end().to_string()
 }
 
+/// Sends `payload` to the edge until one datagram comes back (within WAIT).
+async fn udp_echo(c: &tokio::net::UdpSocket, payload: &[u8]) -> Vec<u8> {
+    wait_until("udp echo through the edge", WAIT, || async {
+        c.send(payload).await?;
+        let mut buf = vec![0u8; 2048];
+        let got = tokio::time::timeout(Duration::from_secs(2), c.recv(&mut buf)).await;
+        Ok(got.ok().and_then(Result::ok).map(|n| buf[..n].to_vec()))
+    })
+    .await
+    .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn load_balancer_service_tcp_echo_proxy_protocol_and_release() {
     let Some(f) = Fixture::new("lb-echo").await else { return };
     let Some(backends) = NetnsHost::create() else { return };
     tcp_backend(&backends, 9000);
+    // UDP 9000 in the same host: an echo (with PROXY v2 the header comes back too).
+    let udp = fixture::udp_in(&backends, 9000);
+    tokio::spawn(async move {
+        let mut buf = vec![0u8; 65536];
+        while let Ok((n, peer)) = udp.recv_from(&mut buf).await {
+            let _ = udp.send_to(&buf[..n], peer).await;
+        }
+    });
     let same = f.edge.tcp_ports.first;
     service_with_endpoints(
         &f,
@@ -468,10 +488,11 @@ async fn load_balancer_service_tcp_echo_proxy_protocol_and_release() {
     .await;
     let (stop, task) = f.operator();
 
-    // Status: the edge's address with both public ports; the annotation maps them.
+    // Status: the edge's address with the three public ports (TCP, TCP,
+    // UDP); the annotation maps them.
     let svc = wait_until("Service status written", WAIT, || async {
         let s = f.api::<Service>().get("db").await?;
-        Ok((lb_status(&s)["ingress"][0]["ports"].as_array().map(Vec::len) == Some(2)).then_some(s))
+        Ok((lb_status(&s)["ingress"][0]["ports"].as_array().map(Vec::len) == Some(3)).then_some(s))
     })
     .await
     .unwrap();
@@ -488,7 +509,18 @@ async fn load_balancer_service_tcp_echo_proxy_protocol_and_release() {
         f.edge.tcp_ports.contains(public[1]) && public[1] != same,
         "5432 is outside the range: any free port"
     );
-    assert_eq!(svc.annotations()["culvert.dev/public-ports"], format!("{same}={same},5432={}", public[1]));
+    let protocols: Vec<&str> = lb["ingress"][0]["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["protocol"].as_str().unwrap())
+        .collect();
+    assert_eq!(protocols, ["TCP", "TCP", "UDP"]);
+    assert!(f.edge.tcp_ports.contains(public[2]), "UDP 53 is outside the range: any free UDP port");
+    assert_eq!(
+        svc.annotations()["culvert.dev/public-ports"],
+        format!("{same}={same},5432={},53/udp={}", public[1], public[2])
+    );
     // Once the agents are connected: no port error, the condition True, an event naming the ports.
     let svc = wait_until("Service connected", WAIT, || async {
         let s = f.api::<Service>().get("db").await?;
@@ -523,11 +555,21 @@ async fn load_balancer_service_tcp_echo_proxy_protocol_and_release() {
         .map(|t| t.name_any())
         .collect();
     names.sort();
-    let mut want = vec!["lb-db-5432".to_string(), format!("lb-db-{same}")];
+    let mut want = vec!["lb-db-5432".to_string(), format!("lb-db-{same}"), "lb-db-udp-53".to_string()];
     want.sort();
     assert_eq!(names, want);
-    let msg = f.wait_event("db", "Warning", "UnsupportedProtocol").await;
-    assert!(msg.contains("UDP port 53"), "{msg}");
+    let udp_ports = f.api::<UdpPort>().list(&Default::default()).await.unwrap().items;
+    assert_eq!(udp_ports.iter().map(|p| p.name_any()).collect::<Vec<_>>(), ["lb-db-udp-53"]);
+    assert_eq!(udp_ports[0].status.as_ref().unwrap().address, Some(format!("127.0.0.1:{}", public[2])));
+
+    // UDP echo end to end, a datagram through the edge and the tunnel.
+    let udp_client = || async {
+        let c = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        c.connect(("127.0.0.1", public[2])).await.unwrap();
+        c
+    };
+    let first_client = udp_client().await;
+    assert_eq!(udp_echo(&first_client, b"dns?").await, b"dns?");
 
     // TCP echo end to end, no PROXY header by default.
     let wait_echo = |port: u16| async move {
@@ -567,6 +609,20 @@ async fn load_balancer_service_tcp_echo_proxy_protocol_and_release() {
             "the real client address"
         );
     }
+    // With v2, each UDP datagram of a new flow (a flow keeps the options it
+    // started with) reaches the backend after a v2 header (UDP over IPv4,
+    // the client's address); the echo sends it back.
+    let (datagram, client) = wait_until("PROXY v2 before the UDP datagram", WAIT, || async {
+        let c = udp_client().await;
+        let got = udp_echo(&c, b"hi").await;
+        Ok((got.len() > 16 && got[12..14] == [0x21, 0x12]).then(|| (got, c.local_addr().unwrap())))
+    })
+    .await
+    .unwrap();
+    assert_eq!(&datagram[..12], b"\r\n\r\n\0\r\nQUIT\n");
+    assert_eq!(u16::from_be_bytes([datagram[24], datagram[25]]), client.port(), "the client's port");
+    assert_eq!(u16::from_be_bytes([datagram[26], datagram[27]]), public[2], "the edge's port");
+    assert_eq!(&datagram[28..], b"hi");
     assert_eq!(
         ask(&mut kept_r, &mut kept_w, "after").await,
         "after",
@@ -583,14 +639,21 @@ async fn load_balancer_service_tcp_echo_proxy_protocol_and_release() {
     .await
     .unwrap();
     assert!(lb_status(&svc)["ingress"].as_array().is_none_or(|a| a.is_empty()), "{}", lb_status(&svc));
-    for p in &public {
+    for p in &public[..2] {
         assert_eq!(
             f.edge.api("GET", &format!("ports/{p}"), None).await.0,
             StatusCode::NOT_FOUND,
             "{p} released"
         );
     }
+    assert_eq!(
+        f.edge.api("GET", &format!("ports/{}?protocol=udp", public[2]), None).await.0,
+        StatusCode::NOT_FOUND,
+        "UDP {} released",
+        public[2]
+    );
     assert!(f.api::<TcpPort>().list(&Default::default()).await.unwrap().items.is_empty());
+    assert!(f.api::<UdpPort>().list(&Default::default()).await.unwrap().items.is_empty());
     assert!(f.api::<Tunnel>().list(&Default::default()).await.unwrap().items.is_empty());
     f.finish(stop, task).await;
 }

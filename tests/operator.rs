@@ -7,7 +7,7 @@ use support::{kube as kube_env, net, netns, operator as fixture};
 
 use std::time::Duration;
 
-use culvert::crd::{Domain, TcpPort, Tunnel};
+use culvert::crd::{Domain, TcpPort, Tunnel, UdpPort};
 use fixture::{Fixture, WAIT, service_with_endpoints};
 use http::StatusCode;
 use k8s_openapi::api::core::v1::{Secret, Service};
@@ -104,6 +104,88 @@ async fn domains_reserve_release_retain_adopt_and_recreate() {
     .await
     .unwrap();
 
+    f.finish(stop, task).await;
+}
+
+/// A UdpPort and a Tunnel of protocol udp to a Service's UDP port (beside a
+/// TCP port of the same number): the UDP reservation at the edge, the
+/// printer columns, a datagram echoed through the edge, and the release.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn udp_port_and_udp_tunnel() {
+    let Some(f) = Fixture::new("op-udp").await else { return };
+    let Some(host) = netns::NetnsHost::create() else { return };
+    let echo = fixture::udp_in(&host, 5300);
+    tokio::spawn(async move {
+        let mut buf = vec![0u8; 2048];
+        while let Ok((n, peer)) = echo.recv_from(&mut buf).await {
+            let _ = echo.send_to(&buf[..n], peer).await;
+        }
+    });
+    // DNS-like: TCP 53 and UDP 53; the udp Tunnel must pick the UDP one.
+    service_with_endpoints(
+        &f,
+        "dns",
+        &host.ip,
+        json!({}),
+        &[("tcp", 53, 5301, "TCP"), ("udp", 53, 5300, "UDP")],
+    )
+    .await;
+    let (stop, task) = f.operator();
+    let port = f.edge.tcp_ports.first;
+    f.create::<UdpPort>(
+        json!({"apiVersion": "culvert.dev/v1alpha1", "kind": "UdpPort", "metadata": {"name": "dns"},
+        "spec": {"port": port}}),
+    )
+    .await;
+    let p = f.wait_reason::<UdpPort>("dns", "Reserved").await;
+    assert_eq!(p["status"]["address"], format!("127.0.0.1:{port}"), "{p}");
+    let (s, r) = f.edge.api("GET", &format!("ports/{port}?protocol=udp"), None).await;
+    assert_eq!((s, &r["protocol"]), (StatusCode::OK, &json!("udp")), "{r}");
+    assert_eq!(
+        f.edge.api("GET", &format!("ports/{port}"), None).await.0,
+        StatusCode::NOT_FOUND,
+        "no TCP port"
+    );
+    f.create::<Tunnel>(
+        json!({"apiVersion": "culvert.dev/v1alpha1", "kind": "Tunnel", "metadata": {"name": "dns"},
+        "spec": {"protocol": "udp", "udpPort": "dns", "service": {"name": "dns", "port": 53}}}),
+    )
+    .await;
+    let t = f.wait_reason::<Tunnel>("dns", "Published").await;
+    assert_eq!(t["status"]["url"], format!("udp://127.0.0.1:{port}"), "{t}");
+    assert_eq!(t["status"]["backends"], json!([format!("{}:5300", host.ip)]), "the Service's UDP port: {t}");
+    let c = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    c.connect(("127.0.0.1", port)).await.unwrap();
+    wait_until("a datagram echoed through the edge", WAIT, || async {
+        c.send(b"query").await?;
+        let mut buf = [0u8; 16];
+        let got = tokio::time::timeout(Duration::from_secs(2), c.recv(&mut buf)).await;
+        Ok(got.ok().and_then(Result::ok).filter(|n| buf[..*n] == *b"query").map(|_| ()))
+    })
+    .await
+    .unwrap();
+    let (columns, rows) = table(&f, "udpports").await;
+    assert_eq!(columns, ["Name", "Address", "Ready", "Reason", "Reclaim (wide)", "Age"]);
+    assert_eq!(rows[0][1..4], [json!(format!("127.0.0.1:{port}")), json!("True"), json!("Reserved")]);
+    // An invalid udp Tunnel is a condition.
+    f.create::<Tunnel>(json!({"apiVersion": "culvert.dev/v1alpha1", "kind": "Tunnel", "metadata": {"name": "bad"},
+        "spec": {"protocol": "udp", "udpPort": "dns", "proxyProtocol": "v1", "service": {"name": "dns", "port": 53}}}))
+    .await;
+    let bad = f.wait_reason::<Tunnel>("bad", "InvalidSpec").await;
+    assert!(
+        condition(&bad, "Ready").unwrap()["message"].as_str().unwrap().contains("v1 has no UDP form"),
+        "{bad}"
+    );
+    f.api::<Tunnel>().delete("bad", &DeleteParams::default()).await.unwrap();
+    f.api::<Tunnel>().delete("dns", &DeleteParams::default()).await.unwrap();
+    f.api::<UdpPort>().delete("dns", &DeleteParams::default()).await.unwrap();
+    wait_until("UDP port released", WAIT, || async {
+        let gone =
+            f.edge.api("GET", &format!("ports/{port}?protocol=udp"), None).await.0 == StatusCode::NOT_FOUND;
+        Ok(gone.then_some(()))
+    })
+    .await
+    .unwrap();
     f.finish(stop, task).await;
 }
 

@@ -13,6 +13,7 @@ use hyper_util::rt::TokioExecutor;
 use rustls::crypto::ring as provider;
 use rustls_pki_types::ServerName;
 
+use super::filters::Filters;
 use super::guard::Credentials;
 use crate::constants::BACKEND_CONNECT_TIMEOUT;
 use crate::tunnel::body::BoxBody;
@@ -51,6 +52,8 @@ pub struct RouteOptions {
     /// Largest request body in bytes.
     pub max_body: Option<u64>,
     pub access: Access,
+    /// The route's Gateway API filters (none for Ingress routes).
+    pub filters: Filters,
 }
 
 impl Default for RouteOptions {
@@ -61,6 +64,7 @@ impl Default for RouteOptions {
             read_timeout: None,
             max_body: None,
             access: Access::Open,
+            filters: Filters::default(),
         }
     }
 }

@@ -1,4 +1,4 @@
-//! The standalone agent's command line (`culvert http|tcp`).
+//! The standalone agent's command line (`culvert http|tcp|udp`).
 
 use std::path::PathBuf;
 
@@ -8,6 +8,12 @@ use clap::Args;
 pub struct AgentArgs {
     /// What to publish: `PORT`, `HOST:PORT` or (http) `http://HOST:PORT`.
     pub target: String,
+
+    /// tcp and udp: tell the backend each public client's address with a
+    /// PROXY protocol header, `v1` or `v2` (tcp: once per connection; udp:
+    /// `v2` only, before every datagram).
+    #[arg(long, env = "CULVERT_PROXY_PROTOCOL", value_enum)]
+    pub proxy_protocol: Option<super::pipe::ProxyHeader>,
 
     /// The edge's URL, e.g. https://edge.example.com. Several edges: repeat
     /// the flag or separate URLs with commas; the agent keeps one connection

@@ -1,6 +1,6 @@
 //! Answering the streams the edge opens: each stream goes where the
 //! resolver says, by its kind ([`StreamKind`]): HTTP requests to
-//! [`super::forward`], upgrades and TCP streams to [`super::pipe`].
+//! [`super::forward`], upgrades, TCP streams and UDP flows to [`super::pipe`].
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -26,6 +26,13 @@ pub enum Target {
     /// A TCP backend: `host:port`, optionally told the public client's
     /// address with a PROXY protocol header.
     Tcp { addr: String, proxy: Option<ProxyHeader> },
+    /// A UDP backend: `host:port`, optionally told each datagram's public
+    /// client with a PROXY protocol v2 header.
+    Udp { addr: String, proxy: Option<ProxyHeader> },
+    /// The agent answers an HTTP request itself, once its route's options
+    /// admit it: a redirect to `location`, or an error (a route without a
+    /// usable backend).
+    Answer { status: StatusCode, location: Option<String>, message: String, options: Arc<RouteOptions> },
 }
 
 impl Target {
@@ -49,6 +56,11 @@ impl Target {
     pub fn parse_tcp(s: &str) -> Result<Target, String> {
         Ok(Target::Tcp { addr: host_port(s)?, proxy: None })
     }
+
+    /// `53` or `host:53`.
+    pub fn parse_udp(s: &str) -> Result<Target, String> {
+        Ok(Target::Udp { addr: host_port(s)?, proxy: None })
+    }
 }
 
 impl std::fmt::Display for Target {
@@ -56,6 +68,8 @@ impl std::fmt::Display for Target {
         match self {
             Target::Http { authority, options } => write!(f, "{}://{authority}", options.uri_scheme()),
             Target::Tcp { addr, .. } => write!(f, "tcp://{addr}"),
+            Target::Udp { addr, .. } => write!(f, "udp://{addr}"),
+            Target::Answer { status, .. } => write!(f, "the agent's own {status} answer"),
         }
     }
 }
@@ -116,8 +130,22 @@ async fn handle(req: Request<Incoming>, kind: StreamKind, resolver: &Resolver) -
             });
             pipe::tcp(addr, header, body).await
         }
+        (StreamKind::Udp, Target::Udp { addr, proxy }) => {
+            let header = proxy.map(|p| {
+                let addr = |name| pipe::header_addr(&parts, name);
+                p.encode_datagram(addr(CLIENT_ADDR_HEADER), addr(SERVER_ADDR_HEADER))
+            });
+            pipe::udp(addr, header, body).await
+        }
         (StreamKind::Http, Target::Http { authority, options }) => {
             forward::http(parts, body, &authority, &options).await
+        }
+        (StreamKind::Http | StreamKind::Upgrade, Target::Answer { status, location, message, options }) => {
+            let mut parts = parts;
+            if let Err(refused) = forward::admit(&mut parts.headers, &options) {
+                return refused;
+            }
+            forward::answer(status, location.as_deref(), &message, &options)
         }
         (StreamKind::Upgrade, Target::Http { authority, options }) => {
             let mut parts = parts;
@@ -149,5 +177,6 @@ mod tests {
         assert!(Target::parse_http("https://x:1").is_err());
         assert!(Target::parse_tcp("0").is_err());
         assert!(Target::parse_tcp("host").is_err());
+        assert_eq!(Target::parse_udp("53").unwrap().to_string(), "udp://127.0.0.1:53");
     }
 }

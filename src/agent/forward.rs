@@ -2,8 +2,11 @@
 //! standalone agent's with the default options, the operator's with its
 //! routes'): who may pass ([`admit`]), the body size limit (413), the scheme
 //! of the backend (HTTP, h2c, HTTPS; pooled connections: [`backend::client`])
-//! and the read timeout (504). Also the header rules every forwarded head
-//! follows, and the agent's own error answers.
+//! and the read timeout (504), the route's filters ([`super::filters`]:
+//! URLRewrite, then the head made for the backend, then
+//! RequestHeaderModifier; ResponseHeaderModifier on the answer). Also the
+//! header rules every forwarded head follows, and the agent's own answers
+//! (errors, redirects).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -29,6 +32,29 @@ pub fn agent_error(status: StatusCode, message: &str) -> Response<BoxBody> {
     if let Ok(v) = HeaderValue::from_str(message) {
         h.insert(ERROR_HEADER, v);
     }
+    resp
+}
+
+/// The agent's own answer of a route: a redirect to `location` (with the
+/// route's response header changes), or an error.
+pub fn answer(
+    status: StatusCode,
+    location: Option<&str>,
+    message: &str,
+    options: &RouteOptions,
+) -> Response<BoxBody> {
+    let Some(location) = location else {
+        return agent_error(status, message);
+    };
+    let mut resp = Response::new(body::empty());
+    *resp.status_mut() = status;
+    match HeaderValue::from_str(location) {
+        Ok(v) => resp.headers_mut().insert(header::LOCATION, v),
+        Err(_) => {
+            return agent_error(StatusCode::BAD_REQUEST, "the redirect's Location is not a header value");
+        }
+    };
+    options.filters.edit_response(resp.headers_mut());
     resp
 }
 
@@ -96,12 +122,16 @@ pub async fn http(
     {
         return too_large(max);
     }
-    // The public host: the TLS server name of an HTTPS backend.
+    if let Err(e) = options.filters.rewrite_request(&mut parts) {
+        return agent_error(StatusCode::BAD_REQUEST, &e);
+    }
+    // The public host (or the rewritten one): the TLS server name of an HTTPS backend.
     let server_name = parts.uri.host().map(str::to_string);
     let mut parts = match backend_request(parts, authority) {
         Ok(p) => p,
         Err(e) => return agent_error(StatusCode::BAD_REQUEST, &e),
     };
+    options.filters.edit_request(&mut parts.headers);
     if options.uri_scheme() != "http" {
         let pq = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
         match Uri::try_from(format!("{}://{authority}{pq}", options.uri_scheme())) {
@@ -134,6 +164,7 @@ pub async fn http(
         Ok(resp) => {
             let (mut parts, b) = resp.into_parts();
             strip_hop_by_hop(&mut parts.headers);
+            options.filters.edit_response(&mut parts.headers);
             let b = match options.read_timeout {
                 Some(idle) => body::boxed(IdleTimeoutBody::new(b, idle)),
                 None => body::boxed(b),

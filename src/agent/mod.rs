@@ -9,6 +9,7 @@ pub(crate) mod backend;
 mod config;
 pub(crate) mod dispatch;
 pub mod edges;
+pub(crate) mod filters;
 pub(crate) mod forward;
 pub(crate) mod guard;
 pub(crate) mod pipe;
@@ -28,6 +29,7 @@ use crate::tunnel::backoff::Pace;
 use crate::tunnel::connect::{ConnectError, Connected, Dialer, TunnelInfo};
 pub use config::AgentArgs;
 pub use edges::{EdgeSet, run_edges};
+pub use pipe::ProxyHeader;
 pub use serve::{Resolver, Target, fixed};
 
 /// Why the agent stopped.
@@ -207,13 +209,25 @@ pub fn agent_id() -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-/// `culvert http|tcp`: publish one local port (`protocol` is `Http` or
-/// `Tcp`) until SIGINT/SIGTERM.
+/// `culvert http|tcp|udp`: publish one local port (`protocol` is `Http`,
+/// `Tcp` or `Udp`) until SIGINT/SIGTERM.
 pub async fn run_standalone(args: AgentArgs, protocol: Protocol) -> Result<(), AgentError> {
-    let target = match protocol {
-        Protocol::Tcp => Target::parse_tcp(&args.target),
-        Protocol::Http => Target::parse_http(&args.target),
-        Protocol::Tls | Protocol::Udp => Err("the standalone agent publishes http or tcp".to_string()),
+    let proxy = args.proxy_protocol;
+    let target = match (protocol, proxy) {
+        (Protocol::Udp, Some(ProxyHeader::V1)) => {
+            Err("PROXY protocol v1 has no UDP form: use --proxy-protocol v2".to_string())
+        }
+        (Protocol::Http, Some(_)) => Err("--proxy-protocol applies to tcp and udp".to_string()),
+        (Protocol::Tcp, _) => Target::parse_tcp(&args.target).map(|t| match t {
+            Target::Tcp { addr, .. } => Target::Tcp { addr, proxy },
+            t => t,
+        }),
+        (Protocol::Udp, _) => Target::parse_udp(&args.target).map(|t| match t {
+            Target::Udp { addr, .. } => Target::Udp { addr, proxy },
+            t => t,
+        }),
+        (Protocol::Http, None) => Target::parse_http(&args.target),
+        (Protocol::Tls, _) => Err("the standalone agent publishes http, tcp or udp".to_string()),
     }
     .map_err(|why| AgentError::BadTarget { target: args.target.clone(), why })?;
     let edges = EdgeSet::parse(&args.edge)?;

@@ -92,6 +92,21 @@ pub struct EdgeArgs {
     #[arg(long, env = "CULVERT_TCP_IDLE_TIMEOUT_SECONDS", default_value_t = constants::DEFAULT_TCP_IDLE_TIMEOUT_SECONDS, value_parser = clap::value_parser!(u64).range(1..))]
     pub tcp_idle_timeout_seconds: u64,
 
+    /// A UDP flow (one public client address and port on a UDP reservation)
+    /// with no datagram either way for this long ends (seconds); its next
+    /// datagram starts a new flow.
+    #[arg(long, env = "CULVERT_UDP_IDLE_TIMEOUT_SECONDS", default_value_t = constants::DEFAULT_UDP_IDLE_TIMEOUT_SECONDS, value_parser = clap::value_parser!(u64).range(1..))]
+    pub udp_idle_timeout_seconds: u64,
+
+    /// UDP flows one UDP reservation may have at once; datagrams of new
+    /// clients beyond it are dropped (counted in culvert_edge_udp_flows_refused).
+    #[arg(long, env = "CULVERT_MAX_UDP_FLOWS_PER_PORT", default_value_t = constants::DEFAULT_MAX_UDP_FLOWS_PER_PORT, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_udp_flows_per_port: u64,
+
+    /// UDP flows the edge carries at once over every UDP reservation.
+    #[arg(long, env = "CULVERT_MAX_UDP_FLOWS", default_value_t = constants::DEFAULT_MAX_UDP_FLOWS, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_udp_flows: u64,
+
     /// A spliced connection (TCP reservation, TLS passthrough, HTTP upgrade)
     /// that one side has half-closed is closed once silent for this long
     /// (seconds): a peer that ignores the half-close cannot hold it open.
@@ -102,6 +117,13 @@ pub struct EdgeArgs {
     /// open file limit); more are closed on accept.
     #[arg(long, env = "CULVERT_MAX_PUBLIC_CONNECTIONS", default_value_t = constants::MAX_PUBLIC_CONNECTIONS)]
     pub max_public_connections: usize,
+
+    /// Tunnel streams open at once, all tunnels together: each may hold one
+    /// 256 KiB stream window of response data its public client has not
+    /// read, so this bounds the edge's download buffering (default 4096:
+    /// 1.25 GiB). More requests wait for a stream to end (503 after 10 s).
+    #[arg(long, env = "CULVERT_MAX_TUNNEL_STREAMS", default_value_t = constants::DEFAULT_MAX_TUNNEL_STREAMS, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub max_tunnel_streams: usize,
 
     /// Connections one TCP reservation may hold at once (all TCP
     /// reservations together get a fifth of the open file limit).

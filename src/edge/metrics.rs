@@ -26,6 +26,17 @@ pub struct Metrics {
     pub acme_orders: Family<Labels, Counter>,
     /// Reloads of the edge's own certificate files by result (`reloaded`, `failed`).
     pub tls_reloads: Family<Labels, Counter>,
+    /// UDP flows open now.
+    pub udp_flows: Gauge,
+    /// UDP flows started, and ended by reason (`idle`, `agent`, `released`).
+    pub udp_flows_started: Counter,
+    pub udp_flows_ended: Family<Labels, Counter>,
+    /// New UDP flows refused by a cap (`port`, `edge`).
+    pub udp_flows_refused: Family<Labels, Counter>,
+    /// UDP datagrams dropped by direction (`in` toward the agent, `out`
+    /// toward the client) and reason (`queue_full`, `oversize`, `no_agent`,
+    /// `socket_full`).
+    pub udp_datagrams_dropped: Family<Labels, Counter>,
     /// The `bytes` counters by reservation name: looked up on every stream,
     /// without building the label set each time.
     byte_counters: RwLock<HashMap<Arc<str>, ByteCounters>>,
@@ -86,7 +97,34 @@ impl Default for Metrics {
             "Reloads of the --tls-cert/--tls-key files by result: reloaded, failed (the previous certificate is kept)",
             tls_reloads.clone(),
         );
+        let udp_flows = Gauge::default();
+        registry.register("udp_flows", "UDP flows open now", udp_flows.clone());
+        let udp_flows_started = Counter::default();
+        registry.register("udp_flows_started", "UDP flows started", udp_flows_started.clone());
+        let udp_flows_ended = Family::<Labels, Counter>::default();
+        registry.register(
+            "udp_flows_ended",
+            "UDP flows ended by reason: idle, agent (the agent or its backend ended it), released, no_agent",
+            udp_flows_ended.clone(),
+        );
+        let udp_flows_refused = Family::<Labels, Counter>::default();
+        registry.register(
+            "udp_flows_refused",
+            "New UDP flows refused by a cap: port (--max-udp-flows-per-port), edge (--max-udp-flows)",
+            udp_flows_refused.clone(),
+        );
+        let udp_datagrams_dropped = Family::<Labels, Counter>::default();
+        registry.register(
+            "udp_datagrams_dropped",
+            "UDP datagrams dropped by direction (in = toward the agent, out = toward the client) and reason: queue_full, oversize, refused (no flow), socket_full",
+            udp_datagrams_dropped.clone(),
+        );
         Metrics {
+            udp_flows,
+            udp_flows_started,
+            udp_flows_ended,
+            udp_flows_refused,
+            udp_datagrams_dropped,
             registry,
             acme_orders,
             tls_reloads,
@@ -144,6 +182,13 @@ impl Metrics {
                     .remove(&vec![("reservation", reservation.to_string()), ("direction", direction.into())]);
             }
         }
+    }
+
+    /// One UDP datagram dropped.
+    pub fn udp_dropped(&self, direction: &'static str, reason: &'static str) {
+        self.udp_datagrams_dropped
+            .get_or_create(&vec![("direction", direction.to_string()), ("reason", reason.to_string())])
+            .inc();
     }
 
     pub fn handshake_failed(&self, reason: &'static str) {

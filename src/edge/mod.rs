@@ -19,6 +19,7 @@ pub(crate) mod sni;
 pub mod status;
 pub(crate) mod store;
 pub(crate) mod tcp;
+pub(crate) mod udp;
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
@@ -122,6 +123,8 @@ pub struct Edge {
     /// let in. Forgotten when a reload no longer finds the key live.
     pub(crate) known_grants: std::sync::Mutex<std::collections::HashMap<String, store::TunnelGrant>>,
     tcp: tcp::TcpListeners,
+    /// UDP reservations' sockets and flows.
+    pub udp: udp::UdpListeners,
     /// Cancelled when the edge stops accepting public connections (SIGTERM:
     /// the drain begins).
     pub shutdown: CancellationToken,
@@ -211,6 +214,7 @@ impl Edge {
             self.metrics.forget(&name);
         }
         self.tcp.reconcile(self, index.ports().collect());
+        self.udp.reconcile(self, index.udp_ports().collect());
         match live {
             Ok(live) => {
                 self.known_grants
@@ -325,8 +329,11 @@ impl EdgeHooks for Hooks {
         })
     }
 
-    fn port_usable(&self, port: u16) -> bool {
-        self.0.upgrade().is_none_or(|e| tcp::can_listen(SocketAddr::new(e.tcp_bind, port)))
+    fn port_usable(&self, port: u16, protocol: crate::api::PortProtocol) -> bool {
+        self.0.upgrade().is_none_or(|e| match protocol {
+            crate::api::PortProtocol::Tcp => tcp::can_listen(SocketAddr::new(e.tcp_bind, port)),
+            crate::api::PortProtocol::Udp => udp::can_listen(SocketAddr::new(e.tcp_bind, port)),
+        })
     }
 }
 
@@ -480,7 +487,7 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
         max_agents_per_key: args.max_agents_per_key.max(1),
         plain_http: args.plain_http,
         store,
-        registry: Registry::new(metrics.streams_open.clone()),
+        registry: Registry::new(metrics.streams_open.clone()).with_stream_limit(args.max_tunnel_streams),
         metrics,
         certs,
         cert_files,
@@ -496,6 +503,11 @@ pub async fn start(args: EdgeArgs) -> Result<EdgeHandle, EdgeError> {
         reloaded: AtomicU64::new(0),
         known_grants: Default::default(),
         tcp: tcp::TcpListeners::default(),
+        udp: udp::UdpListeners::new(
+            Duration::from_secs(args.udp_idle_timeout_seconds),
+            usize::try_from(args.max_udp_flows_per_port).unwrap_or(usize::MAX),
+            usize::try_from(args.max_udp_flows).unwrap_or(usize::MAX),
+        ),
         shutdown,
         stopped: CancellationToken::new(),
         connections: TaskTracker::new(),

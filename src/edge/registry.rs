@@ -18,7 +18,10 @@ use prometheus_client::metrics::gauge::Gauge;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::Protocol;
-use crate::constants::{AGENT_RETURN_GRACE, EDGE_UPLOAD_BUDGET, TUNNEL_UPLOAD_BUDGET};
+use crate::constants::{
+    AGENT_RETURN_GRACE, DEFAULT_MAX_TUNNEL_STREAMS, EDGE_UPLOAD_BUDGET, TUNNEL_STREAM_WAIT,
+    TUNNEL_UPLOAD_BUDGET,
+};
 use crate::tunnel::body::BoxBody;
 use crate::tunnel::budget::Budget;
 use crate::tunnel::ws::Control;
@@ -76,13 +79,24 @@ pub struct Link {
 pub struct StreamGuard {
     conn: Arc<AgentConn>,
     gauge: Gauge,
+    /// The edge-wide stream slot ([`Registry::stream_slot`]), if it holds one.
+    slot: Option<StreamSlot>,
 }
 
 impl StreamGuard {
     pub fn conn(&self) -> &Arc<AgentConn> {
         &self.conn
     }
+
+    /// Holds `slot` until the stream ends.
+    pub fn with_slot(mut self, slot: StreamSlot) -> Self {
+        self.slot = Some(slot);
+        self
+    }
 }
+
+/// One of the edge's tunnel streams ([`Registry::stream_slot`]).
+pub struct StreamSlot(#[allow(dead_code)] tokio::sync::OwnedSemaphorePermit);
 
 impl Drop for StreamGuard {
     fn drop(&mut self) {
@@ -110,6 +124,8 @@ pub struct Registry {
     seen: Mutex<HashSet<String>>,
     /// Woken on every new connection.
     arrived: tokio::sync::Notify,
+    /// Tunnel streams the edge may open now, all tunnels together.
+    slots: Arc<tokio::sync::Semaphore>,
 }
 
 impl Registry {
@@ -123,6 +139,28 @@ impl Registry {
             started: Instant::now(),
             seen: Mutex::default(),
             arrived: tokio::sync::Notify::new(),
+            slots: Arc::new(tokio::sync::Semaphore::new(DEFAULT_MAX_TUNNEL_STREAMS)),
+        }
+    }
+
+    /// At most `max` tunnel streams open at once, all tunnels together.
+    pub fn with_stream_limit(mut self, max: usize) -> Self {
+        self.slots = Arc::new(tokio::sync::Semaphore::new(max.max(1)));
+        self
+    }
+
+    /// One of the edge's tunnel streams, waiting for one to end while all are
+    /// open (the request waits, its client unread), for at most
+    /// [`TUNNEL_STREAM_WAIT`]. This bounds what the edge buffers of
+    /// responses: a stream window for each stream, no more.
+    pub async fn stream_slot(&self) -> Option<StreamSlot> {
+        if let Ok(p) = self.slots.clone().try_acquire_owned() {
+            return Some(StreamSlot(p));
+        }
+        tracing::debug!("every tunnel stream of the edge is open; waiting for one to end");
+        match tokio::time::timeout(TUNNEL_STREAM_WAIT, self.slots.clone().acquire_owned()).await {
+            Ok(Ok(p)) => Some(StreamSlot(p)),
+            _ => None,
         }
     }
 
@@ -186,7 +224,7 @@ impl Registry {
             .clone();
         conn.open_streams.fetch_add(1, Ordering::Relaxed);
         self.streams_open.inc();
-        Some(StreamGuard { conn, gauge: self.streams_open.clone() })
+        Some(StreamGuard { conn, gauge: self.streams_open.clone(), slot: None })
     }
 
     /// Every connection, by reservation id.

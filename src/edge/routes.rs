@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::api::{Reservation, ReservationKind};
+use crate::api::{PortProtocol, Reservation, ReservationKind};
 
 /// One change of the index: what a reserve or a release did.
 #[derive(Debug, Clone)]
@@ -22,6 +22,7 @@ pub enum RouteChange {
 pub struct RouteIndex {
     by_host: HashMap<String, Arc<Reservation>>,
     by_port: HashMap<u16, Arc<Reservation>>,
+    by_udp_port: HashMap<u16, Arc<Reservation>>,
     ids: std::collections::HashSet<String>,
 }
 
@@ -29,10 +30,12 @@ pub struct RouteIndex {
 enum Slot {
     Host(String),
     Port(u16),
+    UdpPort(u16),
 }
 
 fn slot(r: &Reservation) -> Option<Slot> {
     match (r.kind, &r.hostname, r.port) {
+        (ReservationKind::Tcp, _, Some(port)) if r.protocol == PortProtocol::Udp => Some(Slot::UdpPort(port)),
         (ReservationKind::Tcp, _, Some(port)) => Some(Slot::Port(port)),
         (ReservationKind::Subdomain | ReservationKind::Custom, Some(host), _) => {
             Some(Slot::Host(host.to_ascii_lowercase()))
@@ -62,6 +65,7 @@ impl RouteIndex {
         let id = r.id.clone();
         let replaced = match slot(&r) {
             Some(Slot::Port(port)) => self.by_port.insert(port, Arc::new(r)),
+            Some(Slot::UdpPort(port)) => self.by_udp_port.insert(port, Arc::new(r)),
             Some(Slot::Host(host)) => self.by_host.insert(host, Arc::new(r)),
             None => return,
         };
@@ -76,6 +80,10 @@ impl RouteIndex {
         match slot(r) {
             Some(Slot::Port(port)) if held(self.by_port.get(&port)) => {
                 self.by_port.remove(&port);
+                self.ids.remove(&r.id);
+            }
+            Some(Slot::UdpPort(port)) if held(self.by_udp_port.get(&port)) => {
+                self.by_udp_port.remove(&port);
                 self.ids.remove(&r.id);
             }
             Some(Slot::Host(host)) if held(self.by_host.get(&host)) => {
@@ -100,20 +108,33 @@ impl RouteIndex {
         self.by_port.keys().copied()
     }
 
+    /// The reservation of a UDP port.
+    pub fn udp_port(&self, port: u16) -> Option<&Reservation> {
+        self.by_udp_port.get(&port).map(|r| &**r)
+    }
+
+    pub fn udp_ports(&self) -> impl Iterator<Item = u16> + '_ {
+        self.by_udp_port.keys().copied()
+    }
+
     /// Every reservation.
     pub fn all(&self) -> impl Iterator<Item = &Reservation> + '_ {
-        self.by_host.values().chain(self.by_port.values()).map(|r| &**r)
+        self.by_host.values().chain(self.by_port.values()).chain(self.by_udp_port.values()).map(|r| &**r)
     }
 
     /// How many reservations the index holds.
     pub fn len(&self) -> usize {
-        self.by_host.len() + self.by_port.len()
+        self.by_host.len() + self.by_port.len() + self.by_udp_port.len()
     }
 
     /// The names the byte counters of each reservation are kept under
-    /// (host names; `:PORT` for TCP ports).
+    /// (host names; `:PORT` for TCP ports, `udp:PORT` for UDP ports).
     pub fn metric_names(&self) -> impl Iterator<Item = String> + '_ {
-        self.by_host.keys().cloned().chain(self.by_port.keys().map(|p| format!(":{p}")))
+        self.by_host
+            .keys()
+            .cloned()
+            .chain(self.by_port.keys().map(|p| format!(":{p}")))
+            .chain(self.by_udp_port.keys().map(|p| udp_metric_name(*p)))
     }
 
     pub fn contains_id(&self, id: &str) -> bool {
@@ -126,7 +147,13 @@ pub fn metric_name(r: &Reservation) -> Option<String> {
     match slot(r)? {
         Slot::Host(host) => Some(host),
         Slot::Port(port) => Some(format!(":{port}")),
+        Slot::UdpPort(port) => Some(udp_metric_name(port)),
     }
+}
+
+/// The name a UDP port's counters are kept under.
+pub fn udp_metric_name(port: u16) -> String {
+    format!("udp:{port}")
 }
 
 /// Lower case, no port, no trailing dot.

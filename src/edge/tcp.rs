@@ -162,6 +162,10 @@ pub async fn forward<S>(
     let slot = BudgetSlot::default();
     let upload = Budgeted::new(Counted::new(ReadBody::new(read), counters.inbound), slot.clone());
     let mut body = Some(body::boxed(upload));
+    let Some(_slot) = edge.registry.stream_slot().await else {
+        counters.tunnel.answered(StatusCode::SERVICE_UNAVAILABLE);
+        return warn!("every tunnel stream of the edge is in use; closing the connection");
+    };
     while let Some(guard) = edge.registry.pick_or_wait(&reservation.id, protocol, &tried).await {
         tried.push(guard.conn().id);
         slot.set(guard.conn().budget.clone());

@@ -19,16 +19,19 @@ use tracing::{Instrument, info};
 
 use super::OperatorArgs;
 use super::names::{LABEL_TUNNEL, SECRET_KEY};
-use super::routes::{Rule, Table};
+use super::routes::{Conditions, RequestHead, Rule, Table};
 use super::status::Metrics;
 use super::tunnel::{auth_copy_key, auth_secret_name};
 use crate::agent::EdgeSet;
 use crate::agent::backend::{Access, RouteOptions, Scheme};
+use crate::agent::filters::Filters;
 use crate::agent::guard;
 use crate::agent::pipe::ProxyHeader;
 use crate::agent::{self, Resolver, Target, TunnelOptions};
 use crate::constants::BACKEND_CONNECT_TIMEOUT;
-use crate::crd::{BackendProtocol, HttpOptions, ProxyProtocol, Tunnel, TunnelProtocol, TunnelStatus};
+use crate::crd::{
+    BackendProtocol, HttpOptions, ProxyProtocol, ResolvedRoute, Tunnel, TunnelProtocol, TunnelStatus,
+};
 use crate::tunnel::connect::{Dialer, TunnelInfo};
 
 struct Running {
@@ -37,11 +40,53 @@ struct Running {
     stop: CancellationToken,
 }
 
+/// One share of a weighted split: its weight and its addresses (none: the
+/// share answers 500).
+#[derive(Debug, Clone, PartialEq)]
+struct Share {
+    weight: u32,
+    addrs: Vec<String>,
+}
+
 /// The backends of a route and how to forward to them.
 #[derive(Debug, Clone, PartialEq)]
 struct Backends {
+    /// The route's `service` (or the default backend): round robin.
     addrs: Vec<String>,
+    /// The route's weighted `backends`: a share picked by weight, then
+    /// round robin among its addresses.
+    weighted: Vec<Share>,
     options: Arc<RouteOptions>,
+}
+
+/// The share a random number `r` picks, by weight (weight 0 never);
+/// `None` when every weight is 0.
+fn pick(shares: &[Share], r: u64) -> Option<&Share> {
+    let total: u64 = shares.iter().map(|s| u64::from(s.weight)).sum();
+    if total == 0 {
+        return None;
+    }
+    let mut x = r % total;
+    shares.iter().find(|s| {
+        let w = u64::from(s.weight);
+        if x < w {
+            true
+        } else {
+            x -= w;
+            false
+        }
+    })
+}
+
+/// A cheap random number per request: SipHash, keyed at random once per
+/// process, of a counter.
+fn random() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    static KEY: std::sync::OnceLock<std::collections::hash_map::RandomState> = std::sync::OnceLock::new();
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let mut h = KEY.get_or_init(Default::default).build_hasher();
+    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    h.finish()
 }
 
 /// How the streams of one Tunnel are routed; behind a lock, so changes apply
@@ -81,6 +126,7 @@ fn route_options(o: &HttpOptions, auth: Option<&BTreeMap<String, ByteString>>) -
         }
     };
     RouteOptions {
+        filters: Filters::default(),
         scheme,
         connect_timeout: o
             .connect_timeout_seconds
@@ -91,18 +137,34 @@ fn route_options(o: &HttpOptions, auth: Option<&BTreeMap<String, ByteString>>) -
     }
 }
 
+/// The agent's rule of a resolved route; `None` (left out, with a warning)
+/// when its matches or filters do not compile, which the operator's
+/// validation keeps from happening.
+fn rule(r: &ResolvedRoute, auth: Option<&BTreeMap<String, ByteString>>) -> Option<Rule<Backends>> {
+    let compiled = Conditions::compile(r.method.as_deref(), &r.headers, &r.query_params)
+        .and_then(|when| Ok((when, Filters::compile(&r.filters, &r.path, r.path_type)?)));
+    let (when, filters) = match compiled {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!(path = %r.path, error = %e, "route left out");
+            return None;
+        }
+    };
+    let mut options = route_options(&r.options, auth);
+    options.filters = filters;
+    let weighted = r.weighted.iter().map(|w| Share { weight: w.weight, addrs: w.backends.clone() }).collect();
+    let backends = Backends { addrs: r.backends.clone(), weighted, options: Arc::new(options) };
+    Some(Rule::new(r.path.clone(), r.path_type, backends).when(when))
+}
+
 impl Routing {
     fn of(t: &Tunnel, status: &TunnelStatus, auth: Option<&BTreeMap<String, ByteString>>) -> Routing {
-        let backends = |addrs: &Vec<String>, o: &HttpOptions| Backends {
-            addrs: addrs.clone(),
-            options: Arc::new(route_options(o, auth)),
-        };
-        let rules = status
-            .routes
-            .iter()
-            .map(|r| Rule::new(r.path.clone(), r.path_type, backends(&r.backends, &r.options)))
-            .collect();
-        let default = (!status.backends.is_empty()).then(|| backends(&status.backends, &status.options));
+        let rules = status.routes.iter().filter_map(|r| rule(r, auth)).collect();
+        let default = (!status.backends.is_empty()).then(|| Backends {
+            addrs: status.backends.clone(),
+            weighted: Vec::new(),
+            options: Arc::new(route_options(&status.options, auth)),
+        });
         let proxy = t.spec.proxy_protocol.map(|p| match p {
             ProxyProtocol::V1 => ProxyHeader::V1,
             ProxyProtocol::V2 => ProxyHeader::V2,
@@ -150,18 +212,46 @@ fn desired(tunnels: &Store<Tunnel>, secrets: &Store<Secret>) -> HashMap<String, 
     out
 }
 
-/// Picks a backend by path (http) or the default backends (tcp), round robin.
+/// Picks a route by path, method, headers and query (http) or the default
+/// backends (tcp); a route's redirect is answered by the agent; a weighted
+/// route picks a share by weight; addresses round robin.
 fn resolver(protocol: TunnelProtocol, routing: Arc<RwLock<Routing>>) -> Resolver {
     let next = AtomicUsize::new(0);
     Arc::new(move |parts| {
         let routing = routing.read().expect("poisoned");
         let backends = match protocol {
-            TunnelProtocol::Http => routing.table.lookup(parts.uri.path())?,
+            TunnelProtocol::Http => routing.table.lookup_request(&RequestHead::from(parts))?,
             TunnelProtocol::Tcp | TunnelProtocol::Tls | TunnelProtocol::Udp => {
                 routing.table.default_backend()?
             }
         };
-        let list = &backends.addrs;
+        let answer = |status, location, message: &str| {
+            Some(Target::Answer {
+                status,
+                location,
+                message: message.into(),
+                options: backends.options.clone(),
+            })
+        };
+        if let Some(r) = &backends.options.filters.redirect {
+            return answer(r.status, Some(r.location(parts)), "");
+        }
+        let list = if backends.weighted.is_empty() {
+            &backends.addrs
+        } else {
+            let error = http::StatusCode::INTERNAL_SERVER_ERROR;
+            match pick(&backends.weighted, random()) {
+                None => return answer(error, None, "every backend of this route has weight 0"),
+                Some(s) if s.addrs.is_empty() => {
+                    return answer(
+                        error,
+                        None,
+                        "this backend of the route cannot be used (see the Tunnel's status)",
+                    );
+                }
+                Some(s) => &s.addrs,
+            }
+        };
         if list.is_empty() {
             return None;
         }
@@ -169,7 +259,7 @@ fn resolver(protocol: TunnelProtocol, routing: Arc<RwLock<Routing>>) -> Resolver
         Some(match protocol {
             TunnelProtocol::Http => Target::Http { authority: addr, options: backends.options.clone() },
             TunnelProtocol::Tcp | TunnelProtocol::Tls => Target::Tcp { addr, proxy: routing.proxy },
-            TunnelProtocol::Udp => return None,
+            TunnelProtocol::Udp => Target::Udp { addr, proxy: routing.proxy },
         })
     })
 }
@@ -440,6 +530,83 @@ mod tests {
             }
             _ => panic!("not a TCP target"),
         }
+    }
+
+    #[test]
+    fn weights_split_and_zero_is_never_picked() {
+        let shares = |w: &[u32]| {
+            w.iter()
+                .enumerate()
+                .map(|(i, w)| Share { weight: *w, addrs: vec![format!("10.0.0.{i}:80")] })
+                .collect::<Vec<_>>()
+        };
+        let s = shares(&[3, 0, 1]);
+        // Every r picks by its place in the weights: 0..3 the first, 3 the last, never weight 0.
+        let picked: Vec<u32> = (0..8).map(|r| pick(&s, r).unwrap().weight).collect();
+        assert_eq!(picked, [3, 3, 3, 1, 3, 3, 3, 1]);
+        assert!(pick(&shares(&[0, 0]), 7).is_none(), "all weights 0: none (500)");
+        assert!(pick(&[], 7).is_none());
+        // 1000 random picks of 80/20 land within 800 +- 60 (more than 4.7 standard deviations).
+        let s = shares(&[80, 20]);
+        let first = (0..1000).filter(|_| pick(&s, random()).unwrap().weight == 80).count();
+        assert!((740..=860).contains(&first), "80/20 split gave {first}/1000");
+    }
+
+    #[test]
+    fn gateway_routes_match_answer_and_pick_by_weight() {
+        let spec =
+            json!({"domain": "web", "routes": [{"path": "/", "service": {"name": "web", "port": 80}}]});
+        let status = published(json!({"backends": [], "routes": [
+            {"path": "/", "pathType": "Prefix", "backends": ["10.0.0.9:80"]},
+            {"path": "/old", "pathType": "Prefix", "filters": [{"type": "RequestRedirect",
+                "requestRedirect": {"hostname": "new.example", "statusCode": 301}}]},
+            {"path": "/", "pathType": "Prefix", "headers": [{"name": "x-canary", "value": "1"}],
+             "weighted": [{"weight": 1, "backends": ["10.0.0.1:80"]}, {"weight": 0, "backends": ["10.0.0.2:80"]}]},
+            {"path": "/none", "pathType": "Prefix", "weighted": [{"weight": 1, "backends": []}]},
+            {"path": "/zero", "pathType": "Prefix", "weighted": [{"weight": 0, "backends": ["10.0.0.3:80"]}]},
+            {"path": "/bad", "pathType": "Prefix", "headers": [{"name": "x", "value": "(", "type": "RegularExpression"}],
+             "backends": ["10.0.0.4:80"]},
+        ]}));
+        let key = secret("t-culvert-key", json!({"key": b64("culvert_t_1")}));
+        let (tunnels, secrets) = stores(vec![tunnel("t", "u1", spec, status)], vec![key]);
+        let d = desired(&tunnels, &secrets).remove("u1").unwrap();
+        let resolve = resolver(TunnelProtocol::Http, Arc::new(RwLock::new(d.routing)));
+        let get = |uri: &str, headers: &[(&str, &str)]| {
+            let mut b = http::Request::get(uri)
+                .header("x-forwarded-proto", "https")
+                .header("x-forwarded-port", "443");
+            for (n, v) in headers {
+                b = b.header(*n, *v);
+            }
+            resolve(&b.body(()).unwrap().into_parts().0)
+        };
+        let authority = |t: Option<Target>| match t {
+            Some(Target::Http { authority, .. }) => authority,
+            t => panic!("not forwarded: {t:?}"),
+        };
+        assert_eq!(authority(get("https://a.example/x", &[])), "10.0.0.9:80");
+        for _ in 0..20 {
+            assert_eq!(
+                authority(get("https://a.example/x", &[("x-canary", "1")])),
+                "10.0.0.1:80",
+                "weight 0 never"
+            );
+        }
+        match get("https://a.example/old/page?x=1", &[]) {
+            Some(Target::Answer { status, location, .. }) => {
+                assert_eq!(status, http::StatusCode::MOVED_PERMANENTLY);
+                assert_eq!(location.as_deref(), Some("https://new.example/old/page?x=1"));
+            }
+            t => panic!("not a redirect: {t:?}"),
+        }
+        for path in ["/none", "/zero"] {
+            match get(&format!("https://a.example{path}"), &[]) {
+                Some(Target::Answer { status, location: None, .. }) => assert_eq!(status, 500, "{path}"),
+                t => panic!("{path}: not a 500: {t:?}"),
+            }
+        }
+        // A route whose matches do not compile is left out (the next route serves).
+        assert_eq!(authority(get("https://a.example/bad", &[("x", "(")])), "10.0.0.9:80");
     }
 
     #[test]

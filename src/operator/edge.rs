@@ -51,6 +51,19 @@ impl EdgeClient {
         self.0.list(path, &selector).await
     }
 
+    /// Lists `path` with a label selector and more query parameters.
+    pub async fn list_with<T: DeserializeOwned>(
+        &self,
+        path: &'static str,
+        selector: String,
+        more: &[(&str, &str)],
+    ) -> Result<Vec<T>, ClientError> {
+        let mut query = vec![("selector", selector.as_str())];
+        query.extend_from_slice(more);
+        let list: crate::api::List<T> = self.0.get(path, &query).await?.decode()?;
+        Ok(list.items)
+    }
+
     /// `POST path` with a JSON body (one of the request types of [`crate::api`]).
     pub async fn post<T: DeserializeOwned>(
         &self,

@@ -14,11 +14,14 @@ use super::edge::EdgeClient;
 /// The error of every call to the edge: the control-API client's.
 pub type EdgeError = crate::api_client::ClientError;
 
-/// The two kinds of reservation, by their collection at the edge.
+/// The kinds of reservation, by their collection at the edge.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Collection {
     Domains,
+    /// TCP ports.
     Ports,
+    /// UDP ports: `ports` with `protocol=udp`.
+    UdpPorts,
 }
 
 impl Collection {
@@ -26,7 +29,24 @@ impl Collection {
     pub fn as_str(self) -> &'static str {
         match self {
             Collection::Domains => "domains",
-            Collection::Ports => "ports",
+            Collection::Ports | Collection::UdpPorts => "ports",
+        }
+    }
+
+    /// The query that selects this collection's protocol (none for TCP,
+    /// which edges without UDP answer too).
+    pub fn query(self) -> &'static [(&'static str, &'static str)] {
+        match self {
+            Collection::UdpPorts => &[("protocol", "udp")],
+            _ => &[],
+        }
+    }
+
+    /// `collection/key` with the protocol query.
+    fn item(self, key: &str) -> String {
+        match self {
+            Collection::UdpPorts => format!("ports/{key}?protocol=udp"),
+            _ => format!("{}/{key}", self.as_str()),
         }
     }
 }
@@ -101,7 +121,7 @@ fn body(request: &impl serde::Serialize) -> serde_json::Value {
 
 impl EdgeApi for EdgeClient {
     async fn reservation(&self, collection: Collection, key: &str) -> Result<Option<Reservation>, EdgeError> {
-        self.get(format!("{}/{key}", collection.as_str())).await
+        self.get(collection.item(key)).await
     }
 
     async fn reservations(
@@ -109,7 +129,14 @@ impl EdgeApi for EdgeClient {
         collection: Collection,
         selector: &str,
     ) -> Result<Vec<Reservation>, EdgeError> {
-        self.list(collection.as_str(), selector.to_string()).await
+        let protocol = match collection {
+            Collection::UdpPorts => crate::api::PortProtocol::Udp,
+            _ => crate::api::PortProtocol::Tcp,
+        };
+        let all: Vec<Reservation> =
+            self.list_with(collection.as_str(), selector.to_string(), collection.query()).await?;
+        // An edge answers `ports` with both protocols.
+        Ok(all.into_iter().filter(|r| r.port.is_none() || r.protocol == protocol).collect())
     }
 
     async fn reserve_domain(&self, request: &ReserveDomainRequest) -> Result<Reservation, EdgeError> {
@@ -121,7 +148,7 @@ impl EdgeApi for EdgeClient {
     }
 
     async fn release(&self, collection: Collection, key: &str) -> Result<bool, EdgeError> {
-        self.delete(format!("{}/{key}", collection.as_str())).await
+        self.delete(collection.item(key)).await
     }
 
     async fn tunnel_key(&self, id: &str) -> Result<Option<TunnelKey>, EdgeError> {
@@ -239,8 +266,21 @@ pub mod fake {
         }
     }
 
+    /// The fake's key of a UDP port: `udp:PORT` (TCP ports are `PORT`).
+    fn fake_key(collection: Collection, key: &str) -> String {
+        match collection {
+            Collection::UdpPorts => format!("udp:{key}"),
+            _ => key.to_string(),
+        }
+    }
+
     impl EdgeApi for FakeEdge {
-        async fn reservation(&self, _: Collection, key: &str) -> Result<Option<Reservation>, EdgeError> {
+        async fn reservation(
+            &self,
+            collection: Collection,
+            key: &str,
+        ) -> Result<Option<Reservation>, EdgeError> {
+            let key = &fake_key(collection, key);
             let s = self.up()?;
             if s.foreign.iter().any(|f| f == key) {
                 return Err(refused(403, "forbidden", format!("{key} is held by another key")));
@@ -256,10 +296,12 @@ pub mod fake {
             selector: &str,
         ) -> Result<Vec<Reservation>, EdgeError> {
             let s = self.up()?;
-            let port = collection == Collection::Ports;
+            let port = collection != Collection::Domains;
+            let udp = collection == Collection::UdpPorts;
             Ok(s.reservations
                 .values()
                 .filter(|r| r.port.is_some() == port && matches(&r.labels, selector))
+                .filter(|r| (r.protocol == crate::api::PortProtocol::Udp) == udp)
                 .cloned()
                 .collect())
         }
@@ -274,21 +316,35 @@ pub mod fake {
         }
 
         async fn reserve_port(&self, request: &ReservePortRequest) -> Result<Reservation, EdgeError> {
+            let udp = request.protocol == crate::api::PortProtocol::Udp;
+            let collection = if udp { Collection::UdpPorts } else { Collection::Ports };
             let port = request.port.unwrap_or_else(|| {
                 (20000..)
-                    .find(|p: &u16| !self.state().reservations.contains_key(&p.to_string()))
+                    .find(|p: &u16| {
+                        !self.state().reservations.contains_key(&fake_key(collection, &p.to_string()))
+                    })
                     .expect("free")
             });
-            let mut r =
-                self.hold(port.to_string(), ReservationKind::Subdomain, Some(port), &request.labels)?;
+            let mut r = self.hold(
+                fake_key(collection, &port.to_string()),
+                ReservationKind::Subdomain,
+                Some(port),
+                &request.labels,
+            )?;
+            if udp {
+                r.protocol = crate::api::PortProtocol::Udp;
+                r.url = Some(format!("udp://{DOMAIN}:{port}"));
+                self.state().reservations.insert(fake_key(collection, &port.to_string()), r.clone());
+            }
             if let Some(s) = request.idle_timeout_seconds {
                 r.idle_timeout_seconds = (s > 0).then_some(s);
-                self.up()?.reservations.insert(port.to_string(), r.clone());
+                self.up()?.reservations.insert(fake_key(collection, &port.to_string()), r.clone());
             }
             Ok(r)
         }
 
-        async fn release(&self, _: Collection, key: &str) -> Result<bool, EdgeError> {
+        async fn release(&self, collection: Collection, key: &str) -> Result<bool, EdgeError> {
+            let key = &fake_key(collection, key);
             let mut s = self.up()?;
             s.journal.push(format!("release {key}"));
             Ok(s.reservations.remove(key).is_some())
@@ -314,6 +370,7 @@ pub mod fake {
             let mut s = self.up()?;
             let target = match (&request.domain, request.port) {
                 (Some(d), None) => d.clone(),
+                (None, Some(p)) if request.protocol == Some(Protocol::Udp) => format!("udp:{p}"),
                 (None, Some(p)) => p.to_string(),
                 _ => return Err(refused(422, "invalid_request", "give one of domain and port".into())),
             };

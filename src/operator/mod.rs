@@ -11,6 +11,7 @@
 pub(crate) mod agents;
 pub(crate) mod edge;
 pub(crate) mod edge_api;
+pub mod gateway;
 pub mod ingress;
 pub(crate) mod leader;
 pub(crate) mod reservation;
@@ -30,12 +31,12 @@ use kube::{Api, Client};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-use crate::crd::{Domain, TcpPort, Tunnel};
+use crate::crd::{Domain, TcpPort, Tunnel, UdpPort};
 use edge::EdgeClient;
 
 /// Names used across the operator, defined once.
 pub mod names {
-    /// Finalizer on Domain, TcpPort and Tunnel: the edge side is released first.
+    /// Finalizer on Domain, TcpPort, UdpPort and Tunnel: the edge side is released first.
     pub const FINALIZER: &str = "culvert.dev/finalizer";
     /// The one field manager of every server-side apply.
     pub const FIELD_MANAGER: &str = "culvert-operator";
@@ -309,6 +310,7 @@ async fn check_crds(client: &Client, namespace: Option<&str>) -> Result<(), Stri
     for (kind, res) in [
         ("Domain", watched::<Domain>(client, namespace).list(&lp).await.map(|_| ())),
         ("TcpPort", watched::<TcpPort>(client, namespace).list(&lp).await.map(|_| ())),
+        ("UdpPort", watched::<UdpPort>(client, namespace).list(&lp).await.map(|_| ())),
         ("Tunnel", watched::<Tunnel>(client, namespace).list(&lp).await.map(|_| ())),
     ] {
         if let Err(kube::Error::Api(e)) = &res
@@ -518,9 +520,11 @@ async fn controllers(ctx: Arc<Context>, stop: CancellationToken) {
     tokio::join!(
         reservation::run_domains(ctx.clone(), stop.clone()),
         reservation::run_tcp_ports(ctx.clone(), stop.clone()),
+        reservation::run_udp_ports(ctx.clone(), stop.clone()),
         tunnel::run(ctx.clone(), stop.clone()),
         ingress::run(ctx.clone(), stop.clone()),
         service::run(ctx.clone(), stop.clone()),
+        gateway::run(ctx.clone(), stop.clone()),
     );
 }
 

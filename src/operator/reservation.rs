@@ -1,4 +1,5 @@
-//! The Domain and TcpPort controllers: one reservation at the edge per
+//! The Domain, TcpPort and UdpPort controllers (TcpPort and UdpPort are one
+//! code path, [`reserved_port`]): one reservation at the edge per
 //! object, adopted when it already exists for this cluster and namespace,
 //! re-created when it was deleted out-of-band, released (or kept, with
 //! `reclaimPolicy: Retain`) behind a finalizer.
@@ -20,11 +21,15 @@ use super::status::{
 };
 use super::{Context, Error};
 use crate::api::{
-    CertificateState, CertificateStatus, Labels, Reservation, ReserveDomainRequest, ReservePortRequest,
+    CertificateState, CertificateStatus, Labels, PortProtocol, Reservation, ReserveDomainRequest,
+    ReservePortRequest,
 };
-use crate::crd::{Condition, Domain, DomainStatus, ReclaimPolicy, TcpPort, TcpPortStatus, Tunnel};
+use crate::crd::{
+    Condition, Domain, DomainStatus, ReclaimPolicy, TcpPort, TcpPortSpec, TcpPortStatus, Tunnel, UdpPort,
+    UdpPortSpec,
+};
 
-/// What differs between Domain and TcpPort.
+/// What differs between Domain, TcpPort and UdpPort.
 pub trait Reserved:
     Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
     + Clone
@@ -139,65 +144,96 @@ impl Reserved for Domain {
     }
 }
 
-impl Reserved for TcpPort {
-    const KIND: &'static str = "TcpPort";
-    const COLLECTION: Collection = Collection::Ports;
-    type Status = TcpPortStatus;
+/// TcpPort and UdpPort are one code path: the same spec and status, told
+/// apart by the edge collection (and so the protocol) they reserve in.
+macro_rules! reserved_port {
+    ($kind:ty, $name:literal, $collection:expr, $protocol:expr, $idle:expr) => {
+        impl Reserved for $kind {
+            const KIND: &'static str = $name;
+            const COLLECTION: Collection = $collection;
+            type Status = TcpPortStatus;
 
-    fn reclaim(&self) -> ReclaimPolicy {
-        self.spec.reclaim_policy
-    }
+            fn reclaim(&self) -> ReclaimPolicy {
+                self.spec.reclaim_policy
+            }
 
-    fn edge_key(&self) -> Result<Option<String>, Error> {
-        match self.spec.port {
-            Some(0) => Err(Error::Invalid("spec.port must be 1-65535".into())),
-            Some(p) => Ok(Some(p.to_string())),
-            None => Ok(self.status.as_ref().and_then(|s| s.port).map(|p| p.to_string())),
+            fn edge_key(&self) -> Result<Option<String>, Error> {
+                port_key(self.spec.port, self.status.as_ref())
+            }
+
+            fn request(&self, labels: Labels, held: Option<&Reservation>) -> ReserveRequest {
+                ReserveRequest::Port(ReservePortRequest {
+                    port: self.spec.port,
+                    protocol: $protocol,
+                    labels,
+                    idle_timeout_seconds: idle_request(($idle)(&self.spec), held),
+                })
+            }
+
+            fn up_to_date(&self, held: &Reservation) -> bool {
+                held.idle_timeout_seconds == ($idle)(&self.spec)
+            }
+
+            fn conditions(&self) -> Vec<Condition> {
+                self.status.as_ref().map(|s| s.conditions.clone()).unwrap_or_default()
+            }
+
+            fn reservation_id(&self) -> Option<String> {
+                self.status.as_ref().and_then(|s| s.reservation_id.clone())
+            }
+
+            fn status(
+                &self,
+                r: Option<&Reservation>,
+                condition: Condition,
+                _edge_domain: &str,
+            ) -> TcpPortStatus {
+                port_status(self.metadata.generation, r, condition)
+            }
+
+            fn status_conditions(status: &mut TcpPortStatus) -> &mut Vec<Condition> {
+                &mut status.conditions
+            }
         }
-    }
+    };
+}
 
-    fn request(&self, labels: Labels, held: Option<&Reservation>) -> ReserveRequest {
-        ReserveRequest::Port(ReservePortRequest {
-            port: self.spec.port,
-            labels,
-            // 0: back to the edge's own (the field was removed from the spec);
-            // not sent at all otherwise (older edges refuse unknown fields).
-            idle_timeout_seconds: match (
-                self.spec.idle_timeout_seconds,
-                held.and_then(|r| r.idle_timeout_seconds),
-            ) {
-                (Some(s), _) => Some(s),
-                (None, Some(_)) => Some(0),
-                (None, None) => None,
-            },
-            ..Default::default()
-        })
-    }
+reserved_port!(TcpPort, "TcpPort", Collection::Ports, PortProtocol::Tcp, |s: &TcpPortSpec| s
+    .idle_timeout_seconds);
+reserved_port!(UdpPort, "UdpPort", Collection::UdpPorts, PortProtocol::Udp, |_: &UdpPortSpec| None);
 
-    fn up_to_date(&self, held: &Reservation) -> bool {
-        held.idle_timeout_seconds == self.spec.idle_timeout_seconds
+/// The idle timeout a port reservation asks for: the spec's; 0 (back to the
+/// edge's own) when the field was removed from the spec; not sent at all
+/// otherwise (older edges refuse unknown fields).
+fn idle_request(wanted: Option<u64>, held: Option<&Reservation>) -> Option<u64> {
+    match (wanted, held.and_then(|r| r.idle_timeout_seconds)) {
+        (Some(s), _) => Some(s),
+        (None, Some(_)) => Some(0),
+        (None, None) => None,
     }
+}
 
-    fn conditions(&self) -> Vec<Condition> {
-        self.status.as_ref().map(|s| s.conditions.clone()).unwrap_or_default()
+/// A port reservation's key at the edge: the spec's port, else the one the
+/// status recorded.
+fn port_key(spec: Option<u16>, status: Option<&TcpPortStatus>) -> Result<Option<String>, Error> {
+    match spec {
+        Some(0) => Err(Error::Invalid("spec.port must be 1-65535".into())),
+        Some(p) => Ok(Some(p.to_string())),
+        None => Ok(status.and_then(|s| s.port).map(|p| p.to_string())),
     }
+}
 
-    fn reservation_id(&self) -> Option<String> {
-        self.status.as_ref().and_then(|s| s.reservation_id.clone())
-    }
-
-    fn status(&self, r: Option<&Reservation>, condition: Condition, _edge_domain: &str) -> TcpPortStatus {
-        TcpPortStatus {
-            observed_generation: self.metadata.generation,
-            conditions: vec![condition],
-            port: r.and_then(|r| r.port),
-            address: r.and_then(|r| r.url.as_deref()).map(|u| u.trim_start_matches("tcp://").to_string()),
-            reservation_id: r.map(|r| r.id.clone()),
-        }
-    }
-
-    fn status_conditions(status: &mut TcpPortStatus) -> &mut Vec<Condition> {
-        &mut status.conditions
+/// The status of a TcpPort or UdpPort holding `r` (`None`: not held); the
+/// address is the URL without its `tcp://` or `udp://`.
+fn port_status(generation: Option<i64>, r: Option<&Reservation>, condition: Condition) -> TcpPortStatus {
+    let address =
+        r.and_then(|r| r.url.as_deref()).map(|u| u.split_once("://").map_or(u, |(_, a)| a).to_string());
+    TcpPortStatus {
+        observed_generation: generation,
+        conditions: vec![condition],
+        port: r.and_then(|r| r.port),
+        address,
+        reservation_id: r.map(|r| r.id.clone()),
     }
 }
 
@@ -552,6 +588,10 @@ pub async fn run_domains(ctx: Arc<Context>, stop: CancellationToken) {
 
 pub async fn run_tcp_ports(ctx: Arc<Context>, stop: CancellationToken) {
     run_controller::<TcpPort>(ctx, stop).await
+}
+
+pub async fn run_udp_ports(ctx: Arc<Context>, stop: CancellationToken) {
+    run_controller::<UdpPort>(ctx, stop).await
 }
 
 /// At start: revokes the keys of Tunnels of this cluster that no longer

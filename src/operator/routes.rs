@@ -1,35 +1,241 @@
-//! The path routing of an HTTP tunnel, free of IO: which backend a request
-//! path goes to (the Kubernetes Ingress rules), and how the paths several
-//! Ingresses give one host are merged.
+//! The routing of an HTTP tunnel, free of IO: which backend a request goes
+//! to (the Kubernetes Ingress rules, and Gateway API's HTTPRoute matches),
+//! and how the paths several Ingresses give one host are merged.
 //!
-//! Matching, as the Ingress API defines it:
+//! Matching, as the Ingress API and Gateway API define it:
 //! - `Exact`: the request path equals the rule's path (case-sensitive);
 //! - `Prefix`: element-wise on `/`: `/foo` (or `/foo/`) matches `/foo`,
 //!   `/foo/` and `/foo/bar`, never `/foobar`; `/` matches every path;
-//! - the longest matching path wins; at equal length `Exact` beats `Prefix`;
+//! - a rule's [`Conditions`] (method, headers, query parameters) must all
+//!   hold too;
+//! - of the rules that match, the longest path wins, `Exact` before `Prefix`
+//!   at equal length (so an `Exact` match always wins: a prefix that matches
+//!   the same path is never longer), then a rule with a method, then the
+//!   most header matches, then the most query parameter matches, then the
+//!   first given (a stable sort): Gateway API's precedence;
 //! - no rule matches: the default backend, or nothing (404).
 
 use std::collections::BTreeMap;
 use std::fmt;
 
+use http::{HeaderMap, Method};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
-use crate::crd::{PathType, ServiceRef};
+use crate::crd::{MatchType, PathType, ServiceRef, ValueMatch};
 
-/// A path rule to a backend of any type (a Service, or resolved addresses).
+/// The most a compiled regular expression of a match may take (a tenant's
+/// pattern runs in every agent replica).
+const REGEX_SIZE_LIMIT: usize = 256 * 1024;
+
+/// A regular expression that must match a whole value; compares by its text.
+#[derive(Debug, Clone)]
+pub struct Pattern(regex::Regex);
+
+impl PartialEq for Pattern {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.as_str() == other.0.as_str()
+    }
+}
+
+impl Eq for Pattern {}
+
+impl Pattern {
+    /// Compiles `pattern` (Rust `regex` syntax), anchored at both ends.
+    pub fn new(pattern: &str) -> Result<Pattern, String> {
+        regex::RegexBuilder::new(&format!("^(?:{pattern})$"))
+            .size_limit(REGEX_SIZE_LIMIT)
+            .dfa_size_limit(REGEX_SIZE_LIMIT)
+            .build()
+            .map(Pattern)
+            .map_err(|e| match e {
+                regex::Error::CompiledTooBig(_) => format!("regular expression `{pattern}` is too large"),
+                e => format!("`{pattern}` is not a regular expression: {}", first_line(&e.to_string())),
+            })
+    }
+
+    fn is_match(&self, value: &str) -> bool {
+        self.0.is_match(value)
+    }
+}
+
+fn first_line(s: &str) -> String {
+    // The regex crate's messages draw the pattern over several lines.
+    let last = s.lines().map(str::trim).rfind(|l| !l.is_empty()).unwrap_or(s);
+    last.strip_prefix("error: ").unwrap_or(last).to_string()
+}
+
+/// How a value is compared.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Matcher {
+    Exact(String),
+    Regex(Pattern),
+}
+
+impl Matcher {
+    fn is_match(&self, value: &str) -> bool {
+        match self {
+            Matcher::Exact(v) => v == value,
+            Matcher::Regex(p) => p.is_match(value),
+        }
+    }
+}
+
+/// One header (name lower-cased) or query parameter a request must carry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ValueMatcher {
+    pub name: String,
+    pub value: Matcher,
+}
+
+/// What besides its path a request must have for a rule to match (Gateway
+/// API's `HTTPRouteMatch`): all of it must hold.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Conditions {
+    pub method: Option<Method>,
+    pub headers: Vec<ValueMatcher>,
+    pub query: Vec<ValueMatcher>,
+}
+
+impl Conditions {
+    /// Compiles a route's matches. Of several entries with the same name
+    /// (header names compare case-insensitively) only the first counts, as
+    /// Gateway API says. Fails on a bad method or regular expression.
+    pub fn compile(
+        method: Option<&str>,
+        headers: &[ValueMatch],
+        query: &[ValueMatch],
+    ) -> Result<Conditions, String> {
+        let method = match method {
+            None => None,
+            Some(m) if !m.is_empty() && m.bytes().all(|b| b.is_ascii_uppercase()) => {
+                Some(Method::from_bytes(m.as_bytes()).map_err(|e| format!("method `{m}`: {e}"))?)
+            }
+            Some(m) => return Err(format!("method `{m}` must be an HTTP method in upper case, e.g. GET")),
+        };
+        let compile = |list: &[ValueMatch], what: &str, fold: bool| -> Result<Vec<ValueMatcher>, String> {
+            let mut out: Vec<ValueMatcher> = Vec::new();
+            for m in list {
+                let name = if fold { m.name.to_ascii_lowercase() } else { m.name.clone() };
+                if name.is_empty() {
+                    return Err(format!("a {what} match needs a name"));
+                }
+                if fold && http::HeaderName::from_bytes(name.as_bytes()).is_err() {
+                    return Err(format!("`{}` is not a header name", m.name));
+                }
+                if out.iter().any(|o| o.name == name) {
+                    continue;
+                }
+                let value = match m.type_ {
+                    MatchType::Exact => Matcher::Exact(m.value.clone()),
+                    MatchType::RegularExpression => Matcher::Regex(
+                        Pattern::new(&m.value).map_err(|e| format!("{what} `{}`: {e}", m.name))?,
+                    ),
+                };
+                out.push(ValueMatcher { name, value });
+            }
+            Ok(out)
+        };
+        Ok(Conditions {
+            method,
+            headers: compile(headers, "header", true)?,
+            query: compile(query, "query parameter", false)?,
+        })
+    }
+
+    /// Do the request's method, headers and query hold?
+    pub fn hold(&self, req: &RequestHead) -> bool {
+        if self.method.as_ref().is_some_and(|m| m != req.method) {
+            return false;
+        }
+        let header_ok = |m: &ValueMatcher| {
+            let mut values = req.headers.get_all(m.name.as_str()).iter().peekable();
+            if values.peek().is_none() {
+                return false;
+            }
+            // A repeated header is one value, its values joined by commas (RFC 9110 5.3).
+            let joined: Vec<String> =
+                values.map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned()).collect();
+            m.value.is_match(&joined.join(","))
+        };
+        if !self.headers.iter().all(header_ok) {
+            return false;
+        }
+        self.query.iter().all(|m| query_value(req.query, &m.name).is_some_and(|v| m.value.is_match(&v)))
+    }
+}
+
+/// The first value of query parameter `name` (percent-decoded; names
+/// compare exactly, after decoding).
+fn query_value(query: Option<&str>, name: &str) -> Option<String> {
+    query?.split('&').find_map(|pair| {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        (percent_decode(k) == name).then(|| percent_decode(v))
+    })
+}
+
+/// `%XX` escapes decoded (invalid ones kept as they are).
+pub fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
+        if b[i] == b'%'
+            && i + 2 < b.len()
+            && let (Some(h), Some(l)) = (hex(b[i + 1]), hex(b[i + 2]))
+        {
+            out.push(h << 4 | l);
+            i += 3;
+            continue;
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// What routing looks at in a request.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestHead<'a> {
+    pub path: &'a str,
+    pub method: &'a Method,
+    pub headers: &'a HeaderMap,
+    pub query: Option<&'a str>,
+}
+
+impl<'a> From<&'a http::request::Parts> for RequestHead<'a> {
+    fn from(p: &'a http::request::Parts) -> Self {
+        RequestHead { path: p.uri.path(), method: &p.method, headers: &p.headers, query: p.uri.query() }
+    }
+}
+
+/// A rule to a backend of any type (a Service, or resolved addresses).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rule<B> {
     pub path: String,
     pub path_type: PathType,
+    /// What else the request must have (nothing, for Ingress rules).
+    pub when: Conditions,
     pub backend: B,
 }
 
 impl<B> Rule<B> {
     pub fn new(path: impl Into<String>, path_type: PathType, backend: B) -> Self {
-        Rule { path: path.into(), path_type, backend }
+        Rule { path: path.into(), path_type, when: Conditions::default(), backend }
     }
 
-    /// Does this rule match `path`?
+    /// The rule, matching only requests that meet `when` too.
+    pub fn when(mut self, when: Conditions) -> Self {
+        self.when = when;
+        self
+    }
+
+    /// Does this rule match the request?
+    pub fn matches_request(&self, req: &RequestHead) -> bool {
+        self.matches(req.path) && self.when.hold(req)
+    }
+
+    /// Does this rule's path match `path`?
     pub fn matches(&self, path: &str) -> bool {
         match self.path_type {
             PathType::Exact => self.path == path,
@@ -42,12 +248,15 @@ impl<B> Rule<B> {
         }
     }
 
-    /// The length that decides precedence (a prefix's trailing `/` does not count).
-    fn rank(&self) -> (usize, bool) {
-        match self.path_type {
+    /// What decides precedence, greatest first: the path's length (a
+    /// prefix's trailing `/` does not count), `Exact`, a method, the number
+    /// of header matches, the number of query parameter matches.
+    fn rank(&self) -> (usize, bool, bool, usize, usize) {
+        let (len, exact) = match self.path_type {
             PathType::Exact => (self.path.len(), true),
             PathType::Prefix => (normalized_prefix(&self.path).len(), false),
-        }
+        };
+        (len, exact, self.when.method.is_some(), self.when.headers.len(), self.when.query.len())
     }
 
     /// Rules with the same key match the same paths.
@@ -85,9 +294,20 @@ impl<B> Table<B> {
         Table { rules, default }
     }
 
-    /// The backend of a request path; `None` answers 404.
+    /// The backend of a request path (rules with conditions never match);
+    /// `None` answers 404.
+    #[cfg(test)]
     pub fn lookup(&self, path: &str) -> Option<&B> {
-        self.rules.iter().find(|r| r.matches(path)).map(|r| &r.backend).or(self.default.as_ref())
+        self.rules
+            .iter()
+            .find(|r| r.when == Conditions::default() && r.matches(path))
+            .map(|r| &r.backend)
+            .or(self.default.as_ref())
+    }
+
+    /// The backend of a request; `None` answers 404.
+    pub fn lookup_request(&self, req: &RequestHead) -> Option<&B> {
+        self.rules.iter().find(|r| r.matches_request(req)).map(|r| &r.backend).or(self.default.as_ref())
     }
 
     pub fn default_backend(&self) -> Option<&B> {
@@ -255,6 +475,215 @@ mod tests {
     fn same_rule_first_given_wins() {
         let t = table(&[("/x", Prefix, "first"), ("/x/", Prefix, "second")], None);
         assert_eq!(t.lookup("/x"), Some(&"first"));
+    }
+
+    fn head<'a>(parts: &'a http::request::Parts) -> RequestHead<'a> {
+        RequestHead::from(parts)
+    }
+
+    fn request(method: &str, uri: &str, headers: &[(&str, &str)]) -> http::request::Parts {
+        let mut b = http::Request::builder().method(method).uri(uri);
+        for (n, v) in headers {
+            b = b.header(*n, *v);
+        }
+        b.body(()).unwrap().into_parts().0
+    }
+
+    fn vm(name: &str, value: &str, regex: bool) -> ValueMatch {
+        let type_ = if regex { MatchType::RegularExpression } else { MatchType::Exact };
+        ValueMatch { name: name.into(), value: value.into(), type_ }
+    }
+
+    /// A rule with conditions: (path, type, method, headers, query, backend).
+    type Spec<'a> = (
+        &'a str,
+        PathType,
+        Option<&'a str>,
+        &'a [(&'a str, &'a str)],
+        &'a [(&'a str, &'a str)],
+        &'static str,
+    );
+
+    fn gateway_table(rules: &[Spec]) -> Table<&'static str> {
+        let rules = rules
+            .iter()
+            .map(|(p, t, m, h, q, b)| {
+                let h: Vec<_> = h.iter().map(|(n, v)| vm(n, v, false)).collect();
+                let q: Vec<_> = q.iter().map(|(n, v)| vm(n, v, false)).collect();
+                Rule::new(*p, *t, *b).when(Conditions::compile(*m, &h, &q).unwrap())
+            })
+            .collect();
+        Table::new(rules, None)
+    }
+
+    /// Gateway API's HTTPRouteRule precedence: Exact path, then the longest
+    /// prefix, then a method match, then the most header matches, then the
+    /// most query parameter matches, then the order given.
+    #[test]
+    fn gateway_api_precedence_table() {
+        type Case<'a> = (&'a [Spec<'a>], (&'a str, &'a str, &'a [(&'a str, &'a str)]), Option<&'a str>);
+        let none: &[(&str, &str)] = &[];
+        let cases: &[Case] = &[
+            // Exact before any prefix of the same path.
+            (
+                &[("/", Prefix, None, none, none, "root"), ("/a", Exact, None, none, none, "exact")],
+                ("GET", "/a", none),
+                Some("exact"),
+            ),
+            // Longest prefix before a method, headers or query.
+            (
+                &[
+                    ("/", Prefix, Some("GET"), &[("v", "1")], &[("q", "1")], "root"),
+                    ("/a", Prefix, None, none, none, "a"),
+                ],
+                ("GET", "/a/b?q=1", &[("v", "1")]),
+                Some("a"),
+            ),
+            // Same path: a method before headers.
+            (
+                &[
+                    ("/", Prefix, None, &[("v", "1"), ("w", "2")], none, "headers"),
+                    ("/", Prefix, Some("POST"), none, none, "method"),
+                ],
+                ("POST", "/", &[("v", "1"), ("w", "2")]),
+                Some("method"),
+            ),
+            // Same path, no method: the most headers.
+            (
+                &[
+                    ("/", Prefix, None, &[("v", "1")], none, "one"),
+                    ("/", Prefix, None, &[("v", "1"), ("w", "2")], none, "two"),
+                ],
+                ("GET", "/", &[("v", "1"), ("w", "2")]),
+                Some("two"),
+            ),
+            // ... but only if they hold.
+            (
+                &[
+                    ("/", Prefix, None, &[("v", "1")], none, "one"),
+                    ("/", Prefix, None, &[("v", "1"), ("w", "2")], none, "two"),
+                ],
+                ("GET", "/", &[("v", "1")]),
+                Some("one"),
+            ),
+            // Same headers: the most query parameters.
+            (
+                &[
+                    ("/", Prefix, None, &[("v", "1")], none, "h"),
+                    ("/", Prefix, None, &[("v", "1")], &[("q", "1")], "hq"),
+                ],
+                ("GET", "/?q=1", &[("v", "1")]),
+                Some("hq"),
+            ),
+            // Headers before query parameters.
+            (
+                &[
+                    ("/", Prefix, None, none, &[("a", "1"), ("b", "2")], "query"),
+                    ("/", Prefix, None, &[("v", "1")], none, "header"),
+                ],
+                ("GET", "/?a=1&b=2", &[("v", "1")]),
+                Some("header"),
+            ),
+            // Ties: the first given (a stable sort).
+            (
+                &[
+                    ("/", Prefix, None, &[("v", "1")], none, "first"),
+                    ("/", Prefix, None, &[("w", "1")], none, "second"),
+                ],
+                ("GET", "/", &[("v", "1"), ("w", "1")]),
+                Some("first"),
+            ),
+            (
+                &[
+                    ("/", Prefix, None, &[("w", "1")], none, "first"),
+                    ("/", Prefix, None, &[("v", "1")], none, "second"),
+                ],
+                ("GET", "/", &[("v", "1"), ("w", "1")]),
+                Some("first"),
+            ),
+            // A method that does not hold: the next rule, or nothing (404).
+            (&[("/", Prefix, Some("POST"), none, none, "post")], ("GET", "/", none), None),
+            (
+                &[("/", Prefix, Some("POST"), none, none, "post"), ("/", Prefix, None, none, none, "any")],
+                ("GET", "/", none),
+                Some("any"),
+            ),
+        ];
+        for (rules, (method, uri, headers), want) in cases {
+            let parts = request(method, uri, headers);
+            assert_eq!(
+                gateway_table(rules).lookup_request(&head(&parts)).copied(),
+                *want,
+                "{rules:?} on {method} {uri} {headers:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn header_query_and_method_matches() {
+        let h = |list: &[ValueMatch]| Conditions::compile(None, list, &[]).unwrap();
+        let q = |list: &[ValueMatch]| Conditions::compile(None, &[], list).unwrap();
+        let holds = |c: &Conditions, method: &str, uri: &str, headers: &[(&str, &str)]| {
+            c.hold(&head(&request(method, uri, headers)))
+        };
+        // Header names are case-insensitive, values exact (case-sensitive).
+        let c = h(&[vm("X-Env", "canary", false)]);
+        assert!(holds(&c, "GET", "/", &[("x-env", "canary")]));
+        assert!(!holds(&c, "GET", "/", &[("x-env", "Canary")]));
+        assert!(!holds(&c, "GET", "/", &[]), "a missing header does not match");
+        // A repeated header is its values joined by commas.
+        assert!(holds(&h(&[vm("x-v", "a,b", false)]), "GET", "/", &[("x-v", "a"), ("x-v", "b")]));
+        // Of equivalent names only the first counts.
+        let c = h(&[vm("x-v", "1", false), vm("X-V", "2", false)]);
+        assert_eq!(c.headers.len(), 1);
+        assert!(holds(&c, "GET", "/", &[("x-v", "1")]));
+        // Regular expressions match the whole value.
+        let c = h(&[vm("x-v", "v[0-9]+", true)]);
+        assert!(holds(&c, "GET", "/", &[("x-v", "v12")]));
+        assert!(!holds(&c, "GET", "/", &[("x-v", "xv12")]), "anchored at the start");
+        assert!(!holds(&c, "GET", "/", &[("x-v", "v12x")]), "anchored at the end");
+        let c = h(&[vm("x-v", "a|b", true)]);
+        assert!(holds(&c, "GET", "/", &[("x-v", "b")]), "alternation inside the anchors");
+        assert!(!holds(&c, "GET", "/", &[("x-v", "ab")]));
+        // Query parameters: names exact, the first value, percent-decoded.
+        let c = q(&[vm("animal", "whale", false)]);
+        assert!(holds(&c, "GET", "/?animal=whale", &[]));
+        assert!(holds(&c, "GET", "/?x=1&animal=whale&animal=dolphin", &[]));
+        assert!(!holds(&c, "GET", "/?animal=dolphin&animal=whale", &[]), "the first value counts");
+        assert!(!holds(&c, "GET", "/?ANIMAL=whale", &[]), "names are case-sensitive");
+        assert!(!holds(&c, "GET", "/", &[]));
+        assert!(holds(&q(&[vm("q", "a b", false)]), "GET", "/?q=a%20b", &[]));
+        assert!(holds(&q(&[vm("id", "[0-9]+", true)]), "GET", "/?id=42", &[]));
+        assert!(!holds(&q(&[vm("id", "[0-9]+", true)]), "GET", "/?id=42a", &[]));
+        // Methods.
+        let c = Conditions::compile(Some("PATCH"), &[], &[]).unwrap();
+        assert!(holds(&c, "PATCH", "/", &[]));
+        assert!(!holds(&c, "GET", "/", &[]));
+    }
+
+    #[test]
+    fn bad_matches_say_what_is_wrong() {
+        let e = Conditions::compile(None, &[vm("x-v", "v[0-9", true)], &[]).unwrap_err();
+        assert!(e.starts_with("header `x-v`: `v[0-9` is not a regular expression"), "{e}");
+        assert!(!e.contains('\n'), "one line: {e}");
+        let e = Conditions::compile(Some("get"), &[], &[]).unwrap_err();
+        assert!(e.contains("upper case"), "{e}");
+        let e = Conditions::compile(None, &[vm("bad name", "1", false)], &[]).unwrap_err();
+        assert!(e.contains("not a header name"), "{e}");
+        let e = Conditions::compile(None, &[], &[vm("q", "(", true)]).unwrap_err();
+        assert!(e.starts_with("query parameter `q`:"), "{e}");
+        let e = Conditions::compile(None, &[vm("x", "a{1000}{1000}", true)], &[]).unwrap_err();
+        assert!(e.contains("too large"), "{e}");
+    }
+
+    #[test]
+    fn ingress_lookup_ignores_rules_with_conditions() {
+        let c = Conditions::compile(Some("GET"), &[], &[]).unwrap();
+        let t =
+            Table::new(vec![Rule::new("/a", Prefix, "cond").when(c), Rule::new("/", Prefix, "plain")], None);
+        assert_eq!(t.lookup("/a"), Some(&"plain"));
+        let parts = request("GET", "/a", &[]);
+        assert_eq!(t.lookup_request(&head(&parts)), Some(&"cond"));
     }
 
     fn contribution(

@@ -1,8 +1,11 @@
 //! The LoadBalancer Service controller: each TCP port of a managed Service
 //! becomes a `TcpPort` (the same port number at the edge when it is inside
 //! the edge's range and free, else any free one) and a `Tunnel` (protocol
-//! tcp), both owned by the Service; the public address goes to
-//! `status.loadBalancer` and the annotation `culvert.dev/public-ports`.
+//! tcp), each UDP port a `UdpPort` and a `Tunnel` (protocol udp), all owned
+//! by the Service; the public address goes to `status.loadBalancer` and the
+//! annotation `culvert.dev/public-ports`. A UdpPort has the TcpPort's spec
+//! and status, so it is planned and reported as one (its `protocol` says
+//! which it is); only the API it is written to differs.
 //!
 //! Which Services (safe by default: nothing is published that did not ask):
 //! type LoadBalancer with `loadBalancerClass: culvert.dev/tunnel`, or with no
@@ -47,9 +50,10 @@ use super::names::{
 };
 use super::status::{Ctx, Note, apply_status, ready_condition};
 use super::{Context, Error};
+use crate::api::PortProtocol;
 use crate::crd::{
     HttpOptions, ProxyProtocol, ReclaimPolicy, ServiceRef, TcpPort, TcpPortSpec, Tunnel, TunnelProtocol,
-    TunnelSpec,
+    TunnelSpec, UdpPort,
 };
 
 /// Value of [`LABEL_MANAGED_BY`] on what this controller makes.
@@ -77,13 +81,15 @@ pub fn is_managed(svc: &Service, manage_classless: bool) -> bool {
     }
 }
 
-/// One TCP port to publish.
+/// One TCP or UDP port to publish.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PortPlan {
     /// The Service port.
     pub port: u16,
-    /// Name of its TcpPort and Tunnel.
+    /// Name of its TcpPort (UdpPort) and Tunnel.
     pub name: String,
+    /// TCP or UDP.
+    pub protocol: PortProtocol,
 }
 
 /// What a managed Service asks for (the Service alone, without a client).
@@ -108,6 +114,18 @@ pub fn object_name(service: &str, port: u16) -> String {
     let digest = ring::digest::digest(&ring::digest::SHA256, service.as_bytes());
     let hash: String = digest.as_ref()[..4].iter().map(|b| format!("{b:02x}")).collect();
     format!("lb-{}-{hash}-{port}", service[..40].trim_end_matches('-'))
+}
+
+/// Name of the UdpPort and Tunnel of a Service's UDP port: `lb-<svc>-udp-<port>`
+/// (the TCP port of the same number is `lb-<svc>-<port>`).
+pub fn udp_object_name(service: &str, port: u16) -> String {
+    let name = format!("lb-{service}-udp-{port}");
+    if name.len() <= 63 {
+        return name;
+    }
+    let tcp = object_name(service, port);
+    let (head, _) = tcp.rsplit_once('-').expect("lb-...-port");
+    format!("{head}-udp-{port}")
 }
 
 /// Translate: the Service alone, without a client.
@@ -137,12 +155,26 @@ pub fn translate(svc: &Service) -> Translated {
     for p in svc.spec.iter().flat_map(|s| s.ports.iter().flatten()) {
         let protocol = p.protocol.as_deref().unwrap_or("TCP");
         let Ok(port) = u16::try_from(p.port) else { continue };
-        if protocol == "TCP" {
-            plan.ports.push(PortPlan { port, name: object_name(&name, port) });
-        } else {
-            plan.rejected
-                .push(format!("{protocol} port {port} is not published: culvert carries TCP only (for now)"));
+        match protocol {
+            "TCP" => plan.ports.push(PortPlan {
+                port,
+                name: object_name(&name, port),
+                protocol: PortProtocol::Tcp,
+            }),
+            "UDP" => plan.ports.push(PortPlan {
+                port,
+                name: udp_object_name(&name, port),
+                protocol: PortProtocol::Udp,
+            }),
+            _ => plan
+                .rejected
+                .push(format!("{protocol} port {port} is not published: culvert carries TCP and UDP only")),
         }
+    }
+    if plan.proxy == Some(ProxyProtocol::V1) && plan.ports.iter().any(|p| p.protocol == PortProtocol::Udp) {
+        plan.invalid.push(format!(
+            "{ANNOTATION_PROXY_PROTOCOL}: v1 has no UDP form, so the UDP ports get no PROXY header: use v2 (TCP and UDP)"
+        ));
     }
     plan
 }
@@ -187,9 +219,24 @@ pub fn needs_reading(svc: &Service, manage_classless: bool) -> bool {
 /// What a Service reconcile read: what this controller made for it.
 #[derive(Debug, Clone, Default)]
 pub struct Observed {
-    /// Its TcpPorts, by name.
+    /// Its TcpPorts and UdpPorts (as the TcpPort each mirrors), by name.
     pub ports: BTreeMap<String, TcpPort>,
+    /// Names in `ports` that are UdpPorts.
+    pub udp: std::collections::BTreeSet<String>,
     pub tunnels: Vec<Tunnel>,
+}
+
+/// A UdpPort as the TcpPort of the same spec and status (see the module docs).
+pub fn as_tcp_port(u: UdpPort) -> TcpPort {
+    TcpPort {
+        metadata: u.metadata,
+        spec: TcpPortSpec {
+            port: u.spec.port,
+            reclaim_policy: u.spec.reclaim_policy,
+            idle_timeout_seconds: None,
+        },
+        status: u.status,
+    }
 }
 
 fn children(svc: &Service) -> ListParams {
@@ -202,8 +249,11 @@ fn children(svc: &Service) -> ListParams {
 async fn observe(client: &Client, ns: &str, svc: &Service) -> Result<Observed, Error> {
     let children = children(svc);
     let ports = Api::<TcpPort>::namespaced(client.clone(), ns).list(&children).await?.items;
+    let udp_ports = Api::<UdpPort>::namespaced(client.clone(), ns).list(&children).await?.items;
     let tunnels = Api::<Tunnel>::namespaced(client.clone(), ns).list(&children).await?.items;
-    Ok(Observed { ports: ports.into_iter().map(|p| (p.name_any(), p)).collect(), tunnels })
+    let udp = udp_ports.iter().map(|p| p.name_any()).collect();
+    let ports = ports.into_iter().chain(udp_ports.into_iter().map(as_tcp_port));
+    Ok(Observed { ports: ports.map(|p| (p.name_any(), p)).collect(), udp, tunnels })
 }
 
 /// What a reconcile of a Service does.
@@ -225,7 +275,9 @@ pub enum Plan {
 pub struct Withdraw {
     /// Children to delete (those not being deleted already).
     pub delete_tunnels: Vec<String>,
+    /// TcpPorts and UdpPorts (those in `udp`).
     pub delete_ports: Vec<String>,
+    pub udp: std::collections::BTreeSet<String>,
     /// Children are left (to delete, or being finalized): the annotation stays.
     pub children_left: bool,
     /// The annotation `culvert.dev/public-ports` as it was.
@@ -241,16 +293,20 @@ pub struct Publish {
     pub ports: Vec<PortAction>,
     /// Children of ports that went away.
     pub delete_tunnels: Vec<String>,
+    /// TcpPorts and UdpPorts (those in `udp`).
     pub delete_ports: Vec<String>,
+    pub udp: std::collections::BTreeSet<String>,
 }
 
-/// One TCP port of a managed Service.
+/// One TCP or UDP port of a managed Service.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PortAction {
     /// The Service port.
     pub port: u16,
-    /// Name of its TcpPort and Tunnel.
+    /// Name of its TcpPort (UdpPort) and Tunnel.
     pub name: String,
+    /// TCP (a TcpPort) or UDP (a UdpPort of the same spec).
+    pub protocol: PortProtocol,
     /// The specs to apply (`None`: this port takes any free port and waits
     /// for those asking for their own number).
     pub apply: Option<(TcpPortSpec, Box<TunnelSpec>)>,
@@ -277,6 +333,7 @@ pub fn plan(svc: &Service, o: &Observed, manage_classless: bool, range: Option<(
                 .collect(),
             children_left: !o.tunnels.is_empty() || !o.ports.is_empty(),
             released: svc.annotations().get(ANNOTATION_PUBLIC_PORTS).cloned().unwrap_or_default(),
+            udp: o.udp.clone(),
         });
     }
     let translated = translate(svc);
@@ -297,19 +354,22 @@ pub fn plan(svc: &Service, o: &Observed, manage_classless: bool, range: Option<(
             let waits = want.is_none() && !o.ports.contains_key(&p.name) && !specific_settled;
             let tcp_port =
                 TcpPortSpec { port: want, reclaim_policy: translated.reclaim, idle_timeout_seconds: None };
+            let udp = p.protocol == PortProtocol::Udp;
             let tunnel = TunnelSpec {
                 service: Some(ServiceRef { name: svc.name_any(), port: IntOrString::Int(p.port.into()) }),
                 routes: Vec::new(),
-                protocol: TunnelProtocol::Tcp,
+                protocol: if udp { TunnelProtocol::Udp } else { TunnelProtocol::Tcp },
                 domain: None,
-                tcp_port: Some(p.name.clone()),
-                udp_port: None,
-                proxy_protocol: translated.proxy,
+                tcp_port: (!udp).then(|| p.name.clone()),
+                udp_port: udp.then(|| p.name.clone()),
+                // v1 has no UDP form (translate() warns about it).
+                proxy_protocol: translated.proxy.filter(|v| !udp || *v == ProxyProtocol::V2),
                 options: HttpOptions::default(),
             };
             PortAction {
                 port: p.port,
                 name: p.name.clone(),
+                protocol: p.protocol,
                 apply: (!waits).then(|| (tcp_port, Box::new(tunnel))),
             }
         })
@@ -319,6 +379,7 @@ pub fn plan(svc: &Service, o: &Observed, manage_classless: bool, range: Option<(
     Plan::Publish(Publish {
         delete_tunnels: o.tunnels.iter().map(|t| t.name_any()).filter(gone).collect(),
         delete_ports: o.ports.keys().filter(|n| gone(n)).cloned().collect(),
+        udp: o.udp.clone(),
         ports,
         translated,
     })
@@ -335,9 +396,8 @@ async fn withdraw(svc: &Service, ctx: &Ctx, ns: &str, w: &Withdraw) -> Result<bo
     for name in &w.delete_tunnels {
         tunnels.delete(name, &dp).await?;
     }
-    let ports = Api::<TcpPort>::namespaced(client, ns);
     for name in &w.delete_ports {
-        ports.delete(name, &dp).await?;
+        delete_port(&client, ns, name, w.udp.contains(name)).await?;
     }
     if w.children_left {
         return Ok(false);
@@ -377,7 +437,7 @@ pub fn service_condition(ports: &[PortState]) -> (&'static str, &'static str, St
         })
         .collect();
     if ports.is_empty() {
-        return ("False", "NotPublished", "the Service has no TCP port to publish".into());
+        return ("False", "NotPublished", "the Service has no TCP or UDP port to publish".into());
     }
     if !offline.is_empty() {
         let message = format!(
@@ -420,12 +480,13 @@ fn connected_condition(svc: &Service, ports: &[PortState]) -> ServiceCondition {
 /// The edge's public address for `status.loadBalancer.ingress[]`: each
 /// public port, with the error `culvert.dev/NoAgent` while no agent is
 /// connected for it.
-async fn lb_ingress(host: &str, ports: &[(u16, bool)]) -> LoadBalancerIngress {
+async fn lb_ingress(host: &str, ports: &[(u16, bool)], udp: &[bool]) -> LoadBalancerIngress {
     let ports: Vec<PortStatus> = ports
         .iter()
-        .map(|(p, connected)| PortStatus {
+        .zip(udp.iter().chain(std::iter::repeat(&false)))
+        .map(|((p, connected), udp)| PortStatus {
             port: (*p).into(),
-            protocol: "TCP".into(),
+            protocol: if *udp { "UDP" } else { "TCP" }.into(),
             error: (!connected).then(|| super::tunnel::PORT_ERROR_NO_AGENT.to_string()),
         })
         .collect();
@@ -457,12 +518,18 @@ pub struct Report {
     /// Notes by topic, in order (`None`: the topic is fine again).
     pub notes: Vec<(String, Option<Note>)>,
     pub requeue: Duration,
+    /// For each public port of `address`, whether it is UDP.
+    pub udp_ports: Vec<bool>,
 }
 
 /// The annotation, status, events and requeue of a managed Service from its
 /// plan and its children as applied (`None`: not applied), without IO.
 pub fn report(svc: &Service, p: &Publish, applied: &[Option<(TcpPort, Tunnel)>], resync: Duration) -> Report {
     let mut published: Vec<(u16, u16)> = Vec::new();
+    let mut udp_public = Vec::new();
+    // `servicePort=publicPort`; `53/udp=20053` for a UDP port (a Service may
+    // have TCP 53 and UDP 53).
+    let mut annotation = Vec::new();
     let mut states: Vec<PortState> = Vec::new();
     let mut host = None;
     let mut problems = Vec::new();
@@ -481,12 +548,20 @@ pub fn report(svc: &Service, p: &Publish, applied: &[Option<(TcpPort, Tunnel)>],
         match (status.port, status.address) {
             (Some(public), Some(address)) => {
                 published.push((port.port, public));
+                let udp = port.protocol == PortProtocol::Udp;
+                udp_public.push(udp);
+                annotation.push(if udp {
+                    format!("{}/udp={public}", port.port)
+                } else {
+                    format!("{}={public}", port.port)
+                });
                 let h = address.rsplit_once(':').map(|(h, _)| h).unwrap_or(&address);
                 host = Some(h.trim_start_matches('[').trim_end_matches(']').to_string());
             }
             _ => {
                 if let Some(c) = ready_condition(&status.conditions).filter(|c| c.status == "False") {
-                    problems.push(format!("port {}: TcpPort {}: {}", port.port, port.name, c.message));
+                    let kind = if port.protocol == PortProtocol::Udp { "UdpPort" } else { "TcpPort" };
+                    problems.push(format!("port {}: {kind} {}: {}", port.port, port.name, c.message));
                 }
             }
         }
@@ -498,7 +573,7 @@ pub fn report(svc: &Service, p: &Publish, applied: &[Option<(TcpPort, Tunnel)>],
             problems.push(format!("port {}: Tunnel {}: {}", port.port, port.name, c.message));
         }
     }
-    let public_ports = published.iter().map(|(s, p)| format!("{s}={p}")).collect::<Vec<_>>().join(",");
+    let public_ports = annotation.join(",");
     let address = match &host {
         Some(h) if !published.is_empty() => {
             Some((h.clone(), states.iter().filter_map(|(_, p)| *p).collect()))
@@ -529,7 +604,14 @@ pub fn report(svc: &Service, p: &Publish, applied: &[Option<(TcpPort, Tunnel)>],
     // Not connected: the Tunnel's status changes when an agent connects, and brings us back.
     let pending = published.len() < p.ports.len();
     let requeue = if pending { resync.min(Duration::from_secs(5)) } else { resync };
-    Report { public_ports, address, condition: connected_condition(svc, &states), notes, requeue }
+    Report {
+        public_ports,
+        address,
+        udp_ports: udp_public,
+        condition: connected_condition(svc, &states),
+        notes,
+        requeue,
+    }
 }
 
 /// Carries out the publishing in Kubernetes (a Service holds nothing at the
@@ -543,6 +625,7 @@ async fn execute(
 ) -> Result<Vec<Option<(TcpPort, Tunnel)>>, Error> {
     let pp = PatchParams::apply(FIELD_MANAGER).force();
     let port_api = Api::<TcpPort>::namespaced(client.clone(), ns);
+    let udp_port_api = Api::<UdpPort>::namespaced(client.clone(), ns);
     let tunnel_api = Api::<Tunnel>::namespaced(client.clone(), ns);
     let mut applied = Vec::new();
     for port in &p.ports {
@@ -550,9 +633,14 @@ async fn execute(
             applied.push(None);
             continue;
         };
-        let body = json!({ "apiVersion": "culvert.dev/v1alpha1", "kind": "TcpPort",
+        let udp = port.protocol == PortProtocol::Udp;
+        let body = json!({ "apiVersion": "culvert.dev/v1alpha1", "kind": if udp { "UdpPort" } else { "TcpPort" },
             "metadata": child_meta(svc, &port.name), "spec": tcp_port });
-        let tcp_port = port_api.patch(&port.name, &pp, &Patch::Apply(&body)).await?;
+        let tcp_port = if udp {
+            as_tcp_port(udp_port_api.patch(&port.name, &pp, &Patch::Apply(&body)).await?)
+        } else {
+            port_api.patch(&port.name, &pp, &Patch::Apply(&body)).await?
+        };
         let body = json!({ "apiVersion": "culvert.dev/v1alpha1", "kind": "Tunnel",
             "metadata": child_meta(svc, &port.name), "spec": tunnel });
         let tunnel = tunnel_api.patch(&port.name, &pp, &Patch::Apply(&body)).await?;
@@ -563,9 +651,20 @@ async fn execute(
         tunnel_api.delete(name, &dp).await?;
     }
     for name in &p.delete_ports {
-        port_api.delete(name, &dp).await?;
+        delete_port(client, ns, name, p.udp.contains(name)).await?;
     }
     Ok(applied)
+}
+
+/// Deletes a TcpPort, or a UdpPort.
+async fn delete_port(client: &Client, ns: &str, name: &str, udp: bool) -> Result<(), Error> {
+    let dp = DeleteParams::background();
+    if udp {
+        Api::<UdpPort>::namespaced(client.clone(), ns).delete(name, &dp).await?;
+    } else {
+        Api::<TcpPort>::namespaced(client.clone(), ns).delete(name, &dp).await?;
+    }
+    Ok(())
 }
 
 /// Observe → plan → execute (the children) → the annotation and status → events.
@@ -598,7 +697,7 @@ async fn apply(svc: Arc<Service>, ctx: &Ctx, ns: &str) -> Result<Action, Error> 
         "metadata": { "name": svc.name_any(), "annotations": { ANNOTATION_PUBLIC_PORTS: report.public_ports } } });
     api.patch(&svc.name_any(), &pp, &Patch::Apply(&meta)).await?;
     let ingress = match &report.address {
-        Some((host, ports)) => Some(vec![lb_ingress(host, ports).await]),
+        Some((host, ports)) => Some(vec![lb_ingress(host, ports, &report.udp_ports).await]),
         None => None,
     };
     let status = ServiceStatus {
@@ -630,6 +729,7 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
         watcher::Config::default().any_semantic(),
     )
     .owns(super::watched::<TcpPort>(&client, ns.as_deref()), managed.clone())
+    .owns(super::watched::<UdpPort>(&client, ns.as_deref()), managed.clone())
     .owns(super::watched::<Tunnel>(&client, ns.as_deref()), managed)
     .graceful_shutdown_on(async move { stop.cancelled().await })
     .run(reconcile, error_policy, Ctx::new(ctx))
@@ -686,7 +786,7 @@ mod tests {
     }
 
     #[test]
-    fn plan_rejects_udp_and_reads_annotations() {
+    fn plan_publishes_tcp_and_udp_and_reads_annotations() {
         let svc = service(
             r#"
 apiVersion: v1
@@ -700,19 +800,44 @@ spec:
     - {name: tcp, port: 7777}
     - {name: udp, port: 7777, protocol: UDP}
     - {name: admin, port: 8080, protocol: TCP}
+    - {name: sctp, port: 9999, protocol: SCTP}
 "#,
         );
         let p = translate(&svc);
+        let (tcp, udp) = (PortProtocol::Tcp, PortProtocol::Udp);
         assert_eq!(
             p.ports,
             [
-                PortPlan { port: 7777, name: "lb-game-7777".into() },
-                PortPlan { port: 8080, name: "lb-game-8080".into() }
+                PortPlan { port: 7777, name: "lb-game-7777".into(), protocol: tcp },
+                PortPlan { port: 7777, name: "lb-game-udp-7777".into(), protocol: udp },
+                PortPlan { port: 8080, name: "lb-game-8080".into(), protocol: tcp }
             ]
         );
         assert_eq!(p.rejected.len(), 1);
-        assert!(p.rejected[0].contains("UDP port 7777"));
+        assert!(p.rejected[0].contains("SCTP port 9999"));
         assert_eq!(p.proxy, Some(ProxyProtocol::V2));
+        assert!(p.invalid.is_empty());
+        // The UDP port becomes a UdpPort and a Tunnel of protocol udp, with v2.
+        let Plan::Publish(published) = plan(&svc, &Observed::default(), true, Some((20000, 20999))) else {
+            panic!("publishes")
+        };
+        let (_, tunnel) =
+            published.ports[1].apply.as_ref().expect("7777 is outside the range: any port, now");
+        assert_eq!(published.ports[1].protocol, udp);
+        assert_eq!(
+            (tunnel.protocol, tunnel.udp_port.as_deref(), tunnel.tcp_port.as_deref(), tunnel.proxy_protocol),
+            (TunnelProtocol::Udp, Some("lb-game-udp-7777"), None, Some(ProxyProtocol::V2))
+        );
+        // v1 has no UDP form: a warning, and no header on the UDP port.
+        let v1 = service(
+            "apiVersion: v1\nkind: Service\nmetadata: {name: dns, annotations: {culvert.dev/proxy-protocol: v1}}\nspec: {type: LoadBalancer, loadBalancerClass: culvert.dev/tunnel, ports: [{name: u, port: 53, protocol: UDP}]}\n",
+        );
+        assert_eq!(translate(&v1).invalid.len(), 1, "{:?}", translate(&v1).invalid);
+        let Plan::Publish(published) = plan(&v1, &Observed::default(), false, None) else {
+            panic!("publishes")
+        };
+        assert_eq!(published.ports[0].apply.as_ref().unwrap().1.proxy_protocol, None);
+        assert!(udp_object_name(&"s".repeat(63), 65535).len() <= 63);
         assert_eq!(p.reclaim, ReclaimPolicy::Retain);
         let bad = service(
             "apiVersion: v1\nkind: Service\nmetadata: {name: x, annotations: {culvert.dev/proxy-protocol: v3}}\nspec: {type: LoadBalancer}\n",
@@ -743,7 +868,7 @@ spec:
     fn the_service_condition_says_what_is_missing() {
         // (ports, status, reason, message part)
         let table: [(&[PortState], &str, &str, &str); 6] = [
-            (&[], "False", "NotPublished", "no TCP port"),
+            (&[], "False", "NotPublished", "no TCP or UDP port"),
             (&[(5432, Some((20005, true)))], "True", "AgentsConnected", "every port"),
             (&[(5432, Some((20005, false)))], "False", "NoAgent", "5432 (public 20005)"),
             (&[(5432, Some((20005, true))), (80, None)], "False", "NotPublished", "port(s) 80"),
@@ -798,7 +923,11 @@ spec:
     }
 
     fn observed(ports: Vec<TcpPort>, tunnels: Vec<Tunnel>) -> Observed {
-        Observed { ports: ports.into_iter().map(|p| (p.name_any(), p)).collect(), tunnels }
+        Observed {
+            ports: ports.into_iter().map(|p| (p.name_any(), p)).collect(),
+            udp: Default::default(),
+            tunnels,
+        }
     }
 
     fn summary(p: &Plan) -> String {

@@ -1,5 +1,5 @@
 //! The Tunnel controller: validates the Tunnel against its namespace (the
-//! Service, the Domain or TcpPort), resolves the backend addresses, mints one
+//! Service, the Domain, TcpPort or UdpPort), resolves the backend addresses, mints one
 //! tunnel key per Tunnel into a Secret it owns, and revokes the key behind a
 //! finalizer.
 
@@ -31,7 +31,8 @@ use super::{BackendAddress, Context, Error};
 use crate::agent::guard;
 use crate::api::{CreateTunnelKeyRequest, Protocol, TunnelKey};
 use crate::crd::{
-    Condition, Domain, HttpOptions, ResolvedRoute, ServiceRef, TcpPort, Tunnel, TunnelProtocol, TunnelStatus,
+    Condition, Domain, HttpOptions, ResolvedRoute, RouteFilterType, ServiceRef, TcpPort, Tunnel,
+    TunnelProtocol, TunnelRoute, TunnelStatus, UdpPort, WeightedBackends,
 };
 
 /// Name of the Secret holding a Tunnel's key.
@@ -100,26 +101,31 @@ pub fn validate(t: &Tunnel) -> Result<(), Error> {
             )));
         }
     }
-    match (t.spec.protocol, &t.spec.domain, &t.spec.tcp_port) {
-        (TunnelProtocol::Http | TunnelProtocol::Tls, Some(_), None)
-        | (TunnelProtocol::Tcp, None, Some(_)) => Ok(()),
-        (TunnelProtocol::Tls, _, _) => Err(Error::Invalid(
-            "protocol tls (passthrough) needs spec.domain (a Domain of this namespace) and no tcpPort".into(),
+    match (t.spec.protocol, &t.spec.domain, &t.spec.tcp_port, &t.spec.udp_port) {
+        (TunnelProtocol::Http | TunnelProtocol::Tls, Some(_), None, None)
+        | (TunnelProtocol::Tcp, None, Some(_), None)
+        | (TunnelProtocol::Udp, None, None, Some(_)) => Ok(()),
+        (TunnelProtocol::Tls, ..) => Err(Error::Invalid(
+            "protocol tls (passthrough) needs spec.domain (a Domain of this namespace) and no tcpPort or udpPort"
+                .into(),
         )),
-        (TunnelProtocol::Http, _, _) => Err(Error::Invalid(
-            "protocol http needs spec.domain (a Domain of this namespace) and no tcpPort".into(),
+        (TunnelProtocol::Http, ..) => Err(Error::Invalid(
+            "protocol http needs spec.domain (a Domain of this namespace) and no tcpPort or udpPort".into(),
         )),
-        (TunnelProtocol::Tcp, _, _) => Err(Error::Invalid(
-            "protocol tcp needs spec.tcpPort (a TcpPort of this namespace) and no domain".into(),
+        (TunnelProtocol::Tcp, ..) => Err(Error::Invalid(
+            "protocol tcp needs spec.tcpPort (a TcpPort of this namespace) and no domain or udpPort".into(),
         )),
-        (TunnelProtocol::Udp, _, _) => {
-            Err(Error::Invalid("protocol udp is not served by this operator version yet".into()))
-        }
+        (TunnelProtocol::Udp, ..) => Err(Error::Invalid(
+            "protocol udp needs spec.udpPort (a UdpPort of this namespace) and no domain or tcpPort".into(),
+        )),
     }
     .and_then(|()| match (t.spec.protocol, t.spec.proxy_protocol) {
         (TunnelProtocol::Http, Some(_)) => {
-            Err(Error::Invalid("proxyProtocol applies to tcp and tls only".into()))
+            Err(Error::Invalid("proxyProtocol applies to tcp, tls and udp only".into()))
         }
+        (TunnelProtocol::Udp, Some(crate::crd::ProxyProtocol::V1)) => Err(Error::Invalid(
+            "PROXY protocol v1 has no UDP form: use proxyProtocol v2 (a header before every datagram)".into(),
+        )),
         _ => Ok(()),
     })
 }
@@ -134,12 +140,12 @@ pub fn wire_protocol(p: TunnelProtocol) -> Protocol {
     }
 }
 
-/// The reservation a Tunnel publishes on, as its Domain or TcpPort says.
+/// The reservation a Tunnel publishes on, as its Domain, TcpPort or UdpPort says.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Publish {
     /// The Domain's host name.
     Domain(String),
-    /// The TcpPort's port.
+    /// The TcpPort's (protocol tcp) or UdpPort's (udp) port.
     Port(u16),
 }
 
@@ -158,16 +164,29 @@ async fn publish(t: &Tunnel, ctx: &Context, ns: &str) -> Result<Publish, Error> 
         let host = d.status.and_then(|s| s.hostname).ok_or_else(|| not_ready("Domain", name))?;
         return Ok(Publish::Domain(host));
     }
-    let name = t.spec.tcp_port.clone().unwrap_or_default();
-    let p = Api::<TcpPort>::namespaced(ctx.client.clone(), ns).get_opt(&name).await?.ok_or_else(|| {
-        Error::Waiting(format!("no TcpPort {name} in this namespace: create one (a Tunnel may only use its own namespace's TcpPorts)"))
+    let (kind, name, status) = if t.spec.protocol == TunnelProtocol::Udp {
+        let name = t.spec.udp_port.clone().unwrap_or_default();
+        let p = Api::<UdpPort>::namespaced(ctx.client.clone(), ns).get_opt(&name).await?;
+        ("UdpPort", name, p.map(|p| p.status))
+    } else {
+        let name = t.spec.tcp_port.clone().unwrap_or_default();
+        let p = Api::<TcpPort>::namespaced(ctx.client.clone(), ns).get_opt(&name).await?;
+        ("TcpPort", name, p.map(|p| p.status))
+    };
+    let status = status.ok_or_else(|| {
+        Error::Waiting(format!("no {kind} {name} in this namespace: create one (a Tunnel may only use its own namespace's {kind}s)"))
     })?;
-    let port = p.status.and_then(|s| s.port).ok_or_else(|| not_ready("TcpPort", &name))?;
+    let port = status.and_then(|s| s.port).ok_or_else(|| not_ready(kind, &name))?;
     Ok(Publish::Port(port))
 }
 
 /// The addresses agents dial for a Service port.
-async fn backends(svc_ref: &ServiceRef, ctx: &Context, ns: &str) -> Result<Vec<String>, Error> {
+/// The Service port's protocol must be the Tunnel's transport (`UDP` for
+/// protocol udp, `TCP` or absent otherwise): a Service with DNS on TCP 53
+/// and UDP 53 has two ports of that number.
+async fn backends(svc_ref: &ServiceRef, ctx: &Context, ns: &str, udp: bool) -> Result<Vec<String>, Error> {
+    let transport = if udp { "UDP" } else { "TCP" };
+    let of_transport = |p: &Option<String>| p.as_deref().unwrap_or("TCP") == transport;
     let name = &svc_ref.name;
     let svc = Api::<Service>::namespaced(ctx.client.clone(), ns)
         .get_opt(name)
@@ -182,11 +201,20 @@ async fn backends(svc_ref: &ServiceRef, ctx: &Context, ns: &str) -> Result<Vec<S
     let ports = spec.ports.unwrap_or_default();
     let port = ports
         .iter()
-        .find(|p| match &svc_ref.port {
-            IntOrString::Int(n) => p.port == *n,
-            IntOrString::String(s) => p.name.as_deref() == Some(s.as_str()),
+        .find(|p| {
+            of_transport(&p.protocol)
+                && match &svc_ref.port {
+                    IntOrString::Int(n) => p.port == *n,
+                    IntOrString::String(s) => p.name.as_deref() == Some(s.as_str()),
+                }
         })
-        .ok_or_else(|| Error::Invalid(format!("Service {name} has no port {:?}", svc_ref.port)))?;
+        .ok_or_else(|| {
+            let port = match &svc_ref.port {
+                IntOrString::Int(n) => n.to_string(),
+                IntOrString::String(s) => s.clone(),
+            };
+            Error::Invalid(format!("Service {name} has no {transport} port {port}"))
+        })?;
     let headless = spec.cluster_ip.as_deref().is_none_or(|ip| ip == "None" || ip.is_empty());
     if ctx.backend_address == BackendAddress::ClusterIp && !headless {
         let ip = spec.cluster_ip.unwrap_or_default();
@@ -202,7 +230,7 @@ async fn backends(svc_ref: &ServiceRef, ctx: &Context, ns: &str) -> Result<Vec<S
             .ports
             .unwrap_or_default()
             .iter()
-            .find(|p| p.name == port.name || slice_single(&p.name, &port.name))
+            .find(|p| of_transport(&p.protocol) && (p.name == port.name || slice_single(&p.name, &port.name)))
             .and_then(|p| p.port);
         let Some(target) = target else { continue };
         for ep in slice.endpoints.unwrap_or_default() {
@@ -233,8 +261,11 @@ fn slice_single(a: &Option<String>, b: &Option<String>) -> bool {
 pub struct Observed {
     /// What the Tunnel's Domain or TcpPort holds.
     pub publish: Result<Publish, Error>,
-    /// The backends of each of `spec.routes`, in order.
+    /// The backends of each of `spec.routes`' `service`, in order (none
+    /// without a `service`).
     pub routes: Vec<Result<Vec<String>, Error>>,
+    /// The backends of each of `spec.routes`' weighted `backends`, in order.
+    pub weighted: Vec<Vec<Result<Vec<String>, Error>>>,
     /// The backends of `spec.service`.
     pub default: Option<Result<Vec<String>, Error>>,
     pub auth: Auth,
@@ -256,15 +287,38 @@ fn user_fixable<T>(r: Result<T, Error>) -> Result<Result<T, Error>, Error> {
 async fn observe<E: EdgeApi>(edge: &E, t: &Tunnel, ctx: &Context) -> Result<Observed, Error> {
     let ns = t.namespace().unwrap_or_default();
     let publish = user_fixable(publish(t, ctx, &ns).await)?;
-    let mut routes = Vec::new();
+    let (mut routes, mut weighted) = (Vec::new(), Vec::new());
     for r in &t.spec.routes {
         routes.push(match &r.service {
-            Some(s) => user_fixable(backends(s, ctx, &ns).await)?,
+            Some(s) => user_fixable(backends(s, ctx, &ns, false).await)?,
             None => Ok(Vec::new()),
         });
+        let mut shares = Vec::new();
+        for b in &r.backends {
+            let s = ServiceRef { name: b.name.clone(), port: b.port.clone() };
+            let found = match b.namespace.as_deref().filter(|other| *other != ns) {
+                None => backends(&s, ctx, &ns, false).await,
+                Some(other) => match reference_granted(ctx, &ns, other, &b.name).await {
+                    Ok(true) => backends(&s, ctx, other, false).await.map_err(|e| match e {
+                        Error::Waiting(m) | Error::Invalid(m) => {
+                            Error::Waiting(m.replace("in this namespace", &format!("in namespace {other}")))
+                        }
+                        e => e,
+                    }),
+                    Ok(false) => Err(Error::Invalid(format!(
+                        "Service {other}/{}: a Service of another namespace needs a ReferenceGrant in \
+                         namespace {other} from Gateway API routes of namespace {ns} to it",
+                        b.name
+                    ))),
+                    Err(e) => Err(e),
+                },
+            };
+            shares.push(user_fixable(found)?);
+        }
+        weighted.push(shares);
     }
     let default = match &t.spec.service {
-        Some(s) => Some(user_fixable(backends(s, ctx, &ns).await)?),
+        Some(s) => Some(user_fixable(backends(s, ctx, &ns, t.spec.protocol == TunnelProtocol::Udp).await)?),
         None => None,
     };
     let auth = auth_credentials(t, ctx, &ns).await?;
@@ -279,7 +333,7 @@ async fn observe<E: EdgeApi>(edge: &E, t: &Tunnel, ctx: &Context) -> Result<Obse
         Some(id) => edge.tunnel_key(id).await?,
         None => None,
     };
-    Ok(Observed { publish, routes, default, auth, key })
+    Ok(Observed { publish, routes, weighted, default, auth, key })
 }
 
 /// What to do about the Tunnel's key.
@@ -302,6 +356,68 @@ pub struct Plan {
     pub routes: Vec<ResolvedRoute>,
     /// Routes (or the default backend of routes) that cannot be served.
     pub problems: Vec<String>,
+}
+
+/// Does a ReferenceGrant of namespace `to_ns` let Gateway API routes
+/// (HTTPRoute, GRPCRoute) of `from_ns` refer to Service `name`? Without the
+/// Gateway API CRDs (or the right to read them): no.
+async fn reference_granted(ctx: &Context, from_ns: &str, to_ns: &str, name: &str) -> Result<bool, Error> {
+    let ar = kube::api::ApiResource {
+        group: "gateway.networking.k8s.io".into(),
+        version: "v1beta1".into(),
+        api_version: "gateway.networking.k8s.io/v1beta1".into(),
+        kind: "ReferenceGrant".into(),
+        plural: "referencegrants".into(),
+    };
+    let api = Api::<kube::api::DynamicObject>::namespaced_with(ctx.client.clone(), to_ns, &ar);
+    match api.list(&Default::default()).await {
+        Ok(list) => Ok(list.items.iter().any(|g| grants(&g.data, from_ns, name))),
+        Err(kube::Error::Api(s)) if matches!(s.code, 403 | 404) => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Does a ReferenceGrant's content (`spec.from`, `spec.to`) let Gateway API
+/// routes of `from_ns` refer to Service `name`?
+fn grants(grant: &serde_json::Value, from_ns: &str, name: &str) -> bool {
+    let list = |k: &str| grant["spec"][k].as_array().cloned().unwrap_or_default();
+    let from = list("from").iter().any(|f| {
+        f["group"] == "gateway.networking.k8s.io"
+            && (f["kind"] == "HTTPRoute" || f["kind"] == "GRPCRoute")
+            && f["namespace"] == from_ns
+    });
+    let to = list("to").iter().any(|t| {
+        t["group"].as_str().unwrap_or("").is_empty()
+            && t["kind"] == "Service"
+            && t["name"].as_str().is_none_or(|n| n == name)
+    });
+    from && to
+}
+
+/// The most a route's weight may be (as Gateway API's).
+const MAX_WEIGHT: u32 = 1_000_000;
+
+/// What is wrong with a route's backends, matches or filters (they compile
+/// as the agents compile them).
+fn check_route(r: &TunnelRoute) -> Result<(), String> {
+    if r.service.is_some() && !r.backends.is_empty() {
+        return Err("give service or backends, not both".into());
+    }
+    if let Some(n) = r.backends.iter().filter_map(|b| b.namespace.as_deref()).find(|n| !dns_label(n)) {
+        return Err(format!("backend namespace `{n}` is not a namespace name"));
+    }
+    if let Some(b) = r.backends.iter().find(|b| b.weight > MAX_WEIGHT) {
+        return Err(format!("backend {}: weight {} is more than {MAX_WEIGHT}", b.name, b.weight));
+    }
+    super::routes::Conditions::compile(r.method.as_deref(), &r.headers, &r.query_params)?;
+    let filters = crate::agent::filters::Filters::compile(&r.filters, &r.path, r.path_type)
+        .map_err(|e| format!("filters: {e}"))?;
+    if filters.redirect.is_some() && (r.service.is_some() || !r.backends.is_empty()) {
+        return Err(
+            "a RequestRedirect route is answered by the redirect: remove its service and backends".into()
+        );
+    }
+    Ok(())
 }
 
 /// Decides, without IO, what the Tunnel needs from what was observed.
@@ -328,17 +444,46 @@ pub fn plan(t: &Tunnel, cluster_id: &str, o: Observed) -> Result<Plan, Error> {
         None => found,
     };
     let mut routes = Vec::new();
+    let mut weighted = o.weighted.into_iter();
     for (r, found) in t.spec.routes.iter().zip(o.routes) {
-        let b = degrade(format!("route {}", r.path), guarded(&r.options, found))?;
+        let what = format!("route {}", r.path);
+        let shares = weighted.next().unwrap_or_default();
+        // A route that does not make sense is left out (Gateway API drops an invalid rule).
+        if let Err(e) = check_route(r) {
+            degrade(what, Err(Error::Invalid(e)))?;
+            continue;
+        }
+        let denied = r.options.auth_secret.as_ref().and_then(|n| failed.get(n)).cloned();
+        if let Some(why) = &denied {
+            degrade(what.clone(), Err(Error::Invalid(why.clone())))?;
+        }
+        let b =
+            if denied.is_some() || r.service.is_none() { Vec::new() } else { degrade(what.clone(), found)? };
+        let mut weighted = Vec::new();
+        for (w, found) in
+            r.backends.iter().zip(shares.into_iter().chain(std::iter::repeat_with(|| Ok(Vec::new()))))
+        {
+            let backends = if denied.is_some() {
+                Vec::new()
+            } else {
+                degrade(format!("{what}: backend {}", w.name), found)?
+            };
+            weighted.push(WeightedBackends { weight: w.weight, backends });
+        }
+        let redirects = r.filters.iter().any(|f| f.type_ == RouteFilterType::RequestRedirect);
+        if r.service.is_none() && r.backends.is_empty() && !redirects {
+            // No backend at all: one empty share, so every request answers 500 (Gateway API).
+            weighted.push(WeightedBackends { weight: 1, backends: Vec::new() });
+        }
         routes.push(ResolvedRoute {
             path: r.path.clone(),
             path_type: r.path_type,
             backends: b,
-            weighted: Vec::new(),
-            method: None,
-            headers: Vec::new(),
-            query_params: Vec::new(),
-            filters: Vec::new(),
+            weighted,
+            method: r.method.clone(),
+            headers: r.headers.clone(),
+            query_params: r.query_params.clone(),
+            filters: r.filters.clone(),
             options: r.options.clone(),
         });
     }
@@ -397,6 +542,7 @@ pub async fn execute_edge<E: EdgeApi>(edge: &E, key: &KeyAction) -> Result<Execu
         }
     };
     let at = match (&key.reservation.hostname, key.reservation.port) {
+        (_, Some(port)) if key.protocol == Protocol::Udp => Some((Collection::UdpPorts, port.to_string())),
         (_, Some(port)) => Some((Collection::Ports, port.to_string())),
         (Some(host), None) => Some((Collection::Domains, host.clone())),
         (None, None) => None,
@@ -729,7 +875,8 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
             .map(|t| ObjectRef::from_obj(&*t))
             .collect::<Vec<_>>()
     };
-    let (r1, r2, r3, r4, r5) = (refs.clone(), refs.clone(), refs.clone(), refs.clone(), refs);
+    let (r1, r2, r3, r4, r5, r6) =
+        (refs.clone(), refs.clone(), refs.clone(), refs.clone(), refs.clone(), refs);
     controller
         .owns(super::watched::<Secret>(&client, ns), watcher::Config::default().labels(LABEL_TUNNEL))
         .watches(super::watched::<Service>(&client, ns), watcher::Config::default(), move |s: Service| {
@@ -751,6 +898,10 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
         .watches(super::watched::<TcpPort>(&client, ns), watcher::Config::default(), move |p: TcpPort| {
             let name = p.name_any();
             r4(p.namespace(), Box::new(move |t| t.spec.tcp_port.as_deref() == Some(&name)))
+        })
+        .watches(super::watched::<UdpPort>(&client, ns), watcher::Config::default(), move |p: UdpPort| {
+            let name = p.name_any();
+            r6(p.namespace(), Box::new(move |t| t.spec.udp_port.as_deref() == Some(&name)))
         })
         // An auth Secret a route names changed.
         .watches(super::watched::<Secret>(&client, ns), watcher::Config::default(), move |s: Secret| {
@@ -808,7 +959,19 @@ mod tests {
             ),
             (
                 json!({"service": {"name": "web", "port": 80}, "domain": "d", "proxyProtocol": "v1"}),
-                "tcp and tls only",
+                "tcp, tls and udp only",
+            ),
+            (
+                json!({"service": {"name": "dns", "port": 53}, "protocol": "udp", "udpPort": "p", "proxyProtocol": "v1"}),
+                "v1 has no UDP form",
+            ),
+            (
+                json!({"service": {"name": "dns", "port": 53}, "protocol": "udp", "tcpPort": "p"}),
+                "protocol udp needs spec.udpPort",
+            ),
+            (
+                json!({"service": {"name": "dns", "port": 53}, "protocol": "tcp", "tcpPort": "p", "udpPort": "q"}),
+                "no domain or udpPort",
             ),
             (json!({"domain": "d"}), "spec.service is required"),
             (
@@ -896,6 +1059,7 @@ mod tests {
         Observed {
             publish,
             routes: Vec::new(),
+            weighted: Vec::new(),
             default: Some(Ok(vec!["10.0.0.1:80".into()])),
             auth: Auth::default(),
             key,
@@ -982,6 +1146,83 @@ mod tests {
         assert_eq!(request.labels[LABEL_UID], "u1");
         assert_eq!(request.labels[super::super::names::LABEL_NAMESPACE], "shop");
         assert_eq!(request.labels[super::super::names::LABEL_CLUSTER], "c1");
+    }
+
+    #[test]
+    fn reference_grants_let_routes_of_a_namespace_reach_a_service() {
+        let grant =
+            |from: serde_json::Value, to: serde_json::Value| json!({"spec": {"from": [from], "to": [to]}});
+        let http_from_web =
+            json!({"group": "gateway.networking.k8s.io", "kind": "HTTPRoute", "namespace": "web"});
+        let svc = |name: Option<&str>| json!({"group": "", "kind": "Service", "name": name});
+        assert!(grants(&grant(http_from_web.clone(), svc(Some("api"))), "web", "api"));
+        assert!(grants(&grant(http_from_web.clone(), svc(None)), "web", "any"), "no name: every Service");
+        assert!(!grants(&grant(http_from_web.clone(), svc(Some("api"))), "web", "db"), "another Service");
+        assert!(!grants(&grant(http_from_web.clone(), svc(Some("api"))), "shop", "api"), "another namespace");
+        let grpc = json!({"group": "gateway.networking.k8s.io", "kind": "GRPCRoute", "namespace": "web"});
+        assert!(grants(&grant(grpc, svc(Some("api"))), "web", "api"));
+        let gateway = json!({"group": "gateway.networking.k8s.io", "kind": "Gateway", "namespace": "web"});
+        assert!(!grants(&grant(gateway, svc(Some("api"))), "web", "api"), "a Gateway's grant is for Secrets");
+        let secret = json!({"group": "", "kind": "Secret", "name": "api"});
+        assert!(!grants(&grant(http_from_web, secret), "web", "api"));
+        assert!(!grants(&json!({}), "web", "api"));
+    }
+
+    #[test]
+    fn plans_resolve_weighted_backends_and_leave_out_bad_routes() {
+        let t = tunnel(json!({"domain": "web", "routes": [
+            {"path": "/", "backends": [{"name": "a", "port": 80, "weight": 80}, {"name": "gone", "port": 80, "weight": 20}],
+             "method": "GET", "headers": [{"name": "x-env", "value": "canary"}],
+             "filters": [{"type": "ResponseHeaderModifier", "responseHeaderModifier": {"set": [{"name": "x-r", "value": "1"}]}}]},
+            {"path": "/empty"},
+            {"path": "/moved", "filters": [{"type": "RequestRedirect", "requestRedirect": {"statusCode": 301}}]},
+            {"path": "/regex", "service": {"name": "a", "port": 80},
+             "headers": [{"name": "x-v", "value": "v[0-9", "type": "RegularExpression"}]},
+            {"path": "/both", "service": {"name": "a", "port": 80}, "filters": [
+                {"type": "RequestRedirect", "requestRedirect": {}}, {"type": "URLRewrite", "urlRewrite": {}}]},
+            {"path": "/code", "filters": [{"type": "RequestRedirect", "requestRedirect": {"statusCode": 200}}]},
+            {"path": "/redirect-and-backend", "service": {"name": "a", "port": 80},
+             "filters": [{"type": "RequestRedirect", "requestRedirect": {}}]},
+            {"path": "/two", "service": {"name": "a", "port": 80}, "backends": [{"name": "a", "port": 80}]},
+        ]}));
+        let mut o = observed(Ok(Publish::Domain("web.edge.test".into())), None);
+        o.default = None;
+        o.routes = (0..8).map(|_| Ok(vec!["10.0.0.5:80".into()])).collect();
+        o.routes[0] = Ok(Vec::new());
+        o.weighted = vec![
+            vec![
+                Ok(vec!["10.0.0.1:80".into()]),
+                Err(Error::Waiting("Service gone not found in this namespace".into())),
+            ],
+            vec![],
+        ];
+        let p = plan(&t, "c1", o).unwrap();
+        let paths: Vec<_> = p.routes.iter().map(|r| r.path.as_str()).collect();
+        assert_eq!(paths, ["/", "/empty", "/moved"], "bad routes are left out");
+        let w: Vec<_> = p.routes[0].weighted.iter().map(|w| (w.weight, w.backends.clone())).collect();
+        assert_eq!(
+            w,
+            [(80, vec!["10.0.0.1:80".to_string()]), (20, vec![])],
+            "a missing Service is an empty share"
+        );
+        assert_eq!(p.routes[0].method.as_deref(), Some("GET"));
+        assert_eq!(p.routes[0].headers.len(), 1);
+        assert_eq!(p.routes[0].filters.len(), 1);
+        assert_eq!(
+            p.routes[1].weighted,
+            [WeightedBackends { weight: 1, backends: vec![] }],
+            "no backend: 500"
+        );
+        assert!(p.routes[2].weighted.is_empty() && p.routes[2].backends.is_empty(), "the redirect answers");
+        let want = [
+            "route /: backend gone: Service gone not found in this namespace",
+            "route /regex: header `x-v`: `v[0-9` is not a regular expression: unclosed character class",
+            "route /both: filters: RequestRedirect and URLRewrite cannot be combined: a redirect never reaches a backend",
+            "route /code: filters: requestRedirect: statusCode 200 is not allowed: use 301, 302, 303, 307 or 308",
+            "route /redirect-and-backend: a RequestRedirect route is answered by the redirect: remove its service and backends",
+            "route /two: give service or backends, not both",
+        ];
+        assert_eq!(p.problems, want);
     }
 
     #[test]

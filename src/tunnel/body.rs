@@ -19,8 +19,11 @@ use crate::BoxError;
 /// The body type every tunnelled request and response uses.
 pub type BoxBody = http_body_util::combinators::UnsyncBoxBody<Bytes, BoxError>;
 
-/// Size of one read from a socket into a body chunk.
-const READ_CHUNK: usize = 64 * 1024;
+/// Size of one read from a socket into a body chunk: a little under 64 KiB,
+/// so that the chunk, as one HTTP/2 DATA frame in one WebSocket frame, fits
+/// the 64 KiB the TLS layer takes in one write (four full records, no
+/// stray small one for the last few bytes).
+const READ_CHUNK: usize = 64 * 1024 - 64;
 
 pub fn empty() -> BoxBody {
     Empty::new().map_err(|never| match never {}).boxed_unsync()

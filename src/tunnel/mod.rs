@@ -8,7 +8,9 @@
 //! ```
 //!
 //! One public HTTP request is one h2 stream; one public TCP connection is one
-//! full-duplex h2 stream whose request and response bodies carry the bytes.
+//! full-duplex h2 stream whose request and response bodies carry the bytes;
+//! one public UDP flow is one full-duplex stream of framed datagrams
+//! ([`datagram`]).
 
 /// `AsyncWrite` for a read-side wrapper `$ty<S>` that writes straight to its
 /// `inner` stream, vectored writes included (rustls writes its records with
@@ -58,6 +60,7 @@ pub(crate) mod backoff;
 pub(crate) mod body;
 pub(crate) mod budget;
 pub mod connect;
+pub mod datagram;
 pub(crate) mod handshake;
 pub(crate) mod proxy;
 pub(crate) mod readahead;
@@ -106,6 +109,8 @@ pub enum StreamKind {
     Upgrade,
     /// Raw bytes of one public TCP (or TLS passthrough) connection.
     Tcp,
+    /// The datagrams of one public UDP flow, framed by [`datagram`].
+    Udp,
 }
 
 impl StreamKind {
@@ -114,12 +119,14 @@ impl StreamKind {
             StreamKind::Http => "http",
             StreamKind::Upgrade => "upgrade",
             StreamKind::Tcp => "tcp",
+            StreamKind::Udp => "udp",
         }
     }
 
     pub fn of<B>(req: &http::Request<B>) -> StreamKind {
         match req.headers().get(crate::constants::STREAM_HEADER).map(|v| v.as_bytes()) {
             Some(b"tcp") => StreamKind::Tcp,
+            Some(b"udp") => StreamKind::Udp,
             Some(b"upgrade") => StreamKind::Upgrade,
             _ => StreamKind::Http,
         }

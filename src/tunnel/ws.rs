@@ -12,10 +12,13 @@
 //! XOR over the payload on either end. Frames from other clients are
 //! unmasked as RFC 6455 says.
 //!
-//! Writes are coalesced: bytes accumulate until HTTP/2 flushes or
+//! Small writes are coalesced: bytes accumulate until HTTP/2 flushes or
 //! [`WS_MAX_BATCH`] is reached, then go out as one binary frame. Small frames
 //! flushed one by one cap a connection near 1 Gbit/s; batches reach several
 //! times that. The cap keeps a small response from waiting behind a bulk one.
+//! A large write (an HTTP/2 DATA frame with its header) becomes a frame of
+//! its own, written with its WebSocket header in one vectored write, so the
+//! TLS layer seals it straight from HTTP/2's buffers: no copy on the way.
 //!
 //! The adapter also keeps the tunnel alive (WebSocket pings every
 //! [`PING_INTERVAL`], a peer silent for [`DEAD_PEER_TIMEOUT`] is dead),
@@ -162,6 +165,14 @@ struct Frame {
 /// one TLS record.
 const HEAD_ROOM: usize = 14;
 
+/// Writes of at least this much go straight to the socket as a frame of
+/// their own ([`WsStream::poll_write_direct`]); smaller ones are coalesced.
+const DIRECT_MIN: usize = 4 * 1024;
+/// Largest direct frame: one HTTP/2 frame, header included.
+const DIRECT_MAX: usize = crate::constants::H2_MAX_FRAME as usize + 9;
+/// Most slices of one direct write (the frame header and payload pieces).
+const DIRECT_SLICES: usize = 16;
+
 /// A binary frame on its way out, and how much of it was written.
 struct Outgoing {
     frame: Bytes,
@@ -188,6 +199,10 @@ pub struct WsStream<S> {
     /// [`HEAD_ROOM`] bytes, then the payload of the next binary frame.
     batch: BytesMut,
     out: Option<Outgoing>,
+    /// Payload bytes of a direct frame whose header is out and whose payload
+    /// is not yet: the next bytes written are that payload, written as they
+    /// come, and nothing else goes out until it is complete.
+    direct_left: usize,
     /// Encoded control frames, sent between binary frames. Refilled only
     /// once empty, so a peer that does not read cannot make it grow.
     control_out: BytesMut,
@@ -229,6 +244,7 @@ where
             eof: false,
             batch: BytesMut::new(),
             out: None,
+            direct_left: 0,
             control_out: BytesMut::new(),
             pong: None,
             ping_due: false,
@@ -320,9 +336,14 @@ where
     /// Writes the binary frame in flight and the queued control frames.
     fn poll_write_out(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         loop {
-            // A binary frame that started going out is finished first.
+            if self.direct_left > 0 && self.out.is_none() {
+                // In the middle of a direct frame: its payload comes first.
+                return Poll::Ready(Ok(()));
+            }
+            // A binary frame that started going out is finished first (and
+            // the start of a direct frame before anything else).
             if let Some(out) = &mut self.out
-                && (out.written > 0 || self.control_out.is_empty())
+                && (out.written > 0 || self.control_out.is_empty() || self.direct_left > 0)
             {
                 let frame = out.frame.clone();
                 let mut written = out.written;
@@ -371,6 +392,91 @@ where
             return Poll::Ready(Err(e));
         }
         Poll::Ready(Ok(()))
+    }
+
+    /// Writes `bufs` (up to [`DIRECT_MAX`] of them) as one binary frame
+    /// straight to the socket, frame header and payload in one vectored
+    /// write: the TLS layer seals them into its records without a copy into
+    /// the batch first. When the socket takes only part of it, the rest of
+    /// the payload is whatever is written next ([`Self::poll_write_more`]),
+    /// still without a copy.
+    fn poll_write_direct(&mut self, cx: &mut Context<'_>, bufs: &[IoSlice<'_>]) -> Poll<io::Result<usize>> {
+        // What was coalesced before, and any frame still going out, first.
+        ready!(self.poll_send_batch(cx))?;
+        ready!(self.poll_write_out(cx))?;
+        let mut slices = [IoSlice::new(&[]); DIRECT_SLICES];
+        let (mut count, mut len) = (1, 0);
+        for b in bufs {
+            if len == DIRECT_MAX || count == DIRECT_SLICES {
+                break;
+            }
+            let n = b.len().min(DIRECT_MAX - len);
+            slices[count] = IoSlice::new(&b[..n]);
+            count += 1;
+            len += n;
+        }
+        let (head, head_len) = self.frame_head(OP_BINARY, len);
+        slices[0] = IoSlice::new(&head[..head_len]);
+        let n = ready!(self.poll_io_write_vectored(cx, &slices[..count]))?;
+        if n > head_len {
+            self.direct_left = len - (n - head_len);
+            return Poll::Ready(Ok(n - head_len));
+        }
+        // Only (part of) the header went out: the rest of it, and one payload
+        // byte so that the caller sees progress, go out next.
+        let mut rest = BytesMut::with_capacity(head_len - n + 1);
+        rest.put_slice(&head[n..head_len]);
+        let first = bufs.iter().find(|b| !b.is_empty()).expect("wanted > 0");
+        rest.put_u8(first[0]);
+        self.out = Some(Outgoing { frame: rest.freeze(), written: 0 });
+        self.direct_left = len - 1;
+        Poll::Ready(Ok(1))
+    }
+
+    /// Writes the next bytes of the direct frame whose payload is not
+    /// complete yet, straight to the socket.
+    fn poll_write_more(&mut self, cx: &mut Context<'_>, bufs: &[IoSlice<'_>]) -> Poll<io::Result<usize>> {
+        if self.out.is_some() {
+            ready!(self.poll_write_out(cx))?;
+        }
+        let mut slices = [IoSlice::new(&[]); DIRECT_SLICES];
+        let (mut count, mut len) = (0, 0);
+        for b in bufs {
+            if len == self.direct_left || count == DIRECT_SLICES {
+                break;
+            }
+            let n = b.len().min(self.direct_left - len);
+            slices[count] = IoSlice::new(&b[..n]);
+            count += 1;
+            len += n;
+        }
+        let n = ready!(self.poll_io_write_vectored(cx, &slices[..count]))?;
+        self.direct_left -= n;
+        Poll::Ready(Ok(n))
+    }
+
+    /// One vectored write to the socket, noting when the socket stopped
+    /// taking bytes.
+    fn poll_io_write_vectored(
+        &mut self,
+        cx: &mut Context<'_>,
+        bufs: &[IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match Pin::new(&mut self.io).poll_write_vectored(cx, bufs) {
+            Poll::Ready(Ok(0)) => Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
+            Poll::Ready(Ok(n)) => {
+                self.stalled_since = None;
+                if let Some(b) = &self.budget {
+                    b.release(n);
+                }
+                Poll::Ready(Ok(n))
+            }
+            Poll::Pending => {
+                self.stalled_since.get_or_insert_with(Instant::now);
+                Poll::Pending
+            }
+            other => other,
+        }
     }
 
     /// Sends queued control messages and due pings; checks that the peer is
@@ -657,12 +763,18 @@ where
         bufs: &[IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        if this.batch.len() >= HEAD_ROOM + WS_MAX_BATCH {
-            ready!(this.poll_send_batch(cx))?;
-        }
         let wanted = bufs.iter().map(|b| b.len()).sum::<usize>();
         if wanted == 0 {
             return Poll::Ready(Ok(0));
+        }
+        if this.direct_left > 0 {
+            return this.poll_write_more(cx, bufs);
+        }
+        if this.batch.len() >= HEAD_ROOM + WS_MAX_BATCH {
+            ready!(this.poll_send_batch(cx))?;
+        }
+        if wanted >= DIRECT_MIN && this.io.is_write_vectored() {
+            return this.poll_write_direct(cx, bufs);
         }
         if this.batch.is_empty() {
             this.batch.reserve(HEAD_ROOM + wanted.min(WS_MAX_BATCH));
@@ -689,6 +801,8 @@ where
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
+        // In the middle of a direct frame, the batch is empty and stays so
+        // until the frame is complete; what went out is flushed.
         ready!(this.poll_send_batch(cx))?;
         ready!(this.poll_write_out(cx))?;
         Pin::new(&mut this.io).poll_flush(cx)
@@ -697,6 +811,10 @@ where
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         ready!(this.poll_send_batch(cx))?;
+        if this.direct_left > 0 {
+            // A frame cut short: no close frame can follow it.
+            this.close_sent = true;
+        }
         if !this.close_sent {
             this.queue_control(OP_CLOSE, &1000u16.to_be_bytes());
             this.close_sent = true;
@@ -753,6 +871,111 @@ mod tests {
         assert_eq!(got.len(), expect.len());
         assert!(got == expect);
         writer.await.unwrap();
+    }
+
+    /// A socket that takes vectored writes, at most `max` bytes each (as TLS
+    /// does when its buffer is nearly full).
+    struct Trickle<S> {
+        inner: S,
+        max: usize,
+    }
+
+    impl<S: AsyncRead + Unpin> AsyncRead for Trickle<S> {
+        fn poll_read(
+            self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &mut ReadBuf<'_>,
+        ) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.get_mut().inner).poll_read(cx, buf)
+        }
+    }
+
+    impl<S: AsyncWrite + Unpin> AsyncWrite for Trickle<S> {
+        fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+            let this = self.get_mut();
+            let n = buf.len().min(this.max);
+            Pin::new(&mut this.inner).poll_write(cx, &buf[..n])
+        }
+
+        fn poll_write_vectored(
+            self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            bufs: &[IoSlice<'_>],
+        ) -> Poll<io::Result<usize>> {
+            let this = self.get_mut();
+            let mut joined = Vec::new();
+            for b in bufs {
+                joined.extend_from_slice(&b[..b.len().min(this.max - joined.len())]);
+                if joined.len() == this.max {
+                    break;
+                }
+            }
+            Pin::new(&mut this.inner).poll_write(cx, &joined)
+        }
+
+        fn is_write_vectored(&self) -> bool {
+            true
+        }
+
+        fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+        }
+
+        fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+        }
+    }
+
+    #[tokio::test]
+    async fn direct_frames_cut_anywhere_by_the_socket_stay_well_formed() {
+        // Large writes go straight to the socket as frames of their own; a
+        // socket that takes a few bytes at a time cuts them (and their
+        // headers) anywhere, with pings to answer in between: tungstenite's
+        // server end must still read well-formed frames, bytes in order.
+        for max in [1, 5, 13, 1000, 4099, 70_000] {
+            let (a, b) = tokio::io::duplex(8 * 1024);
+            let mut ours = WsStream::new(Trickle { inner: a, max }, Role::Client, Arc::default());
+            let mut theirs = WebSocketStream::from_raw_socket(b, TRole::Server, None).await;
+            let data = test_data(400_000);
+            let sizes = [3usize, 5000, 100, 70_000, 4096, 65_545, 1, 200_000];
+            let expect: Vec<u8> = {
+                let mut v = Vec::new();
+                let mut at = 0;
+                for n in sizes {
+                    v.extend_from_slice(&data[at..at + n]);
+                    at += n;
+                }
+                v
+            };
+            let writer = tokio::spawn(async move {
+                let mut at = 0;
+                for n in sizes {
+                    ours.write_all(&data[at..at + n]).await.unwrap();
+                    ours.flush().await.unwrap();
+                    at += n;
+                    // Reads answer pings (pongs go out between frames).
+                    let mut none = [0u8; 1];
+                    let _ =
+                        tokio::time::timeout(std::time::Duration::from_millis(1), ours.read(&mut none)).await;
+                }
+                ours
+            });
+            let mut got = Vec::new();
+            let mut pings = 0;
+            while got.len() < expect.len() {
+                if pings < 20 {
+                    theirs.send(Message::Ping(Bytes::from_static(b"p"))).await.unwrap();
+                    pings += 1;
+                }
+                match theirs.next().await.unwrap().unwrap() {
+                    Message::Binary(b) => got.extend_from_slice(&b),
+                    Message::Pong(_) => {}
+                    other => panic!("unexpected {other:?}"),
+                }
+            }
+            assert!(got == expect, "bytes in order with max {max}");
+            writer.await.unwrap();
+        }
     }
 
     #[test]

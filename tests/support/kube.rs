@@ -257,3 +257,49 @@ pub async fn install_culvert_crds(client: &Client) {
         .unwrap();
     }
 }
+
+/// Applies the upstream Gateway API CRDs (the standard channel of the
+/// release `scripts/gateway-api-crds` fetches through the Go module proxy;
+/// never vendored here) and waits until each is Established.
+pub async fn install_gateway_api_crds(client: &Client) {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    use kube::ResourceExt;
+    use kube::api::{Patch, PatchParams};
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = std::process::Command::new(root.join("scripts/gateway-api-crds"))
+        .arg("standard")
+        .output()
+        .expect("scripts/gateway-api-crds runs");
+    assert!(out.status.success(), "scripts/gateway-api-crds: {}", String::from_utf8_lossy(&out.stderr));
+    let dir = PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
+    let api = Api::<CustomResourceDefinition>::all(client.clone());
+    let mut names = Vec::new();
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            let n = p.file_name().unwrap().to_string_lossy();
+            n.starts_with("gateway.networking.k8s.io_") && n.ends_with(".yaml") && !n.contains("_vap_")
+        })
+        .collect();
+    files.sort();
+    for file in files {
+        let text = std::fs::read_to_string(&file).unwrap();
+        for doc in text.split("\n---").filter(|d| d.contains("kind: CustomResourceDefinition")) {
+            let crd: CustomResourceDefinition = serde_saphyr::from_str(doc).unwrap();
+            api.patch(&crd.name_any(), &PatchParams::apply("culvert-tests").force(), &Patch::Apply(&crd))
+                .await
+                .unwrap_or_else(|e| panic!("applying {}: {e}", file.display()));
+            names.push(crd.name_any());
+        }
+    }
+    for name in names {
+        wait_until("Gateway API CRD established", Duration::from_secs(60), || async {
+            let c = api.get(&name).await?;
+            let conditions = c.status.and_then(|s| s.conditions).unwrap_or_default();
+            Ok(conditions.iter().any(|c| c.type_ == "Established" && c.status == "True").then_some(()))
+        })
+        .await
+        .unwrap();
+    }
+}

@@ -80,6 +80,10 @@ pub fn edge_args(dir: &Path, https: SocketAddr, tcp_ports: PortRange) -> EdgeArg
         half_close_timeout_seconds: 60,
         max_public_connections: 10_000,
         max_connections_per_tcp_port: 1_000,
+        max_tunnel_streams: 4096,
+        udp_idle_timeout_seconds: 60,
+        max_udp_flows_per_port: 1_000,
+        max_udp_flows: 10_000,
         allow_upgrade: vec!["websocket".into()],
         reserved_names: ["admin", "api", "edge", "status", "www"].map(String::from).into(),
     }

@@ -325,6 +325,25 @@ pub fn listen_in(host: &NetnsHost, port: u16) -> TcpListener {
     TcpListener::from_std(listener).unwrap()
 }
 
+/// A UDP socket on `ip:port` inside the network namespace `host`.
+pub fn udp_in(host: &NetnsHost, port: u16) -> tokio::net::UdpSocket {
+    use std::os::fd::AsRawFd;
+    let (path, ip) = (format!("/run/netns/{}", host.name), host.ip.clone());
+    // As in listen_in: bound on a short-lived thread moved into the namespace.
+    let socket = std::thread::spawn(move || {
+        let ns = std::fs::File::open(&path).unwrap();
+        // SAFETY: setns on a valid descriptor of a network namespace, on this thread only.
+        let rc = unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) };
+        assert_eq!(rc, 0, "setns {path}: {}", std::io::Error::last_os_error());
+        let s = std::net::UdpSocket::bind((ip.as_str(), port)).unwrap();
+        s.set_nonblocking(true).unwrap();
+        s
+    })
+    .join()
+    .unwrap();
+    tokio::net::UdpSocket::from_std(socket).unwrap()
+}
+
 /// A Service without selector whose EndpointSlice points at `ip` (ports:
 /// (name, service port, target port, protocol)).
 pub async fn service_with_endpoints(

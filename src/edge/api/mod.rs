@@ -6,8 +6,8 @@
 //! | GET | `status` (`?limit=N`) | admin |
 //! | GET, POST | `domains` | admin, endpoints |
 //! | GET, DELETE | `domains/{hostname or label}` | admin, endpoints (own) |
-//! | GET, POST | `ports` | admin, endpoints |
-//! | GET, DELETE | `ports/{port}` | admin, endpoints (own) |
+//! | GET, POST | `ports` (GET: `?protocol=tcp\|udp`, default both) | admin, endpoints |
+//! | GET, DELETE | `ports/{port}` (`?protocol=udp` for a UDP port) | admin, endpoints (own) |
 //! | GET, POST | `tunnel-keys` | admin, endpoints |
 //! | GET, DELETE | `tunnel-keys/{id}` | admin, endpoints (own) |
 //! | GET, POST | `api-keys` | admin |
@@ -88,8 +88,8 @@ pub trait EdgeHooks: Send + Sync + 'static {
     ) -> futures_util::future::BoxFuture<'_, Option<crate::edge::status::model::Status>> {
         Box::pin(std::future::ready(None))
     }
-    /// Can the edge listen on this TCP port (no other program holds it)?
-    fn port_usable(&self, _port: u16) -> bool {
+    /// Can the edge listen on this TCP (or UDP) port (no other program holds it)?
+    fn port_usable(&self, _port: u16, _protocol: crate::api::PortProtocol) -> bool {
         true
     }
 }
@@ -231,21 +231,24 @@ where
             reservations::release(ctx, &caller, reservation).await
         }
         (Route::Ports, &Method::GET) => {
-            query.only(&["selector"])?;
-            reservations::list(ctx, &caller, &query.selector()?, true).await
+            query.only(&["selector", "protocol"])?;
+            let only = query.get("protocol").map(reservations::port_protocol).transpose()?;
+            reservations::list_ports(ctx, &caller, &query.selector()?, only).await
         }
         (Route::Ports, &Method::POST) => {
             query.only(&[])?;
             reservations::reserve_port(ctx, &caller, read_json(body, &headers).await?).await
         }
         (Route::Port(port), &Method::GET) => {
-            query.only(&[])?;
-            let reservation = reservations::port_of(ctx, &caller, port).await?;
+            query.only(&["protocol"])?;
+            let protocol = query.get("protocol").map(reservations::port_protocol).transpose()?;
+            let reservation = reservations::port_of(ctx, &caller, port, protocol.unwrap_or_default()).await?;
             Ok(reservations::get(ctx, reservation).await)
         }
         (Route::Port(port), &Method::DELETE) => {
-            query.only(&[])?;
-            let reservation = reservations::port_of(ctx, &caller, port).await?;
+            query.only(&["protocol"])?;
+            let protocol = query.get("protocol").map(reservations::port_protocol).transpose()?;
+            let reservation = reservations::port_of(ctx, &caller, port, protocol.unwrap_or_default()).await?;
             reservations::release(ctx, &caller, reservation).await
         }
         (Route::TunnelKeys, &Method::GET) => {

@@ -10,7 +10,7 @@ use super::auth::{may_use, not_owner};
 use super::names::{custom_or_subdomain, lookup_hostname, subdomain};
 use super::{ApiContext, ApiError, Change, edge_domain, json_response};
 use crate::api::{
-    ApiKey, List, MAX_IDLE_TIMEOUT_SECONDS, ReleaseResponse, Reservation, ReservationKind,
+    ApiKey, List, MAX_IDLE_TIMEOUT_SECONDS, PortProtocol, ReleaseResponse, Reservation, ReservationKind,
     ReserveDomainRequest, ReservePortRequest, Selector, validate_labels,
 };
 use crate::edge::store::{CertificateRecord, unix_now};
@@ -53,6 +53,35 @@ pub(super) async fn list(
         }
     }
     Ok(json_response(StatusCode::OK, &List { items }))
+}
+
+/// `GET ports`: the caller's port reservations (`only` one protocol, or both)
+/// matching the selector.
+pub(super) async fn list_ports(
+    ctx: &ApiContext,
+    caller: &ApiKey,
+    selector: &Selector,
+    only: Option<PortProtocol>,
+) -> Result<Response<Full<Bytes>>, ApiError> {
+    let mut items: Vec<Reservation> = Vec::new();
+    for r in ctx.store.reservations().await? {
+        if r.kind == ReservationKind::Tcp
+            && only.is_none_or(|p| p == r.protocol)
+            && may_use(caller, &r.owner)
+            && selector.matches(&r.labels)
+        {
+            items.push(with_url(ctx, r).await);
+        }
+    }
+    Ok(json_response(StatusCode::OK, &List { items }))
+}
+
+/// The `protocol` query parameter of the port routes.
+pub(super) fn port_protocol(s: &str) -> Result<PortProtocol, ApiError> {
+    PortProtocol::parse(s).ok_or_else(|| ApiError::BadRequest {
+        code: "invalid_protocol",
+        message: format!("protocol `{s}` is not a port protocol: use tcp or udp"),
+    })
 }
 
 /// `GET domains/{host}` or `GET ports/{port}`.
@@ -163,8 +192,12 @@ pub(super) async fn reserve_port(
             ),
         ));
     }
-    if request.protocol == crate::api::PortProtocol::Udp {
-        return Err(ApiError::invalid("udp_not_supported", "this edge version reserves TCP ports only"));
+    let protocol = request.protocol;
+    if protocol == PortProtocol::Udp && request.idle_timeout_seconds.is_some_and(|s| s > 0) {
+        return Err(ApiError::invalid(
+            "invalid_idle_timeout",
+            "idleTimeoutSeconds is for TCP ports; UDP flows end after the edge's --udp-idle-timeout-seconds",
+        ));
     }
     if let Some(secs) = request.idle_timeout_seconds.filter(|s| *s > MAX_IDLE_TIMEOUT_SECONDS) {
         return Err(ApiError::invalid(
@@ -179,9 +212,14 @@ pub(super) async fn reserve_port(
         let hooks = ctx.hooks.clone();
         let (mut reservation, created) = ctx
             .store
-            .reserve_usable_port(request.port, ctx.tcp_ports, &caller.id, &request.labels, move |p| {
-                hooks.port_usable(p)
-            })
+            .reserve_usable_port(
+                request.port,
+                protocol,
+                ctx.tcp_ports,
+                &caller.id,
+                &request.labels,
+                move |p| hooks.port_usable(p, protocol),
+            )
             .await?;
         if created {
             ctx.hooks.changed(Change::Reserved(reservation.clone())).await;
@@ -197,7 +235,7 @@ pub(super) async fn reserve_port(
         (reservation, created)
     };
     if created {
-        tracing::info!(port = ?reservation.port, by = %caller.id, "port reserved");
+        tracing::info!(port = ?reservation.port, %protocol, by = %caller.id, "port reserved");
     }
     let status = if created { StatusCode::CREATED } else { StatusCode::OK };
     Ok(json_response(status, &with_url(ctx, reservation).await))
@@ -244,19 +282,26 @@ pub(super) async fn domain_of(
     Ok(reservation)
 }
 
-/// The port reservation a path segment names, if the caller may use it.
-pub(super) async fn port_of(ctx: &ApiContext, caller: &ApiKey, port: &str) -> Result<Reservation, ApiError> {
+/// The port reservation of `protocol` a path segment names, if the caller may use it.
+pub(super) async fn port_of(
+    ctx: &ApiContext,
+    caller: &ApiKey,
+    port: &str,
+    protocol: PortProtocol,
+) -> Result<Reservation, ApiError> {
     let port: u16 = port.parse().ok().filter(|p| *p != 0).ok_or_else(|| ApiError::BadRequest {
         code: "invalid_port",
         message: format!("`{port}` is not a port number (1-65535)"),
     })?;
-    let reservation = ctx
-        .store
-        .reservation_by_port(port)
-        .await?
-        .ok_or_else(|| ApiError::NotFound { message: format!("port {port} is not reserved") })?;
+    let reservation =
+        ctx.store.reservation_by_port_of(port, protocol).await?.ok_or_else(|| ApiError::NotFound {
+            message: match protocol {
+                PortProtocol::Tcp => format!("port {port} is not reserved"),
+                PortProtocol::Udp => format!("UDP port {port} is not reserved"),
+            },
+        })?;
     if !may_use(caller, &reservation.owner) {
-        return Err(not_owner(&format!("port {port}")));
+        return Err(not_owner(&reservation.target()));
     }
     Ok(reservation)
 }

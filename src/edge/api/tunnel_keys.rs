@@ -8,7 +8,9 @@ use hyper::Response;
 use super::auth::{may_use, not_owner};
 use super::names::lookup_hostname;
 use super::{ApiContext, ApiError, edge_domain, json_response};
-use crate::api::{ApiKey, CreateTunnelKeyRequest, CreatedTunnelKey, List, Protocol, Selector, TunnelKey};
+use crate::api::{
+    ApiKey, CreateTunnelKeyRequest, CreatedTunnelKey, List, PortProtocol, Protocol, Selector, TunnelKey,
+};
 
 fn with_connections(ctx: &ApiContext, mut k: TunnelKey) -> TunnelKey {
     k.connections = if k.revoked_at.is_some() { 0 } else { ctx.hooks.connections_for_key(&k.id) };
@@ -79,10 +81,12 @@ pub(super) async fn create(
     let reservation = match (request.domain.as_deref(), request.port) {
         (Some(host), None) => {
             let protocol = request.protocol.unwrap_or(Protocol::Http);
-            if protocol == Protocol::Tcp {
+            if matches!(protocol, Protocol::Tcp | Protocol::Udp) {
                 return Err(ApiError::invalid(
                     "protocol_mismatch",
-                    "tcp tunnels need a port reservation: give port instead of domain (for TLS passthrough on a host name, use protocol tls)",
+                    format!(
+                        "{protocol} tunnels need a port reservation: give port instead of domain (for TLS passthrough on a host name, use protocol tls)"
+                    ),
                 ));
             }
             let hostname = lookup_hostname(host, &domain)?;
@@ -96,24 +100,33 @@ pub(super) async fn create(
         }
         (None, Some(port)) => {
             let protocol = request.protocol.unwrap_or(Protocol::Tcp);
-            if protocol != Protocol::Tcp {
-                return Err(ApiError::invalid(
-                    "protocol_mismatch",
-                    format!("{protocol} tunnels need a domain reservation: give domain instead of port"),
-                ));
-            }
+            let transport = match protocol {
+                Protocol::Tcp => PortProtocol::Tcp,
+                Protocol::Udp => PortProtocol::Udp,
+                _ => {
+                    return Err(ApiError::invalid(
+                        "protocol_mismatch",
+                        format!("{protocol} tunnels need a domain reservation: give domain instead of port"),
+                    ));
+                }
+            };
             let reservation =
-                ctx.store.reservation_by_port(port).await?.ok_or_else(|| ApiError::NotFound {
-                    message: format!(
-                        "port {port} is not reserved; reserve it first (culvert admin port reserve {port})"
-                    ),
+                ctx.store.reservation_by_port_of(port, transport).await?.ok_or_else(|| ApiError::NotFound {
+                    message: match transport {
+                        PortProtocol::Tcp => format!(
+                            "port {port} is not reserved; reserve it first (culvert admin port reserve {port})"
+                        ),
+                        PortProtocol::Udp => format!(
+                            "UDP port {port} is not reserved; reserve it first (culvert admin port reserve --protocol udp {port})"
+                        ),
+                    },
                 })?;
             (reservation, protocol)
         }
         _ => {
             return Err(ApiError::invalid(
                 "invalid_request",
-                "give exactly one of domain (for http and tls tunnels) and port (for tcp tunnels)",
+                "give exactly one of domain (for http and tls tunnels) and port (for tcp and udp tunnels)",
             ));
         }
     };

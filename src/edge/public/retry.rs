@@ -36,6 +36,12 @@ pub(super) async fn send(
     tunnel: &TunnelCounters,
     budget: &BudgetSlot,
 ) -> Result<(Response<Incoming>, StreamGuard), Response<BoxBody>> {
+    let Some(slot) = edge.registry.stream_slot().await else {
+        tunnel.answered(StatusCode::SERVICE_UNAVAILABLE);
+        let reason = "the edge has every tunnel stream it may open in use; try again shortly";
+        return Err(error_page(StatusCode::SERVICE_UNAVAILABLE, host, reason));
+    };
+    let mut slot = Some(slot);
     let mut tried = Vec::new();
     loop {
         let Some(guard) = edge.registry.pick_or_wait(&reservation.id, Protocol::Http, &tried).await else {
@@ -52,7 +58,7 @@ pub(super) async fn send(
         budget.set(guard.conn().budget.clone());
         let mut sender = guard.conn().sender.clone();
         match sender.try_send_request(request).await {
-            Ok(resp) => return Ok((resp, guard)),
+            Ok(resp) => return Ok((resp, guard.with_slot(slot.take().expect("taken once")))),
             Err(mut e) => {
                 debug!(error = %error_chain(e.error()), conn = guard.conn().id, "stream failed");
                 let again = match (e.take_message(), &replay) {

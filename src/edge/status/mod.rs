@@ -134,6 +134,9 @@ impl Monitor {
 fn name_of(r: &Reservation) -> String {
     match (&r.hostname, r.port) {
         (Some(h), _) => h.clone(),
+        (None, Some(p)) if r.protocol == crate::api::PortProtocol::Udp => {
+            crate::edge::routes::udp_metric_name(p)
+        }
         (None, Some(p)) => format!(":{p}"),
         (None, None) => r.id.clone(),
     }

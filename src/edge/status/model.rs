@@ -148,7 +148,7 @@ pub struct EventsStatus {
 pub struct TunnelStatus {
     /// Reservation id (`rs_…`).
     pub id: String,
-    /// Host name, or `:PORT` for TCP.
+    /// Host name, or `:PORT` for TCP, `udp:PORT` for UDP.
     pub name: String,
     /// Subdomain, custom domain or TCP port.
     pub kind: ReservationKind,

@@ -81,7 +81,8 @@
 
   var kinds = { subdomain: 'subdomain', custom: 'custom domain', tcp: 'TCP port' };
   function row(t) {
-    var sub = (kinds[t.kind] || t.kind) + ' · ' + t.owner;
+    var kind = t.kind === 'tcp' && t.name.indexOf('udp:') === 0 ? 'UDP port' : (kinds[t.kind] || t.kind);
+    var sub = kind + ' · ' + t.owner;
     var labels = Object.keys(t.labels).slice(0, 8).map(function (k) { return k + '=' + t.labels[k]; });
     if (labels.length) sub += ' · ' + labels.join(', ');
     var cert = ['–'];

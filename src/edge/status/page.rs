@@ -194,6 +194,7 @@ fn row(t: &TunnelStatus) -> String {
     let kind = match t.kind {
         crate::api::ReservationKind::Subdomain => "subdomain",
         crate::api::ReservationKind::Custom => "custom domain",
+        crate::api::ReservationKind::Tcp if t.name.starts_with("udp:") => "UDP port",
         crate::api::ReservationKind::Tcp => "TCP port",
     };
     let mut sub = format!("{kind} · {}", esc(&t.owner));

@@ -159,7 +159,50 @@ pub const MIGRATIONS: &[&str] = &[
         PRIMARY KEY (kind, name)
     ) STRICT;
     "#,
-    // 6: the quota of an endpoints key (NULL: `Quota::DEFAULT`'s value) and a
+    // 6: UDP ports: a port reservation's transport (TCP and UDP ports are
+    // separate spaces, so the port is unique per protocol) and tunnel keys
+    // of protocol udp. SQLite changes a constraint by rebuilding the table;
+    // rowids are kept (tunnel keys are listed in rowid order).
+    r#"
+    CREATE TABLE reservations_new (
+        id         TEXT PRIMARY KEY,
+        kind       TEXT NOT NULL CHECK (kind IN ('subdomain', 'custom', 'tcp')),
+        hostname   TEXT UNIQUE,
+        port       INTEGER CHECK (port BETWEEN 1 AND 65535),
+        owner      TEXT NOT NULL REFERENCES api_keys (id),
+        labels     TEXT NOT NULL DEFAULT '{}',
+        created_at TEXT NOT NULL,
+        protocol   TEXT NOT NULL DEFAULT 'tcp' CHECK (protocol IN ('tcp', 'udp')),
+        UNIQUE (port, protocol),
+        CHECK ((kind = 'tcp' AND port IS NOT NULL AND hostname IS NULL)
+            OR (kind <> 'tcp' AND hostname IS NOT NULL AND port IS NULL AND protocol = 'tcp'))
+    ) STRICT;
+    INSERT INTO reservations_new (rowid, id, kind, hostname, port, owner, labels, created_at)
+        SELECT rowid, id, kind, hostname, port, owner, labels, created_at FROM reservations;
+    DROP TABLE reservations;
+    ALTER TABLE reservations_new RENAME TO reservations;
+
+    CREATE TABLE tunnel_keys_new (
+        id             TEXT PRIMARY KEY,
+        secret_hash    TEXT NOT NULL UNIQUE,
+        protocol       TEXT NOT NULL CHECK (protocol IN ('http', 'tcp', 'tls', 'udp')),
+        reservation_id TEXT NOT NULL,
+        kind           TEXT NOT NULL,
+        hostname       TEXT,
+        port           INTEGER,
+        owner          TEXT NOT NULL REFERENCES api_keys (id),
+        created_by     TEXT NOT NULL REFERENCES api_keys (id),
+        labels         TEXT NOT NULL DEFAULT '{}',
+        created_at     TEXT NOT NULL,
+        revoked_at     TEXT
+    ) STRICT;
+    INSERT INTO tunnel_keys_new (rowid, id, secret_hash, protocol, reservation_id, kind, hostname, port, owner, created_by, labels, created_at, revoked_at)
+        SELECT rowid, id, secret_hash, protocol, reservation_id, kind, hostname, port, owner, created_by, labels, created_at, revoked_at FROM tunnel_keys;
+    DROP TABLE tunnel_keys;
+    ALTER TABLE tunnel_keys_new RENAME TO tunnel_keys;
+    CREATE INDEX tunnel_keys_by_reservation ON tunnel_keys (reservation_id);
+    "#,
+    // 7: the quota of an endpoints key (NULL: `Quota::DEFAULT`'s value) and a
     // TCP port's own idle timeout (NULL: the edge's flag).
     r#"
     ALTER TABLE api_keys ADD COLUMN max_reservations INTEGER;
@@ -446,13 +489,14 @@ impl Store {
     pub async fn reserve_usable_port(
         &self,
         port: Option<u16>,
+        protocol: crate::api::PortProtocol,
         range: PortRange,
         owner: &str,
         labels: &Labels,
         usable: impl Fn(u16) -> bool + Send + 'static,
     ) -> Result<(Reservation, bool), StoreError> {
         let (owner, labels) = (owner.to_string(), labels.clone());
-        self.run(move |e| e.reserve_usable_port(port, range, &owner, &labels, &usable)).await
+        self.run(move |e| e.reserve_usable_port(port, protocol, range, &owner, &labels, &usable)).await
     }
 }
 
@@ -572,6 +616,14 @@ impl Store {
 
     pub async fn reservation_by_port(&self, port: u16) -> Result<Option<Reservation>, StoreError> {
         self.run(move |e| e.reservation_by_port(port)).await
+    }
+
+    pub async fn reservation_by_port_of(
+        &self,
+        port: u16,
+        protocol: crate::api::PortProtocol,
+    ) -> Result<Option<Reservation>, StoreError> {
+        self.run(move |e| e.reservation_by_port_of(port, protocol)).await
     }
 
     pub async fn reservation(&self, id: &str) -> Result<Option<Reservation>, StoreError> {
@@ -1056,6 +1108,43 @@ mod tests {
         leases_expire_and_exclude,
         two_edges_race_and_one_wins
     );
+
+    /// The UDP migration rebuilds SQLite's reservations and tunnel keys:
+    /// every row stays, TCP as before, and the UDP port of the same number is free.
+    #[test]
+    fn sqlite_keeps_every_row_through_the_udp_migration() {
+        use crate::api::PortProtocol;
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let conn = Connection::open(dir.path().join("culvert.db")).unwrap();
+            // Every migration before the UDP one (the sixth).
+            let before = 5;
+            for sql in &MIGRATIONS[..before] {
+                conn.execute_batch(sql).unwrap();
+            }
+            conn.pragma_update(None, "user_version", before as u32).unwrap();
+            conn.execute_batch(
+                "INSERT INTO api_keys (id, name, scope, secret_hash, created_at) VALUES ('ak_1', 'a', 'endpoints', 'h1', 't');
+                 INSERT INTO reservations (id, kind, port, owner, created_at) VALUES ('rs_1', 'tcp', 20000, 'ak_1', 't');
+                 INSERT INTO reservations (id, kind, hostname, owner, created_at) VALUES ('rs_2', 'subdomain', 'a.example.com', 'ak_1', 't');
+                 INSERT INTO tunnel_keys (id, secret_hash, protocol, reservation_id, kind, port, owner, created_by, created_at)
+                     VALUES ('tk_1', 'h2', 'tcp', 'rs_1', 'tcp', 20000, 'ak_1', 'ak_1', 't');",
+            )
+            .unwrap();
+        }
+        let store = Sqlite::open(dir.path()).unwrap();
+        assert_eq!(store.schema_version().unwrap(), MIGRATIONS.len() as u32);
+        let r = store.reservation_by_port(20000).unwrap().unwrap();
+        assert_eq!((r.id.as_str(), r.protocol), ("rs_1", PortProtocol::Tcp));
+        assert!(store.reservation_by_hostname("a.example.com").unwrap().is_some());
+        let keys = store.tunnel_keys(false).unwrap();
+        assert_eq!(keys.iter().map(|k| k.id.as_str()).collect::<Vec<_>>(), ["tk_1"]);
+        let range = PortRange { first: 20000, last: 20000 };
+        let (udp, created) = store
+            .reserve_usable_port(Some(20000), PortProtocol::Udp, range, "ak_1", &Labels::new(), &|_| true)
+            .unwrap();
+        assert!(created && udp.protocol == PortProtocol::Udp);
+    }
 
     fn migrates_and_refuses_newer_schema(t: &TestStore) {
         let supported = match t.store.kind() {

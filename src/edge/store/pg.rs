@@ -50,8 +50,8 @@ use super::{
     hash_secret, held_by, labels_to_json, new_secret, now_rfc3339, unix_now,
 };
 use crate::api::{
-    ApiKey, ApiKeyScope, Labels, PortRange, Protocol, Quota, QuotaUpdate, Reservation, ReservationKind,
-    ReservationRef, TunnelKey,
+    ApiKey, ApiKeyScope, Labels, PortProtocol, PortRange, Protocol, Quota, QuotaUpdate, Reservation,
+    ReservationKind, ReservationRef, TunnelKey,
 };
 use crate::edge::store::keys::TunnelGrant;
 
@@ -156,7 +156,19 @@ pub const MIGRATIONS: &[&str] = &[
         PRIMARY KEY (kind, name)
     );
     "#,
-    // 3 (SQLite's 6): the quota of an endpoints key (NULL: `Quota::DEFAULT`'s value) and a
+    // 3 (SQLite's 6): UDP ports: a port reservation's transport (TCP and
+    // UDP ports are separate spaces, so the port is unique per protocol) and
+    // tunnel keys of protocol udp.
+    r#"
+    ALTER TABLE reservations ADD COLUMN protocol TEXT NOT NULL DEFAULT 'tcp'
+        CHECK (protocol IN ('tcp', 'udp'));
+    ALTER TABLE reservations DROP CONSTRAINT reservations_port_key;
+    ALTER TABLE reservations ADD CONSTRAINT reservations_port_protocol_key UNIQUE (port, protocol);
+    ALTER TABLE tunnel_keys DROP CONSTRAINT tunnel_keys_protocol_check;
+    ALTER TABLE tunnel_keys ADD CONSTRAINT tunnel_keys_protocol_check
+        CHECK (protocol IN ('http', 'tcp', 'tls', 'udp'));
+    "#,
+    // 4 (SQLite's 7): the quota of an endpoints key (NULL: `Quota::DEFAULT`'s value) and a
     // TCP port's own idle timeout (NULL: the edge's flag).
     r#"
     ALTER TABLE api_keys ADD COLUMN max_reservations BIGINT;
@@ -481,7 +493,8 @@ const API_KEY_COLUMNS: &str =
     "id, name, scope, created_at, revoked_at, custom_domains, max_reservations, max_labels, max_label_bytes";
 const TUNNEL_KEY_COLUMNS: &str =
     "id, protocol, reservation_id, kind, hostname, port, owner, labels, created_at, revoked_at";
-const RESERVATION_COLUMNS: &str = "id, kind, hostname, port, owner, labels, created_at, idle_timeout_seconds";
+const RESERVATION_COLUMNS: &str =
+    "id, kind, hostname, port, owner, labels, created_at, protocol, idle_timeout_seconds";
 const CERTIFICATE_COLUMNS: &str = "hostname, status, chain_pem, key_pem, not_before, not_after, last_error, failures, next_attempt, updated_at";
 
 fn corrupt(message: String) -> StoreError {
@@ -543,6 +556,11 @@ fn tunnel_key_from_row(row: &Row) -> Result<TunnelKey, StoreError> {
     })
 }
 
+/// The condition of a port of `protocol` (a fixed word, not input).
+fn port_is(protocol: PortProtocol) -> String {
+    format!("port = $1 AND protocol = '{}'", protocol.as_str())
+}
+
 fn reservation_from_row(row: &Row) -> Result<Reservation, StoreError> {
     let kind: String = get(row, 1)?;
     Ok(Reservation {
@@ -553,10 +571,13 @@ fn reservation_from_row(row: &Row) -> Result<Reservation, StoreError> {
         owner: get(row, 4)?,
         labels: labels(row, 5)?,
         created_at: get(row, 6)?,
-        protocol: crate::api::PortProtocol::Tcp,
+        protocol: {
+            let p: String = get(row, 7)?;
+            PortProtocol::parse(&p).ok_or_else(|| corrupt(format!("unknown port protocol {p:?}")))?
+        },
         url: None,
         certificate: None,
-        idle_timeout_seconds: get::<Option<i64>>(row, 7)?.map(|s| s.max(0) as u64),
+        idle_timeout_seconds: get::<Option<i64>>(row, 8)?.map(|s| s.max(0) as u64),
     })
 }
 
@@ -667,11 +688,13 @@ fn check_reservation_quota(tx: &mut Transaction<'_>, owner: &str) -> Result<(), 
     Ok(())
 }
 
+#[allow(clippy::too_many_arguments)]
 fn insert_reservation(
     tx: &mut Transaction<'_>,
     kind: ReservationKind,
     hostname: Option<&str>,
     port: Option<u16>,
+    protocol: PortProtocol,
     owner: &str,
     labels: &Labels,
 ) -> Result<Reservation, StoreError> {
@@ -679,8 +702,8 @@ fn insert_reservation(
     let created_at = now_rfc3339();
     let id = fresh_id("rs_")?;
     tx.execute(
-        "INSERT INTO reservations (id, kind, hostname, port, owner, labels, created_at)
-         VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        "INSERT INTO reservations (id, kind, hostname, port, owner, labels, created_at, protocol)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
         &[
             &id,
             &kind.as_str(),
@@ -689,6 +712,7 @@ fn insert_reservation(
             &owner,
             &labels_to_json(labels)?,
             &created_at,
+            &protocol.as_str(),
         ],
     )?;
     Ok(Reservation {
@@ -699,7 +723,7 @@ fn insert_reservation(
         labels: labels.clone(),
         owner: owner.to_string(),
         created_at,
-        protocol: crate::api::PortProtocol::Tcp,
+        protocol,
         url: None,
         certificate: None,
         idle_timeout_seconds: None,
@@ -950,13 +974,14 @@ impl Reservations for Postgres {
             if let Some(existing) = select_reservation(tx, "hostname = $1", &hostname)? {
                 return held_by(existing, owner);
             }
-            Ok((insert_reservation(tx, kind, Some(hostname), None, owner, labels)?, true))
+            Ok((insert_reservation(tx, kind, Some(hostname), None, PortProtocol::Tcp, owner, labels)?, true))
         })
     }
 
     fn reserve_usable_port(
         &self,
         port: Option<u16>,
+        protocol: PortProtocol,
         range: PortRange,
         owner: &str,
         labels: &Labels,
@@ -968,7 +993,7 @@ impl Reservations for Postgres {
                     if !range.contains(port) {
                         return Err(StoreError::PortOutOfRange { port, range });
                     }
-                    if let Some(existing) = select_reservation(tx, "port = $1", &i64::from(port))? {
+                    if let Some(existing) = select_reservation(tx, &port_is(protocol), &i64::from(port))? {
                         return held_by(existing, owner);
                     }
                     if !usable(port) {
@@ -979,8 +1004,8 @@ impl Reservations for Postgres {
                 None => {
                     let taken: HashSet<i64> = tx
                         .query(
-                            "SELECT port FROM reservations WHERE port BETWEEN $1 AND $2",
-                            &[&i64::from(range.first), &i64::from(range.last)],
+                            "SELECT port FROM reservations WHERE port BETWEEN $1 AND $2 AND protocol = $3",
+                            &[&i64::from(range.first), &i64::from(range.last), &protocol.as_str()],
                         )?
                         .iter()
                         .map(|r| get(r, 0))
@@ -990,7 +1015,10 @@ impl Reservations for Postgres {
                         .ok_or(StoreError::NoFreePort { range })?
                 }
             };
-            Ok((insert_reservation(tx, ReservationKind::Tcp, None, Some(port), owner, labels)?, true))
+            Ok((
+                insert_reservation(tx, ReservationKind::Tcp, None, Some(port), protocol, owner, labels)?,
+                true,
+            ))
         })
     }
 
@@ -1012,8 +1040,12 @@ impl Reservations for Postgres {
         self.read(|c| select_reservation(c, "hostname = $1", &hostname))
     }
 
-    fn reservation_by_port(&self, port: u16) -> Result<Option<Reservation>, StoreError> {
-        self.read(|c| select_reservation(c, "port = $1", &i64::from(port)))
+    fn reservation_by_port_of(
+        &self,
+        port: u16,
+        protocol: PortProtocol,
+    ) -> Result<Option<Reservation>, StoreError> {
+        self.read(|c| select_reservation(c, &port_is(protocol), &i64::from(port)))
     }
 
     fn reservation(&self, id: &str) -> Result<Option<Reservation>, StoreError> {
@@ -1313,8 +1345,8 @@ impl Engine for Postgres {
             }
             for r in &s.reservations {
                 tx.execute(
-                    "INSERT INTO reservations (id, kind, hostname, port, owner, labels, created_at, idle_timeout_seconds) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
-                    &[&r.id, &r.kind.as_str(), &r.hostname, &r.port.map(i64::from), &r.owner, &labels_to_json(&r.labels)?, &r.created_at, &r.idle_timeout_seconds.map(|s| s.min(i64::MAX as u64) as i64)],
+                    "INSERT INTO reservations (id, kind, hostname, port, owner, labels, created_at, protocol, idle_timeout_seconds) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+                    &[&r.id, &r.kind.as_str(), &r.hostname, &r.port.map(i64::from), &r.owner, &labels_to_json(&r.labels)?, &r.created_at, &r.protocol.as_str(), &r.idle_timeout_seconds.map(|s| s.min(i64::MAX as u64) as i64)],
                 )?;
             }
             for t in &s.tunnel_keys {

@@ -7,7 +7,7 @@ use super::{
     port_column,
 };
 use crate::api::PortRange;
-use crate::api::{Labels, Reservation, ReservationKind};
+use crate::api::{Labels, PortProtocol, Reservation, ReservationKind};
 
 /// Reservations: host names and TCP ports, each held by one owner.
 pub trait Reservations {
@@ -31,15 +31,17 @@ pub trait Reservations {
         owner: &str,
         labels: &Labels,
     ) -> Result<(Reservation, bool), StoreError> {
-        self.reserve_usable_port(port, range, owner, labels, &|_| true)
+        self.reserve_usable_port(port, PortProtocol::Tcp, range, owner, labels, &|_| true)
     }
 
-    /// [`Reservations::reserve_port`] among the ports `usable` accepts (those
-    /// the edge can listen on): a new reservation of an unusable port is
-    /// `PortInUse`; a free port is taken only if it is usable.
+    /// [`Reservations::reserve_port`] of `protocol` (TCP and UDP ports are
+    /// separate spaces) among the ports `usable` accepts (those the edge can
+    /// listen on): a new reservation of an unusable port is `PortInUse`; a
+    /// free port is taken only if it is usable.
     fn reserve_usable_port(
         &self,
         port: Option<u16>,
+        protocol: PortProtocol,
         range: PortRange,
         owner: &str,
         labels: &Labels,
@@ -53,7 +55,16 @@ pub trait Reservations {
     fn reservation_by_hostname(&self, hostname: &str) -> Result<Option<Reservation>, StoreError>;
 
     /// The reservation of a TCP port.
-    fn reservation_by_port(&self, port: u16) -> Result<Option<Reservation>, StoreError>;
+    fn reservation_by_port(&self, port: u16) -> Result<Option<Reservation>, StoreError> {
+        self.reservation_by_port_of(port, PortProtocol::Tcp)
+    }
+
+    /// The reservation of a port of `protocol`.
+    fn reservation_by_port_of(
+        &self,
+        port: u16,
+        protocol: PortProtocol,
+    ) -> Result<Option<Reservation>, StoreError>;
 
     /// A reservation by id.
     fn reservation(&self, id: &str) -> Result<Option<Reservation>, StoreError>;
@@ -83,7 +94,8 @@ impl Reservations for Sqlite {
         if let Some(existing) = select_reservation(&tx, "hostname = ?1", &hostname)? {
             return held_by(existing, owner);
         }
-        let reservation = insert_reservation(&tx, kind, Some(hostname), None, owner, labels)?;
+        let reservation =
+            insert_reservation(&tx, kind, Some(hostname), None, PortProtocol::Tcp, owner, labels)?;
         tx.commit()?;
         Ok((reservation, true))
     }
@@ -91,6 +103,7 @@ impl Reservations for Sqlite {
     fn reserve_usable_port(
         &self,
         port: Option<u16>,
+        protocol: PortProtocol,
         range: PortRange,
         owner: &str,
         labels: &Labels,
@@ -103,7 +116,7 @@ impl Reservations for Sqlite {
                 if !range.contains(port) {
                     return Err(StoreError::PortOutOfRange { port, range });
                 }
-                if let Some(existing) = select_reservation(&tx, "port = ?1", &i64::from(port))? {
+                if let Some(existing) = select_reservation(&tx, &port_is(protocol), &i64::from(port))? {
                     return held_by(existing, owner);
                 }
                 if !usable(port) {
@@ -111,9 +124,12 @@ impl Reservations for Sqlite {
                 }
                 port
             }
-            None => lowest_free_port(&tx, range, usable)?.ok_or(StoreError::NoFreePort { range })?,
+            None => {
+                lowest_free_port(&tx, protocol, range, usable)?.ok_or(StoreError::NoFreePort { range })?
+            }
         };
-        let reservation = insert_reservation(&tx, ReservationKind::Tcp, None, Some(port), owner, labels)?;
+        let reservation =
+            insert_reservation(&tx, ReservationKind::Tcp, None, Some(port), protocol, owner, labels)?;
         tx.commit()?;
         Ok((reservation, true))
     }
@@ -130,8 +146,12 @@ impl Reservations for Sqlite {
         select_reservation(&self.lock(), "hostname = ?1", &hostname)
     }
 
-    fn reservation_by_port(&self, port: u16) -> Result<Option<Reservation>, StoreError> {
-        select_reservation(&self.lock(), "port = ?1", &i64::from(port))
+    fn reservation_by_port_of(
+        &self,
+        port: u16,
+        protocol: PortProtocol,
+    ) -> Result<Option<Reservation>, StoreError> {
+        select_reservation(&self.lock(), &port_is(protocol), &i64::from(port))
     }
 
     fn reservation(&self, id: &str) -> Result<Option<Reservation>, StoreError> {
@@ -174,15 +194,24 @@ impl Reservations for Sqlite {
     }
 }
 
+/// The condition of a port of `protocol` (a fixed word, not input).
+fn port_is(protocol: PortProtocol) -> String {
+    format!("port = ?1 AND protocol = '{}'", protocol.as_str())
+}
+
 fn lowest_free_port(
     conn: &Connection,
+    protocol: PortProtocol,
     range: PortRange,
     usable: &dyn Fn(u16) -> bool,
 ) -> Result<Option<u16>, StoreError> {
-    let mut stmt =
-        conn.prepare("SELECT port FROM reservations WHERE port BETWEEN ?1 AND ?2 ORDER BY port")?;
+    let mut stmt = conn.prepare(
+        "SELECT port FROM reservations WHERE port BETWEEN ?1 AND ?2 AND protocol = ?3 ORDER BY port",
+    )?;
     let taken = stmt
-        .query_map(params![i64::from(range.first), i64::from(range.last)], |r| r.get::<_, i64>(0))?
+        .query_map(params![i64::from(range.first), i64::from(range.last), protocol.as_str()], |r| {
+            r.get::<_, i64>(0)
+        })?
         .collect::<Result<std::collections::HashSet<i64>, _>>()?;
     Ok((range.first..=range.last).find(|&p| !taken.contains(&i64::from(p)) && usable(p)))
 }
@@ -192,6 +221,7 @@ fn insert_reservation(
     kind: ReservationKind,
     hostname: Option<&str>,
     port: Option<u16>,
+    protocol: PortProtocol,
     owner: &str,
     labels: &Labels,
 ) -> Result<Reservation, StoreError> {
@@ -200,9 +230,18 @@ fn insert_reservation(
     let created_at = now_rfc3339();
     let id = insert_with_fresh_id("rs_", |id| {
         conn.execute(
-            "INSERT INTO reservations (id, kind, hostname, port, owner, labels, created_at)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
-            params![id, kind.as_str(), hostname, port.map(i64::from), owner, labels_json, created_at],
+            "INSERT INTO reservations (id, kind, hostname, port, owner, labels, created_at, protocol)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+            params![
+                id,
+                kind.as_str(),
+                hostname,
+                port.map(i64::from),
+                owner,
+                labels_json,
+                created_at,
+                protocol.as_str()
+            ],
         )
     })?;
     Ok(Reservation {
@@ -213,7 +252,7 @@ fn insert_reservation(
         labels: labels.clone(),
         owner: owner.to_string(),
         created_at,
-        protocol: crate::api::PortProtocol::Tcp,
+        protocol,
         url: None,
         certificate: None,
         idle_timeout_seconds: None,
@@ -235,7 +274,7 @@ pub(super) fn select_reservation(
 }
 
 pub(super) const RESERVATION_COLUMNS: &str =
-    "id, kind, hostname, port, owner, labels, created_at, idle_timeout_seconds";
+    "id, kind, hostname, port, owner, labels, created_at, protocol, idle_timeout_seconds";
 
 pub(super) fn reservation_from_row(row: &Row<'_>) -> rusqlite::Result<Reservation> {
     let kind: String = row.get(1)?;
@@ -247,10 +286,13 @@ pub(super) fn reservation_from_row(row: &Row<'_>) -> rusqlite::Result<Reservatio
         owner: row.get(4)?,
         labels: labels_column(row, 5)?,
         created_at: row.get(6)?,
-        protocol: crate::api::PortProtocol::Tcp,
+        protocol: {
+            let p: String = row.get(7)?;
+            PortProtocol::parse(&p).ok_or_else(|| invalid(7, format!("unknown port protocol {p:?}")))?
+        },
         url: None,
         certificate: None,
-        idle_timeout_seconds: row.get::<_, Option<i64>>(7)?.map(|s| s.max(0) as u64),
+        idle_timeout_seconds: row.get::<_, Option<i64>>(8)?.map(|s| s.max(0) as u64),
     })
 }
 
@@ -265,8 +307,43 @@ mod tests {
     both_engines!(
         idempotent_reservations_and_conflicts,
         port_allocation_stays_in_range,
-        quotas_and_idle_timeouts
+        quotas_and_idle_timeouts,
+        udp_and_tcp_ports_are_separate_spaces
     );
+
+    fn udp_and_tcp_ports_are_separate_spaces(t: &TestStore) {
+        use crate::api::Protocol;
+        let store = &*t.store;
+        let (a, _) = store.create_api_key("a", ApiKeyScope::Endpoints).unwrap();
+        let (b, _) = store.create_api_key("b", ApiKeyScope::Endpoints).unwrap();
+        let (r, none, yes) = (range(40000, 40001), Labels::new(), &|_| true);
+        let (udp, created) =
+            store.reserve_usable_port(Some(40000), PortProtocol::Udp, r, &a.id, &none, yes).unwrap();
+        assert!(created);
+        assert_eq!((udp.protocol, udp.port), (PortProtocol::Udp, Some(40000)));
+        // The same number over TCP is free, for another key.
+        let (tcp, created) = store.reserve_port(Some(40000), r, &b.id, &none).unwrap();
+        assert!(created);
+        assert_eq!(tcp.protocol, PortProtocol::Tcp);
+        let err =
+            store.reserve_usable_port(Some(40000), PortProtocol::Udp, r, &b.id, &none, yes).unwrap_err();
+        assert_eq!(err.category(), "already_reserved");
+        assert_eq!(err.to_string(), format!("udp port 40000 is held by another key ({})", a.id));
+        // Lookups and the lowest free port are per protocol.
+        assert_eq!(store.reservation_by_port_of(40000, PortProtocol::Udp).unwrap(), Some(udp.clone()));
+        assert_eq!(store.reservation_by_port(40000).unwrap(), Some(tcp.clone()));
+        let (next, _) = store.reserve_usable_port(None, PortProtocol::Udp, r, &a.id, &none, yes).unwrap();
+        assert_eq!(next.port, Some(40001));
+        assert_eq!(store.reserve_port(None, r, &a.id, &none).unwrap().0.port, Some(40001));
+        assert!(store.reservations().unwrap().contains(&udp), "the protocol survives a read");
+        // A udp key names its UDP reservation.
+        let (key, _) = store.create_tunnel_key(&udp.id, Protocol::Udp, &none, &a.id).unwrap();
+        assert_eq!(key.reservation.protocol, PortProtocol::Udp);
+        assert_eq!(key.reservation.target(), "udp port 40000");
+        let (released, revoked) = store.release_reservation(&udp.id).unwrap();
+        assert_eq!((released.protocol, revoked), (PortProtocol::Udp, vec![key.id]));
+        assert_eq!(store.reservation_by_port(40000).unwrap(), Some(tcp), "the TCP port stays");
+    }
 
     /// An endpoints key holds at most its quota of reservations (checked in
     /// the reserving transaction); admin keys have none. A port keeps its
@@ -397,10 +474,19 @@ mod tests {
         // Ports the edge cannot listen on: skipped when free ones are picked, refused when asked for.
         let busy = |p: u16| p != 30005 && p != 30006;
         let r = range(30003, 30008);
-        assert_eq!(store.reserve_usable_port(None, r, &a.id, &none, &busy).unwrap().0.port, Some(30007));
-        let err = store.reserve_usable_port(Some(30006), r, &a.id, &none, &busy).unwrap_err();
+        assert_eq!(
+            store.reserve_usable_port(None, PortProtocol::Tcp, r, &a.id, &none, &busy).unwrap().0.port,
+            Some(30007)
+        );
+        let err =
+            store.reserve_usable_port(Some(30006), PortProtocol::Tcp, r, &a.id, &none, &busy).unwrap_err();
         assert!(matches!(err, StoreError::PortInUse { port: 30006 }), "{err:?}");
         // A port already held answers the reservation whatever the check says.
-        assert!(!store.reserve_usable_port(Some(30007), r, &a.id, &none, &|_| false).unwrap().1);
+        assert!(
+            !store
+                .reserve_usable_port(Some(30007), PortProtocol::Tcp, r, &a.id, &none, &|_| false)
+                .unwrap()
+                .1
+        );
     }
 }
