@@ -231,7 +231,7 @@ impl Edge {
     }
 
     /// Applies what one control API call changed, without reading the
-    /// store: one route entry, its TCP listener, the connections of what was
+    /// store: one route entry, its TCP or UDP listener, the connections of what was
     /// revoked. (The change is stored already; a reload finds it too.)
     pub(crate) fn change(self: &Arc<Self>, change: api::Change) {
         let wake_acme = match &change {
@@ -264,8 +264,8 @@ impl Edge {
     }
 
     fn change_route(self: &Arc<Self>, change: RouteChange) {
-        let port = match &change {
-            RouteChange::Insert(r) | RouteChange::Remove(r) => r.port,
+        let (port, protocol) = match &change {
+            RouteChange::Insert(r) | RouteChange::Remove(r) => (r.port, r.protocol),
         };
         let index = {
             let mut routes = self.routes.write().expect("poisoned");
@@ -278,8 +278,10 @@ impl Edge {
             }
             routes.index.clone()
         };
-        if port.is_some() {
-            self.tcp.reconcile(self, index.ports().collect());
+        match (port, protocol) {
+            (Some(_), crate::api::PortProtocol::Udp) => self.udp.reconcile(self, index.udp_ports().collect()),
+            (Some(_), crate::api::PortProtocol::Tcp) => self.tcp.reconcile(self, index.ports().collect()),
+            (None, _) => {}
         }
     }
 }
