@@ -128,7 +128,7 @@ pub struct TcpPortSpec {
     /// byte either way (1 to 2592000); empty: the edge's
     /// `--tcp-idle-timeout-seconds`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1, max = 2592000))]
+    #[schemars(with = "Option<i32>", range(min = 1, max = 2592000))]
     pub idle_timeout_seconds: Option<u64>,
     /// `Delete` (default) or `Retain`, as for Domain.
     #[serde(default)]
@@ -315,7 +315,7 @@ pub struct WeightedServiceRef {
     /// Share of the route's requests: this weight over the sum of the
     /// route's weights (default 1; `0` never gets a request).
     #[serde(default = "default_weight")]
-    #[schemars(range(min = 0, max = 1_000_000))]
+    #[schemars(with = "i32", range(min = 0, max = 1_000_000))]
     pub weight: u32,
     /// A Service of another namespace (the Gateway API controller writes
     /// this for a granted cross-namespace backendRef): used only while a
