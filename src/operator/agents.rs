@@ -316,7 +316,12 @@ pub async fn run(client: Client, args: OperatorArgs, metrics: Metrics, shutdown:
             if let Some(r) = running.get(&uid) {
                 let mut routing = r.routing.write().expect("poisoned");
                 if *routing != d.routing {
-                    info!(tunnel = %d.name, routing = ?d.routing, "routes or backends changed; the tunnel stays connected");
+                    info!(
+                        tunnel = %d.name,
+                        routes = d.routing.table.len(),
+                        default_backend = d.routing.table.default_backend().is_some(),
+                        "routes or backends changed; the tunnel stays connected"
+                    );
                     *routing = d.routing;
                 }
                 continue;

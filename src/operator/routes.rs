@@ -310,6 +310,11 @@ impl<B> Table<B> {
         self.rules.iter().find(|r| r.matches_request(req)).map(|r| &r.backend).or(self.default.as_ref())
     }
 
+    /// How many rules (the default backend not counted).
+    pub fn len(&self) -> usize {
+        self.rules.len()
+    }
+
     pub fn default_backend(&self) -> Option<&B> {
         self.default.as_ref()
     }
