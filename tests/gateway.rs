@@ -300,6 +300,14 @@ async fn httproute_end_to_end_with_statuses_and_a_live_change() {
     .await
     .unwrap();
 
+    // The listener's certificate must resolve (a Secret with a PEM pair),
+    // though the edge serves its own.
+    let pair = rcgen::generate_simple_self_signed(vec!["gw.edge.test".to_string()]).unwrap();
+    f.create::<k8s_openapi::api::core::v1::Secret>(json!({
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "unused"}, "type": "kubernetes.io/tls",
+        "stringData": {"tls.crt": pair.cert.pem(), "tls.key": pair.signing_key.serialize_pem()},
+    }))
+    .await;
     f.create::<Gateway>(gateway(
         "edge",
         &class,
