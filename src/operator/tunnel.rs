@@ -373,7 +373,10 @@ pub struct Plan {
 /// `other` itself sends to it through a Gateway of `ns` (the default host's
 /// Tunnel carries such routes; see ARCHITECTURE.md).
 async fn granted_or_routed(ctx: &Context, ns: &str, other: &str, name: &str) -> Result<bool, Error> {
-    Ok(reference_granted(ctx, ns, other, name).await? || routed_by_a_route_of(ctx, other, ns, name).await?)
+    if reference_granted(ctx, ns, other, name).await? {
+        return Ok(true);
+    }
+    routed_by_a_route_of(ctx, other, ns, name).await
 }
 
 /// Does an HTTPRoute or GRPCRoute of `route_ns` attach to a Gateway of
@@ -385,13 +388,14 @@ async fn routed_by_a_route_of(
     gateway_ns: &str,
     name: &str,
 ) -> Result<bool, Error> {
-    for (kind, plural) in [("HTTPRoute", "httproutes"), ("GRPCRoute", "grpcroutes")] {
+    const KINDS: [(&str, &str); 2] = [("HTTPRoute", "httproutes"), ("GRPCRoute", "grpcroutes")];
+    for (kind, plural) in KINDS {
         let ar = kube::api::ApiResource {
             group: "gateway.networking.k8s.io".into(),
             version: "v1".into(),
             api_version: "gateway.networking.k8s.io/v1".into(),
-            kind: kind.into(),
-            plural: plural.into(),
+            kind: kind.to_string(),
+            plural: plural.to_string(),
         };
         let api = Api::<kube::api::DynamicObject>::namespaced_with(ctx.client.clone(), route_ns, &ar);
         match api.list(&Default::default()).await {
