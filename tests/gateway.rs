@@ -496,14 +496,15 @@ async fn route_refusals_are_conditions_users_can_act_on() {
             "port 8443",
         ),
         (
+            // A listener without hostname: on the edge's default host, by host.
             "no-host",
             json!({"name": "edge", "sectionName": "plain"}),
             vec![other.clone()],
             "a",
             "Accepted",
-            "False",
-            "NotAllowedByListeners",
-            "has no Domain for it",
+            "True",
+            "Accepted",
+            "default host for",
         ),
         (
             "missing",
@@ -527,16 +528,11 @@ async fn route_refusals_are_conditions_users_can_act_on() {
         assert!(c["message"].as_str().unwrap().contains(part), "{name}: {c}");
     }
     // A listener without a hostname delegates nothing: the route names a
-    // host of the edge, but its namespace has no Domain for it.
-    let st =
-        wait_route::<HTTPRoute>(&f, "missing", "edge", "Accepted", "False", "NotAllowedByListeners").await;
-    assert!(
-        route_condition(&st, "edge", "Accepted").unwrap()["message"]
-            .as_str()
-            .unwrap()
-            .contains("create a Domain")
-    );
-    // With a Domain of its namespace the same route is published.
+    // host of the edge, its namespace has no Domain for it: the default host.
+    let st = wait_route::<HTTPRoute>(&f, "missing", "edge", "Accepted", "True", "Accepted").await;
+    let msg = route_condition(&st, "edge", "Accepted").unwrap()["message"].clone();
+    assert!(msg.as_str().unwrap().contains(&format!("default host for {host}")), "{msg}");
+    // With a Domain of its namespace the same route is published on it.
     f.create::<Domain>(json!({"apiVersion": "culvert.dev/v1alpha1", "kind": "Domain",
         "metadata": {"name": "mine"}, "spec": {"name": format!("r{}", f.suffix())}}))
         .await;
@@ -553,9 +549,10 @@ async fn route_refusals_are_conditions_users_can_act_on() {
     .await
     .unwrap();
     assert_eq!(t.spec.protocol, TunnelProtocol::Http);
+    let made: Vec<Domain> = f.api::<Domain>().list(&Default::default()).await.unwrap().items;
     assert!(
-        f.api::<Domain>().list(&Default::default()).await.unwrap().items.len() == 1,
-        "no Domain made: the namespace's is used"
+        made.iter().all(|d| d.name_any() == "mine" || d.spec.fqdn.as_deref() == Some("*")),
+        "no Domain made for the host: the namespace's is used"
     );
     finish(f, &class, stop, task).await;
 }
