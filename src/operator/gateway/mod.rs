@@ -14,6 +14,7 @@
 //! resync runs it. Phases: observe (fresh lists) → plan (pure, `plan.rs`) →
 //! execute (Domains, TcpPorts, Tunnels, then deletions) → statuses.
 
+pub mod default_host;
 pub mod plan;
 pub mod types;
 
