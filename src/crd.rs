@@ -64,7 +64,9 @@ pub struct DomainSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
     /// A custom domain, e.g. `app.example.org`, pointed at the edge by CNAME.
-    /// Give this or `name`.
+    /// Give this or `name`. `*` is the edge's default host: every request
+    /// whose host no reservation holds (the edge's own address, names
+    /// nobody reserved); one per edge, for a key the edge's admin allowed it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fqdn: Option<String>,
     /// `Delete` (default) releases the reservation with the object; `Retain`
@@ -323,6 +325,12 @@ pub struct WeightedServiceRef {
     /// Tunnel's namespace refer to the Service; otherwise this share answers 500.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub namespace: Option<String>,
+    /// Why this share cannot be used, when the Gateway API controller
+    /// refuses its backendRef (a kind other than Service, a Service of
+    /// another namespace without a ReferenceGrant, no port): its requests
+    /// answer 500, as Gateway API asks, and `name` and `port` are not used.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refused: Option<String>,
 }
 
 fn default_weight() -> u32 {
@@ -507,6 +515,13 @@ pub struct TunnelRoute {
     /// Query parameters the request must carry, each matching.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub query_params: Vec<ValueMatch>,
+    /// The request's host must be one of these: a name (`app.example.com`)
+    /// or a wildcard (`*.example.com`: one label or more before it), case
+    /// insensitive, the port not counted. None: any host. A rule naming the
+    /// host exactly wins over a wildcard, a wildcard over a rule without hosts
+    /// (useful on the default host, `defaultHost`, which gets many hosts).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hosts: Vec<String>,
     /// Filters applied to the requests of this route, in order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub filters: Vec<RouteFilter>,
@@ -552,6 +567,9 @@ pub struct ResolvedRoute {
     /// Query parameters the request must carry.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub query_params: Vec<ValueMatch>,
+    /// The hosts the request must be for (none: any).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hosts: Vec<String>,
     /// The route's filters.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub filters: Vec<RouteFilter>,
@@ -619,7 +637,10 @@ impl TunnelSpec {
     /// Names of every Service the Tunnel sends traffic to.
     pub fn services(&self) -> impl Iterator<Item = &str> {
         self.service.iter().map(|s| s.name.as_str()).chain(self.routes.iter().flat_map(|r| {
-            r.service.iter().map(|s| s.name.as_str()).chain(r.backends.iter().map(|b| b.name.as_str()))
+            r.service
+                .iter()
+                .map(|s| s.name.as_str())
+                .chain(r.backends.iter().filter(|b| b.refused.is_none()).map(|b| b.name.as_str()))
         }))
     }
 

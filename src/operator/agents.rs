@@ -142,6 +142,7 @@ fn route_options(o: &HttpOptions, auth: Option<&BTreeMap<String, ByteString>>) -
 /// validation keeps from happening.
 fn rule(r: &ResolvedRoute, auth: Option<&BTreeMap<String, ByteString>>) -> Option<Rule<Backends>> {
     let compiled = Conditions::compile(r.method.as_deref(), &r.headers, &r.query_params)
+        .and_then(|when| when.with_hosts(&r.hosts))
         .and_then(|when| Ok((when, Filters::compile(&r.filters, &r.path, r.path_type)?)));
     let (when, filters) = match compiled {
         Ok(c) => c,
@@ -253,7 +254,15 @@ fn resolver(protocol: TunnelProtocol, routing: Arc<RwLock<Routing>>) -> Resolver
             }
         };
         if list.is_empty() {
-            return None;
+            // A route whose Service cannot be used (missing, no ready
+            // endpoints, its auth Secret unusable: the Tunnel's status says
+            // which): 503, as Gateway API asks of a backend without
+            // endpoints; never 404, which would say the path is not routed.
+            return answer(
+                http::StatusCode::SERVICE_UNAVAILABLE,
+                None,
+                "the backend of this route cannot be used (see the Tunnel's status)",
+            );
         }
         let addr = list[next.fetch_add(1, Ordering::Relaxed) % list.len()].clone();
         Some(match protocol {

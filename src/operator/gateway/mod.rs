@@ -284,29 +284,30 @@ async fn observe(ctx: &Context, served: &Served) -> Result<Observed, Error> {
 async fn cert_secrets(c: &Client, gateways: &[Gateway]) -> Result<BTreeMap<(String, String), bool>, Error> {
     use rustls_pki_types::pem::PemObject;
     use rustls_pki_types::{CertificateDer, PrivateKeyDer};
-    let mut refs: BTreeSet<(String, String)> = BTreeSet::new();
+    let mut out = BTreeMap::new();
     for g in gateways {
         let gw_ns = g.namespace().unwrap_or_default();
-        for l in &g.spec.listeners {
-            refs.extend(
-                plan::certificate_refs(l, &gw_ns).into_iter().flatten().filter(|(_, n)| !n.is_empty()),
-            );
-        }
-    }
-    let mut out = BTreeMap::new();
-    for (ns, name) in refs {
-        let secret = match Api::<Secret>::namespaced(c.clone(), &ns).get_opt(&name).await {
-            Ok(s) => s,
-            Err(kube::Error::Api(s)) if s.code == 403 => None,
-            Err(e) => return Err(e.into()),
-        };
-        if let Some(secret) = secret {
-            let data = secret.data.unwrap_or_default();
-            let field = |k: &str| data.get(k).map(|b| b.0.as_slice()).unwrap_or_default();
-            let certs = CertificateDer::pem_slice_iter(field("tls.crt")).collect::<Result<Vec<_>, _>>();
-            let ok =
-                certs.is_ok_and(|c| !c.is_empty()) && PrivateKeyDer::from_pem_slice(field("tls.key")).is_ok();
-            out.insert((ns, name), ok);
+        // Collected first: an iterator of closures held across the awaits
+        // below makes the operator's future not `Send` for every lifetime.
+        let refs: Vec<(String, String)> =
+            g.spec.listeners.iter().flat_map(|l| plan::certificate_refs(l, &gw_ns)).flatten().collect();
+        for (ns, name) in refs {
+            if name.is_empty() || out.contains_key(&(ns.clone(), name.clone())) {
+                continue;
+            }
+            let secret = match Api::<Secret>::namespaced(c.clone(), &ns).get_opt(&name).await {
+                Ok(s) => s,
+                Err(kube::Error::Api(s)) if s.code == 403 => None,
+                Err(e) => return Err(e.into()),
+            };
+            if let Some(secret) = secret {
+                let data = secret.data.unwrap_or_default();
+                let field = |k: &str| data.get(k).map(|b| b.0.as_slice()).unwrap_or_default();
+                let certs = CertificateDer::pem_slice_iter(field("tls.crt")).collect::<Result<Vec<_>, _>>();
+                let ok = certs.is_ok_and(|c| !c.is_empty())
+                    && PrivateKeyDer::from_pem_slice(field("tls.key")).is_ok();
+                out.insert((ns, name), ok);
+            }
         }
     }
     Ok(out)
