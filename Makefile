@@ -110,9 +110,12 @@ kind-demo: ## kind cluster + image built in Docker + edge container + operator +
 kind-clean: ## Remove what kind-demo made
 	scripts/kind-demo clean
 
-.PHONY: check-cluster cluster-demo
+.PHONY: check-cluster cluster-demo check-conformance
 check-cluster: ## Every install path on a real node (kubelet, containerd) with a real edge (root; ~3 min once built)
 	scripts/check-cluster
+
+check-conformance: ## Upstream Gateway API conformance (GATEWAY-HTTP profile) against culvert on the real node (root; docs/conformance.md)
+	scripts/check-conformance
 
 cluster-demo: ## The kind demo without Docker: node, edge, chart, podinfo Ingress, curl; then stops (root)
 	scripts/cluster-demo

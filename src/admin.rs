@@ -91,7 +91,8 @@ pub enum DomainCommand {
         /// A DNS label (a-z, 0-9, `-`).
         #[arg(required_unless_present = "fqdn", conflicts_with = "fqdn")]
         name: Option<String>,
-        /// A full host name pointed at the edge by CNAME.
+        /// A full host name pointed at the edge by CNAME; `*` for the edge's
+        /// default host (every request whose host no reservation holds).
         #[arg(long)]
         fqdn: Option<String>,
         /// A label to store with the reservation (repeatable).
@@ -215,20 +216,29 @@ pub enum ApiKeyCommand {
         #[arg(long, value_enum)]
         scope: ApiKeyScope,
         /// A custom domain the (endpoints) key may reserve: that name and every
-        /// name under it; `*` for any (repeatable). None: subdomains of the edge only.
+        /// name under it; `*` for any, and the edge's default host (repeatable).
+        /// None: subdomains of the edge only.
         #[arg(long = "custom-domain")]
         custom_domains: Vec<String>,
         /// What the (endpoints) key may hold.
         #[command(flatten)]
         quota: QuotaArgs,
     },
-    /// Change an endpoints key's quota (the limits given; the others stay).
+    /// Change an endpoints key's quota (the limits given; the others stay) or
+    /// its custom domains.
     Update {
         /// The key's id (`ak_…`).
         id: String,
         /// The limits to change.
         #[command(flatten)]
         quota: QuotaArgs,
+        /// The custom domains the key may reserve, replacing its list
+        /// (repeatable); `*` for any, and the edge's default host.
+        #[arg(long = "custom-domain", conflicts_with = "no_custom_domains")]
+        custom_domains: Vec<String>,
+        /// Take every custom domain away from the key.
+        #[arg(long)]
+        no_custom_domains: bool,
     },
     /// List API keys.
     List,
@@ -484,8 +494,10 @@ pub(crate) async fn execute(
                 );
                 writeln!(out, "{}", made.secret)?;
             }
-            ApiKeyCommand::Update { id, quota } => {
-                let request = UpdateApiKeyRequest { quota: quota.update() };
+            ApiKeyCommand::Update { id, quota, custom_domains, no_custom_domains } => {
+                let custom_domains =
+                    (*no_custom_domains || !custom_domains.is_empty()).then(|| custom_domains.clone());
+                let request = UpdateApiKeyRequest { quota: quota.update(), custom_domains };
                 let a = answer!(client.patch(&format!("api-keys/{}", segment(id)), &request));
                 write!(out, "{}", api_keys_table(&[a.decode()?]))?;
             }
@@ -654,7 +666,7 @@ fn domains_table(items: &[Reservation]) -> String {
         .map(|r| {
             let mut row = vec![
                 r.hostname.clone().unwrap_or_default(),
-                r.kind.to_string(),
+                if r.is_default_host() { "default host".into() } else { r.kind.to_string() },
                 r.owner.clone(),
                 labels_cell(&r.labels),
                 r.created_at.clone(),
@@ -743,12 +755,13 @@ fn api_keys_table(items: &[ApiKey]) -> String {
                         )
                     },
                 ),
+                if k.custom_domains.is_empty() { "-".into() } else { k.custom_domains.join(",") },
                 k.created_at.clone(),
                 k.revoked_at.clone().unwrap_or_else(|| "-".into()),
             ]
         })
         .collect();
-    render_table(&["ID", "NAME", "SCOPE", "QUOTA", "CREATED", "REVOKED"], &rows)
+    render_table(&["ID", "NAME", "SCOPE", "QUOTA", "CUSTOM DOMAINS", "CREATED", "REVOKED"], &rows)
 }
 
 fn released(r: &ReleaseResponse) -> String {

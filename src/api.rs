@@ -162,6 +162,13 @@ impl<'de> Deserialize<'de> for PortRange {
     }
 }
 
+/// The host name of the edge's default host: a custom domain reservation of
+/// `*` receives every HTTP(S) request whose host no reservation holds (an
+/// unknown name, or an IP literal such as the edge's own address; never the
+/// edge's own name). One holder per edge; an admin key, or an endpoints key
+/// allowed any custom domain (`customDomains: ["*"]`), may reserve it.
+pub const DEFAULT_HOST: &str = "*";
+
 /// What a reservation holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -315,6 +322,11 @@ impl Reservation {
         }
     }
 
+    /// Whether this is the edge's default host ([`DEFAULT_HOST`]).
+    pub fn is_default_host(&self) -> bool {
+        self.hostname.as_deref() == Some(DEFAULT_HOST)
+    }
+
     /// What the reservation holds, for messages and tables: the host name or
     /// the port (`port N`, `udp port N`).
     pub fn target(&self) -> String {
@@ -421,8 +433,8 @@ pub struct ApiKey {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub revoked_at: Option<String>,
     /// Custom domains an `endpoints` key may reserve: each entry allows that
-    /// name and every name under it; `*` allows any. Empty: none (admin keys
-    /// may reserve any).
+    /// name and every name under it; `*` allows any, and the edge's default
+    /// host ([`DEFAULT_HOST`]). Empty: none (admin keys may reserve any).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub custom_domains: Vec<String>,
     /// What an `endpoints` key may hold (admin keys: none, no limit).
@@ -682,13 +694,18 @@ pub struct CreateApiKeyRequest {
     pub quota: QuotaUpdate,
 }
 
-/// `PATCH api-keys/{id}`: what changes (an `endpoints` key's quota).
+/// `PATCH api-keys/{id}`: what changes (an `endpoints` key's quota, its custom domains).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct UpdateApiKeyRequest {
     /// The values of the quota to change; the others stay.
     #[serde(default)]
     pub quota: QuotaUpdate,
+    /// The custom domains an `endpoints` key may reserve, replacing its list
+    /// (see [`ApiKey::custom_domains`]; `[]` takes every one away; `*` also
+    /// allows the default host, [`DEFAULT_HOST`]). Absent: unchanged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub custom_domains: Option<Vec<String>>,
 }
 
 /// `POST api-keys` answer: the key and its secret, shown only here.

@@ -64,7 +64,9 @@ pub struct DomainSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
     /// A custom domain, e.g. `app.example.org`, pointed at the edge by CNAME.
-    /// Give this or `name`.
+    /// Give this or `name`. `*` is the edge's default host: every request
+    /// whose host no reservation holds (the edge's own address, names
+    /// nobody reserved); one per edge, for a key the edge's admin allowed it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fqdn: Option<String>,
     /// `Delete` (default) releases the reservation with the object; `Retain`
@@ -507,6 +509,13 @@ pub struct TunnelRoute {
     /// Query parameters the request must carry, each matching.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub query_params: Vec<ValueMatch>,
+    /// The request's host must be one of these: a name (`app.example.com`)
+    /// or a wildcard (`*.example.com`: one label or more before it), case
+    /// insensitive, the port not counted. None: any host. A rule naming the
+    /// host exactly wins over a wildcard, a wildcard over a rule without hosts
+    /// (useful on the default host, `defaultHost`, which gets many hosts).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hosts: Vec<String>,
     /// Filters applied to the requests of this route, in order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub filters: Vec<RouteFilter>,
@@ -552,6 +561,9 @@ pub struct ResolvedRoute {
     /// Query parameters the request must carry.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub query_params: Vec<ValueMatch>,
+    /// The hosts the request must be for (none: any).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hosts: Vec<String>,
     /// The route's filters.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub filters: Vec<RouteFilter>,

@@ -747,3 +747,85 @@ async fn draining_edge_answers_the_first_request_of_a_connection_it_accepted() {
     assert_eq!(&body[..], b"hello from backend");
     tokio::time::timeout(Duration::from_secs(10), drain).await.expect("the drain ends after it").unwrap();
 }
+
+/// The edge's default host (`*`): a request whose host no reservation holds
+/// (the edge's own address, an unknown name), on HTTPS without SNI and on
+/// the plain HTTP port, reaches its tunnel with its own Host; a key without
+/// the right is told how to get it; named hosts and the edge's own name are
+/// as before, and a released default host answers as before.
+#[tokio::test]
+async fn the_default_host_gets_unknown_hosts_and_the_edges_address() {
+    let edge = TestEdge::start_with(|args| args.plain_http = true).await;
+    let http_addr = edge.handle.as_ref().unwrap().http_addr;
+    let port = edge.https.port();
+    let curl = |url: String, host: &str| {
+        let (ca, host) = (edge.ca_file.clone(), host.to_string());
+        async move {
+            let mut cmd = tokio::process::Command::new("curl");
+            cmd.args(["-sS", "-w", "\n%{http_code}", "--cacert"]).arg(ca);
+            if !host.is_empty() {
+                cmd.arg("-H").arg(format!("Host: {host}"));
+            }
+            let out = cmd.arg(url).output().await.expect("curl is installed");
+            let out = String::from_utf8_lossy(&out.stdout).to_string();
+            let (body, status) = out.rsplit_once('\n').map(|(b, s)| (b.to_string(), s.to_string())).unwrap();
+            (status, body)
+        }
+    };
+    let by_ip = format!("https://127.0.0.1:{port}/echo");
+    // No default host: an unknown host is answered as before.
+    let (status, body) = curl(by_ip.clone(), "").await;
+    assert_eq!(status, "502", "{body}");
+    assert!(body.contains("no tunnel"), "{body}");
+
+    // A key the admin did not allow it is told how to get it.
+    let (_, k) = edge.api("POST", "api-keys", Some(json!({"name": "t", "scope": "endpoints"}))).await;
+    let (secret, id) = (k["secret"].as_str().unwrap(), k["id"].as_str().unwrap());
+    let (status, v) = edge.api_as(secret, "POST", "domains", Some(json!({"fqdn": "*"}))).await;
+    assert_eq!(
+        (status, v["error"]["code"].as_str()),
+        (StatusCode::FORBIDDEN, Some("default_host_not_allowed"))
+    );
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(message.contains(&format!("culvert admin api-key update {id} --custom-domain '*'")), "{message}");
+
+    let (status, r) = edge.api("POST", "domains", Some(json!({"fqdn": "*"}))).await;
+    assert_eq!(status, StatusCode::CREATED, "{r}");
+    let (status, k) = edge.api("POST", "tunnel-keys", Some(json!({"domain": "*"}))).await;
+    assert_eq!(status, StatusCode::CREATED, "{k}");
+    let _agent =
+        TestAgent::start(&edge, k["secret"].as_str().unwrap(), http_target(net::http_backend().await)).await;
+    let (named, named_key) = edge.http_tunnel_key("named").await;
+
+    // HTTPS to the edge's address: no SNI, the edge's default certificate.
+    let (status, body) = curl(by_ip.clone(), "").await;
+    assert_eq!(status, "200", "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["headers"]["host"], format!("127.0.0.1:{port}"), "the request's own host: {v}");
+    // An unknown name (Host differs from the address dialed), and plain HTTP with a port.
+    for (url, host) in [
+        (by_ip.clone(), "Shop.Example.ORG".to_string()),
+        (format!("http://{http_addr}/echo"), "192.0.2.10:80".to_string()),
+        (format!("http://{http_addr}/echo"), format!("unknown.{}", net::DOMAIN)),
+    ] {
+        let (status, body) = curl(url.clone(), &host).await;
+        assert_eq!(status, "200", "{url} {host}: {body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["headers"]["host"], host.to_ascii_lowercase(), "{v}");
+    }
+    // A named host stays its own (offline here: no agent), the edge's own name too.
+    drop(named_key);
+    let (status, body) = curl(format!("http://{http_addr}/"), &named).await;
+    assert!(status == "502" && body.contains("offline"), "{status} {body}");
+    let (status, body) = curl(format!("http://{http_addr}/"), net::DOMAIN).await;
+    assert!(status == "308", "the edge's own name is redirected, not the default host's: {status} {body}");
+    // Shown in the admin listings.
+    let (_, list) = edge.api("GET", "domains", None).await;
+    assert!(list["items"].as_array().unwrap().iter().any(|r| r["hostname"] == "*"), "{list}");
+
+    // Released: back to what it answered before.
+    let (status, _) = edge.api("DELETE", "domains/*", None).await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, body) = curl(by_ip, "").await;
+    assert_eq!(status, "502", "{body}");
+}

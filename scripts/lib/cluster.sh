@@ -15,6 +15,8 @@
 # ["/culvert"]: the layout of Dockerfile.multiarch, written by `kubeharness image` (no buildah,
 # no registry). CULVERT_IMAGE_OCI=FILE imports an archive made by `make image` instead
 # (OCI=... scripts/image); CULVERT_STATIC_BIN=FILE uses that binary instead of building one.
+# CLUSTER_EDGE_HTTP_PORT / CLUSTER_EDGE_HTTPS_PORT (default 0: any free port) fix the edge's ports on
+# the node link; CLUSTER_EDGE_ARGS adds flags to `culvert edge` (words split on spaces).
 
 KUBE_ENV=$ROOT/scripts/kube-env
 CULVERT_TARGET=x86_64-unknown-linux-musl
@@ -88,8 +90,9 @@ cluster_up() {
   mkdir -p "$W/edge"
   test_ca "$domain" "$NODE_HOST_IP"
   "$CULVERT" edge --domain "$domain" --data-dir "$W/edge" --tls-cert "$W/pki/edge.crt" --tls-key "$W/pki/edge.key" \
-    --https-addr "$NODE_HOST_IP:0" --http-addr "$NODE_HOST_IP:0" --admin-addr 127.0.0.1:0 \
-    --tcp-bind "$NODE_HOST_IP" --public-host "$NODE_HOST_IP" >"$W/edge.out" 2>"$W/edge.log" &
+    --https-addr "$NODE_HOST_IP:${CLUSTER_EDGE_HTTPS_PORT:-0}" --http-addr "$NODE_HOST_IP:${CLUSTER_EDGE_HTTP_PORT:-0}" \
+    --admin-addr 127.0.0.1:0 --tcp-bind "$NODE_HOST_IP" --public-host "$NODE_HOST_IP" ${CLUSTER_EDGE_ARGS:-} \
+    >"$W/edge.out" 2>"$W/edge.log" &
   EDGE_PID=$!
   local i
   for ((i = 0; i < 300; i++)); do
@@ -99,6 +102,8 @@ cluster_up() {
   done
   [ -n "$ready" ] || { say "the edge did not get ready: $(tail -n 5 "$W/edge.log")"; return 1; }
   EDGE_PORT=$(sed -n 's/.* https=[^ ]*:\([0-9]*\).*/\1/p' <<<"$ready")
+  # shellcheck disable=SC2034
+  EDGE_HTTP_PORT=$(sed -n 's/.* http=[^ ]*:\([0-9]*\).*/\1/p' <<<"$ready")
   # shellcheck disable=SC2034 # used by the scripts that source this
   EDGE_DOMAIN=$domain
   # shellcheck disable=SC2034

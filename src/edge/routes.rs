@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::api::{PortProtocol, Reservation, ReservationKind};
+use crate::api::{DEFAULT_HOST, PortProtocol, Reservation, ReservationKind};
 
 /// One change of the index: what a reserve or a release did.
 #[derive(Debug, Clone)]
@@ -100,6 +100,26 @@ impl RouteIndex {
         self.by_host.get(&normalize_host(host)).map(|r| &**r)
     }
 
+    /// The edge's default host: the reservation of [`DEFAULT_HOST`], if any.
+    pub fn default_host(&self) -> Option<&Reservation> {
+        self.by_host.get(DEFAULT_HOST).map(|r| &**r)
+    }
+
+    /// The reservation serving `host`, else the default host for a `host`
+    /// that is not the edge's own name `edge_domain` (a name no reservation
+    /// holds, or an IP literal such as the edge's own address). An empty
+    /// host (HTTP/1.0 without `Host`) has none.
+    pub fn host_or_default(&self, host: &str, edge_domain: &str) -> Option<&Reservation> {
+        let name = normalize_host(host);
+        if let Some(r) = self.by_host.get(&name) {
+            return Some(r);
+        }
+        if name.is_empty() || name == edge_domain || default_host_name(host).is_none() {
+            return None;
+        }
+        self.default_host()
+    }
+
     pub fn port(&self, port: u16) -> Option<&Reservation> {
         self.by_port.get(&port).map(|r| &**r)
     }
@@ -154,6 +174,34 @@ pub fn metric_name(r: &Reservation) -> Option<String> {
 /// The name a UDP port's counters are kept under.
 pub fn udp_metric_name(port: u16) -> String {
     format!("udp:{port}")
+}
+
+/// The host a request for the default host is forwarded with: the
+/// request's host, lower case, no trailing dot, its port kept, an IPv6
+/// literal in brackets; `None` for anything that is not a host name or an
+/// IP literal (such a request is not forwarded).
+pub fn default_host_name(host: &str) -> Option<String> {
+    let name = normalize_host(host);
+    let port = match host.trim().rsplit_once(':') {
+        Some((h, p)) if (h.ends_with(']') || !h.contains(':')) && !p.is_empty() => {
+            Some(p.parse::<u16>().ok()?)
+        }
+        _ => None,
+    };
+    let name = if name.parse::<std::net::Ipv6Addr>().is_ok() {
+        format!("[{name}]")
+    } else if !name.is_empty()
+        && name.len() <= 253
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.' || b == b'_')
+    {
+        name
+    } else {
+        return None;
+    };
+    Some(match port {
+        Some(port) => format!("{name}:{port}"),
+        None => name,
+    })
 }
 
 /// Lower case, no port, no trailing dot.
@@ -231,6 +279,47 @@ mod tests {
         assert_eq!(index.len(), 1);
         assert_eq!(index.ports().count(), 0);
         assert_eq!(metric_name(&b).as_deref(), Some("blog.edge.test"));
+    }
+
+    /// The default host (`*`) takes every host no reservation holds, not the
+    /// edge's own name; it comes and goes with its reserve and release.
+    #[test]
+    fn the_default_host_takes_unknown_hosts() {
+        let named = res("a", ReservationKind::Subdomain, Some("blog.edge.test"), None);
+        let any = res("d", ReservationKind::Custom, Some("*"), None);
+        let mut index = RouteIndex::build([named.clone()]);
+        assert!(index.host_or_default("203.0.113.7", "edge.test").is_none(), "no default host: as before");
+        index.apply(&RouteChange::Insert(any.clone()));
+        let of =
+            |index: &RouteIndex, host: &str| index.host_or_default(host, "edge.test").map(|r| r.id.clone());
+        for host in
+            ["203.0.113.7", "203.0.113.7:80", "[2001:db8::1]:443", "Unknown.Example.org.", "x.edge.test"]
+        {
+            assert_eq!(of(&index, host).as_deref(), Some("d"), "{host}");
+        }
+        assert_eq!(of(&index, "BLOG.edge.test:443").as_deref(), Some("a"), "a reservation comes first");
+        for host in ["edge.test", "EDGE.test:8443", "", "bad host", "a/b"] {
+            assert_eq!(of(&index, host), None, "{host:?}");
+        }
+        assert_eq!(index.default_host().map(|r| r.id.as_str()), Some("d"));
+        assert_eq!(metric_name(&any).as_deref(), Some("*"));
+        // Another holder's stale release leaves it; its own release removes it.
+        index.apply(&RouteChange::Remove(res("old", ReservationKind::Custom, Some("*"), None)));
+        assert_eq!(of(&index, "10.0.0.1").as_deref(), Some("d"));
+        index.apply(&RouteChange::Remove(any));
+        assert_eq!(of(&index, "10.0.0.1"), None);
+        assert_eq!(of(&index, "blog.edge.test").as_deref(), Some("a"));
+    }
+
+    #[test]
+    fn default_host_names_keep_the_port() {
+        assert_eq!(default_host_name("Shop.Example.org.:8080").as_deref(), Some("shop.example.org:8080"));
+        assert_eq!(default_host_name("10.0.0.1").as_deref(), Some("10.0.0.1"));
+        assert_eq!(default_host_name("[2001:DB8::1]:80").as_deref(), Some("[2001:db8::1]:80"));
+        assert_eq!(default_host_name("2001:db8::1").as_deref(), Some("[2001:db8::1]"));
+        for bad in ["", "*", "a b", "user@host", "host:99999", "host:x", "a/b"] {
+            assert_eq!(default_host_name(bad), None, "{bad:?}");
+        }
     }
 
     #[test]

@@ -142,6 +142,7 @@ fn route_options(o: &HttpOptions, auth: Option<&BTreeMap<String, ByteString>>) -
 /// validation keeps from happening.
 fn rule(r: &ResolvedRoute, auth: Option<&BTreeMap<String, ByteString>>) -> Option<Rule<Backends>> {
     let compiled = Conditions::compile(r.method.as_deref(), &r.headers, &r.query_params)
+        .and_then(|when| when.with_hosts(&r.hosts))
         .and_then(|when| Ok((when, Filters::compile(&r.filters, &r.path, r.path_type)?)));
     let (when, filters) = match compiled {
         Ok(c) => c,

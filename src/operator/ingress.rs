@@ -500,6 +500,7 @@ fn plan_host(
                     method: None,
                     headers: Vec::new(),
                     query_params: Vec::new(),
+                    hosts: Vec::new(),
                     filters: Vec::new(),
                     options: r.backend.options.clone(),
                 })

@@ -88,6 +88,9 @@ impl Reserved for Domain {
             (Some(name), None) => Err(Error::Invalid(format!(
                 "spec.name `{name}` is not a DNS label (a-z, 0-9 and '-', at most 63): for a full host name use spec.fqdn"
             ))),
+            (None, Some(fqdn)) if fqdn.trim() == crate::api::DEFAULT_HOST => {
+                Ok(Some(crate::api::DEFAULT_HOST.into()))
+            }
             (None, Some(fqdn)) => {
                 let fqdn = fqdn.trim_end_matches('.').to_ascii_lowercase();
                 if fqdn.split('.').count() >= 2 && fqdn.split('.').all(dns_label) {
@@ -119,11 +122,13 @@ impl Reserved for Domain {
     }
 
     fn status(&self, r: Option<&Reservation>, condition: Condition, edge_domain: &str) -> DomainStatus {
-        let custom = r.is_some_and(|r| r.kind == crate::api::ReservationKind::Custom);
+        // The default host has no certificate of its own and no CNAME.
+        let default_host = self.spec.fqdn.as_deref().is_some_and(|f| f.trim() == crate::api::DEFAULT_HOST);
+        let custom = r.is_some_and(|r| r.kind == crate::api::ReservationKind::Custom) && !default_host;
         let mut conditions = vec![condition];
         let mut certificate_expiry = None;
         // A custom domain (spec.fqdn under another domain than the edge's).
-        if custom || (r.is_none() && self.spec.fqdn.is_some()) {
+        if custom || (r.is_none() && self.spec.fqdn.is_some() && !default_host) {
             let state = r.and_then(|r| r.certificate.as_deref());
             conditions.push(certificate_condition(r.is_some(), state, self.metadata.generation));
             certificate_expiry = state.and_then(|c| c.not_after.clone());
@@ -361,6 +366,9 @@ async fn observe_edge<K: Reserved, E: EdgeApi>(
     match obj.edge_key()? {
         Some(key) => match edge.reservation(K::COLLECTION, &key).await {
             Ok(r) => Ok(r),
+            Err(EdgeError::Refused { status: 403, .. }) if key == crate::api::DEFAULT_HOST => Err(Error::Conflict(
+                "the edge's default host `*` is held by another API key (one holder per edge): the edge's admin sees which (culvert admin domain list)".into(),
+            )),
             Err(EdgeError::Refused { status: 403, .. }) => Err(Error::Conflict(format!(
                 "{key} is reserved at the edge by another API key; pick another name"
             ))),

@@ -6,8 +6,11 @@
 //! - `Exact`: the request path equals the rule's path (case-sensitive);
 //! - `Prefix`: element-wise on `/`: `/foo` (or `/foo/`) matches `/foo`,
 //!   `/foo/` and `/foo/bar`, never `/foobar`; `/` matches every path;
-//! - a rule's [`Conditions`] (method, headers, query parameters) must all
-//!   hold too;
+//! - a rule's [`Conditions`] (method, headers, query parameters, hosts)
+//!   must all hold too;
+//! - of the rules that match, a rule whose `hosts` name the request's host
+//!   exactly wins, then the longest matching wildcard, then the rules
+//!   without hosts (Gateway API: hostnames before paths); then, among those:
 //! - of the rules that match, the longest path wins, `Exact` before `Prefix`
 //!   at equal length (so an `Exact` match always wins: a prefix that matches
 //!   the same path is never longer), then a rule with a method, then the
@@ -94,6 +97,66 @@ pub struct Conditions {
     pub method: Option<Method>,
     pub headers: Vec<ValueMatcher>,
     pub query: Vec<ValueMatcher>,
+    /// The request's host must be one of these (none: any host).
+    pub hosts: Vec<HostMatch>,
+}
+
+/// One of a rule's `hosts`, as Gateway API matches hostnames: an exact name,
+/// or `*.suffix` (one label or more before `.suffix`, never `suffix` itself);
+/// lower case, no trailing dot; the request's port does not count.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HostMatch {
+    Exact(String),
+    /// The suffix with its leading dot (`.example.com`).
+    Wildcard(String),
+}
+
+/// How specific a rule's host match is for one request (greater wins):
+/// an exact name before a wildcard, a longer wildcard before a shorter one,
+/// and a rule without hosts last.
+pub type HostRank = (bool, usize);
+
+impl HostMatch {
+    /// Parses a `hosts` entry: a host name (`app.example.com`) or a wildcard
+    /// (`*.example.com`); IP addresses, ports and other wildcards are refused.
+    pub fn parse(given: &str) -> Result<HostMatch, String> {
+        let h = given.trim().trim_end_matches('.').to_ascii_lowercase();
+        let (wild, name) = match h.strip_prefix("*.") {
+            Some(rest) => (true, rest),
+            None => (false, h.as_str()),
+        };
+        let label = |l: &str| {
+            !l.is_empty()
+                && l.len() <= 63
+                && l.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+        };
+        if name.is_empty()
+            || name.len() > 253
+            || !name.split('.').all(label)
+            || name.parse::<std::net::IpAddr>().is_ok()
+        {
+            return Err(format!(
+                "host `{given}` is not a host name or a wildcard like *.example.com (no IP address, no port)"
+            ));
+        }
+        Ok(if wild { HostMatch::Wildcard(format!(".{name}")) } else { HostMatch::Exact(name.to_string()) })
+    }
+
+    /// How this entry matches `host` (lower case, no port), if it does.
+    fn rank(&self, host: &str) -> Option<HostRank> {
+        match self {
+            HostMatch::Exact(name) => (name == host).then_some((true, name.len())),
+            HostMatch::Wildcard(suffix) => (host.len() > suffix.len() && host.ends_with(suffix.as_str()))
+                .then_some((false, suffix.len() + 1)),
+        }
+    }
+}
+
+/// A request's host as `hosts` compare it: lower case, no port, no trailing dot.
+pub fn request_host_name(host: &str) -> String {
+    crate::edge::routes::normalize_host(host)
 }
 
 impl Conditions {
@@ -139,12 +202,35 @@ impl Conditions {
             method,
             headers: compile(headers, "header", true)?,
             query: compile(query, "query parameter", false)?,
+            hosts: Vec::new(),
         })
+    }
+
+    /// These conditions, for requests to one of `hosts` only (see
+    /// [`HostMatch::parse`]); fails on an entry that is not a host.
+    pub fn with_hosts(mut self, hosts: &[String]) -> Result<Conditions, String> {
+        for h in hosts {
+            let m = HostMatch::parse(h)?;
+            if !self.hosts.contains(&m) {
+                self.hosts.push(m);
+            }
+        }
+        Ok(self)
+    }
+
+    /// How the rule's hosts match the request's host: `None` when it has
+    /// hosts and none matches; `(false, 0)` for a rule without hosts.
+    pub fn host_rank(&self, req: &RequestHead) -> Option<HostRank> {
+        if self.hosts.is_empty() {
+            return Some((false, 0));
+        }
+        let host = request_host_name(req.host.unwrap_or_default());
+        self.hosts.iter().filter_map(|m| m.rank(&host)).max()
     }
 
     /// Do the request's method, headers and query hold?
     pub fn hold(&self, req: &RequestHead) -> bool {
-        if self.method.as_ref().is_some_and(|m| m != req.method) {
+        if self.method.as_ref().is_some_and(|m| m != req.method) || self.host_rank(req).is_none() {
             return false;
         }
         let header_ok = |m: &ValueMatcher| {
@@ -201,11 +287,18 @@ pub struct RequestHead<'a> {
     pub method: &'a Method,
     pub headers: &'a HeaderMap,
     pub query: Option<&'a str>,
+    /// The request's host (`:authority`, else `Host`), as given.
+    pub host: Option<&'a str>,
 }
 
 impl<'a> From<&'a http::request::Parts> for RequestHead<'a> {
     fn from(p: &'a http::request::Parts) -> Self {
-        RequestHead { path: p.uri.path(), method: &p.method, headers: &p.headers, query: p.uri.query() }
+        let host = p
+            .uri
+            .authority()
+            .map(|a| a.as_str())
+            .or_else(|| p.headers.get(http::header::HOST).and_then(|h| h.to_str().ok()));
+        RequestHead { path: p.uri.path(), method: &p.method, headers: &p.headers, query: p.uri.query(), host }
     }
 }
 
@@ -305,9 +398,20 @@ impl<B> Table<B> {
             .or(self.default.as_ref())
     }
 
-    /// The backend of a request; `None` answers 404.
+    /// The backend of a request; `None` answers 404. Of the rules whose
+    /// hosts match, the most specific host match wins (an exact host, then
+    /// the longest wildcard, then rules without hosts), then the rules'
+    /// precedence (Gateway API: hostnames before paths).
     pub fn lookup_request(&self, req: &RequestHead) -> Option<&B> {
-        self.rules.iter().find(|r| r.matches_request(req)).map(|r| &r.backend).or(self.default.as_ref())
+        let mut best: Option<(HostRank, &Rule<B>)> = None;
+        for r in &self.rules {
+            let Some(rank) = r.when.host_rank(req) else { continue };
+            if best.is_some_and(|(b, _)| b >= rank) || !r.matches_request(req) {
+                continue;
+            }
+            best = Some((rank, r));
+        }
+        best.map(|(_, r)| &r.backend).or(self.default.as_ref())
     }
 
     /// How many rules (the default backend not counted).
@@ -621,6 +725,48 @@ mod tests {
                 *want,
                 "{rules:?} on {method} {uri} {headers:?}"
             );
+        }
+    }
+
+    #[test]
+    fn hosts_match_as_gateway_api_says_and_go_first() {
+        let rule = |path: &str, hosts: &[&str], b: &'static str| {
+            let hosts: Vec<String> = hosts.iter().map(|h| h.to_string()).collect();
+            Rule::new(path, Prefix, b).when(Conditions::default().with_hosts(&hosts).unwrap())
+        };
+        let t = Table::new(
+            vec![
+                rule("/long/path", &[], "none"),
+                rule("/", &["*.example.com"], "wild"),
+                rule("/", &["*.a.example.com"], "longer-wild"),
+                rule("/", &["Exact.Example.com."], "exact"),
+                rule("/only", &["b.example.com", "*.example.net"], "b"),
+            ],
+            Some("default"),
+        );
+        let at = |authority: &str, path: &str| {
+            let parts = request("GET", &format!("https://{authority}{path}"), &[]);
+            t.lookup_request(&head(&parts)).copied()
+        };
+        assert_eq!(
+            at("exact.example.com", "/long/path"),
+            Some("exact"),
+            "an exact host before a longer path"
+        );
+        assert_eq!(at("EXACT.example.com:8443", "/"), Some("exact"), "case and port do not count");
+        assert_eq!(at("x.a.example.com", "/"), Some("longer-wild"));
+        assert_eq!(at("a.example.com", "/"), Some("wild"), "a wildcard needs a label before its suffix");
+        assert_eq!(at("deep.x.example.com", "/"), Some("wild"), "one label or more");
+        assert_eq!(at("example.com", "/long/path"), Some("none"), "the suffix itself is not matched");
+        assert_eq!(at("b.example.com", "/only"), Some("b"));
+        assert_eq!(at("c.example.net", "/only/x"), Some("b"));
+        assert_eq!(at("c.example.net", "/other"), Some("default"));
+        assert_eq!(at("10.0.0.1:80", "/long/path/x"), Some("none"));
+        // The Host header when there is no authority (HTTP/1.1 origin form).
+        let parts = request("GET", "/", &[("host", "exact.example.com")]);
+        assert_eq!(t.lookup_request(&head(&parts)).copied(), Some("exact"));
+        for bad in ["10.0.0.1", "a.com:80", "*", "*.", "a.*.com", "a b", "", "-a.com"] {
+            assert!(Conditions::default().with_hosts(&[bad.to_string()]).is_err(), "{bad:?}");
         }
     }
 

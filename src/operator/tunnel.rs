@@ -161,7 +161,17 @@ async fn publish(t: &Tunnel, ctx: &Context, ns: &str) -> Result<Publish, Error> 
         let d = Api::<Domain>::namespaced(ctx.client.clone(), ns).get_opt(name).await?.ok_or_else(|| {
             Error::Waiting(format!("no Domain {name} in this namespace: create one (a Tunnel may only use its own namespace's Domains)"))
         })?;
-        let host = d.status.and_then(|s| s.hostname).ok_or_else(|| not_ready("Domain", name))?;
+        let status = d.status.unwrap_or_default();
+        let Some(host) = status.hostname else {
+            // What the Domain says (e.g. that the edge's admin must allow the key the default host).
+            let why = status.conditions.iter().find(|c| c.type_ == "Ready" && c.status == "False");
+            return Err(match why {
+                Some(c) => {
+                    Error::Waiting(format!("Domain {name} of this namespace is not ready: {}", c.message))
+                }
+                None => not_ready("Domain", name),
+            });
+        };
         return Ok(Publish::Domain(host));
     }
     let (kind, name, status) = if t.spec.protocol == TunnelProtocol::Udp {
@@ -409,7 +419,8 @@ fn check_route(r: &TunnelRoute) -> Result<(), String> {
     if let Some(b) = r.backends.iter().find(|b| b.weight > MAX_WEIGHT) {
         return Err(format!("backend {}: weight {} is more than {MAX_WEIGHT}", b.name, b.weight));
     }
-    super::routes::Conditions::compile(r.method.as_deref(), &r.headers, &r.query_params)?;
+    super::routes::Conditions::compile(r.method.as_deref(), &r.headers, &r.query_params)?
+        .with_hosts(&r.hosts)?;
     let filters = crate::agent::filters::Filters::compile(&r.filters, &r.path, r.path_type)
         .map_err(|e| format!("filters: {e}"))?;
     if filters.redirect.is_some() && (r.service.is_some() || !r.backends.is_empty()) {
@@ -483,6 +494,7 @@ pub fn plan(t: &Tunnel, cluster_id: &str, o: Observed) -> Result<Plan, Error> {
             method: r.method.clone(),
             headers: r.headers.clone(),
             query_params: r.query_params.clone(),
+            hosts: r.hosts.clone(),
             filters: r.filters.clone(),
             options: r.options.clone(),
         });

@@ -488,7 +488,7 @@ impl Acme {
             .reservations()
             .await?
             .into_iter()
-            .filter(|r| r.kind == ReservationKind::Custom)
+            .filter(|r| r.kind == ReservationKind::Custom && !r.is_default_host())
             .filter_map(|r| r.hostname)
             .collect();
         // The edge's own certificate (DNS-01) is scheduled like a custom domain's.

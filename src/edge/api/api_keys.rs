@@ -1,4 +1,5 @@
-//! API keys (`api-keys`, admin only): list, create, read, change the quota, revoke.
+//! API keys (`api-keys`, admin only): list, create, read, change the quota
+//! and custom domains, revoke.
 
 use bytes::Bytes;
 use http::StatusCode;
@@ -31,8 +32,17 @@ pub(super) async fn create(
             format!("an API key name is 1-{MAX_KEY_NAME} printable characters, e.g. \"operator cluster-a\""),
         ));
     }
+    let custom_domains = custom_domains(request.scope, &request.custom_domains)?;
+    check_quota(request.scope, &request.quota)?;
+    let (key, secret) = ctx.store.create_api_key(name, request.scope, &custom_domains, request.quota).await?;
+    tracing::info!(key = %key.id, scope = %key.scope, by = %caller.id, "api key created");
+    Ok(json_response(StatusCode::CREATED, &CreatedApiKey { key, secret }))
+}
+
+/// The custom domains given for a key of `scope`, normalized.
+fn custom_domains(scope: ApiKeyScope, given: &[String]) -> Result<Vec<String>, ApiError> {
     let mut custom_domains = Vec::new();
-    for d in &request.custom_domains {
+    for d in given {
         let d = d.trim().trim_end_matches('.').to_ascii_lowercase();
         if d == "*" {
             custom_domains.push(d);
@@ -47,16 +57,13 @@ pub(super) async fn create(
             )
         })?);
     }
-    if request.scope == ApiKeyScope::Admin && !custom_domains.is_empty() {
+    if scope == ApiKeyScope::Admin && !custom_domains.is_empty() {
         return Err(ApiError::invalid(
             "invalid_custom_domains",
             "customDomains is for endpoints keys: an admin key may reserve any domain".to_string(),
         ));
     }
-    check_quota(request.scope, &request.quota)?;
-    let (key, secret) = ctx.store.create_api_key(name, request.scope, &custom_domains, request.quota).await?;
-    tracing::info!(key = %key.id, scope = %key.scope, by = %caller.id, "api key created");
-    Ok(json_response(StatusCode::CREATED, &CreatedApiKey { key, secret }))
+    Ok(custom_domains)
 }
 
 /// `GET api-keys/{id}`.
@@ -92,15 +99,24 @@ pub(super) async fn update(
         .api_key(id)
         .await?
         .ok_or_else(|| ApiError::NotFound { message: format!("api key {id} does not exist") })?;
-    if request.quota.is_empty() {
+    if request.quota.is_empty() && request.custom_domains.is_none() {
         return Err(ApiError::invalid(
             "invalid_request",
-            "nothing to change: give quota.reservations, quota.labels or quota.labelBytes".to_string(),
+            "nothing to change: give quota.reservations, quota.labels, quota.labelBytes or customDomains"
+                .to_string(),
         ));
     }
     check_quota(key.scope, &request.quota)?;
-    let key = ctx.store.update_api_key_quota(id, request.quota).await?;
-    tracing::info!(key = %key.id, quota = ?key.quota, by = %caller.id, "api key quota changed");
+    let domains = request.custom_domains.as_deref().map(|d| custom_domains(key.scope, d)).transpose()?;
+    let mut key = key;
+    if !request.quota.is_empty() {
+        key = ctx.store.update_api_key_quota(id, request.quota).await?;
+        tracing::info!(key = %key.id, quota = ?key.quota, by = %caller.id, "api key quota changed");
+    }
+    if let Some(domains) = domains {
+        key = ctx.store.set_api_key_custom_domains(id, domains).await?;
+        tracing::info!(key = %key.id, custom_domains = ?key.custom_domains, by = %caller.id, "api key custom domains changed");
+    }
     Ok(json_response(StatusCode::OK, &key))
 }
 

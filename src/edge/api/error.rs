@@ -168,6 +168,10 @@ impl From<StoreError> for ApiError {
                     "{target} is held by another key; reserve another port, or omit the port to get a free one"
                 ),
             },
+            StoreError::AlreadyReserved { target, .. } if target == crate::api::DEFAULT_HOST => ApiError::Conflict {
+                code: "already_reserved",
+                message: "the edge's default host `*` is held by another key (one holder per edge); the edge's admin sees which (culvert admin domain list) and may release it".to_string(),
+            },
             StoreError::AlreadyReserved { target, .. } => ApiError::Conflict {
                 code: "already_reserved",
                 message: format!("domain {target} is held by another key; reserve another name"),

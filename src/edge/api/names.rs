@@ -1,7 +1,7 @@
 //! Host names: DNS labels, subdomains of the edge's domain, custom domains.
 
 use super::ApiError;
-use crate::api::ReservationKind;
+use crate::api::{DEFAULT_HOST, ReservationKind};
 
 /// Whether `s` is a DNS label: 1-63 of `a-z 0-9 -`, not starting or ending with `-`.
 pub fn is_dns_label(s: &str) -> bool {
@@ -73,8 +73,12 @@ pub fn normalize_hostname(host: &str) -> Result<String, ApiError> {
 /// Classifies an `fqdn`: a name one label under the edge's domain is a
 /// subdomain (normalised); deeper names under it are refused (the wildcard
 /// certificate covers one level); the edge's own name is refused; anything
-/// else is a custom domain.
+/// else is a custom domain. `*` is the edge's default host (a custom domain
+/// reservation, see [`DEFAULT_HOST`]).
 pub fn custom_or_subdomain(fqdn: &str, domain: &str) -> Result<(ReservationKind, String), ApiError> {
+    if fqdn.trim() == DEFAULT_HOST {
+        return Ok((ReservationKind::Custom, DEFAULT_HOST.to_string()));
+    }
     let host = normalize_hostname(fqdn)?;
     if host == domain {
         return Err(ApiError::invalid(
@@ -97,9 +101,16 @@ pub fn custom_or_subdomain(fqdn: &str, domain: &str) -> Result<(ReservationKind,
 }
 
 /// The host name a path segment or `domain` field means: a bare label is
-/// `<label>.<domain>`, anything with a dot is a full host name.
+/// `<label>.<domain>`, anything with a dot is a full host name, `*` the
+/// default host.
 pub(super) fn lookup_hostname(host: &str, domain: &str) -> Result<String, ApiError> {
-    if host.contains('.') { normalize_hostname(host) } else { subdomain(host, domain) }
+    if host.trim() == DEFAULT_HOST {
+        Ok(DEFAULT_HOST.to_string())
+    } else if host.contains('.') {
+        normalize_hostname(host)
+    } else {
+        subdomain(host, domain)
+    }
 }
 
 #[cfg(test)]
@@ -124,6 +135,12 @@ mod tests {
             custom_or_subdomain("myedge.example.com", "edge.example.com").unwrap().0,
             ReservationKind::Custom
         );
+        assert_eq!(
+            custom_or_subdomain(" * ", "edge.example.com").unwrap(),
+            (ReservationKind::Custom, "*".to_string())
+        );
+        assert_eq!(lookup_hostname("*", "edge.example.com").unwrap(), "*");
+        assert!(custom_or_subdomain("*.example.com", "edge.example.com").is_err());
         assert_eq!(percent_decode("a%3Db%2Cc").as_deref(), Some("a=b,c"));
         assert_eq!(percent_decode("%zz"), None);
     }

@@ -10,8 +10,8 @@ use super::auth::{may_use, not_owner};
 use super::names::{custom_or_subdomain, lookup_hostname, subdomain};
 use super::{ApiContext, ApiError, Change, edge_domain, json_response};
 use crate::api::{
-    ApiKey, List, MAX_IDLE_TIMEOUT_SECONDS, PortProtocol, ReleaseResponse, Reservation, ReservationKind,
-    ReserveDomainRequest, ReservePortRequest, Selector, validate_labels,
+    ApiKey, DEFAULT_HOST, List, MAX_IDLE_TIMEOUT_SECONDS, PortProtocol, ReleaseResponse, Reservation,
+    ReservationKind, ReserveDomainRequest, ReservePortRequest, Selector, validate_labels,
 };
 use crate::edge::store::{CertificateRecord, unix_now};
 
@@ -19,6 +19,7 @@ async fn with_url(ctx: &ApiContext, mut r: Reservation) -> Reservation {
     r.url = Some(r.public_url(ctx.public_https_port, &ctx.public_host));
     if ctx.acme
         && r.kind == ReservationKind::Custom
+        && !r.is_default_host()
         && let Some(host) = &r.hostname
     {
         let record = match ctx.store.certificate(host).await {
@@ -121,6 +122,18 @@ pub(super) async fn reserve_domain(
                 ctx.reserved_names.join(", ")
             ),
         ));
+    }
+    if hostname == DEFAULT_HOST
+        && !caller.may_reserve_custom(&hostname)
+        && !holds(ctx, caller, &hostname).await?
+    {
+        return Err(ApiError::Forbidden {
+            code: "default_host_not_allowed",
+            message: format!(
+                "this key may not hold the edge's default host `*` (every request whose host no reservation holds): ask the edge's admin to allow it (culvert admin api-key update {} --custom-domain '*'), or reserve a name (<name>.{domain})",
+                caller.id
+            ),
+        });
     }
     if kind == ReservationKind::Custom
         && !caller.may_reserve_custom(&hostname)
@@ -389,6 +402,85 @@ mod tests {
         assert_eq!((status, code(&v)), (StatusCode::UNPROCESSABLE_ENTITY, "invalid_custom_domains"));
         let (_, v) = e.call("GET", &format!("api-keys/{plain_id}"), Some(&e.admin), None).await;
         assert!(v.get("customDomains").is_none(), "{v}");
+    }
+
+    /// The default host `*`: one holder per edge, for an admin or a key the
+    /// admin allowed any custom domain (`*`, also given later by PATCH).
+    #[tokio::test]
+    async fn the_default_host_is_for_keys_allowed_it() {
+        let e = edge();
+        let (status, v) = e
+            .call("POST", "api-keys", Some(&e.admin), Some(json!({"name": "p", "scope": "endpoints"})))
+            .await;
+        assert_eq!(status, StatusCode::CREATED, "{v}");
+        let (plain, plain_id) =
+            (v["secret"].as_str().unwrap().to_string(), v["id"].as_str().unwrap().to_string());
+        let other = e.endpoints_key("other").await;
+        let reserve = |k: &str| {
+            let (e, k) = (&e, k.to_string());
+            async move { e.call("POST", "domains", Some(&k), Some(json!({"fqdn": "*"}))).await }
+        };
+        let (status, v) = reserve(&plain).await;
+        assert_eq!((status, code(&v)), (StatusCode::FORBIDDEN, "default_host_not_allowed"), "{v}");
+        let message = v["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains(&format!("culvert admin api-key update {plain_id} --custom-domain '*'")),
+            "{message}"
+        );
+        // A key allowed some domains is not allowed the default host.
+        let (_, v) = e
+            .call(
+                "PATCH",
+                &format!("api-keys/{plain_id}"),
+                Some(&e.admin),
+                Some(json!({"customDomains": ["example.org"]})),
+            )
+            .await;
+        assert_eq!(v["customDomains"], json!(["example.org"]), "{v}");
+        assert_eq!(code(&reserve(&plain).await.1), "default_host_not_allowed");
+        let (status, v) = e
+            .call(
+                "PATCH",
+                &format!("api-keys/{plain_id}"),
+                Some(&e.admin),
+                Some(json!({"customDomains": ["*"]})),
+            )
+            .await;
+        assert_eq!((status, v["customDomains"].clone()), (StatusCode::OK, json!(["*"])), "{v}");
+        let (status, v) = reserve(&plain).await;
+        assert_eq!(status, StatusCode::CREATED, "{v}");
+        assert_eq!((v["kind"].as_str(), v["hostname"].as_str()), (Some("custom"), Some("*")));
+        assert_eq!(reserve(&plain).await.0, StatusCode::OK, "the holder asks again");
+        // One holder per edge, the admin included.
+        let (status, v) = reserve(&e.admin).await;
+        assert_eq!((status, code(&v)), (StatusCode::CONFLICT, "already_reserved"), "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains("default host"), "{v}");
+        assert_eq!(code(&reserve(&other).await.1), "already_reserved", "another key allowed `*`");
+        // Its tunnel key carries HTTP(S), not TLS passthrough.
+        let (status, v) = e
+            .call("POST", "tunnel-keys", Some(&plain), Some(json!({"domain": "*", "protocol": "tls"})))
+            .await;
+        assert_eq!((status, code(&v)), (StatusCode::UNPROCESSABLE_ENTITY, "protocol_mismatch"), "{v}");
+        let (status, v) = e.call("POST", "tunnel-keys", Some(&plain), Some(json!({"domain": "*"}))).await;
+        assert_eq!(status, StatusCode::CREATED, "{v}");
+        // Read and released by its segment `*`.
+        let (status, v) = e.call("GET", "domains/*", Some(&plain), None).await;
+        assert_eq!((status, v["hostname"].as_str()), (StatusCode::OK, Some("*")), "{v}");
+        let (status, _) = e.call("DELETE", "domains/*", Some(&plain), None).await;
+        assert_eq!(status, StatusCode::OK);
+        // Taken away again; the admin may hold it.
+        let (status, v) = e
+            .call(
+                "PATCH",
+                &format!("api-keys/{plain_id}"),
+                Some(&e.admin),
+                Some(json!({"customDomains": []})),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{v}");
+        assert!(v.get("customDomains").is_none(), "{v}");
+        assert_eq!(code(&reserve(&plain).await.1), "default_host_not_allowed");
+        assert_eq!(reserve(&e.admin).await.0, StatusCode::CREATED);
     }
 
     /// The deny-list is the edge's `--reserved-names` (issue 18 item 8).

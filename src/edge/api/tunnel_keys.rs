@@ -90,6 +90,12 @@ pub(super) async fn create(
                 ));
             }
             let hostname = lookup_hostname(host, &domain)?;
+            if hostname == crate::api::DEFAULT_HOST && protocol == Protocol::Tls {
+                return Err(ApiError::invalid(
+                    "protocol_mismatch",
+                    "the default host `*` carries HTTP(S) only (TLS passthrough needs a named host): use protocol http",
+                ));
+            }
             let reservation =
                 ctx.store.reservation_by_hostname(&hostname).await?.ok_or_else(|| ApiError::NotFound {
                     message: format!(

@@ -30,6 +30,7 @@ use tracing::{Instrument, debug, warn};
 
 use super::accept::accept_loop;
 use super::limits::Class;
+use super::routes::default_host_name;
 use super::{Edge, sni};
 use crate::BoxError;
 use crate::api::{Protocol, Reservation, ReservationKind};
@@ -302,7 +303,7 @@ pub async fn serve_redirect(edge: Arc<Edge>, listener: TcpListener) {
         if edge.plain_http {
             let host = request_host(&req).unwrap_or_default();
             let routes = edge.routes();
-            if let Some(reservation) = routes.host(&host)
+            if let Some(reservation) = routes.host_or_default(&host, &edge.domain)
                 && reservation.kind != ReservationKind::Tcp
             {
                 return Ok(proxy(edge.clone(), req, peer, reservation, "http").await);
@@ -427,6 +428,10 @@ async fn handle(edge: Arc<Edge>, req: Request<Incoming>, peer: SocketAddr) -> Re
     if name == edge.domain && !path.starts_with(RESERVED_PREFIX) {
         return text(StatusCode::OK, "culvert edge\n");
     }
+    // The default host: any other host (after the tunnel endpoint and the API).
+    if let Some(reservation) = routes.host_or_default(&host, &edge.domain) {
+        return proxy(edge.clone(), req, peer, reservation, "https").await;
+    }
     error_page(StatusCode::BAD_GATEWAY, &name, "no tunnel is registered for this host")
 }
 
@@ -439,7 +444,17 @@ async fn proxy(
     reservation: &Reservation,
     scheme: &'static str,
 ) -> Response<BoxBody> {
-    let host = reservation.hostname.as_deref().unwrap_or_default();
+    let name = reservation.hostname.as_deref().unwrap_or_default();
+    // The default host forwards the request's own host (its agent matches on it).
+    let asked =
+        reservation.is_default_host().then(|| request_host(&req).as_deref().and_then(default_host_name));
+    let host = match &asked {
+        Some(Some(asked)) => asked.as_str(),
+        Some(None) => {
+            return error_page(StatusCode::BAD_REQUEST, name, "the request's host is not a host name");
+        }
+        None => name,
+    };
     if reservation.kind == ReservationKind::Tcp {
         return error_page(StatusCode::BAD_GATEWAY, host, "this reservation is a TCP port");
     }
@@ -464,7 +479,8 @@ async fn proxy(
         return error_page(StatusCode::BAD_REQUEST, host, "invalid request target");
     }
 
-    let counters = edge.metrics.bytes(host);
+    // Counted under the reservation's name (`*` for every host of the default host).
+    let counters = edge.metrics.bytes(name);
     let tunnel = counters.tunnel;
     tunnel.request();
     let (bytes_in, bytes_out) = (counters.inbound, counters.outbound);

@@ -183,7 +183,7 @@ pub fn snapshot(edge: &Edge, limit: usize) -> Status {
                 .unwrap_or_default();
             let (history, rates) = monitor.histories.of(&name);
             let certificate = match (&edge.acme, r.kind, &r.hostname) {
-                (Some(_), ReservationKind::Custom, Some(h)) => Some(
+                (Some(_), ReservationKind::Custom, Some(h)) if !r.is_default_host() => Some(
                     cert_by_host
                         .get(h.as_str())
                         .map(|c| c.state(now))

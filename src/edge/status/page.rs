@@ -193,6 +193,7 @@ fn row(t: &TunnelStatus) -> String {
     labels.truncate(8);
     let kind = match t.kind {
         crate::api::ReservationKind::Subdomain => "subdomain",
+        crate::api::ReservationKind::Custom if t.name == crate::api::DEFAULT_HOST => "default host",
         crate::api::ReservationKind::Custom => "custom domain",
         crate::api::ReservationKind::Tcp if t.name.starts_with("udp:") => "UDP port",
         crate::api::ReservationKind::Tcp => "TCP port",

@@ -78,6 +78,9 @@ pub trait Keys {
     /// Changes what `quota` gives of an API key's quota; answers the key.
     fn update_api_key_quota(&self, id: &str, quota: &QuotaUpdate) -> Result<ApiKey, StoreError>;
 
+    /// Replaces the custom domains an API key may reserve; answers the key.
+    fn set_api_key_custom_domains(&self, id: &str, custom_domains: &[String]) -> Result<ApiKey, StoreError>;
+
     /// Every API key, revoked ones included, oldest first.
     fn api_keys(&self) -> Result<Vec<ApiKey>, StoreError>;
 
@@ -159,6 +162,21 @@ impl Keys for Sqlite {
         let key = set_quota(&tx, id, quota)?;
         tx.commit()?;
         Ok(key)
+    }
+
+    fn set_api_key_custom_domains(&self, id: &str, custom_domains: &[String]) -> Result<ApiKey, StoreError> {
+        let conn = self.lock();
+        let domains_json = serde_json::to_string(custom_domains).expect("strings serialize");
+        let changed =
+            conn.execute("UPDATE api_keys SET custom_domains = ?2 WHERE id = ?1", params![id, domains_json])?;
+        if changed == 0 {
+            return Err(StoreError::NotFound { what: format!("api key {id}") });
+        }
+        Ok(conn.query_row(
+            &format!("SELECT {API_KEY_COLUMNS} FROM api_keys WHERE id = ?1"),
+            [id],
+            api_key_from_row,
+        )?)
     }
 
     fn api_keys(&self) -> Result<Vec<ApiKey>, StoreError> {
@@ -510,7 +528,32 @@ mod tests {
     use super::super::tests::admin;
     use super::*;
 
-    both_engines!(key_prefixes_and_hashing, revocation, api_keys_and_the_last_admin);
+    both_engines!(key_prefixes_and_hashing, revocation, api_keys_and_the_last_admin, custom_domains_change);
+
+    /// An admin changes the custom domains of a key (`*` also allows the
+    /// default host); the default host is one reservation of `*`.
+    fn custom_domains_change(t: &TestStore) {
+        let store = &*t.store;
+        let (ep, _) = store.create_api_key("operator", ApiKeyScope::Endpoints).unwrap();
+        assert!(!ep.may_reserve_custom(crate::api::DEFAULT_HOST));
+        let star = vec!["*".to_string()];
+        let changed = store.set_api_key_custom_domains(&ep.id, &star).unwrap();
+        assert_eq!(changed.custom_domains, star);
+        let read = store.api_key(&ep.id).unwrap().unwrap();
+        assert!(read.may_reserve_custom(crate::api::DEFAULT_HOST), "{read:?}");
+        assert_eq!(
+            store.set_api_key_custom_domains(&ep.id, &[]).unwrap().custom_domains,
+            Vec::<String>::new()
+        );
+        assert!(matches!(
+            store.set_api_key_custom_domains("ak_000000000000", &star),
+            Err(StoreError::NotFound { .. })
+        ));
+        let (other, _) = store.create_api_key("other", ApiKeyScope::Endpoints).unwrap();
+        store.reserve_domain(ReservationKind::Custom, "*", &ep.id, &Labels::new()).unwrap();
+        let err = store.reserve_domain(ReservationKind::Custom, "*", &other.id, &Labels::new()).unwrap_err();
+        assert_eq!(err.category(), "already_reserved");
+    }
 
     fn key_prefixes_and_hashing(t: &TestStore) {
         let store = &*t.store;

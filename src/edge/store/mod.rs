@@ -524,6 +524,15 @@ impl Store {
         self.run(move |e| e.update_api_key_quota(&id, &quota)).await
     }
 
+    pub async fn set_api_key_custom_domains(
+        &self,
+        id: &str,
+        custom_domains: Vec<String>,
+    ) -> Result<ApiKey, StoreError> {
+        let id = id.to_string();
+        self.run(move |e| e.set_api_key_custom_domains(&id, &custom_domains)).await
+    }
+
     pub async fn api_keys(&self) -> Result<Vec<ApiKey>, StoreError> {
         self.run(move |e| e.api_keys()).await
     }

@@ -761,6 +761,19 @@ impl Keys for Postgres {
         self.write(|tx| set_quota(tx, id, quota))
     }
 
+    fn set_api_key_custom_domains(&self, id: &str, custom_domains: &[String]) -> Result<ApiKey, StoreError> {
+        let domains_json = serde_json::to_string(custom_domains).expect("strings serialize");
+        self.write(|tx| {
+            tx.query_opt(
+                &format!("UPDATE api_keys SET custom_domains = $2 WHERE id = $1 RETURNING {API_KEY_COLUMNS}"),
+                &[&id, &domains_json],
+            )?
+            .map(|r| api_key_from_row(&r))
+            .transpose()?
+            .ok_or_else(|| StoreError::NotFound { what: format!("api key {id}") })
+        })
+    }
+
     fn api_keys(&self) -> Result<Vec<ApiKey>, StoreError> {
         self.read(|c| {
             c.query(&format!("SELECT {API_KEY_COLUMNS} FROM api_keys ORDER BY seq"), &[])?

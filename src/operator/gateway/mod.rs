@@ -17,13 +17,13 @@
 pub mod plan;
 pub mod types;
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_util::stream::BoxStream;
 use futures_util::{Stream, StreamExt};
-use k8s_openapi::api::core::v1::{Namespace, Service};
+use k8s_openapi::api::core::v1::{Namespace, Secret, Service};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -260,7 +260,9 @@ async fn observe(ctx: &Context, served: &Served) -> Result<Observed, Error> {
             }
         }
     }
+    let cert_secrets = cert_secrets(c, &gateways).await?;
     Ok(Observed {
+        cert_secrets,
         classes: list(Api::<GatewayClass>::all(c.clone()), &lp).await?,
         gateways,
         routes,
@@ -274,6 +276,37 @@ async fn observe(ctx: &Context, served: &Served) -> Result<Observed, Error> {
         served: served.routes.clone(),
         bundle_version,
     })
+}
+
+/// The Secrets HTTPS listeners' certificateRefs name (one GET each): does each
+/// exist, and does it hold a PEM certificate and key? A Secret that cannot be
+/// read (403) counts as missing.
+async fn cert_secrets(c: &Client, gateways: &[Gateway]) -> Result<BTreeMap<(String, String), bool>, Error> {
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+    let mut out = BTreeMap::new();
+    for g in gateways {
+        let gw_ns = g.namespace().unwrap_or_default();
+        for (ns, name) in g.spec.listeners.iter().flat_map(|l| plan::certificate_refs(l, &gw_ns)).flatten() {
+            if name.is_empty() || out.contains_key(&(ns.clone(), name.clone())) {
+                continue;
+            }
+            let secret = match Api::<Secret>::namespaced(c.clone(), &ns).get_opt(&name).await {
+                Ok(s) => s,
+                Err(kube::Error::Api(s)) if s.code == 403 => None,
+                Err(e) => return Err(e.into()),
+            };
+            if let Some(secret) = secret {
+                let data = secret.data.unwrap_or_default();
+                let field = |k: &str| data.get(k).map(|b| b.0.as_slice()).unwrap_or_default();
+                let certs = CertificateDer::pem_slice_iter(field("tls.crt")).collect::<Result<Vec<_>, _>>();
+                let ok = certs.is_ok_and(|c| !c.is_empty())
+                    && PrivateKeyDer::from_pem_slice(field("tls.key")).is_ok();
+                out.insert((ns, name), ok);
+            }
+        }
+    }
+    Ok(out)
 }
 
 async fn reconcile(ctx: &Context, served: &Served) -> Result<(), Error> {

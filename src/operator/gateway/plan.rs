@@ -218,6 +218,11 @@ pub struct Observed {
     pub served: BTreeSet<Kind>,
     /// `gateway.networking.k8s.io/bundle-version` of the installed Gateway CRD.
     pub bundle_version: Option<String>,
+    /// `(namespace, name)` of the Secrets HTTPS listeners' certificateRefs name
+    /// that exist: true when they hold a PEM certificate and key (`tls.crt`,
+    /// `tls.key`). The edge does not use them; they are checked for the
+    /// listener's `ResolvedRefs`, as the spec asks.
+    pub cert_secrets: BTreeMap<(String, String), bool>,
 }
 
 /// What the plan takes from the operator's settings and the edge.
@@ -315,12 +320,90 @@ pub fn intersect(route: &[String], listener: Option<&str>) -> Vec<Option<String>
 /// Does a ReferenceGrant in `to_ns` let a `from_kind` of `from_ns` refer to
 /// the Service `name`?
 pub fn granted(grants: &[ReferenceGrant], from_kind: &str, from_ns: &str, to_ns: &str, name: &str) -> bool {
+    granted_core(grants, from_kind, from_ns, "Service", to_ns, name)
+}
+
+/// [`granted`] for any kind of the core group (`Service`, `Secret`).
+fn granted_core(
+    grants: &[ReferenceGrant],
+    from_kind: &str,
+    from_ns: &str,
+    to_kind: &str,
+    to_ns: &str,
+    name: &str,
+) -> bool {
     grants.iter().filter(|g| g.namespace().as_deref() == Some(to_ns)).any(|g| {
         g.spec.from.iter().any(|f| f.group == GROUP && f.kind == from_kind && f.namespace == from_ns)
             && g.spec.to.iter().any(|t| {
-                t.group.is_empty() && t.kind == "Service" && t.name.as_deref().is_none_or(|n| n == name)
+                t.group.is_empty() && t.kind == to_kind && t.name.as_deref().is_none_or(|n| n == name)
             })
     })
+}
+
+/// The Secrets an HTTPS listener's `tls.certificateRefs` name, as
+/// `(namespace, name)`, with the refs that name something else.
+pub fn certificate_refs(l: &Listener, gw_ns: &str) -> Vec<Result<(String, String), String>> {
+    let refs = match l.tls.as_ref() {
+        Some(t) if l.protocol == "HTTPS" => &t.certificate_refs,
+        _ => return Vec::new(),
+    };
+    refs.iter()
+        .map(|r| {
+            let field = |k: &str| r.get(k).and_then(|v| v.as_str());
+            let (group, kind) = (field("group").unwrap_or(""), field("kind").unwrap_or("Secret"));
+            if !group.is_empty() || kind != "Secret" {
+                return Err(format!("{}/{kind}", if group.is_empty() { "core" } else { group }));
+            }
+            Ok((field("namespace").unwrap_or(gw_ns).to_string(), field("name").unwrap_or("").to_string()))
+        })
+        .collect()
+}
+
+/// `ResolvedRefs` of an HTTPS listener's certificateRefs: each must be a
+/// Secret that exists, holds a PEM certificate and key, and is in the
+/// Gateway's namespace or granted to it by a ReferenceGrant. The edge
+/// terminates TLS with its own certificate, so they are only checked.
+fn check_certificate_refs(e: &mut ListenerEval, gw_ns: &str, o: &Observed) {
+    if e.refused.is_some() || e.unresolved.is_some() {
+        return;
+    }
+    let name = &e.spec.name;
+    for r in certificate_refs(&e.spec, gw_ns) {
+        let problem = match r {
+            Err(kind) => Some((
+                "InvalidCertificateRef",
+                format!("listener {name}: certificateRefs name a {kind}; only core Secrets are supported"),
+            )),
+            Ok((ns, secret))
+                if ns != gw_ns && !granted_core(&o.grants, "Gateway", gw_ns, "Secret", &ns, &secret) =>
+            {
+                Some((
+                    "RefNotPermitted",
+                    format!(
+                        "listener {name}: Secret {ns}/{secret} is in another namespace and no ReferenceGrant there \
+                         allows Gateways of {gw_ns} to use it"
+                    ),
+                ))
+            }
+            Ok((ns, secret)) => match o.cert_secrets.get(&(ns.clone(), secret.clone())) {
+                Some(true) => None,
+                Some(false) => Some((
+                    "InvalidCertificateRef",
+                    format!(
+                        "listener {name}: Secret {ns}/{secret} holds no PEM certificate and key in tls.crt and tls.key"
+                    ),
+                )),
+                None => Some((
+                    "InvalidCertificateRef",
+                    format!("listener {name}: Secret {ns}/{secret} does not exist"),
+                )),
+            },
+        };
+        if problem.is_some() {
+            e.unresolved = problem;
+            return;
+        }
+    }
 }
 
 /// The host names a Domain covers.
@@ -866,6 +949,8 @@ pub fn plan(o: &Observed, s: Settings<'_>) -> Plan {
     for gw in &ours {
         let mut ls: Vec<ListenerEval> =
             gw.spec.listeners.iter().map(|l| check_listener(l, s, &o.served)).collect();
+        let gw_ns = gw.namespace().unwrap_or_default();
+        ls.iter_mut().for_each(|e| check_certificate_refs(e, &gw_ns, o));
         check_conflicts(&mut ls);
         listeners.insert((gw.namespace().unwrap_or_default(), gw.name_any()), ls);
     }
@@ -2020,5 +2105,72 @@ mod tests {
         assert_eq!(kinds, ["Accepted", "Programmed"]);
         assert_eq!(gs.conditions[0].observed_generation, Some(3));
         assert!(supported_bundle("v1.6.3") && supported_bundle("v1.7.0") && !supported_bundle("v1.5.1"));
+    }
+
+    #[test]
+    fn certificate_refs_must_resolve_though_the_edge_uses_its_own() {
+        let mut o = world();
+        let refs = json!([
+            {"name": "ok"},
+            {"name": "missing"},
+            {"name": "garbage"},
+            {"kind": "ConfigMap", "name": "ok"},
+            {"group": "example.com", "kind": "Secret", "name": "ok"},
+            {"name": "cert", "namespace": "certs"},
+            {"name": "other", "namespace": "certs"},
+        ]);
+        let listeners: Vec<serde_json::Value> = refs
+            .as_array()
+            .unwrap()
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                json!({"name": format!("l{i}"), "protocol": "HTTPS", "port": 443,
+                "hostname": format!("h{i}.edge.test"), "tls": {"certificateRefs": [r]}})
+            })
+            .collect();
+        o.gateways[0].spec.listeners =
+            listeners.into_iter().map(|v| serde_json::from_value(v).unwrap()).collect();
+        o.cert_secrets = [
+            (("infra", "ok"), true),
+            (("infra", "garbage"), false),
+            (("certs", "cert"), true),
+            (("certs", "other"), true),
+        ]
+        .into_iter()
+        .map(|((n, s), ok)| ((n.to_string(), s.to_string()), ok))
+        .collect();
+        o.grants =
+            vec![obj(json!({"apiVersion": "gateway.networking.k8s.io/v1beta1", "kind": "ReferenceGrant",
+            "metadata": {"name": "g", "namespace": "certs"},
+            "spec": {"from": [{"group": GROUP, "kind": "Gateway", "namespace": "infra"}],
+                "to": [{"group": "", "kind": "Secret", "name": "cert"}]}}))];
+        let p = plan(&o, S);
+        let (_, _, gs) = &p.gateway_status[0];
+        let got: Vec<(&str, &str, &str)> = gs
+            .listeners
+            .iter()
+            .map(|l| {
+                let c = |t: &str| l.conditions.iter().find(|c| c.type_ == t).unwrap();
+                (
+                    c("ResolvedRefs").reason.as_str(),
+                    c("Programmed").status.as_str(),
+                    c("Accepted").status.as_str(),
+                )
+            })
+            .collect();
+        let bad = ("InvalidCertificateRef", "False", "True");
+        assert_eq!(
+            got,
+            [
+                ("ResolvedRefs", "True", "True"),
+                bad,
+                bad,
+                bad,
+                bad,
+                ("ResolvedRefs", "True", "True"),
+                ("RefNotPermitted", "False", "True")
+            ]
+        );
     }
 }
