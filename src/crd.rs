@@ -320,11 +320,20 @@ pub struct WeightedServiceRef {
     #[schemars(with = "i32", range(min = 0, max = 1_000_000))]
     pub weight: u32,
     /// A Service of another namespace (the Gateway API controller writes
-    /// this for a granted cross-namespace backendRef): used only while a
-    /// ReferenceGrant of that namespace lets Gateway API routes of the
-    /// Tunnel's namespace refer to the Service; otherwise this share answers 500.
+    /// this for a granted cross-namespace backendRef, and for a route of
+    /// that namespace on the default host of a Gateway of the Tunnel's): used
+    /// only while a ReferenceGrant of that namespace lets Gateway API routes
+    /// of the Tunnel's namespace refer to the Service, or a route of that
+    /// namespace attached to a Gateway of the Tunnel's namespace sends to
+    /// it; otherwise this share answers 500.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub namespace: Option<String>,
+    /// Why this share cannot be used, when the Gateway API controller
+    /// refuses its backendRef (a kind other than Service, a Service of
+    /// another namespace without a ReferenceGrant, no port): its requests
+    /// answer 500, as Gateway API asks, and `name` and `port` are not used.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refused: Option<String>,
 }
 
 fn default_weight() -> u32 {
@@ -631,7 +640,10 @@ impl TunnelSpec {
     /// Names of every Service the Tunnel sends traffic to.
     pub fn services(&self) -> impl Iterator<Item = &str> {
         self.service.iter().map(|s| s.name.as_str()).chain(self.routes.iter().flat_map(|r| {
-            r.service.iter().map(|s| s.name.as_str()).chain(r.backends.iter().map(|b| b.name.as_str()))
+            r.service
+                .iter()
+                .map(|s| s.name.as_str())
+                .chain(r.backends.iter().filter(|b| b.refused.is_none()).map(|b| b.name.as_str()))
         }))
     }
 

@@ -36,6 +36,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::{Resource, ResourceExt};
 use serde_json::json;
 
+use super::default_host;
 use super::types::*;
 use crate::crd::{
     BackendProtocol, Condition, Domain, DomainSpec, HttpOptions, ReclaimPolicy, ServiceRef, TcpPort,
@@ -672,10 +673,13 @@ struct Resolved {
     weight: u32,
     /// The Service exists (a missing one's share answers 500).
     found: bool,
+    /// Why the backendRef cannot be used (its share answers 500).
+    refused: Option<String>,
 }
 
-/// The backendRefs of a route checked: the usable ones of each rule, and
-/// `ResolvedRefs` (reason, message) when one is not.
+/// The backendRefs of a route checked, each with its weight (a refused
+/// one keeps its share, which answers 500), and `ResolvedRefs` (reason,
+/// message) when one cannot be used.
 fn resolve_refs(
     route: &Route,
     refs: &[BackendRef],
@@ -684,32 +688,51 @@ fn resolve_refs(
 ) -> Vec<Resolved> {
     let mut out = Vec::new();
     for b in refs {
+        let weight = b.weight.unwrap_or(1).clamp(0, 1_000_000) as u32;
+        let mut refuse = |reason: &'static str, why: String| {
+            problems.push((reason, why.clone()));
+            out.push(Resolved {
+                name: b.name.clone(),
+                namespace: b.namespace.clone(),
+                port: b.port.unwrap_or(0),
+                weight,
+                found: false,
+                refused: Some(why),
+            });
+        };
         let group = b.group.as_deref().unwrap_or("");
         let kind = b.kind.as_deref().unwrap_or("Service");
         if !group.is_empty() || kind != "Service" {
-            problems.push((
+            refuse(
                 "InvalidKind",
                 format!(
                     "backendRef {}/{kind} {}: only Services (group \"\", kind Service) are supported",
                     if group.is_empty() { "core" } else { group },
                     b.name
                 ),
-            ));
+            );
             continue;
         }
         let ns = b.namespace.clone().filter(|n| *n != route.namespace);
         if let Some(other) = &ns
             && !granted(&o.grants, route.kind.name(), &route.namespace, other, &b.name)
         {
-            problems.push((
+            refuse(
                 "RefNotPermitted",
                 format!(
                     "backendRef Service {other}/{}: a Service of another namespace needs a ReferenceGrant in namespace {other} from {} of namespace {} to Service {}",
-                    b.name, route.kind.name(), route.namespace, b.name
+                    b.name,
+                    route.kind.name(),
+                    route.namespace,
+                    b.name
                 ),
-            ));
+            );
             continue;
         }
+        let Some(port) = b.port else {
+            refuse("UnsupportedValue", format!("backendRef Service {}: port is required", b.name));
+            continue;
+        };
         let target_ns = ns.clone().unwrap_or_else(|| route.namespace.clone());
         let found = o.services.contains(&(target_ns.clone(), b.name.clone()));
         if !found {
@@ -717,14 +740,14 @@ fn resolve_refs(
                 .push(("BackendNotFound", format!("backendRef Service {target_ns}/{} not found", b.name)));
             // Still routed: its share answers 500 until the Service exists.
         }
-        let Some(port) = b.port else {
-            problems.push(("UnsupportedValue", format!("backendRef Service {}: port is required", b.name)));
-            continue;
-        };
-        let weight = b.weight.unwrap_or(1).clamp(0, 1_000_000) as u32;
-        out.push(Resolved { name: b.name.clone(), namespace: ns, port, weight, found });
+        out.push(Resolved { name: b.name.clone(), namespace: ns, port, weight, found, refused: None });
     }
     out
+}
+
+/// The backends that can be used (TLS, TCP and UDP routes carry one).
+fn usable(backends: Vec<Resolved>) -> Vec<Resolved> {
+    backends.into_iter().filter(|b| b.refused.is_none()).collect()
 }
 
 fn service_ref(r: &Resolved) -> ServiceRef {
@@ -746,6 +769,8 @@ fn http_rule_routes(
             ));
         }
     }
+    let redirects =
+        rule.filters.iter().any(|f| f.get("type").and_then(|t| t.as_str()) == Some("RequestRedirect"));
     let default_match = [HTTPRouteMatch::default()];
     let matches = if rule.matches.is_empty() { &default_match[..] } else { &rule.matches[..] };
     let mut out = Vec::new();
@@ -788,7 +813,10 @@ fn http_rule_routes(
         if let Some(method) = &m.method {
             r["method"] = json!(method.to_ascii_uppercase());
         }
-        tunnel_backends(&mut r, backends);
+        // A redirect answers every request of its rule: no backend is used.
+        if !redirects {
+            tunnel_backends(&mut r, backends);
+        }
         out.push(serde_json::from_value(r).map_err(|e| format!("cannot be served: {e}"))?);
     }
     Ok(out)
@@ -796,12 +824,14 @@ fn http_rule_routes(
 
 /// Sets `service` (one backend of this namespace) or `backends` (weighted)
 /// of a Tunnel route in JSON; none: the route answers 500 (or redirects).
+/// A refused backendRef keeps its weight as a share marked `refused`, and a
+/// missing Service stays a share: their requests answer 500, as Gateway API
+/// asks, and the others keep theirs.
 fn tunnel_backends(r: &mut serde_json::Value, backends: &[Resolved]) {
     match backends {
         [] => {}
-        // One Service of this namespace that exists: the plain `service`; a
-        // missing one stays a share, which answers 500 as Gateway API asks.
-        [one] if one.namespace.is_none() && one.weight > 0 && one.found => {
+        // One Service of this namespace that exists: the plain `service`.
+        [one] if one.namespace.is_none() && one.weight > 0 && one.found && one.refused.is_none() => {
             r["service"] = json!(service_ref(one))
         }
         several => {
@@ -811,6 +841,9 @@ fn tunnel_backends(r: &mut serde_json::Value, backends: &[Resolved]) {
                     let mut v = json!({"name": b.name, "port": b.port, "weight": b.weight});
                     if let Some(ns) = &b.namespace {
                         v["namespace"] = json!(ns);
+                    }
+                    if let Some(why) = &b.refused {
+                        v["refused"] = json!(why);
                     }
                     v
                 })
@@ -954,6 +987,20 @@ pub fn plan(o: &Observed, s: Settings<'_>) -> Plan {
         check_conflicts(&mut ls);
         listeners.insert((gw.namespace().unwrap_or_default(), gw.name_any()), ls);
     }
+    // The edge's default host: one namespace's Gateways hold it (default_host.rs).
+    let default_holder = default_host::holder(&ours, |g, i| {
+        listeners.get(&(g.namespace().unwrap_or_default(), g.name_any())).is_some_and(|ls| ls[i].usable())
+    });
+    let default_ns = default_holder.and_then(|g| g.namespace());
+    for gw in &ours {
+        let Some(holder) = default_holder.filter(|_| gw.namespace() != default_ns) else { continue };
+        let ls =
+            listeners.get_mut(&(gw.namespace().unwrap_or_default(), gw.name_any())).expect("listed above");
+        for l in ls.iter_mut().filter(|l| l.usable() && default_host::is_default_listener(&l.spec)) {
+            l.conflicted = Some(("HostnameConflict", default_host::conflict_message(&l.spec.name, holder)));
+        }
+    }
+    let mut default_routes = default_host::DefaultRoutes::new();
 
     // Routes, oldest first.
     let mut routes: Vec<&Route> = o.routes.iter().collect();
@@ -1025,6 +1072,7 @@ pub fn plan(o: &Observed, s: Settings<'_>) -> Plan {
                             tls_hosts: &mut tls_hosts,
                             tcp_listeners: &mut tcp_listeners,
                             contributed: &mut contributed_hosts,
+                            default_routes: &mut default_routes,
                         },
                     );
                     match outcome {
@@ -1212,6 +1260,39 @@ pub fn plan(o: &Observed, s: Settings<'_>) -> Plan {
             owners,
             serves: host.clone(),
         });
+    }
+    if let (Some(holder), Some(ns)) = (default_holder, &default_ns)
+        && let Some(routes) = default_routes.remove(ns)
+    {
+        let name = object_name("gw-default", ns);
+        if let Some(domain) = domain_for(ns, default_host::HOST, &name, o, s, &mut p) {
+            let owners: Vec<OwnerReference> = ours
+                .iter()
+                .filter(|g| g.namespace().as_ref() == Some(ns))
+                .filter(|g| g.spec.listeners.iter().any(default_host::is_default_listener))
+                .map(|g| default_host::gateway_owner(g))
+                .collect();
+            let owners = if owners.is_empty() { vec![default_host::gateway_owner(holder)] } else { owners };
+            if let Some(d) = p.domains.iter_mut().find(|d| d.namespace == *ns && d.name == name) {
+                d.owners = owners.clone();
+            }
+            p.tunnels.push(Child {
+                namespace: ns.clone(),
+                name,
+                spec: TunnelSpec {
+                    service: None,
+                    routes,
+                    protocol: TunnelProtocol::Http,
+                    domain: Some(domain),
+                    tcp_port: None,
+                    udp_port: None,
+                    proxy_protocol: None,
+                    options: HttpOptions::default(),
+                },
+                owners,
+                serves: default_host::HOST.into(),
+            });
+        }
     }
     for ((ns, host), (owner, service, _)) in &tls_hosts {
         let name = object_name("gw", host);
@@ -1454,6 +1535,8 @@ struct TranslateOut<'a> {
     tcp_listeners: &'a mut TcpClaims,
     /// Hosts this route already gave (through another parent or listener).
     contributed: &'a mut BTreeSet<String>,
+    /// Gateway namespace → the rules of its default host.
+    default_routes: &'a mut default_host::DefaultRoutes,
 }
 
 /// Translates a route attached to listeners `idx` into what it gives; the
@@ -1474,7 +1557,7 @@ fn translate(
         let Rules::L4(rules) = &route.rules else { unreachable!() };
         let refs: Vec<BackendRef> = rules.iter().flat_map(|r| r.backend_refs.clone()).collect();
         let mut problems = Vec::new();
-        let backends = resolve_refs(route, &refs, o, &mut problems);
+        let backends = usable(resolve_refs(route, &refs, o, &mut problems));
         let [one] = backends.as_slice() else {
             return Err((
                 "UnsupportedValue",
@@ -1526,15 +1609,23 @@ fn translate(
         return Ok(format!("published at {}", ports.join(", ")));
     }
 
-    // Hosts of this route on these listeners.
+    // Hosts of this route on these listeners; on a listener without hostname,
+    // what no Domain publishes goes to the default host (`None`: every host).
     let mut hosts: Vec<(String, bool)> = Vec::new();
+    let mut on_default: Vec<Option<String>> = Vec::new();
+    let http = !matches!(route.rules, Rules::L4(_));
     for i in idx {
         let l = &ls[*i].spec;
+        let default_listener = http && default_host::is_default_listener(l);
         for h in intersect(&route.hostnames, l.hostname.as_deref()) {
             match h {
-                None => ignored.push("the listener and the route name no hostname: culvert publishes named hosts, give spec.hostnames".to_string()),
+                h if default_listener && h.as_deref().is_none_or(|h| h.starts_with("*.")) => on_default.push(h),
+                None => ignored.push("the listener and the route name no hostname: TLS passthrough needs a named host, give spec.hostnames".to_string()),
                 Some(h) if h.starts_with("*.") => ignored.push(format!("wildcard host {h} is not published: culvert publishes one name per host, name each in spec.hostnames")),
                 Some(h) => {
+                    if default_listener {
+                        on_default.push(Some(h.clone()));
+                    }
                     let delegated = l.hostname.as_deref().is_some_and(|lh| host_matches(lh, &h));
                     match hosts.iter_mut().find(|(x, _)| *x == h) {
                         Some(e) => e.1 |= delegated,
@@ -1554,6 +1645,9 @@ fn translate(
     let mut published = Vec::new();
     for (h, delegated) in hosts {
         if !(has_domain(&h) || delegated && s.domain_policy == DomainPolicy::Auto) {
+            if on_default.contains(&Some(h.clone())) {
+                continue; // matched by host on the default host
+            }
             let why = if delegated {
                 format!(
                     "host {h}: the operator runs with --domain-policy require and namespace {} has no Domain for it: create one (spec.name or spec.fqdn)",
@@ -1568,6 +1662,7 @@ fn translate(
             ignored.push(why);
             continue;
         }
+        on_default.retain(|d| d.as_deref() != Some(h.as_str()));
         published.push(h);
     }
 
@@ -1575,7 +1670,7 @@ fn translate(
         Rules::L4(rules) => {
             let refs: Vec<BackendRef> = rules.iter().flat_map(|r| r.backend_refs.clone()).collect();
             let mut problems = Vec::new();
-            let backends = resolve_refs(route, &refs, o, &mut problems);
+            let backends = usable(resolve_refs(route, &refs, o, &mut problems));
             let [one] = backends.as_slice() else {
                 return Err((
                     "UnsupportedValue",
@@ -1636,6 +1731,22 @@ fn translate(
                 Rules::L4(_) => unreachable!(),
             }
             let mut served = Vec::new();
+            if !on_default.is_empty() {
+                // Every host (a route without hostnames), or the hosts it names.
+                let hosts: Vec<String> = if on_default.contains(&None) {
+                    Vec::new()
+                } else {
+                    on_default.into_iter().flatten().collect()
+                };
+                if out.contributed.insert(format!("{} {gw_ns}", default_host::HOST)) {
+                    let rules = default_host::rules_for(&tunnel_routes, &hosts, &route.namespace, gw_ns);
+                    out.default_routes.entry(gw_ns.to_string()).or_default().extend(rules);
+                }
+                served.push(match hosts.is_empty() {
+                    true => "the edge's default host (every host no reservation holds)".to_string(),
+                    false => format!("the edge's default host for {}", hosts.join(", ")),
+                });
+            }
             for h in published {
                 let key = (route.namespace.clone(), h.clone());
                 if out.tls_hosts.contains_key(&key) {
@@ -2034,10 +2145,45 @@ mod tests {
         assert_eq!(resolved(&plan1, "kind"), ("False", "InvalidKind"));
         assert_eq!(resolved(&plan1, "missing"), ("False", "BackendNotFound"));
         assert!(!plan1.route_status.iter().any(|(_, _, n, _)| n == "foreign"), "not our Gateway: no status");
-        // Refused backends are left out: the rule answers 500.
-        let cross = plan1.tunnels.iter().find(|t| t.serves == "c.edge.test").unwrap();
-        assert_eq!(cross.spec.routes[0].service, None);
-        assert!(cross.spec.routes[0].backends.is_empty());
+        // A refused or missing backend keeps its share, marked refused (or
+        // left for the Tunnel to find missing): its requests answer 500.
+        let route_of = |p: &Plan, host: &str| {
+            serde_json::to_value(&p.tunnels.iter().find(|t| t.serves == host).unwrap().spec.routes[0])
+                .unwrap()
+        };
+        let cross = route_of(&plan1, "c.edge.test");
+        assert_eq!(cross["service"], json!(null));
+        assert_eq!(cross["backends"][0]["namespace"], "infra");
+        assert!(
+            cross["backends"][0]["refused"].as_str().unwrap().contains("needs a ReferenceGrant"),
+            "{cross}"
+        );
+        let kind = route_of(&plan1, "k.edge.test");
+        assert_eq!(kind["backends"][0]["weight"], 1);
+        assert!(kind["backends"][0]["refused"].as_str().unwrap().contains("only Services"), "{kind}");
+        let missing = route_of(&plan1, "m.edge.test");
+        assert_eq!(missing["backends"], json!([{"name": "gone", "port": 80, "weight": 1}]), "{missing}");
+        // In a split, each refused backendRef keeps its weight.
+        let mut split = o.clone();
+        split.routes = vec![http(
+            "split",
+            1,
+            &["s.edge.test"],
+            p(json!({"name": "edge", "namespace": "infra"})),
+            json!([{"backendRefs": [{"name": "a", "port": 80, "weight": 50},
+                {"name": "db", "namespace": "infra", "port": 5432, "weight": 30},
+                {"kind": "Bucket", "group": "x.io", "name": "b", "weight": 20}]},
+                {"matches": [{"path": {"type": "Exact", "value": "/moved"}}],
+                 "filters": [{"type": "RequestRedirect", "requestRedirect": {"hostname": "x.example"}}],
+                 "backendRefs": [{"kind": "Bucket", "group": "x.io", "name": "b"}]}]),
+        )];
+        let ps = plan(&split, S);
+        let t = &ps.tunnels[0].spec.routes;
+        let shares: Vec<(u32, bool)> =
+            t[0].backends.iter().map(|b| (b.weight, b.refused.is_some())).collect();
+        assert_eq!(shares, [(50, false), (30, true), (20, true)]);
+        assert!(t[1].backends.is_empty() && t[1].service.is_none(), "a redirect uses no backend");
+        assert_eq!(resolved(&ps, "split"), ("False", "RefNotPermitted"), "the first problem's reason");
         // With a grant the other namespace's Service is a backend, namespace and all.
         o.grants = vec![obj(
             json!({"apiVersion": "gateway.networking.k8s.io/v1beta1", "kind": "ReferenceGrant",
@@ -2048,12 +2194,18 @@ mod tests {
         assert_eq!(resolved(&plan2, "cross"), ("True", "ResolvedRefs"));
         let cross = plan2.tunnels.iter().find(|t| t.serves == "c.edge.test").unwrap();
         assert_eq!(cross.spec.routes[0].backends[0].namespace.as_deref(), Some("infra"));
-        // A namespace without a Domain, on a listener without hostname: not published.
+        // A namespace without a Domain, on a listener without hostname: on the
+        // edge's default host, matched by host, its backends in its own namespace.
         o.gateways[0].spec.listeners[0].hostname = None;
         let plan3 = plan(&o, S);
-        let (status, reason, msg) = accepted(&plan3, "missing");
-        assert_eq!((status, reason), ("False", "NotAllowedByListeners"));
-        assert!(msg.contains("create a Domain"), "{msg}");
+        let (status, _, msg) = accepted(&plan3, "missing");
+        assert_eq!(status, "True", "{msg}");
+        assert!(msg.contains("default host for m.edge.test"), "{msg}");
+        let any = plan3.tunnels.iter().find(|t| t.serves == "*").expect("the default host's Tunnel");
+        assert_eq!(any.namespace, "infra", "in the Gateway's namespace");
+        let rule = any.spec.routes.iter().find(|r| r.hosts == ["m.edge.test"]).expect("its rule");
+        assert_eq!(rule.backends[0].namespace.as_deref(), Some(o.routes[0].namespace.as_str()));
+        assert!(plan3.domains.iter().any(|d| d.namespace == "infra" && d.spec.fqdn.as_deref() == Some("*")));
         // TCP: routes of another namespace than the listener's (allowedRoutes Same).
         let tcp: TCPRoute = obj(json!({"apiVersion": "gateway.networking.k8s.io/v1", "kind": "TCPRoute",
             "metadata": {"name": "db", "namespace": "web", "uid": "u-db"},
@@ -2082,6 +2234,68 @@ mod tests {
         let t = plan6.tunnels.iter().find(|t| t.spec.protocol == TunnelProtocol::Udp).unwrap();
         assert_eq!(t.spec.udp_port.as_deref(), Some(t.name.as_str()));
         assert_eq!(t.spec.tcp_port, None);
+    }
+
+    /// Listeners without hostname: the routes of every Gateway of the oldest
+    /// namespace's on the default host, merged into one Tunnel there; another
+    /// namespace's such listener is Conflicted and not programmed.
+    #[test]
+    fn listeners_without_hostname_share_the_default_host_of_the_oldest_namespace() {
+        let mut o = world();
+        let gw = |ns: &str, name: &str, created: u32| -> Gateway {
+            obj(json!({"apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway",
+                "metadata": {"name": name, "namespace": ns, "uid": format!("g-{ns}-{name}"), "generation": 1,
+                    "creationTimestamp": format!("2026-01-01T00:00:{created:02}Z")},
+                "spec": {"gatewayClassName": "culvert", "listeners": [
+                    {"name": "http", "protocol": "HTTP", "port": 80, "allowedRoutes": {"namespaces": {"from": "All"}}}]}}))
+        };
+        o.gateways = vec![gw("late", "g", 9), gw("web", "a", 1), gw("web", "b", 2)];
+        let to = |name: &str| json!({"name": name, "namespace": "web"});
+        let rules = |svc: &str| json!([{"backendRefs": [{"name": svc, "port": 80}]}]);
+        o.routes = vec![
+            http("any", 1, &[], to("a"), rules("a")),
+            http("named", 2, &["a.example.com"], to("b"), rules("b")),
+            http("elsewhere", 3, &[], json!({"name": "g", "namespace": "late"}), rules("a")),
+        ];
+        let p = plan(&o, S);
+        assert_eq!(accepted(&p, "any").0, "True");
+        assert!(
+            accepted(&p, "named").2.contains("default host for a.example.com"),
+            "{:?}",
+            accepted(&p, "named")
+        );
+        let (status, reason, _) = accepted(&p, "elsewhere");
+        assert_eq!((status, reason), ("False", "NoMatchingParent"));
+        let t: Vec<_> = p.tunnels.iter().filter(|t| t.serves == "*").collect();
+        assert_eq!(t.len(), 1, "one Tunnel for the namespace's Gateways");
+        assert_eq!(t[0].namespace, "web");
+        let hosts: Vec<Vec<String>> = t[0].spec.routes.iter().map(|r| r.hosts.clone()).collect();
+        assert_eq!(
+            hosts,
+            [vec![], vec!["a.example.com".to_string()]],
+            "oldest route first, each with its hosts"
+        );
+        let owners: Vec<&str> = t[0].owners.iter().map(|o| o.name.as_str()).collect();
+        assert_eq!(owners, ["a", "b"]);
+        let (_, _, late) = p.gateway_status.iter().find(|(ns, _, _)| ns == "late").unwrap();
+        let c = |t: &str| late.listeners[0].conditions.iter().find(|c| c.type_ == t).unwrap().clone();
+        assert_eq!(
+            (c("Conflicted").status.as_str(), c("Conflicted").reason.as_str()),
+            ("True", "HostnameConflict")
+        );
+        assert!(c("Conflicted").message.contains("Gateway web/a"), "{}", c("Conflicted").message);
+        assert_eq!(c("Programmed").status, "False");
+        // The holder gone, the next oldest namespace takes it.
+        o.gateways.retain(|g| g.namespace().as_deref() != Some("web"));
+        let p = plan(&o, S);
+        assert_eq!(accepted(&p, "elsewhere").0, "True");
+        assert!(p.tunnels.iter().any(|t| t.serves == "*" && t.namespace == "late"));
+        let rule = &p.tunnels.iter().find(|t| t.serves == "*").unwrap().spec.routes[0];
+        assert_eq!(
+            rule.backends[0].namespace.as_deref(),
+            Some("web"),
+            "the route's Services, in its namespace"
+        );
     }
 
     #[test]
