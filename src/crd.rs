@@ -328,6 +328,12 @@ pub struct WeightedServiceRef {
     /// it; otherwise this share answers 500.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub namespace: Option<String>,
+    /// Why this share cannot be used, when the Gateway API controller
+    /// refuses its backendRef (a kind other than Service, a Service of
+    /// another namespace without a ReferenceGrant, no port): its requests
+    /// answer 500, as Gateway API asks, and `name` and `port` are not used.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refused: Option<String>,
 }
 
 fn default_weight() -> u32 {
@@ -634,7 +640,10 @@ impl TunnelSpec {
     /// Names of every Service the Tunnel sends traffic to.
     pub fn services(&self) -> impl Iterator<Item = &str> {
         self.service.iter().map(|s| s.name.as_str()).chain(self.routes.iter().flat_map(|r| {
-            r.service.iter().map(|s| s.name.as_str()).chain(r.backends.iter().map(|b| b.name.as_str()))
+            r.service
+                .iter()
+                .map(|s| s.name.as_str())
+                .chain(r.backends.iter().filter(|b| b.refused.is_none()).map(|b| b.name.as_str()))
         }))
     }
 

@@ -300,6 +300,14 @@ async fn httproute_end_to_end_with_statuses_and_a_live_change() {
     .await
     .unwrap();
 
+    // The listener's certificate must resolve (a Secret with a PEM pair),
+    // though the edge serves its own.
+    let pair = rcgen::generate_simple_self_signed(vec!["gw.edge.test".to_string()]).unwrap();
+    f.create::<k8s_openapi::api::core::v1::Secret>(json!({
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "unused"}, "type": "kubernetes.io/tls",
+        "stringData": {"tls.crt": pair.cert.pem(), "tls.key": pair.signing_key.serialize_pem()},
+    }))
+    .await;
     f.create::<Gateway>(gateway(
         "edge",
         &class,
@@ -976,6 +984,104 @@ async fn httproute_weights_matches_and_filters_through_the_whole_path() {
         }
     }
     assert!((140..=180).contains(&a), "A got {a} of 200 requests, want 160 ± 20");
+    finish(f, &class, stop, task).await;
+}
+
+/// Gateway API: a request to a rule whose backendRef cannot be used answers
+/// 500 (HTTPRouteInvalidNonExistentBackendRef, ...UnknownKind,
+/// ...CrossNamespaceBackendRef), and in a weighted split the refused
+/// backendRef keeps its share of 500s; a Service without ready endpoints
+/// answers 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_backend_refs_answer_500_and_keep_their_share_of_a_split() {
+    let Some((f, class)) = fixture("gw-invalid").await else { return };
+    let Some(backends) = NetnsHost::create() else { return };
+    http_backend(&backends, 8001, "A");
+    service_with_endpoints(&f, "a", &backends.ip, json!({}), &[("http", 80, 8001, "TCP")]).await;
+    // A Service without endpoints.
+    f.create::<Service>(json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "idle"},
+        "spec": {"ports": [{"name": "http", "port": 80, "targetPort": 8001}]}}))
+        .await;
+    let (stop, task) = f.operator();
+    f.create::<Gateway>(gateway(
+        "edge",
+        &class,
+        json!([{"name": "https", "protocol": "HTTPS", "port": 443, "hostname": "*.edge.test"}]),
+    ))
+    .await;
+    let host = format!("i{}.edge.test", f.suffix());
+    let other = format!("{}-elsewhere", f.ns.name);
+    let one = |path: &str, backend: Value| json!([{"matches": [{"path": {"type": "PathPrefix", "value": path}}], "backendRefs": [backend]}]);
+    let cases = [
+        ("missing", "/missing", json!({"name": "gone", "port": 80}), "BackendNotFound"),
+        ("kind", "/kind", json!({"group": "example.org", "kind": "Bucket", "name": "a"}), "InvalidKind"),
+        ("cross", "/cross", json!({"name": "a", "namespace": other, "port": 80}), "RefNotPermitted"),
+    ];
+    for (name, path, backend, _) in &cases {
+        f.create::<HTTPRoute>(http_route(
+            name,
+            json!({"name": "edge"}),
+            &[&host],
+            one(path, backend.clone()),
+        ))
+        .await;
+    }
+    f.create::<HTTPRoute>(http_route(
+        "idle",
+        json!({"name": "edge"}),
+        &[&host],
+        json!([prefix_to("/idle", "idle", 80)]),
+    ))
+    .await;
+    // A split: A 50, an unknown kind 25, a Service of another namespace without a grant 25.
+    f.create::<HTTPRoute>(http_route(
+        "split",
+        json!({"name": "edge"}),
+        &[&host],
+        json!([
+        {"matches": [{"path": {"type": "PathPrefix", "value": "/split"}}],
+         "backendRefs": [{"name": "a", "port": 80, "weight": 50},
+            {"group": "example.org", "kind": "Bucket", "name": "b", "weight": 25},
+            {"name": "a", "namespace": other, "port": 80, "weight": 25}]}]),
+    ))
+    .await;
+    for (name, _, _, reason) in &cases {
+        let v = wait_route::<HTTPRoute>(&f, name, "edge", "ResolvedRefs", "False", reason).await;
+        assert_eq!(
+            route_condition(&v, "edge", "Accepted").unwrap()["status"],
+            "True",
+            "{name}: still served"
+        );
+    }
+    let v = wait_route::<HTTPRoute>(&f, "split", "edge", "ResolvedRefs", "False", "InvalidKind").await;
+    let msg = route_condition(&v, "edge", "ResolvedRefs").unwrap()["message"].as_str().unwrap().to_string();
+    assert!(msg.contains("only Services") && msg.contains("needs a ReferenceGrant"), "both named: {msg}");
+
+    f.get_until(&host, "/split/x", |s, b| s == StatusCode::OK && b.starts_with("A ")).await;
+    for (_, path, _, _) in &cases {
+        let (status, body) = f.edge.client().get(&host, path).await;
+        assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{path}: {body}");
+    }
+    let (status, body) = f.edge.client().get(&host, "/idle").await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "no ready endpoints: {body}");
+
+    // The refused half of the split answers 500: over 200 requests, 100 ± 25
+    // (the binomial standard deviation is 7.1, so this fails by chance < 1e-3).
+    let mut errors = 0;
+    for i in 0..200 {
+        let (status, body) = f.edge.client().get(&host, &format!("/split/{i}")).await;
+        match status {
+            StatusCode::OK => assert!(body.starts_with("A "), "{body}"),
+            StatusCode::INTERNAL_SERVER_ERROR => errors += 1,
+            s => panic!("{s}: {body}"),
+        }
+    }
+    assert!((75..=125).contains(&errors), "{errors} of 200 requests answered 500, want 100 ± 25");
+
+    // The missing Service created: its rule is served.
+    service_with_endpoints(&f, "gone", &backends.ip, json!({}), &[("http", 80, 8001, "TCP")]).await;
+    wait_route::<HTTPRoute>(&f, "missing", "edge", "ResolvedRefs", "True", "ResolvedRefs").await;
+    f.get_until(&host, "/missing", |s, b| s == StatusCode::OK && b == "A GET /missing").await;
     finish(f, &class, stop, task).await;
 }
 

@@ -276,7 +276,11 @@ async fn ingress_routes_paths_and_changes_them_live() {
     // A path to an ExternalName Service is refused (a Warning on the Ingress); the others still work.
     let msg = f.wait_event("shop", "Warning", "Degraded").await;
     assert!(msg.contains("route /ext") && msg.contains("ExternalName"), "{msg}");
-    assert_eq!(f.edge.client().get(&host, "/ext").await.0, StatusCode::NOT_FOUND);
+    assert_eq!(
+        f.edge.client().get(&host, "/ext").await.0,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "routed, not usable"
+    );
     assert_eq!(key_id(&f, &tunnel).await, key, "same tunnel key");
     ws.close(None).await.unwrap();
 

@@ -196,15 +196,21 @@ async fn a_dns_query_through_the_tunnel() {
 /// agent that cannot keep up (`culvert udp`, its own process, stopped with
 /// SIGSTOP for the second half of the flood): the edge drops what does not
 /// fit its queues (counted as `queue_full`), the memory of the edge and the
-/// agent stays bounded, and another tunnel keeps answering meanwhile.
+/// agent stays bounded, and another tunnel keeps answering meanwhile. After
+/// it, a reply larger than the tunnel carries (IPv6 allows 65 527 bytes) is
+/// dropped by the agent and counted in its `/metrics` (`--metrics-addr`).
 #[tokio::test]
 async fn a_flood_is_dropped_within_bounded_memory_and_other_tunnels_keep_working() {
     let edge = TestEdge::start().await;
     // Never reads: its receive buffer fills and the kernel drops the rest.
-    let sink = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    // On IPv6 loopback where there is one (its datagrams may be larger).
+    let sink =
+        std::net::UdpSocket::bind("[::1]:0").or_else(|_| std::net::UdpSocket::bind("127.0.0.1:0")).unwrap();
     let (port, key) = udp_tunnel_key(&edge).await;
+    let metrics = SocketAddr::from(([127, 0, 0, 1], net::free_port_range(1).first));
     let mut agent = tokio::process::Command::new(BIN)
         .args(["udp", &sink.local_addr().unwrap().to_string(), "--edge", &edge.url()])
+        .args(["--metrics-addr", &metrics.to_string()])
         .env("CULVERT_KEY", &key)
         .env("CULVERT_CA_FILE", &edge.ca_file)
         .env("RUST_LOG", "warn")
@@ -306,16 +312,57 @@ async fn a_flood_is_dropped_within_bounded_memory_and_other_tunnels_keep_working
     let mut buf = [0u8; 8];
     let probe = client(port).await;
     sink.set_nonblocking(true).unwrap();
-    let drain = |sink: &std::net::UdpSocket, buf: &mut [u8]| while sink.recv(buf).is_ok() {};
+    let drain = |sink: &std::net::UdpSocket, buf: &mut [u8]| {
+        let mut last = None;
+        while let Ok((_, from)) = sink.recv_from(buf) {
+            last = Some(from);
+        }
+        last
+    };
     drain(&sink, &mut buf);
-    net::wait_for("the resumed agent to carry a new flow", Duration::from_secs(30), || {
+    let flow = net::wait_for("the resumed agent to carry a new flow", Duration::from_secs(30), || {
         let _ = probe.try_send(b"probe");
-        drain(&sink, &mut buf);
-        (buf[..5] == *b"probe").then_some(())
+        let from = drain(&sink, &mut buf);
+        (buf[..5] == *b"probe").then_some(from).flatten()
     })
     .await;
     assert!(rss_of(agent_pid) < 128 * 1024, "agent RSS after catching up: {} KiB", rss_of(agent_pid));
     assert!(agent.try_wait().unwrap().is_none(), "the agent is still running");
+
+    // The agent's drops are exported: during the flood the backend never
+    // answered (nothing to drop) ...
+    let agent_dropped = |reason: &str| {
+        scrape(metrics).lines().find_map(|l| {
+            l.strip_prefix(&format!("culvert_agent_udp_replies_dropped_total{{reason=\"{reason}\"}} "))?
+                .parse::<f64>()
+                .ok()
+        })
+    };
+    assert_eq!(agent_dropped("oversize"), Some(0.0), "exported, nothing dropped yet");
+    if flow.is_ipv6() {
+        // ... then a reply larger than the tunnel carries is dropped and
+        // counted, and the next one reaches the client.
+        sink.send_to(&vec![7u8; 65_527], flow).unwrap();
+        sink.send_to(b"reply", flow).unwrap();
+        let mut got = [0u8; 16];
+        let n = tokio::time::timeout(Duration::from_secs(5), probe.recv(&mut got)).await.unwrap().unwrap();
+        assert_eq!(&got[..n], b"reply", "the oversize reply never reaches the client");
+        assert_eq!(agent_dropped("oversize"), Some(1.0));
+    } else {
+        eprintln!("no IPv6 loopback: the agent's oversize drop is not exercised");
+    }
+    assert_eq!(agent_dropped("queue_full"), Some(0.0), "the backend never answered the flood");
+}
+
+/// `GET /metrics` of the standalone agent's `--metrics-addr`.
+fn scrape(addr: SocketAddr) -> String {
+    use std::io::{Read, Write};
+    let mut tcp = std::net::TcpStream::connect(addr).expect("the agent serves --metrics-addr");
+    tcp.write_all(b"GET /metrics HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n").unwrap();
+    let mut text = String::new();
+    tcp.read_to_string(&mut text).unwrap();
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    text
 }
 
 /// Resident memory of process `pid` in KiB.

@@ -33,4 +33,9 @@ pub struct AgentArgs {
     /// Trust this PEM CA instead of the built-in Mozilla roots (for --self-signed edges).
     #[arg(long, env = "CULVERT_CA_FILE")]
     pub ca_file: Option<PathBuf>,
+
+    /// Serve `/metrics` (plain HTTP; what the agent drops) on this address,
+    /// e.g. 127.0.0.1:9091. Off by default.
+    #[arg(long, env = "CULVERT_METRICS_ADDR")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
 }

@@ -12,6 +12,7 @@ pub mod edges;
 pub(crate) mod filters;
 pub(crate) mod forward;
 pub(crate) mod guard;
+pub mod metrics;
 pub(crate) mod pipe;
 pub(crate) mod serve;
 
@@ -45,6 +46,8 @@ pub enum AgentError {
     KeyFile(#[from] crate::secret::SecretError),
     #[error("no tunnel key given: pass --key-file FILE or set CULVERT_KEY")]
     NoKey,
+    #[error("cannot listen on --metrics-addr {addr}: {source}")]
+    MetricsAddr { addr: std::net::SocketAddr, source: std::io::Error },
 }
 
 impl AgentError {
@@ -55,6 +58,7 @@ impl AgentError {
             AgentError::Connect(e) => e.category(),
             AgentError::KeyFile(e) => e.category(),
             AgentError::NoKey => "usage",
+            AgentError::MetricsAddr { .. } => "bind",
         }
     }
 }
@@ -240,6 +244,12 @@ pub async fn run_standalone(args: AgentArgs, protocol: Protocol) -> Result<(), A
         protocol: Some(protocol),
     };
     let shutdown = CancellationToken::new();
+    if let Some(addr) = args.metrics_addr {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|source| AgentError::MetricsAddr { addr, source })?;
+        tokio::spawn(metrics::serve(listener, shutdown.clone()));
+    }
     tokio::spawn(crate::shutdown_on_signal(shutdown.clone()));
     let shown = target.to_string();
     let on_ready: OnReady = Arc::new(move |info: &TunnelInfo| {

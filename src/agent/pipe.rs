@@ -2,7 +2,6 @@
 //! if asked), and upgraded HTTP streams once the backend switched protocols.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock};
 
 use http::header::{self, HeaderValue};
@@ -125,7 +124,8 @@ async fn dial_within(addr: &str, limit: std::time::Duration) -> Result<TcpStream
 /// Carries one UDP flow: a connected UDP socket to `addr`, datagrams from
 /// the stream's body sent on it (each after `proxy_header`, if any), and its
 /// replies queued into the response body. The queue toward the edge is
-/// bounded: a reply that does not fit is dropped and counted in [`UDP_REPLIES_DROPPED`].
+/// bounded: a reply that does not fit is dropped and counted
+/// ([`super::metrics::udp_reply_dropped`]).
 pub async fn udp(addr: String, proxy_header: Option<Vec<u8>>, body: Incoming) -> Response<BoxBody> {
     let socket = match udp_connect(&addr).await {
         Ok(s) => Arc::new(s),
@@ -191,11 +191,11 @@ pub async fn udp(addr: String, proxy_header: Option<Vec<u8>>, body: Incoming) ->
                     },
                 };
                 let Some(frame) = datagram::encode(&buf[..n.min(MAX_DATAGRAM + 1)]) else {
-                    UDP_REPLIES_DROPPED.fetch_add(1, Ordering::Relaxed);
+                    super::metrics::udp_reply_dropped("oversize");
                     continue;
                 };
                 if queue.offer(frame).is_err() {
-                    UDP_REPLIES_DROPPED.fetch_add(1, Ordering::Relaxed);
+                    super::metrics::udp_reply_dropped("queue_full");
                 }
             }
         }
@@ -203,10 +203,6 @@ pub async fn udp(addr: String, proxy_header: Option<Vec<u8>>, body: Incoming) ->
     );
     Response::new(body::boxed(replies))
 }
-
-/// Replies this agent process dropped (a flow's queue toward the edge full,
-/// or a reply larger than the limit).
-pub static UDP_REPLIES_DROPPED: AtomicU64 = AtomicU64::new(0);
 
 /// Replies queued toward the edge over every flow of this process.
 static UDP_QUEUED: LazyLock<Arc<datagram::Tally>> =

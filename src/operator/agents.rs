@@ -254,7 +254,15 @@ fn resolver(protocol: TunnelProtocol, routing: Arc<RwLock<Routing>>) -> Resolver
             }
         };
         if list.is_empty() {
-            return None;
+            // A route whose Service cannot be used (missing, no ready
+            // endpoints, its auth Secret unusable: the Tunnel's status says
+            // which): 503, as Gateway API asks of a backend without
+            // endpoints; never 404, which would say the path is not routed.
+            return answer(
+                http::StatusCode::SERVICE_UNAVAILABLE,
+                None,
+                "the backend of this route cannot be used (see the Tunnel's status)",
+            );
         }
         let addr = list[next.fetch_add(1, Ordering::Relaxed) % list.len()].clone();
         Some(match protocol {

@@ -80,6 +80,8 @@ impl Default for Metrics {
         );
         let leader = Gauge::default();
         r.register("leader", "1 while this replica reconciles", leader.clone());
+        // What this replica's agents drop (culvert_operator_udp_replies_dropped_total).
+        crate::agent::metrics::register(&mut r);
         Metrics {
             registry: Arc::new(r),
             reconciles,
@@ -403,5 +405,17 @@ pub struct Note {
 impl Note {
     pub fn new(warning: bool, reason: impl Into<String>, message: impl Into<String>) -> Note {
         Note { warning, reason: reason.into(), message: message.into() }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_agents_udp_drops_are_among_the_operators_metrics() {
+        let text = super::Metrics::default().encode();
+        for reason in ["queue_full", "oversize"] {
+            let series = format!("culvert_operator_udp_replies_dropped_total{{reason=\"{reason}\"}} ");
+            assert!(text.lines().any(|l| l.starts_with(&series)), "{series} in {text}");
+        }
     }
 }

@@ -307,6 +307,8 @@ async fn observe<E: EdgeApi>(edge: &E, t: &Tunnel, ctx: &Context) -> Result<Obse
         for b in &r.backends {
             let s = ServiceRef { name: b.name.clone(), port: b.port.clone() };
             let found = match b.namespace.as_deref().filter(|other| *other != ns) {
+                // Refused by the Gateway API controller: this share answers 500.
+                _ if b.refused.is_some() => Err(Error::Invalid(b.refused.clone().unwrap_or_default())),
                 None => backends(&s, ctx, &ns, false).await,
                 Some(other) => match granted_or_routed(ctx, &ns, other, &b.name).await {
                     Ok(true) => backends(&s, ctx, other, false).await.map_err(|e| match e {
@@ -1270,6 +1272,17 @@ mod tests {
         let secret = json!({"group": "", "kind": "Secret", "name": "api"});
         assert!(!grants(&grant(http_from_web, secret), "web", "api"));
         assert!(!grants(&json!({}), "web", "api"));
+    }
+
+    #[test]
+    fn a_refused_share_is_not_a_service_of_the_namespace() {
+        // The Gateway API controller marks a backendRef it refuses; its name
+        // (any kind's) is never checked or used as a Service.
+        let t = tunnel(json!({"domain": "web", "routes": [{"path": "/", "backends": [
+            {"name": "a", "port": 80, "weight": 2},
+            {"name": "my.bucket", "port": 0, "refused": "backendRef x.io/Bucket my.bucket: only Services"}]}]}));
+        assert!(validate(&t).is_ok());
+        assert_eq!(t.spec.services().collect::<Vec<_>>(), ["a"]);
     }
 
     #[test]

@@ -288,9 +288,9 @@ async fn cert_secrets(c: &Client, gateways: &[Gateway]) -> Result<BTreeMap<(Stri
     let mut out = BTreeMap::new();
     for g in gateways {
         let gw_ns = g.namespace().unwrap_or_default();
-        // Collected first: an iterator of closures held across the awaits below
-        // makes the future not Send for every lifetime (the operator is spawned).
-        let refs: Vec<_> =
+        // Collected first: an iterator of closures held across the awaits
+        // below makes the operator's future not `Send` for every lifetime.
+        let refs: Vec<(String, String)> =
             g.spec.listeners.iter().flat_map(|l| plan::certificate_refs(l, &gw_ns)).flatten().collect();
         for (ns, name) in refs {
             if name.is_empty() || out.contains_key(&(ns.clone(), name.clone())) {

@@ -673,10 +673,13 @@ struct Resolved {
     weight: u32,
     /// The Service exists (a missing one's share answers 500).
     found: bool,
+    /// Why the backendRef cannot be used (its share answers 500).
+    refused: Option<String>,
 }
 
-/// The backendRefs of a route checked: the usable ones of each rule, and
-/// `ResolvedRefs` (reason, message) when one is not.
+/// The backendRefs of a route checked, each with its weight (a refused
+/// one keeps its share, which answers 500), and `ResolvedRefs` (reason,
+/// message) when one cannot be used.
 fn resolve_refs(
     route: &Route,
     refs: &[BackendRef],
@@ -685,32 +688,51 @@ fn resolve_refs(
 ) -> Vec<Resolved> {
     let mut out = Vec::new();
     for b in refs {
+        let weight = b.weight.unwrap_or(1).clamp(0, 1_000_000) as u32;
+        let mut refuse = |reason: &'static str, why: String| {
+            problems.push((reason, why.clone()));
+            out.push(Resolved {
+                name: b.name.clone(),
+                namespace: b.namespace.clone(),
+                port: b.port.unwrap_or(0),
+                weight,
+                found: false,
+                refused: Some(why),
+            });
+        };
         let group = b.group.as_deref().unwrap_or("");
         let kind = b.kind.as_deref().unwrap_or("Service");
         if !group.is_empty() || kind != "Service" {
-            problems.push((
+            refuse(
                 "InvalidKind",
                 format!(
                     "backendRef {}/{kind} {}: only Services (group \"\", kind Service) are supported",
                     if group.is_empty() { "core" } else { group },
                     b.name
                 ),
-            ));
+            );
             continue;
         }
         let ns = b.namespace.clone().filter(|n| *n != route.namespace);
         if let Some(other) = &ns
             && !granted(&o.grants, route.kind.name(), &route.namespace, other, &b.name)
         {
-            problems.push((
+            refuse(
                 "RefNotPermitted",
                 format!(
                     "backendRef Service {other}/{}: a Service of another namespace needs a ReferenceGrant in namespace {other} from {} of namespace {} to Service {}",
-                    b.name, route.kind.name(), route.namespace, b.name
+                    b.name,
+                    route.kind.name(),
+                    route.namespace,
+                    b.name
                 ),
-            ));
+            );
             continue;
         }
+        let Some(port) = b.port else {
+            refuse("UnsupportedValue", format!("backendRef Service {}: port is required", b.name));
+            continue;
+        };
         let target_ns = ns.clone().unwrap_or_else(|| route.namespace.clone());
         let found = o.services.contains(&(target_ns.clone(), b.name.clone()));
         if !found {
@@ -718,14 +740,14 @@ fn resolve_refs(
                 .push(("BackendNotFound", format!("backendRef Service {target_ns}/{} not found", b.name)));
             // Still routed: its share answers 500 until the Service exists.
         }
-        let Some(port) = b.port else {
-            problems.push(("UnsupportedValue", format!("backendRef Service {}: port is required", b.name)));
-            continue;
-        };
-        let weight = b.weight.unwrap_or(1).clamp(0, 1_000_000) as u32;
-        out.push(Resolved { name: b.name.clone(), namespace: ns, port, weight, found });
+        out.push(Resolved { name: b.name.clone(), namespace: ns, port, weight, found, refused: None });
     }
     out
+}
+
+/// The backends that can be used (TLS, TCP and UDP routes carry one).
+fn usable(backends: Vec<Resolved>) -> Vec<Resolved> {
+    backends.into_iter().filter(|b| b.refused.is_none()).collect()
 }
 
 fn service_ref(r: &Resolved) -> ServiceRef {
@@ -747,6 +769,8 @@ fn http_rule_routes(
             ));
         }
     }
+    let redirects =
+        rule.filters.iter().any(|f| f.get("type").and_then(|t| t.as_str()) == Some("RequestRedirect"));
     let default_match = [HTTPRouteMatch::default()];
     let matches = if rule.matches.is_empty() { &default_match[..] } else { &rule.matches[..] };
     let mut out = Vec::new();
@@ -789,7 +813,10 @@ fn http_rule_routes(
         if let Some(method) = &m.method {
             r["method"] = json!(method.to_ascii_uppercase());
         }
-        tunnel_backends(&mut r, backends);
+        // A redirect answers every request of its rule: no backend is used.
+        if !redirects {
+            tunnel_backends(&mut r, backends);
+        }
         out.push(serde_json::from_value(r).map_err(|e| format!("cannot be served: {e}"))?);
     }
     Ok(out)
@@ -797,12 +824,14 @@ fn http_rule_routes(
 
 /// Sets `service` (one backend of this namespace) or `backends` (weighted)
 /// of a Tunnel route in JSON; none: the route answers 500 (or redirects).
+/// A refused backendRef keeps its weight as a share marked `refused`, and a
+/// missing Service stays a share: their requests answer 500, as Gateway API
+/// asks, and the others keep theirs.
 fn tunnel_backends(r: &mut serde_json::Value, backends: &[Resolved]) {
     match backends {
         [] => {}
-        // One Service of this namespace that exists: the plain `service`; a
-        // missing one stays a share, which answers 500 as Gateway API asks.
-        [one] if one.namespace.is_none() && one.weight > 0 && one.found => {
+        // One Service of this namespace that exists: the plain `service`.
+        [one] if one.namespace.is_none() && one.weight > 0 && one.found && one.refused.is_none() => {
             r["service"] = json!(service_ref(one))
         }
         several => {
@@ -812,6 +841,9 @@ fn tunnel_backends(r: &mut serde_json::Value, backends: &[Resolved]) {
                     let mut v = json!({"name": b.name, "port": b.port, "weight": b.weight});
                     if let Some(ns) = &b.namespace {
                         v["namespace"] = json!(ns);
+                    }
+                    if let Some(why) = &b.refused {
+                        v["refused"] = json!(why);
                     }
                     v
                 })
@@ -1525,7 +1557,7 @@ fn translate(
         let Rules::L4(rules) = &route.rules else { unreachable!() };
         let refs: Vec<BackendRef> = rules.iter().flat_map(|r| r.backend_refs.clone()).collect();
         let mut problems = Vec::new();
-        let backends = resolve_refs(route, &refs, o, &mut problems);
+        let backends = usable(resolve_refs(route, &refs, o, &mut problems));
         let [one] = backends.as_slice() else {
             return Err((
                 "UnsupportedValue",
@@ -1638,7 +1670,7 @@ fn translate(
         Rules::L4(rules) => {
             let refs: Vec<BackendRef> = rules.iter().flat_map(|r| r.backend_refs.clone()).collect();
             let mut problems = Vec::new();
-            let backends = resolve_refs(route, &refs, o, &mut problems);
+            let backends = usable(resolve_refs(route, &refs, o, &mut problems));
             let [one] = backends.as_slice() else {
                 return Err((
                     "UnsupportedValue",
@@ -2113,10 +2145,45 @@ mod tests {
         assert_eq!(resolved(&plan1, "kind"), ("False", "InvalidKind"));
         assert_eq!(resolved(&plan1, "missing"), ("False", "BackendNotFound"));
         assert!(!plan1.route_status.iter().any(|(_, _, n, _)| n == "foreign"), "not our Gateway: no status");
-        // Refused backends are left out: the rule answers 500.
-        let cross = plan1.tunnels.iter().find(|t| t.serves == "c.edge.test").unwrap();
-        assert_eq!(cross.spec.routes[0].service, None);
-        assert!(cross.spec.routes[0].backends.is_empty());
+        // A refused or missing backend keeps its share, marked refused (or
+        // left for the Tunnel to find missing): its requests answer 500.
+        let route_of = |p: &Plan, host: &str| {
+            serde_json::to_value(&p.tunnels.iter().find(|t| t.serves == host).unwrap().spec.routes[0])
+                .unwrap()
+        };
+        let cross = route_of(&plan1, "c.edge.test");
+        assert_eq!(cross["service"], json!(null));
+        assert_eq!(cross["backends"][0]["namespace"], "infra");
+        assert!(
+            cross["backends"][0]["refused"].as_str().unwrap().contains("needs a ReferenceGrant"),
+            "{cross}"
+        );
+        let kind = route_of(&plan1, "k.edge.test");
+        assert_eq!(kind["backends"][0]["weight"], 1);
+        assert!(kind["backends"][0]["refused"].as_str().unwrap().contains("only Services"), "{kind}");
+        let missing = route_of(&plan1, "m.edge.test");
+        assert_eq!(missing["backends"], json!([{"name": "gone", "port": 80, "weight": 1}]), "{missing}");
+        // In a split, each refused backendRef keeps its weight.
+        let mut split = o.clone();
+        split.routes = vec![http(
+            "split",
+            1,
+            &["s.edge.test"],
+            p(json!({"name": "edge", "namespace": "infra"})),
+            json!([{"backendRefs": [{"name": "a", "port": 80, "weight": 50},
+                {"name": "db", "namespace": "infra", "port": 5432, "weight": 30},
+                {"kind": "Bucket", "group": "x.io", "name": "b", "weight": 20}]},
+                {"matches": [{"path": {"type": "Exact", "value": "/moved"}}],
+                 "filters": [{"type": "RequestRedirect", "requestRedirect": {"hostname": "x.example"}}],
+                 "backendRefs": [{"kind": "Bucket", "group": "x.io", "name": "b"}]}]),
+        )];
+        let ps = plan(&split, S);
+        let t = &ps.tunnels[0].spec.routes;
+        let shares: Vec<(u32, bool)> =
+            t[0].backends.iter().map(|b| (b.weight, b.refused.is_some())).collect();
+        assert_eq!(shares, [(50, false), (30, true), (20, true)]);
+        assert!(t[1].backends.is_empty() && t[1].service.is_none(), "a redirect uses no backend");
+        assert_eq!(resolved(&ps, "split"), ("False", "RefNotPermitted"), "the first problem's reason");
         // With a grant the other namespace's Service is a backend, namespace and all.
         o.grants = vec![obj(
             json!({"apiVersion": "gateway.networking.k8s.io/v1beta1", "kind": "ReferenceGrant",
