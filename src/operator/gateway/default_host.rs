@@ -77,8 +77,13 @@ pub fn rules_for(routes: &[TunnelRoute], hosts: &[String], route_ns: &str, gw_ns
             r.hosts = hosts.to_vec();
             if route_ns != gw_ns {
                 if let Some(s) = r.service.take() {
-                    r.backends =
-                        vec![WeightedServiceRef { name: s.name, namespace: None, port: s.port, weight: 1 }];
+                    r.backends = vec![WeightedServiceRef {
+                        name: s.name,
+                        namespace: None,
+                        port: s.port,
+                        weight: 1,
+                        refused: None,
+                    }];
                 }
                 for b in &mut r.backends {
                     b.namespace = match b.namespace.take() {
@@ -123,12 +128,14 @@ mod tests {
                     namespace: None,
                     port: IntOrString::Int(80),
                     weight: 1,
+                    refused: None,
                 },
                 WeightedServiceRef {
                     name: "b".into(),
                     namespace: Some("infra".into()),
                     port: IntOrString::Int(80),
                     weight: 1,
+                    refused: None,
                 },
             ],
             ..Default::default()
