@@ -186,3 +186,63 @@ fn unsafe_kill(pid: i32) {
     let status = std::process::Command::new("kill").arg("-TERM").arg(pid.to_string()).status().unwrap();
     assert!(status.success());
 }
+
+/// The default host with real processes: the admin allows an endpoints key
+/// the default host (`api-key update --custom-domain '*'`), the key reserves
+/// it (`domain reserve --fqdn '*'`, listed as `default host`), `culvert http`
+/// publishes on it and a request to the edge's address reaches the backend.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_host_from_the_command_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = dir.path().join("ca.pem");
+    let ports = net::free_port_range(2).to_string();
+    let mut e = edge(dir.path(), "127.0.0.1:0", &ports);
+    let ready = e.line("culvert edge ready").await;
+    let https = field(&ready, "https").to_string();
+    let url = format!("https://{https}");
+    let admin_key = std::fs::read_to_string(field(&ready, "admin_key_file")).unwrap().trim().to_string();
+    let (ok, key, err) =
+        admin(&url, &admin_key, &ca, &["api-key", "create", "--name", "lb", "--scope", "endpoints"]).await;
+    assert!(ok, "{err}");
+    let (_, list, _) = admin(&url, &admin_key, &ca, &["-o", "json", "api-key", "list"]).await;
+    let list: serde_json::Value = serde_json::from_str(&list).unwrap();
+    let id = list["items"].as_array().unwrap().iter().find(|k| k["name"] == "lb").unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+
+    let (ok, _, err) = admin(&url, &key, &ca, &["domain", "reserve", "--fqdn", "*"]).await;
+    assert!(!ok);
+    assert!(err.contains(&format!("culvert admin api-key update {id} --custom-domain '*'")), "{err}");
+    let (ok, table, err) =
+        admin(&url, &admin_key, &ca, &["api-key", "update", &id, "--custom-domain", "*"]).await;
+    assert!(ok, "{err}");
+    assert!(table.contains("CUSTOM DOMAINS") && table.contains(" * "), "{table}");
+    let (ok, host, err) = admin(&url, &key, &ca, &["domain", "reserve", "--fqdn", "*"]).await;
+    assert!(ok && host == "*", "{host} {err}");
+    let (_, table, _) = admin(&url, &key, &ca, &["domain", "list"]).await;
+    assert!(table.contains("default host"), "{table}");
+    let (ok, secret, err) = admin(&url, &key, &ca, &["tunnel-key", "create", "--domain", "*"]).await;
+    assert!(ok, "{err}");
+
+    net::init();
+    let backend = net::http_backend().await.port().to_string();
+    let mut agent =
+        Proc::spawn(&["http", &backend, "--edge", &url, "--key", &secret, "--ca-file", ca.to_str().unwrap()]);
+    agent.line("Forwarding").await;
+    let out = Command::new("curl")
+        .args(["-sS", "--fail", "--max-time", "10", "--cacert", ca.to_str().unwrap()])
+        .arg(format!("https://{https}/"))
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success(), "curl: {}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "hello from backend");
+    // Taken away: the key's next reservation of it is refused (what it holds stays).
+    let (ok, _, err) = admin(&url, &admin_key, &ca, &["api-key", "update", &id, "--no-custom-domains"]).await;
+    assert!(ok, "{err}");
+    let (ok, _, _) = admin(&url, &key, &ca, &["domain", "release", "*"]).await;
+    assert!(ok);
+    let (ok, _, err) = admin(&url, &key, &ca, &["domain", "reserve", "--fqdn", "*"]).await;
+    assert!(!ok && err.contains("may not hold the edge's default host"), "{err}");
+}

@@ -156,7 +156,15 @@ impl HostMatch {
 
 /// A request's host as `hosts` compare it: lower case, no port, no trailing dot.
 pub fn request_host_name(host: &str) -> String {
-    crate::edge::routes::normalize_host(host)
+    let host = host.trim();
+    let host = match host.strip_prefix('[') {
+        Some(rest) => rest.split(']').next().unwrap_or_default(),
+        None => match host.rsplit_once(':') {
+            Some((h, p)) if !h.contains(':') && p.bytes().all(|b| b.is_ascii_digit()) => h,
+            _ => host,
+        },
+    };
+    host.trim_end_matches('.').to_ascii_lowercase()
 }
 
 impl Conditions {
