@@ -320,9 +320,12 @@ pub struct WeightedServiceRef {
     #[schemars(with = "i32", range(min = 0, max = 1_000_000))]
     pub weight: u32,
     /// A Service of another namespace (the Gateway API controller writes
-    /// this for a granted cross-namespace backendRef): used only while a
-    /// ReferenceGrant of that namespace lets Gateway API routes of the
-    /// Tunnel's namespace refer to the Service; otherwise this share answers 500.
+    /// this for a granted cross-namespace backendRef, and for a route of
+    /// that namespace on the default host of a Gateway of the Tunnel's): used
+    /// only while a ReferenceGrant of that namespace lets Gateway API routes
+    /// of the Tunnel's namespace refer to the Service, or a route of that
+    /// namespace attached to a Gateway of the Tunnel's namespace sends to
+    /// it; otherwise this share answers 500.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub namespace: Option<String>,
     /// Why this share cannot be used, when the Gateway API controller

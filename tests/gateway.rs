@@ -300,6 +300,14 @@ async fn httproute_end_to_end_with_statuses_and_a_live_change() {
     .await
     .unwrap();
 
+    // The listener's certificate must resolve (a Secret with a PEM pair),
+    // though the edge serves its own.
+    let pair = rcgen::generate_simple_self_signed(vec!["gw.edge.test".to_string()]).unwrap();
+    f.create::<k8s_openapi::api::core::v1::Secret>(json!({
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "unused"}, "type": "kubernetes.io/tls",
+        "stringData": {"tls.crt": pair.cert.pem(), "tls.key": pair.signing_key.serialize_pem()},
+    }))
+    .await;
     f.create::<Gateway>(gateway(
         "edge",
         &class,
@@ -496,14 +504,15 @@ async fn route_refusals_are_conditions_users_can_act_on() {
             "port 8443",
         ),
         (
+            // A listener without hostname: on the edge's default host, by host.
             "no-host",
             json!({"name": "edge", "sectionName": "plain"}),
             vec![other.clone()],
             "a",
             "Accepted",
-            "False",
-            "NotAllowedByListeners",
-            "has no Domain for it",
+            "True",
+            "Accepted",
+            "default host for",
         ),
         (
             "missing",
@@ -527,16 +536,11 @@ async fn route_refusals_are_conditions_users_can_act_on() {
         assert!(c["message"].as_str().unwrap().contains(part), "{name}: {c}");
     }
     // A listener without a hostname delegates nothing: the route names a
-    // host of the edge, but its namespace has no Domain for it.
-    let st =
-        wait_route::<HTTPRoute>(&f, "missing", "edge", "Accepted", "False", "NotAllowedByListeners").await;
-    assert!(
-        route_condition(&st, "edge", "Accepted").unwrap()["message"]
-            .as_str()
-            .unwrap()
-            .contains("create a Domain")
-    );
-    // With a Domain of its namespace the same route is published.
+    // host of the edge, its namespace has no Domain for it: the default host.
+    let st = wait_route::<HTTPRoute>(&f, "missing", "edge", "Accepted", "True", "Accepted").await;
+    let msg = route_condition(&st, "edge", "Accepted").unwrap()["message"].clone();
+    assert!(msg.as_str().unwrap().contains(&format!("default host for {host}")), "{msg}");
+    // With a Domain of its namespace the same route is published on it.
     f.create::<Domain>(json!({"apiVersion": "culvert.dev/v1alpha1", "kind": "Domain",
         "metadata": {"name": "mine"}, "spec": {"name": format!("r{}", f.suffix())}}))
         .await;
@@ -553,9 +557,10 @@ async fn route_refusals_are_conditions_users_can_act_on() {
     .await
     .unwrap();
     assert_eq!(t.spec.protocol, TunnelProtocol::Http);
+    let made: Vec<Domain> = f.api::<Domain>().list(&Default::default()).await.unwrap().items;
     assert!(
-        f.api::<Domain>().list(&Default::default()).await.unwrap().items.len() == 1,
-        "no Domain made: the namespace's is used"
+        made.iter().all(|d| d.name_any() == "mine" || d.spec.fqdn.as_deref() == Some("*")),
+        "no Domain made for the host: the namespace's is used"
     );
     finish(f, &class, stop, task).await;
 }
@@ -1170,4 +1175,141 @@ async fn changes_of_a_granted_service_of_another_namespace_apply_at_once() {
     within(&f, &host, limit, "the Service deleted", |s, _| s == StatusCode::INTERNAL_SERVER_ERROR).await;
     finish(f, &class, stop, task).await;
     other.delete_and_wait().await.unwrap();
+}
+
+/// `curl` to the edge's address with `Host: host` (none: the address's own);
+/// (status, body).
+async fn curl_host(f: &Fixture, host: Option<&str>, path: &str) -> (String, String) {
+    let mut cmd = tokio::process::Command::new("curl");
+    cmd.args(["-sS", "-w", "\n%{http_code}", "--cacert"]).arg(&f.edge.ca_file);
+    if let Some(h) = host {
+        cmd.arg("-H").arg(format!("Host: {h}"));
+    }
+    let out = cmd.arg(format!("https://127.0.0.1:{}{path}", f.edge.https.port())).output().await.unwrap();
+    let out = String::from_utf8_lossy(&out.stdout).to_string();
+    let (body, status) = out.rsplit_once('\n').unwrap_or((&out, ""));
+    (status.to_string(), body.to_string())
+}
+
+/// A listener without hostname and an HTTPRoute without hostnames: served on
+/// the edge's default host, so any Host reaches it (the edge's address, a
+/// name nobody reserved); a route with `hostnames` on it is matched by host.
+/// A key the edge's admin did not allow the default host: the Domain and the
+/// Tunnel say what to ask for, and it works once allowed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listener_without_hostname_is_served_on_the_default_host() {
+    let Some((f, class)) = fixture("gw-any").await else { return };
+    let Some(backends) = NetnsHost::create() else { return };
+    http_backend(&backends, 8001, "ANY");
+    http_backend(&backends, 8002, "NAMED");
+    service_with_endpoints(&f, "any", &backends.ip, json!({}), &[("http", 80, 8001, "TCP")]).await;
+    service_with_endpoints(&f, "named", &backends.ip, json!({}), &[("http", 80, 8002, "TCP")]).await;
+    // The operator's key may not hold the default host yet.
+    let (_, keys) = f.edge.api("GET", "api-keys", None).await;
+    let key = keys["items"].as_array().unwrap().iter().find(|k| k["name"] == "operator").unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let allow = |domains: Value| {
+        let (f, key) = (&f, key.clone());
+        async move {
+            let (s, v) = f
+                .edge
+                .api("PATCH", &format!("api-keys/{key}"), Some(json!({"customDomains": domains})))
+                .await;
+            assert!(s.is_success(), "{v}");
+        }
+    };
+    allow(json!(["example.org"])).await;
+    let (stop, task) = f.operator();
+    f.create::<Gateway>(gateway(
+        "edge",
+        &class,
+        json!([{"name": "https", "protocol": "HTTPS", "port": 443}, {"name": "http", "protocol": "HTTP", "port": 80}]),
+    ))
+    .await;
+    f.create::<HTTPRoute>(http_route(
+        "any",
+        json!({"name": "edge"}),
+        &[],
+        json!([prefix_to("/", "any", 80)]),
+    ))
+    .await;
+    let route = wait_route::<HTTPRoute>(&f, "any", "edge", "Accepted", "True", "Accepted").await;
+    let msg = route_condition(&route, "edge", "Accepted").unwrap()["message"].clone();
+    assert!(msg.as_str().unwrap().contains("default host"), "{msg}");
+
+    // Refused at the edge: the Tunnel's Ready says what to ask the edge's admin.
+    let tunnel = wait_until("the default host's Tunnel", WAIT, || async {
+        let list = f.api::<Tunnel>().list(&Default::default()).await?.items;
+        Ok(list.into_iter().find(|t| t.spec.domain.is_some()))
+    })
+    .await
+    .unwrap();
+    let name = tunnel.name_any();
+    let domain = f.api::<Domain>().get(&name).await.unwrap();
+    assert_eq!(domain.spec.fqdn.as_deref(), Some("*"));
+    assert_eq!(domain.owner_references()[0].kind, "Gateway");
+    let why = wait_until("the Tunnel says why", WAIT, || async {
+        let t = serde_json::to_value(f.api::<Tunnel>().get(&name).await?)?;
+        let c = condition(&t["status"]["conditions"], "Ready").clone();
+        Ok((c["status"] == "False" && c["message"].as_str().unwrap_or("").contains("api-key update"))
+            .then_some(c))
+    })
+    .await
+    .unwrap();
+    let message = why["message"].as_str().unwrap();
+    assert!(
+        message.contains(&format!("culvert admin api-key update {key} --custom-domain '*'")),
+        "{message}"
+    );
+    assert_eq!(curl_host(&f, None, "/").await.0, "502", "nothing is on the default host yet");
+
+    // Allowed: any host reaches the route, the edge's address too.
+    allow(json!(["*"])).await;
+    let ok = |want: &'static str| {
+        let f = &f;
+        async move {
+            wait_until(&format!("{want} through the default host"), WAIT, || async {
+                let (s, b) = curl_host(f, Some("anything.example.net"), "/x").await;
+                Ok((s == "200" && b == want).then_some(()))
+            })
+            .await
+            .unwrap()
+        }
+    };
+    ok("ANY GET /x").await;
+    assert_eq!(curl_host(&f, None, "/y").await, ("200".to_string(), "ANY GET /y".to_string()));
+    assert_eq!(curl_host(&f, Some("203.0.113.9:443"), "/z").await.1, "ANY GET /z");
+
+    // A route naming a host no Domain covers: matched by host on the default host.
+    f.create::<HTTPRoute>(http_route(
+        "named",
+        json!({"name": "edge"}),
+        &["a.example.com"],
+        json!([prefix_to("/", "named", 80)]),
+    ))
+    .await;
+    let route = wait_route::<HTTPRoute>(&f, "named", "edge", "Accepted", "True", "Accepted").await;
+    let msg = route_condition(&route, "edge", "Accepted").unwrap()["message"].clone();
+    assert!(msg.as_str().unwrap().contains("a.example.com"), "{msg}");
+    wait_until("the named route by host", WAIT, || async {
+        let (s, b) = curl_host(&f, Some("A.Example.com:443"), "/n").await;
+        Ok((s == "200" && b == "NAMED GET /n").then_some(()))
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        curl_host(&f, Some("b.example.com"), "/n").await.1,
+        "ANY GET /n",
+        "another host: the other route"
+    );
+    let tunnels = f.api::<Tunnel>().list(&Default::default()).await.unwrap().items;
+    assert_eq!(tunnels.len(), 1, "one Tunnel for the default host: {tunnels:?}");
+
+    // The Gateway's listeners are programmed and count their routes.
+    let st =
+        wait_gateway(&f, "edge", "both routes attached", |s| s["listeners"][0]["attachedRoutes"] == 2).await;
+    assert_eq!(condition(&st["listeners"][0]["conditions"], "Programmed")["status"], "True", "{st:#}");
+    finish(f, &class, stop, task).await;
 }

@@ -813,6 +813,17 @@ async fn the_default_host_gets_unknown_hosts_and_the_edges_address() {
         let v: Value = serde_json::from_str(&body).unwrap();
         assert_eq!(v["headers"]["host"], host.to_ascii_lowercase(), "{v}");
     }
+    // An unknown SNI gets the edge's own certificate (not valid for that name:
+    // the client is told not to check it) and the default host.
+    let out = tokio::process::Command::new("curl")
+        .args(["-sS", "--insecure", "--resolve"])
+        .arg(format!("unknown.example.net:{port}:127.0.0.1"))
+        .arg(format!("https://unknown.example.net:{port}/echo"))
+        .output()
+        .await
+        .unwrap();
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|_| panic!("{out:?}"));
+    assert_eq!(v["headers"]["host"], format!("unknown.example.net:{port}"), "{v}");
     // A named host stays its own (offline here: no agent), the edge's own name too.
     drop(named_key);
     let (status, body) = curl(format!("http://{http_addr}/"), &named).await;

@@ -36,7 +36,8 @@ culvert_static() {
   }
   say "cargo build --target $CULVERT_TARGET (static, debug profile without debug info)"
   (cd "$ROOT" && CARGO_PROFILE_DEV_DEBUG=0 CC_x86_64_unknown_linux_musl=musl-gcc \
-    cargo build -j"${CARGO_JOBS:-2}" -q --target "$CULVERT_TARGET" --bin culvert) >&2
+    cargo build -j"${CARGO_JOBS:-2}" -q --target "$CULVERT_TARGET" --bin culvert) >&2 ||
+    { say "the static build of culvert failed"; return 1; }   # not an older binary left in the target dir
   echo "$td/$CULVERT_TARGET/debug/culvert"
 }
 

@@ -443,6 +443,13 @@ pub async fn execute<E: EdgeApi>(edge: &E, plan: Plan) -> Result<(Reservation, O
         Plan::Reserve(request, how) => {
             let r = edge.reserve(&request).await.map_err(|e| match e {
                 EdgeError::Refused { status: 409 | 422, message, .. } => Error::Conflict(message),
+                // What the key may not hold: the edge's message says what to ask its admin.
+                EdgeError::Refused { status: 403, code, message }
+                    if ["custom_domain_not_allowed", "default_host_not_allowed", "quota_exceeded"]
+                        .contains(&code.as_str()) =>
+                {
+                    Error::Conflict(message)
+                }
                 e => e.into(),
             })?;
             Ok((r, how))

@@ -310,7 +310,7 @@ async fn observe<E: EdgeApi>(edge: &E, t: &Tunnel, ctx: &Context) -> Result<Obse
                 // Refused by the Gateway API controller: this share answers 500.
                 _ if b.refused.is_some() => Err(Error::Invalid(b.refused.clone().unwrap_or_default())),
                 None => backends(&s, ctx, &ns, false).await,
-                Some(other) => match reference_granted(ctx, &ns, other, &b.name).await {
+                Some(other) => match granted_or_routed(ctx, &ns, other, &b.name).await {
                     Ok(true) => backends(&s, ctx, other, false).await.map_err(|e| match e {
                         Error::Waiting(m) | Error::Invalid(m) => {
                             Error::Waiting(m.replace("in this namespace", &format!("in namespace {other}")))
@@ -368,6 +368,69 @@ pub struct Plan {
     pub routes: Vec<ResolvedRoute>,
     /// Routes (or the default backend of routes) that cannot be served.
     pub problems: Vec<String>,
+}
+
+/// May a Tunnel of `ns` send to Service `name` of namespace `other`: a
+/// ReferenceGrant of `other` lets routes of `ns` refer to it, or a route of
+/// `other` itself sends to it through a Gateway of `ns` (the default host's
+/// Tunnel carries such routes; see ARCHITECTURE.md).
+async fn granted_or_routed(ctx: &Context, ns: &str, other: &str, name: &str) -> Result<bool, Error> {
+    if reference_granted(ctx, ns, other, name).await? {
+        return Ok(true);
+    }
+    routed_by_a_route_of(ctx, other, ns, name).await
+}
+
+/// Does an HTTPRoute or GRPCRoute of `route_ns` attach to a Gateway of
+/// `gateway_ns` and send to its own Service `name`? Without the Gateway API
+/// CRDs (or the right to read them): no.
+async fn routed_by_a_route_of(
+    ctx: &Context,
+    route_ns: &str,
+    gateway_ns: &str,
+    name: &str,
+) -> Result<bool, Error> {
+    const KINDS: [(&str, &str); 2] = [("HTTPRoute", "httproutes"), ("GRPCRoute", "grpcroutes")];
+    for (kind, plural) in KINDS {
+        let ar = kube::api::ApiResource {
+            group: "gateway.networking.k8s.io".into(),
+            version: "v1".into(),
+            api_version: "gateway.networking.k8s.io/v1".into(),
+            kind: kind.to_string(),
+            plural: plural.to_string(),
+        };
+        let api = Api::<kube::api::DynamicObject>::namespaced_with(ctx.client.clone(), route_ns, &ar);
+        match api.list(&Default::default()).await {
+            Ok(list) => {
+                if list.items.iter().any(|r| routes_to(&r.data, route_ns, gateway_ns, name)) {
+                    return Ok(true);
+                }
+            }
+            Err(kube::Error::Api(s)) if matches!(s.code, 403 | 404) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(false)
+}
+
+/// Does a route of `route_ns` (its JSON) name a Gateway of `gateway_ns` as
+/// parent and Service `name` of its own namespace as a backend?
+fn routes_to(route: &serde_json::Value, route_ns: &str, gateway_ns: &str, name: &str) -> bool {
+    let list = |v: &serde_json::Value| v.as_array().cloned().unwrap_or_default();
+    let parent = list(&route["spec"]["parentRefs"]).iter().any(|p| {
+        p["group"].as_str().unwrap_or("gateway.networking.k8s.io") == "gateway.networking.k8s.io"
+            && p["kind"].as_str().unwrap_or("Gateway") == "Gateway"
+            && p["namespace"].as_str().unwrap_or(route_ns) == gateway_ns
+    });
+    parent
+        && list(&route["spec"]["rules"]).iter().any(|rule| {
+            list(&rule["backendRefs"]).iter().any(|b| {
+                b["group"].as_str().unwrap_or("").is_empty()
+                    && b["kind"].as_str().unwrap_or("Service") == "Service"
+                    && b["namespace"].as_str().unwrap_or(route_ns) == route_ns
+                    && b["name"] == name
+            })
+        })
 }
 
 /// Does a ReferenceGrant of namespace `to_ns` let Gateway API routes
@@ -1181,6 +1244,35 @@ mod tests {
         assert_eq!(request.labels[LABEL_UID], "u1");
         assert_eq!(request.labels[super::super::names::LABEL_NAMESPACE], "shop");
         assert_eq!(request.labels[super::super::names::LABEL_CLUSTER], "c1");
+    }
+
+    #[test]
+    fn a_route_of_the_services_namespace_lets_its_gateways_namespace_reach_it() {
+        let route = |parent: serde_json::Value, backend: serde_json::Value| json!({"spec": {"parentRefs": [parent], "rules": [{"backendRefs": [backend]}]}});
+        let to_infra = json!({"name": "edge", "namespace": "infra"});
+        let web = json!({"name": "web", "port": 80});
+        assert!(routes_to(&route(to_infra.clone(), web.clone()), "apps", "infra", "web"));
+        assert!(!routes_to(&route(to_infra.clone(), web.clone()), "apps", "infra", "db"), "another Service");
+        assert!(
+            !routes_to(&route(json!({"name": "edge"}), web.clone()), "apps", "infra", "web"),
+            "a Gateway of its own namespace"
+        );
+        assert!(
+            !routes_to(
+                &route(to_infra.clone(), json!({"name": "web", "namespace": "x", "port": 80})),
+                "apps",
+                "infra",
+                "web"
+            ),
+            "a Service of a third namespace"
+        );
+        assert!(!routes_to(
+            &route(json!({"name": "edge", "namespace": "infra", "kind": "Service"}), web),
+            "apps",
+            "infra",
+            "web"
+        ));
+        assert!(!routes_to(&json!({}), "apps", "infra", "web"));
     }
 
     #[test]

@@ -1085,6 +1085,41 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn client_frames_carry_the_mask_bit_and_an_all_zero_key() {
+        // On the wire: a masked frame (as RFC 6455 and inspecting proxies
+        // want) whose key is zero, so the payload is the plain bytes.
+        let (a, mut peer) = tokio::io::duplex(1024);
+        let mut ours = WsStream::new(a, Role::Client, Arc::default());
+        ours.write_all(b"hello").await.unwrap();
+        ours.flush().await.unwrap();
+        let mut wire = [0u8; 11];
+        peer.read_exact(&mut wire).await.unwrap();
+        assert_eq!(wire, [0x82, 0x80 | 5, 0, 0, 0, 0, b'h', b'e', b'l', b'l', b'o']);
+    }
+
+    #[tokio::test]
+    async fn a_server_reads_zero_key_and_keyed_frames_alike() {
+        // Our agents' zero-key frames and another client's keyed frames, in
+        // one connection, split at every point the socket may cut them.
+        let (mut peer, b) = tokio::io::duplex(1024);
+        let mut ours = WsStream::new(b, Role::Server, Arc::default());
+        let mut wire = vec![0x82, 0x80 | 4, 0, 0, 0, 0, b'z', b'e', b'r', b'o'];
+        wire.extend(client_frame(OP_BINARY, b"keyed"));
+        let writer = tokio::spawn(async move {
+            for byte in wire {
+                peer.write_all(&[byte]).await.unwrap();
+                peer.flush().await.unwrap();
+                tokio::task::yield_now().await;
+            }
+            peer
+        });
+        let mut got = [0u8; 9];
+        ours.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"zerokeyed");
+        drop(writer.await.unwrap());
+    }
+
+    #[tokio::test]
     async fn a_text_continuation_with_a_huge_length_is_refused() {
         // Found by the ws_frames fuzz target: the length check added the
         // 64-bit length to the text so far and overflowed.

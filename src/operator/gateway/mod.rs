@@ -14,6 +14,7 @@
 //! resync runs it. Phases: observe (fresh lists) → plan (pure, `plan.rs`) →
 //! execute (Domains, TcpPorts, Tunnels, then deletions) → statuses.
 
+pub mod default_host;
 pub mod plan;
 pub mod types;
 
@@ -288,7 +289,7 @@ async fn cert_secrets(c: &Client, gateways: &[Gateway]) -> Result<BTreeMap<(Stri
     for g in gateways {
         let gw_ns = g.namespace().unwrap_or_default();
         // Collected first: an iterator of closures held across the awaits
-        // below makes the operator's future not Send.
+        // below makes the operator's future not `Send` for every lifetime.
         let refs: Vec<(String, String)> =
             g.spec.listeners.iter().flat_map(|l| plan::certificate_refs(l, &gw_ns)).flatten().collect();
         for (ns, name) in refs {

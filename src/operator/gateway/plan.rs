@@ -36,6 +36,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::{Resource, ResourceExt};
 use serde_json::json;
 
+use super::default_host;
 use super::types::*;
 use crate::crd::{
     BackendProtocol, Condition, Domain, DomainSpec, HttpOptions, ReclaimPolicy, ServiceRef, TcpPort,
@@ -986,6 +987,20 @@ pub fn plan(o: &Observed, s: Settings<'_>) -> Plan {
         check_conflicts(&mut ls);
         listeners.insert((gw.namespace().unwrap_or_default(), gw.name_any()), ls);
     }
+    // The edge's default host: one namespace's Gateways hold it (default_host.rs).
+    let default_holder = default_host::holder(&ours, |g, i| {
+        listeners.get(&(g.namespace().unwrap_or_default(), g.name_any())).is_some_and(|ls| ls[i].usable())
+    });
+    let default_ns = default_holder.and_then(|g| g.namespace());
+    for gw in &ours {
+        let Some(holder) = default_holder.filter(|_| gw.namespace() != default_ns) else { continue };
+        let ls =
+            listeners.get_mut(&(gw.namespace().unwrap_or_default(), gw.name_any())).expect("listed above");
+        for l in ls.iter_mut().filter(|l| l.usable() && default_host::is_default_listener(&l.spec)) {
+            l.conflicted = Some(("HostnameConflict", default_host::conflict_message(&l.spec.name, holder)));
+        }
+    }
+    let mut default_routes = default_host::DefaultRoutes::new();
 
     // Routes, oldest first.
     let mut routes: Vec<&Route> = o.routes.iter().collect();
@@ -1057,6 +1072,7 @@ pub fn plan(o: &Observed, s: Settings<'_>) -> Plan {
                             tls_hosts: &mut tls_hosts,
                             tcp_listeners: &mut tcp_listeners,
                             contributed: &mut contributed_hosts,
+                            default_routes: &mut default_routes,
                         },
                     );
                     match outcome {
@@ -1244,6 +1260,39 @@ pub fn plan(o: &Observed, s: Settings<'_>) -> Plan {
             owners,
             serves: host.clone(),
         });
+    }
+    if let (Some(holder), Some(ns)) = (default_holder, &default_ns)
+        && let Some(routes) = default_routes.remove(ns)
+    {
+        let name = object_name("gw-default", ns);
+        if let Some(domain) = domain_for(ns, default_host::HOST, &name, o, s, &mut p) {
+            let owners: Vec<OwnerReference> = ours
+                .iter()
+                .filter(|g| g.namespace().as_ref() == Some(ns))
+                .filter(|g| g.spec.listeners.iter().any(default_host::is_default_listener))
+                .map(|g| default_host::gateway_owner(g))
+                .collect();
+            let owners = if owners.is_empty() { vec![default_host::gateway_owner(holder)] } else { owners };
+            if let Some(d) = p.domains.iter_mut().find(|d| d.namespace == *ns && d.name == name) {
+                d.owners = owners.clone();
+            }
+            p.tunnels.push(Child {
+                namespace: ns.clone(),
+                name,
+                spec: TunnelSpec {
+                    service: None,
+                    routes,
+                    protocol: TunnelProtocol::Http,
+                    domain: Some(domain),
+                    tcp_port: None,
+                    udp_port: None,
+                    proxy_protocol: None,
+                    options: HttpOptions::default(),
+                },
+                owners,
+                serves: default_host::HOST.into(),
+            });
+        }
     }
     for ((ns, host), (owner, service, _)) in &tls_hosts {
         let name = object_name("gw", host);
@@ -1486,6 +1535,8 @@ struct TranslateOut<'a> {
     tcp_listeners: &'a mut TcpClaims,
     /// Hosts this route already gave (through another parent or listener).
     contributed: &'a mut BTreeSet<String>,
+    /// Gateway namespace → the rules of its default host.
+    default_routes: &'a mut default_host::DefaultRoutes,
 }
 
 /// Translates a route attached to listeners `idx` into what it gives; the
@@ -1558,15 +1609,23 @@ fn translate(
         return Ok(format!("published at {}", ports.join(", ")));
     }
 
-    // Hosts of this route on these listeners.
+    // Hosts of this route on these listeners; on a listener without hostname,
+    // what no Domain publishes goes to the default host (`None`: every host).
     let mut hosts: Vec<(String, bool)> = Vec::new();
+    let mut on_default: Vec<Option<String>> = Vec::new();
+    let http = !matches!(route.rules, Rules::L4(_));
     for i in idx {
         let l = &ls[*i].spec;
+        let default_listener = http && default_host::is_default_listener(l);
         for h in intersect(&route.hostnames, l.hostname.as_deref()) {
             match h {
-                None => ignored.push("the listener and the route name no hostname: culvert publishes named hosts, give spec.hostnames".to_string()),
+                h if default_listener && h.as_deref().is_none_or(|h| h.starts_with("*.")) => on_default.push(h),
+                None => ignored.push("the listener and the route name no hostname: TLS passthrough needs a named host, give spec.hostnames".to_string()),
                 Some(h) if h.starts_with("*.") => ignored.push(format!("wildcard host {h} is not published: culvert publishes one name per host, name each in spec.hostnames")),
                 Some(h) => {
+                    if default_listener {
+                        on_default.push(Some(h.clone()));
+                    }
                     let delegated = l.hostname.as_deref().is_some_and(|lh| host_matches(lh, &h));
                     match hosts.iter_mut().find(|(x, _)| *x == h) {
                         Some(e) => e.1 |= delegated,
@@ -1586,6 +1645,9 @@ fn translate(
     let mut published = Vec::new();
     for (h, delegated) in hosts {
         if !(has_domain(&h) || delegated && s.domain_policy == DomainPolicy::Auto) {
+            if on_default.contains(&Some(h.clone())) {
+                continue; // matched by host on the default host
+            }
             let why = if delegated {
                 format!(
                     "host {h}: the operator runs with --domain-policy require and namespace {} has no Domain for it: create one (spec.name or spec.fqdn)",
@@ -1600,6 +1662,7 @@ fn translate(
             ignored.push(why);
             continue;
         }
+        on_default.retain(|d| d.as_deref() != Some(h.as_str()));
         published.push(h);
     }
 
@@ -1668,6 +1731,22 @@ fn translate(
                 Rules::L4(_) => unreachable!(),
             }
             let mut served = Vec::new();
+            if !on_default.is_empty() {
+                // Every host (a route without hostnames), or the hosts it names.
+                let hosts: Vec<String> = if on_default.contains(&None) {
+                    Vec::new()
+                } else {
+                    on_default.into_iter().flatten().collect()
+                };
+                if out.contributed.insert(format!("{} {gw_ns}", default_host::HOST)) {
+                    let rules = default_host::rules_for(&tunnel_routes, &hosts, &route.namespace, gw_ns);
+                    out.default_routes.entry(gw_ns.to_string()).or_default().extend(rules);
+                }
+                served.push(match hosts.is_empty() {
+                    true => "the edge's default host (every host no reservation holds)".to_string(),
+                    false => format!("the edge's default host for {}", hosts.join(", ")),
+                });
+            }
             for h in published {
                 let key = (route.namespace.clone(), h.clone());
                 if out.tls_hosts.contains_key(&key) {
@@ -2115,12 +2194,18 @@ mod tests {
         assert_eq!(resolved(&plan2, "cross"), ("True", "ResolvedRefs"));
         let cross = plan2.tunnels.iter().find(|t| t.serves == "c.edge.test").unwrap();
         assert_eq!(cross.spec.routes[0].backends[0].namespace.as_deref(), Some("infra"));
-        // A namespace without a Domain, on a listener without hostname: not published.
+        // A namespace without a Domain, on a listener without hostname: on the
+        // edge's default host, matched by host, its backends in its own namespace.
         o.gateways[0].spec.listeners[0].hostname = None;
         let plan3 = plan(&o, S);
-        let (status, reason, msg) = accepted(&plan3, "missing");
-        assert_eq!((status, reason), ("False", "NotAllowedByListeners"));
-        assert!(msg.contains("create a Domain"), "{msg}");
+        let (status, _, msg) = accepted(&plan3, "missing");
+        assert_eq!(status, "True", "{msg}");
+        assert!(msg.contains("default host for m.edge.test"), "{msg}");
+        let any = plan3.tunnels.iter().find(|t| t.serves == "*").expect("the default host's Tunnel");
+        assert_eq!(any.namespace, "infra", "in the Gateway's namespace");
+        let rule = any.spec.routes.iter().find(|r| r.hosts == ["m.edge.test"]).expect("its rule");
+        assert_eq!(rule.backends[0].namespace.as_deref(), Some(o.routes[0].namespace.as_str()));
+        assert!(plan3.domains.iter().any(|d| d.namespace == "infra" && d.spec.fqdn.as_deref() == Some("*")));
         // TCP: routes of another namespace than the listener's (allowedRoutes Same).
         let tcp: TCPRoute = obj(json!({"apiVersion": "gateway.networking.k8s.io/v1", "kind": "TCPRoute",
             "metadata": {"name": "db", "namespace": "web", "uid": "u-db"},
@@ -2149,6 +2234,68 @@ mod tests {
         let t = plan6.tunnels.iter().find(|t| t.spec.protocol == TunnelProtocol::Udp).unwrap();
         assert_eq!(t.spec.udp_port.as_deref(), Some(t.name.as_str()));
         assert_eq!(t.spec.tcp_port, None);
+    }
+
+    /// Listeners without hostname: the routes of every Gateway of the oldest
+    /// namespace's on the default host, merged into one Tunnel there; another
+    /// namespace's such listener is Conflicted and not programmed.
+    #[test]
+    fn listeners_without_hostname_share_the_default_host_of_the_oldest_namespace() {
+        let mut o = world();
+        let gw = |ns: &str, name: &str, created: u32| -> Gateway {
+            obj(json!({"apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway",
+                "metadata": {"name": name, "namespace": ns, "uid": format!("g-{ns}-{name}"), "generation": 1,
+                    "creationTimestamp": format!("2026-01-01T00:00:{created:02}Z")},
+                "spec": {"gatewayClassName": "culvert", "listeners": [
+                    {"name": "http", "protocol": "HTTP", "port": 80, "allowedRoutes": {"namespaces": {"from": "All"}}}]}}))
+        };
+        o.gateways = vec![gw("late", "g", 9), gw("web", "a", 1), gw("web", "b", 2)];
+        let to = |name: &str| json!({"name": name, "namespace": "web"});
+        let rules = |svc: &str| json!([{"backendRefs": [{"name": svc, "port": 80}]}]);
+        o.routes = vec![
+            http("any", 1, &[], to("a"), rules("a")),
+            http("named", 2, &["a.example.com"], to("b"), rules("b")),
+            http("elsewhere", 3, &[], json!({"name": "g", "namespace": "late"}), rules("a")),
+        ];
+        let p = plan(&o, S);
+        assert_eq!(accepted(&p, "any").0, "True");
+        assert!(
+            accepted(&p, "named").2.contains("default host for a.example.com"),
+            "{:?}",
+            accepted(&p, "named")
+        );
+        let (status, reason, _) = accepted(&p, "elsewhere");
+        assert_eq!((status, reason), ("False", "NoMatchingParent"));
+        let t: Vec<_> = p.tunnels.iter().filter(|t| t.serves == "*").collect();
+        assert_eq!(t.len(), 1, "one Tunnel for the namespace's Gateways");
+        assert_eq!(t[0].namespace, "web");
+        let hosts: Vec<Vec<String>> = t[0].spec.routes.iter().map(|r| r.hosts.clone()).collect();
+        assert_eq!(
+            hosts,
+            [vec![], vec!["a.example.com".to_string()]],
+            "oldest route first, each with its hosts"
+        );
+        let owners: Vec<&str> = t[0].owners.iter().map(|o| o.name.as_str()).collect();
+        assert_eq!(owners, ["a", "b"]);
+        let (_, _, late) = p.gateway_status.iter().find(|(ns, _, _)| ns == "late").unwrap();
+        let c = |t: &str| late.listeners[0].conditions.iter().find(|c| c.type_ == t).unwrap().clone();
+        assert_eq!(
+            (c("Conflicted").status.as_str(), c("Conflicted").reason.as_str()),
+            ("True", "HostnameConflict")
+        );
+        assert!(c("Conflicted").message.contains("Gateway web/a"), "{}", c("Conflicted").message);
+        assert_eq!(c("Programmed").status, "False");
+        // The holder gone, the next oldest namespace takes it.
+        o.gateways.retain(|g| g.namespace().as_deref() != Some("web"));
+        let p = plan(&o, S);
+        assert_eq!(accepted(&p, "elsewhere").0, "True");
+        assert!(p.tunnels.iter().any(|t| t.serves == "*" && t.namespace == "late"));
+        let rule = &p.tunnels.iter().find(|t| t.serves == "*").unwrap().spec.routes[0];
+        assert_eq!(
+            rule.backends[0].namespace.as_deref(),
+            Some("web"),
+            "the route's Services, in its namespace"
+        );
     }
 
     #[test]
