@@ -1085,6 +1085,98 @@ async fn invalid_backend_refs_answer_500_and_keep_their_share_of_a_split() {
     finish(f, &class, stop, task).await;
 }
 
+/// GET through the edge until `want` holds, within `limit` (shorter than
+/// the operator's periodic checks, so a change applied only by them fails).
+async fn within(
+    f: &Fixture,
+    host: &str,
+    limit: Duration,
+    what: &str,
+    want: impl Fn(StatusCode, &str) -> bool,
+) {
+    let deadline = std::time::Instant::now() + limit;
+    let mut last = (StatusCode::OK, String::new());
+    while std::time::Instant::now() < deadline {
+        last = f.edge.client().get(host, "/p").await;
+        if want(last.0, &last.1) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    panic!("{what}: still {} {:?} after {limit:?}", last.0, last.1);
+}
+
+/// A granted Service of another namespace (outside the operator's
+/// --watch-namespace): its new endpoints, its port change and its deletion
+/// apply at once, with the operator's resync at an hour (a connected
+/// Tunnel is otherwise looked at again after a minute).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn changes_of_a_granted_service_of_another_namespace_apply_at_once() {
+    let Some((f, class)) = fixture("gw-far").await else { return };
+    let Some(backends) = NetnsHost::create() else { return };
+    http_backend(&backends, 8001, "ONE");
+    http_backend(&backends, 8002, "TWO");
+    let env = kube_env::connect().await.unwrap();
+    let other = env.namespace("gw-far-svc").await.unwrap();
+    let service = |port: u16| -> Service {
+        serde_json::from_value(json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "far"},
+            "spec": {"ports": [{"name": "http", "port": port, "targetPort": 8001}]}}))
+        .unwrap()
+    };
+    other.api::<Service>().create(&Default::default(), &service(80)).await.unwrap();
+    let slice: EndpointSlice =
+        serde_json::from_value(json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"name": "far-1", "labels": {"kubernetes.io/service-name": "far"}},
+        "addressType": "IPv4", "ports": [{"name": "http", "port": 8001, "protocol": "TCP"}],
+        "endpoints": [{"addresses": [backends.ip], "conditions": {"ready": true}}]}))
+        .unwrap();
+    other.api::<EndpointSlice>().create(&Default::default(), &slice).await.unwrap();
+    let grant: ReferenceGrant = serde_json::from_value(json!({"apiVersion": "gateway.networking.k8s.io/v1beta1",
+        "kind": "ReferenceGrant", "metadata": {"name": "from-routes"},
+        "spec": {"from": [{"group": "gateway.networking.k8s.io", "kind": "HTTPRoute", "namespace": f.ns.name}],
+            "to": [{"group": "", "kind": "Service", "name": "far"}]}}))
+    .unwrap();
+    other.api::<ReferenceGrant>().create(&Default::default(), &grant).await.unwrap();
+    let mut args = f.args("solo");
+    args.resync_seconds = 3600;
+    let (stop, task) = f.operator_with(args);
+    f.create::<Gateway>(gateway(
+        "edge",
+        &class,
+        json!([{"name": "https", "protocol": "HTTPS", "port": 443, "hostname": "*.edge.test"}]),
+    ))
+    .await;
+    let host = format!("f{}.edge.test", f.suffix());
+    f.create::<HTTPRoute>(http_route(
+        "far",
+        json!({"name": "edge"}),
+        &[&host],
+        json!([{"backendRefs": [{"name": "far", "namespace": other.name, "port": 80}]}]),
+    ))
+    .await;
+    wait_route::<HTTPRoute>(&f, "far", "edge", "ResolvedRefs", "True", "ResolvedRefs").await;
+    f.get_until(&host, "/p", |s, b| s == StatusCode::OK && b == "ONE GET /p").await;
+
+    let limit = Duration::from_secs(15);
+    let merge = |v: Value| Patch::Merge(v);
+    let pp = PatchParams::default();
+    // New endpoints.
+    let port = json!({"ports": [{"name": "http", "port": 8002, "protocol": "TCP"}]});
+    other.api::<EndpointSlice>().patch("far-1", &pp, &merge(port)).await.unwrap();
+    within(&f, &host, limit, "the new endpoint", |s, b| s == StatusCode::OK && b == "TWO GET /p").await;
+    // The Service's port changes: the route's port 80 is gone (its share answers 500), then back.
+    let ports = |p: u16| json!({"spec": {"ports": [{"name": "http", "port": p, "targetPort": 8001}]}});
+    other.api::<Service>().patch("far", &pp, &merge(ports(81))).await.unwrap();
+    within(&f, &host, limit, "port 80 gone", |s, _| s == StatusCode::INTERNAL_SERVER_ERROR).await;
+    other.api::<Service>().patch("far", &pp, &merge(ports(80))).await.unwrap();
+    within(&f, &host, limit, "port 80 back", |s, b| s == StatusCode::OK && b == "TWO GET /p").await;
+    // The Service deleted.
+    other.api::<Service>().delete("far", &DeleteParams::default()).await.unwrap();
+    within(&f, &host, limit, "the Service deleted", |s, _| s == StatusCode::INTERNAL_SERVER_ERROR).await;
+    finish(f, &class, stop, task).await;
+    other.delete_and_wait().await.unwrap();
+}
+
 /// `curl` to the edge's address with `Host: host` (none: the address's own);
 /// (status, body).
 async fn curl_host(f: &Fixture, host: Option<&str>, path: &str) -> (String, String) {

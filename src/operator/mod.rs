@@ -11,6 +11,7 @@
 pub(crate) mod agents;
 pub(crate) mod edge;
 pub(crate) mod edge_api;
+pub(crate) mod foreign;
 pub mod gateway;
 pub mod ingress;
 pub(crate) mod leader;

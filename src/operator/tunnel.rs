@@ -940,9 +940,30 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
     let ns = ctx.watch_namespace.clone();
     let client = ctx.client.clone();
     let ns = ns.as_deref();
-    let controller =
+    let mut controller =
         Controller::new(super::watched::<Tunnel>(&client, ns), watcher::Config::default().any_semantic());
+    // Services of other namespaces (weighted backends a ReferenceGrant
+    // allows): the watches below see them without --watch-namespace; with
+    // it, their own watches.
+    if let Some(watched) = ns {
+        controller =
+            controller.reconcile_on(super::foreign::triggers(client.clone(), watched.into(), stop.clone()));
+    }
     let store = controller.store();
+    // Tunnels that use a changed Service (of their namespace or another).
+    let users = {
+        let store = store.clone();
+        move |ns: Option<String>, name: String| {
+            let ns = ns.unwrap_or_default();
+            store
+                .state()
+                .into_iter()
+                .filter(|t| super::foreign::uses_service(t, &ns, &name))
+                .map(|t| ObjectRef::from_obj(&*t))
+                .collect::<Vec<_>>()
+        }
+    };
+    let users2 = users.clone();
     // Tunnels that refer to a changed object of their namespace.
     let refs = move |ns: Option<String>, pick: Box<dyn Fn(&Tunnel) -> bool + Send>| {
         store
@@ -952,20 +973,20 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
             .map(|t| ObjectRef::from_obj(&*t))
             .collect::<Vec<_>>()
     };
-    let (r1, r2, r3, r4, r5, r6) =
-        (refs.clone(), refs.clone(), refs.clone(), refs.clone(), refs.clone(), refs);
+    let (r3, r4, r5, r6) = (refs.clone(), refs.clone(), refs.clone(), refs);
     controller
         .owns(super::watched::<Secret>(&client, ns), watcher::Config::default().labels(LABEL_TUNNEL))
         .watches(super::watched::<Service>(&client, ns), watcher::Config::default(), move |s: Service| {
-            let name = s.name_any();
-            r1(s.namespace(), Box::new(move |t| t.spec.services().any(|s| s == name)))
+            users(s.namespace(), s.name_any())
         })
         .watches(
             super::watched::<EndpointSlice>(&client, ns),
             watcher::Config::default().labels("kubernetes.io/service-name"),
             move |e: EndpointSlice| {
-                let svc = e.labels().get("kubernetes.io/service-name").cloned().unwrap_or_default();
-                r2(e.namespace(), Box::new(move |t| t.spec.services().any(|s| s == svc)))
+                users2(
+                    e.namespace(),
+                    e.labels().get("kubernetes.io/service-name").cloned().unwrap_or_default(),
+                )
             },
         )
         .watches(super::watched::<Domain>(&client, ns), watcher::Config::default(), move |d: Domain| {
