@@ -169,14 +169,7 @@ impl Keys for Sqlite {
         let domains_json = serde_json::to_string(custom_domains).expect("strings serialize");
         let changed =
             conn.execute("UPDATE api_keys SET custom_domains = ?2 WHERE id = ?1", params![id, domains_json])?;
-        if changed == 0 {
-            return Err(StoreError::NotFound { what: format!("api key {id}") });
-        }
-        Ok(conn.query_row(
-            &format!("SELECT {API_KEY_COLUMNS} FROM api_keys WHERE id = ?1"),
-            [id],
-            api_key_from_row,
-        )?)
+        updated_api_key(&conn, id, changed)
     }
 
     fn api_keys(&self) -> Result<Vec<ApiKey>, StoreError> {
@@ -441,6 +434,11 @@ fn set_quota(conn: &Connection, id: &str, quota: &QuotaUpdate) -> Result<ApiKey,
          WHERE id = ?1",
         params![id, quota.reservations, quota.labels, quota.label_bytes],
     )?;
+    updated_api_key(conn, id, changed)
+}
+
+/// The key `id` after an UPDATE that changed `changed` rows (0: no such key).
+fn updated_api_key(conn: &Connection, id: &str, changed: usize) -> Result<ApiKey, StoreError> {
     if changed == 0 {
         return Err(StoreError::NotFound { what: format!("api key {id}") });
     }

@@ -266,6 +266,20 @@ pub struct Plan {
     pub delete_udp_ports: Vec<(String, String)>,
 }
 
+/// The spec of an HTTP Tunnel on Domain `domain` with these rules.
+fn http_tunnel(routes: Vec<TunnelRoute>, domain: String) -> TunnelSpec {
+    TunnelSpec {
+        service: None,
+        routes,
+        protocol: TunnelProtocol::Http,
+        domain: Some(domain),
+        tcp_port: None,
+        udp_port: None,
+        proxy_protocol: None,
+        options: HttpOptions::default(),
+    }
+}
+
 /// Name of the objects of a key (`gw-<slug>-<hash>`, at most 63 characters).
 pub fn object_name(prefix: &str, key: &str) -> String {
     let slug: String =
@@ -1247,16 +1261,7 @@ pub fn plan(o: &Observed, s: Settings<'_>) -> Plan {
         p.tunnels.push(Child {
             namespace: ns.clone(),
             name,
-            spec: TunnelSpec {
-                service: None,
-                routes,
-                protocol: TunnelProtocol::Http,
-                domain: Some(domain),
-                tcp_port: None,
-                udp_port: None,
-                proxy_protocol: None,
-                options: HttpOptions::default(),
-            },
+            spec: http_tunnel(routes, domain),
             owners,
             serves: host.clone(),
         });
@@ -1279,16 +1284,7 @@ pub fn plan(o: &Observed, s: Settings<'_>) -> Plan {
             p.tunnels.push(Child {
                 namespace: ns.clone(),
                 name,
-                spec: TunnelSpec {
-                    service: None,
-                    routes,
-                    protocol: TunnelProtocol::Http,
-                    domain: Some(domain),
-                    tcp_port: None,
-                    udp_port: None,
-                    proxy_protocol: None,
-                    options: HttpOptions::default(),
-                },
+                spec: http_tunnel(routes, domain),
                 owners,
                 serves: default_host::HOST.into(),
             });
