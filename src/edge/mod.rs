@@ -12,6 +12,7 @@ mod config;
 pub(crate) mod idle;
 pub(crate) mod limits;
 pub(crate) mod metrics;
+pub(crate) mod ports;
 pub(crate) mod public;
 pub(crate) mod registry;
 pub(crate) mod routes;

@@ -1,9 +1,9 @@
 //! Listeners of TCP reservations: each public connection becomes one
 //! full-duplex stream to an agent.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use http::header::HeaderValue;
 use http::{Request, StatusCode};
@@ -12,6 +12,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, error, info, warn};
 
 use super::Edge;
+use super::ports::{LISTEN_RETRY, PortListeners};
 use crate::api::{Protocol, Reservation};
 use crate::constants::{CLIENT_ADDR_HEADER, SERVER_ADDR_HEADER, STREAM_HEADER};
 use crate::tunnel::StreamKind;
@@ -19,32 +20,15 @@ use crate::tunnel::body::{self, Counted, ReadBody};
 use crate::tunnel::budget::{BudgetSlot, Budgeted};
 use tokio::io::{AsyncRead, AsyncWrite};
 
-/// How often a reserved port the edge could not listen on is tried again.
-const LISTEN_RETRY: std::time::Duration = std::time::Duration::from_secs(10);
-
 #[derive(Default)]
 pub struct TcpListeners {
-    running: Mutex<HashMap<u16, CancellationToken>>,
-    /// A retry of ports that failed to bind is scheduled.
-    retrying: std::sync::atomic::AtomicBool,
+    ports: PortListeners,
 }
 
 impl TcpListeners {
     /// Listens on exactly `ports`: starts the missing, stops the released.
     pub fn reconcile(&self, edge: &Arc<Edge>, ports: HashSet<u16>) {
-        let mut running = self.running.lock().expect("poisoned");
-        running.retain(|port, token| {
-            let keep = ports.contains(port) && !token.is_cancelled();
-            if !keep {
-                token.cancel();
-                info!(port, "stopped TCP listener");
-            }
-            keep
-        });
-        for port in ports {
-            if running.contains_key(&port) {
-                continue;
-            }
+        let failed = self.ports.reconcile("TCP", edge, ports, |port, token| {
             let addr = SocketAddr::new(edge.tcp_bind, port);
             let listener = match std::net::TcpListener::bind(addr)
                 .and_then(|l| l.set_nonblocking(true).map(|_| l))
@@ -57,39 +41,24 @@ impl TcpListeners {
                         "cannot listen for a TCP reservation: another program holds the port? \
                          Stop it, or release the reservation and reserve another port"
                     );
-                    self.retry_later(edge);
-                    continue;
+                    return false;
                 }
             };
-            let token = edge.shutdown.child_token();
-            running.insert(port, token.clone());
             info!(%addr, "listening for a TCP reservation");
             tokio::spawn(accept_loop(edge.clone(), listener, port, token));
+            true
+        });
+        if failed {
+            self.ports.retry_later(edge, |edge| {
+                edge.tcp.ports.retried();
+                edge.tcp.reconcile(edge, edge.routes().ports().collect());
+            });
         }
     }
-}
 
-impl TcpListeners {
     /// Listeners open now.
     pub fn len(&self) -> usize {
-        self.running.lock().expect("poisoned").len()
-    }
-
-    /// Tries the reserved ports again in a while (one retry at a time).
-    fn retry_later(&self, edge: &Arc<Edge>) {
-        use std::sync::atomic::Ordering;
-        if self.retrying.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        let edge = edge.clone();
-        tokio::spawn(async move {
-            tokio::select! {
-                _ = tokio::time::sleep(LISTEN_RETRY) => {}
-                _ = edge.shutdown.cancelled() => return,
-            }
-            edge.tcp.retrying.store(false, Ordering::Release);
-            edge.tcp.reconcile(&edge, edge.routes().ports().collect());
-        });
+        self.ports.len()
     }
 }
 

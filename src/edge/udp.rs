@@ -12,8 +12,8 @@
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use http::header::HeaderValue;
@@ -25,6 +25,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, error, info, warn};
 
 use super::Edge;
+use super::ports::{LISTEN_RETRY, PortListeners};
 use crate::api::{Protocol, Reservation};
 use crate::constants::{
     CLIENT_ADDR_HEADER, MAX_DATAGRAM, SERVER_ADDR_HEADER, STREAM_HEADER, UDP_FLOW_QUEUE_BYTES,
@@ -39,13 +40,9 @@ use crate::tunnel::datagram::{self, Decoder, Queue, Refused, Tally};
 /// port shares it.
 const UDP_PORT_SOCKET_BUFFER: usize = 4 << 20;
 
-/// How often a reserved port the edge could not bind is tried again.
-const LISTEN_RETRY: Duration = Duration::from_secs(10);
-
 /// The UDP side of the edge: its sockets and its bounds.
 pub struct UdpListeners {
-    running: Mutex<HashMap<u16, CancellationToken>>,
-    retrying: AtomicBool,
+    ports: PortListeners,
     /// A flow silent this long ends.
     pub idle_timeout: Duration,
     /// Flows per reservation.
@@ -59,8 +56,7 @@ pub struct UdpListeners {
 impl UdpListeners {
     pub fn new(idle_timeout: Duration, per_port: usize, max_flows: usize) -> UdpListeners {
         UdpListeners {
-            running: Mutex::default(),
-            retrying: AtomicBool::new(false),
+            ports: PortListeners::default(),
             idle_timeout,
             per_port: per_port.max(1),
             flows: Arc::new(Semaphore::new(max_flows.clamp(1, Semaphore::MAX_PERMITS))),
@@ -75,19 +71,7 @@ impl UdpListeners {
 
     /// Listens on exactly `ports`: binds the missing, closes the released.
     pub fn reconcile(&self, edge: &Arc<Edge>, ports: HashSet<u16>) {
-        let mut running = self.running.lock().expect("poisoned");
-        running.retain(|port, token| {
-            let keep = ports.contains(port) && !token.is_cancelled();
-            if !keep {
-                token.cancel();
-                info!(port, "stopped UDP listener");
-            }
-            keep
-        });
-        for port in ports {
-            if running.contains_key(&port) {
-                continue;
-            }
+        let failed = self.ports.reconcile("UDP", edge, ports, |port, token| {
             let addr = SocketAddr::new(edge.tcp_bind, port);
             let socket = match std::net::UdpSocket::bind(addr)
                 .and_then(|s| s.set_nonblocking(true).map(|_| s))
@@ -100,37 +84,26 @@ impl UdpListeners {
                         "cannot bind a UDP reservation's port: another program holds it? \
                          Stop it, or release the reservation and reserve another port"
                     );
-                    self.retry_later(edge);
-                    continue;
+                    return false;
                 }
             };
             datagram::set_socket_buffers(&socket, UDP_PORT_SOCKET_BUFFER);
-            let token = edge.shutdown.child_token();
-            running.insert(port, token.clone());
             info!(%addr, "listening for a UDP reservation");
             let span = tracing::debug_span!("udp", port);
             tokio::spawn(recv_loop(edge.clone(), Arc::new(socket), port, token).instrument(span));
+            true
+        });
+        if failed {
+            self.ports.retry_later(edge, |edge| {
+                edge.udp.ports.retried();
+                edge.udp.reconcile(edge, edge.routes().udp_ports().collect());
+            });
         }
     }
 
     /// Sockets open now.
     pub fn len(&self) -> usize {
-        self.running.lock().expect("poisoned").len()
-    }
-
-    fn retry_later(&self, edge: &Arc<Edge>) {
-        if self.retrying.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        let edge = edge.clone();
-        tokio::spawn(async move {
-            tokio::select! {
-                _ = tokio::time::sleep(LISTEN_RETRY) => {}
-                _ = edge.shutdown.cancelled() => return,
-            }
-            edge.udp.retrying.store(false, Ordering::Release);
-            edge.udp.reconcile(&edge, edge.routes().udp_ports().collect());
-        });
+        self.ports.len()
     }
 }
 
