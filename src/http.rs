@@ -55,17 +55,20 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 /// Removes the headers the `Connection` header names (the rest of
 /// [`strip_hop_by_hop`] is [`is_hop_by_hop`]).
 pub fn strip_connection_listed(headers: &mut HeaderMap) {
-    if headers.contains_key(header::CONNECTION) {
-        let listed: Vec<HeaderName> = headers
-            .get_all(header::CONNECTION)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
-            .collect();
-        for name in listed {
-            headers.remove(name);
-        }
+    // The common values (`keep-alive`, `close`, `Upgrade`) name no header
+    // that stays anyway: no name is made for them.
+    let listed: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(str::trim)
+        .filter(|t| !t.eq_ignore_ascii_case("close") && !t.eq_ignore_ascii_case("keep-alive"))
+        .filter_map(|name| HeaderName::from_bytes(name.as_bytes()).ok())
+        .filter(|name| !is_hop_by_hop(name))
+        .collect();
+    for name in listed {
+        headers.remove(name);
     }
 }
 
