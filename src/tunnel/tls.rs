@@ -30,11 +30,15 @@ use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
 use rustls::client::{ClientConnectionData, UnbufferedClientConnection};
+use rustls::kernel::KernelConnection;
 use rustls::server::{ServerConnectionData, UnbufferedServerConnection};
 use rustls::unbuffered::{
     ConnectionState, EncodeError, EncryptError, InsufficientSizeError, UnbufferedStatus, WriteTraffic,
 };
 use rustls_pki_types::ServerName;
+
+mod record;
+use record::{Opened, Own};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 /// Most plaintext in one record.
@@ -58,10 +62,11 @@ const MAX_TAKE: usize = 64 * 1024 + 64;
 const DIRECT_MIN: usize = 4 * 1024;
 
 /// The two kinds of rustls unbuffered connections.
-pub trait Endpoint: Unpin + Send + 'static {
-    type Data;
+pub trait Endpoint: record::Tickets<Self::Data> + Unpin + Send + 'static {
+    type Data: Send + 'static;
     fn process<'c, 'i>(&'c mut self, incoming: &'i mut [u8]) -> UnbufferedStatus<'c, 'i, Self::Data>;
     fn common(&self) -> &rustls::CommonState;
+    fn into_kernel(self) -> Result<(rustls::ExtractedSecrets, KernelConnection<Self::Data>), rustls::Error>;
 }
 
 impl Endpoint for UnbufferedClientConnection {
@@ -72,6 +77,18 @@ impl Endpoint for UnbufferedClientConnection {
     fn common(&self) -> &rustls::CommonState {
         self
     }
+    fn into_kernel(self) -> Result<(rustls::ExtractedSecrets, KernelConnection<Self::Data>), rustls::Error> {
+        self.dangerous_into_kernel_connection()
+    }
+}
+
+impl record::Tickets<ClientConnectionData> for UnbufferedClientConnection {
+    fn ticket(
+        kernel: &mut KernelConnection<ClientConnectionData>,
+        payload: &[u8],
+    ) -> Result<(), rustls::Error> {
+        kernel.handle_new_session_ticket(payload)
+    }
 }
 
 impl Endpoint for UnbufferedServerConnection {
@@ -81,6 +98,15 @@ impl Endpoint for UnbufferedServerConnection {
     }
     fn common(&self) -> &rustls::CommonState {
         self
+    }
+    fn into_kernel(self) -> Result<(rustls::ExtractedSecrets, KernelConnection<Self::Data>), rustls::Error> {
+        self.dangerous_into_kernel_connection()
+    }
+}
+
+impl record::Tickets<ServerConnectionData> for UnbufferedServerConnection {
+    fn ticket(_: &mut KernelConnection<ServerConnectionData>, _: &[u8]) -> Result<(), rustls::Error> {
+        Err(rustls::Error::General("a client sent a NewSessionTicket".into()))
     }
 }
 
@@ -96,8 +122,9 @@ pub async fn connect<IO: AsyncRead + AsyncWrite + Unpin>(
     name: ServerName<'static>,
     io: IO,
 ) -> io::Result<ClientTls<IO>> {
+    let extract = config.enable_secret_extraction;
     let conn = UnbufferedClientConnection::new(config, name).map_err(tls_error)?;
-    let mut tls = TlsStream::new(io, conn, &[]);
+    let mut tls = TlsStream::new(io, conn, &[], extract);
     poll_fn(|cx| tls.poll_handshake(cx)).await?;
     Ok(tls)
 }
@@ -109,21 +136,36 @@ pub async fn accept<IO: AsyncRead + AsyncWrite + Unpin>(
     io: IO,
     prefix: &[u8],
 ) -> io::Result<ServerTls<IO>> {
+    let extract = config.enable_secret_extraction;
     let conn = UnbufferedServerConnection::new(config).map_err(tls_error)?;
-    let mut tls = TlsStream::new(io, conn, prefix);
+    let mut tls = TlsStream::new(io, conn, prefix, extract);
     poll_fn(|cx| tls.poll_handshake(cx)).await?;
     Ok(tls)
 }
 
-fn tls_error(e: rustls::Error) -> io::Error {
+pub(crate) fn tls_error(e: rustls::Error) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, e)
 }
 
 /// A TLS connection over `IO`.
-pub struct TlsStream<IO, C> {
+pub struct TlsStream<IO, C: Endpoint> {
     io: IO,
-    conn: C,
+    conn: Conn<C>,
     b: Buffers,
+    alpn: Option<Vec<u8>>,
+    version: Option<rustls::ProtocolVersion>,
+    /// The config lets rustls hand the traffic secrets over.
+    extract: bool,
+}
+
+/// Who protects the records.
+enum Conn<C: Endpoint> {
+    /// rustls (the handshake; TLS 1.2; configs without secret extraction).
+    Rustls(C),
+    /// Our record layer, after a TLS 1.3 handshake.
+    Own(Box<Own<C::Data>>),
+    /// A conversion failed.
+    Gone,
 }
 
 /// Sealed bytes on their way to the socket: `buf[head..tail]`. `buf` is
@@ -141,20 +183,24 @@ impl TxBuf {
         self.tail - self.head
     }
 
-    /// At least `need` bytes of room after what is pending.
+    /// At least `need` bytes of room after what is pending. What is pending
+    /// moves to the front when that copies less than what went out before
+    /// it; the buffer grows otherwise (zero-filled once: sealing needs
+    /// initialized bytes).
     fn room(&mut self, need: usize) -> &mut [u8] {
         if self.head == self.tail {
             self.head = 0;
             self.tail = 0;
         }
         if self.buf.len() - self.tail < need {
-            if self.head > 0 && self.pending() <= self.buf.len() / 2 {
+            if self.head > 0 && self.pending() <= self.head {
                 self.buf.copy_within(self.head..self.tail, 0);
                 self.tail -= self.head;
                 self.head = 0;
             }
             if self.buf.len() - self.tail < need {
-                self.buf.resize(self.tail + need, 0);
+                let len = (self.tail + need).max(self.buf.len() * 2).max(4096);
+                self.buf.resize(len, 0);
             }
         }
         &mut self.buf[self.tail..]
@@ -179,8 +225,12 @@ struct Buffers {
     /// Decrypted bytes the reader had no room for: `plain[plain_pos..]`.
     plain: Vec<u8>,
     plain_pos: usize,
+    /// Our record layer: decrypted bytes the reader has not taken yet,
+    /// `rx[pt_start..pt_end]`, before the records from `rx_start` on.
+    pt_start: usize,
+    pt_end: usize,
     tx: TxBuf,
-    /// The last write was a large one.
+    /// A large write since the connection last waited for input.
     tx_busy: bool,
     /// Small slices coalesced into one record.
     stage: Vec<u8>,
@@ -197,12 +247,16 @@ enum Stop {
 }
 
 impl Buffers {
-    /// Releases the buffers of a connection that went idle.
+    /// Releases the buffers of a connection waiting for input, unless bulk
+    /// data flowed since it last waited (then it is likely to flow again).
     fn release_idle(&mut self) {
-        if !self.rx_busy && self.rx_start == self.rx.len() {
+        if !self.rx_busy && self.rx_start == self.rx.len() && self.pt_start == self.pt_end {
             self.rx = Vec::new();
             self.rx_start = 0;
+            self.pt_start = 0;
+            self.pt_end = 0;
         }
+        self.rx_busy = false;
         if self.plain_pos == self.plain.len() {
             self.plain = Vec::new();
             self.plain_pos = 0;
@@ -211,6 +265,7 @@ impl Buffers {
             self.tx = TxBuf::default();
             self.stage = Vec::new();
         }
+        self.tx_busy = false;
     }
 }
 
@@ -403,16 +458,27 @@ fn seal_slices<D>(
 }
 
 impl<IO, C: Endpoint> TlsStream<IO, C> {
-    fn new(io: IO, conn: C, prefix: &[u8]) -> Self {
+    fn new(io: IO, conn: C, prefix: &[u8], extract: bool) -> Self {
         let mut b = Buffers::default();
         b.rx.reserve(RX_SMALL.max(prefix.len()));
         b.rx.extend_from_slice(prefix);
-        TlsStream { io, conn, b }
+        TlsStream { io, conn: Conn::Rustls(conn), b, alpn: None, version: None, extract }
     }
 
     /// The protocol agreed by ALPN.
     pub fn alpn_protocol(&self) -> Option<&[u8]> {
-        self.conn.common().alpn_protocol()
+        self.alpn.as_deref()
+    }
+
+    /// The TLS version agreed.
+    pub fn protocol_version(&self) -> Option<rustls::ProtocolVersion> {
+        self.version
+    }
+
+    /// Our record layer protects the records (TLS 1.3, the config allowing
+    /// secret extraction); otherwise rustls does.
+    pub fn own_records(&self) -> bool {
+        matches!(self.conn, Conn::Own(_))
     }
 
     /// The transport.
@@ -420,21 +486,53 @@ impl<IO, C: Endpoint> TlsStream<IO, C> {
         &self.io
     }
 
-    /// The rustls connection.
-    pub fn connection(&self) -> &C {
-        &self.conn
+    /// The handshake is done: our record layer takes over when it can.
+    fn finish_handshake(&mut self) -> io::Result<()> {
+        let Conn::Rustls(c) = &self.conn else { return Ok(()) };
+        let common = c.common();
+        self.alpn = common.alpn_protocol().map(<[u8]>::to_vec);
+        self.version = common.protocol_version();
+        if !self.extract || self.version != Some(rustls::ProtocolVersion::TLSv1_3) {
+            return Ok(());
+        }
+        let Conn::Rustls(c) = std::mem::replace(&mut self.conn, Conn::Gone) else { unreachable!() };
+        // rustls processed every complete record (the handshake loop ran
+        // until it needed input): what is left in `rx` is for our layer.
+        let (secrets, kernel) = c.into_kernel().map_err(tls_error)?;
+        self.conn = Conn::Own(Box::new(Own::new(secrets, kernel)?));
+        self.b.pt_start = self.b.rx_start;
+        self.b.pt_end = self.b.rx_start;
+        Ok(())
+    }
+}
+
+/// Copies the next `out.len()` bytes of `bufs` from `at` (slice, offset) on.
+fn gather(bufs: &[IoSlice<'_>], at: &mut (usize, usize), out: &mut [u8]) {
+    let mut filled = 0;
+    while filled < out.len() {
+        let s = &bufs[at.0][at.1..];
+        let n = s.len().min(out.len() - filled);
+        out[filled..filled + n].copy_from_slice(&s[..n]);
+        filled += n;
+        at.1 += n;
+        if at.1 == bufs[at.0].len() {
+            *at = (at.0 + 1, 0);
+        }
     }
 }
 
 impl<IO: AsyncRead + AsyncWrite + Unpin, C: Endpoint> TlsStream<IO, C> {
     fn poll_handshake(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         loop {
-            let processed = drive(&mut self.conn, &mut self.b, None, false);
+            let Conn::Rustls(c) = &mut self.conn else { unreachable!("handshake done") };
+            let processed = drive(c, &mut self.b, None, false);
             // What rustls has to say (an alert too) goes out first.
             let sent = self.poll_send(cx, 0);
             processed?;
             ready!(sent)?;
-            if !self.conn.common().is_handshaking() {
+            let Conn::Rustls(c) = &self.conn else { unreachable!() };
+            if !c.common().is_handshaking() {
+                self.finish_handshake()?;
                 return Pin::new(&mut self.io).poll_flush(cx);
             }
             if self.b.eof {
@@ -444,9 +542,11 @@ impl<IO: AsyncRead + AsyncWrite + Unpin, C: Endpoint> TlsStream<IO, C> {
         }
     }
 
-    /// Reads from the transport into `rx`.
+    /// Reads from the transport into `rx` (what was there moved to the
+    /// front when room runs out; no decrypted bytes are waiting).
     fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let b = &mut self.b;
+        debug_assert_eq!(b.pt_start, b.pt_end);
         if b.rx_start == b.rx.len() {
             b.rx.clear();
             b.rx_start = 0;
@@ -465,6 +565,8 @@ impl<IO: AsyncRead + AsyncWrite + Unpin, C: Endpoint> TlsStream<IO, C> {
                 b.rx.reserve_exact((want - b.rx.len()).max(want / 4));
             }
         }
+        b.pt_start = b.rx_start;
+        b.pt_end = b.rx_start;
         let mut rb = ReadBuf::uninit(b.rx.spare_capacity_mut());
         ready!(Pin::new(&mut self.io).poll_read(cx, &mut rb))?;
         let n = rb.filled().len();
@@ -472,8 +574,8 @@ impl<IO: AsyncRead + AsyncWrite + Unpin, C: Endpoint> TlsStream<IO, C> {
         unsafe { b.rx.set_len(b.rx.len() + n) };
         if n == 0 {
             b.eof = true;
-        } else {
-            b.rx_busy = n >= RX_BUSY;
+        } else if n >= RX_BUSY {
+            b.rx_busy = true;
         }
         Poll::Ready(Ok(()))
     }
@@ -487,20 +589,14 @@ impl<IO: AsyncRead + AsyncWrite + Unpin, C: Endpoint> TlsStream<IO, C> {
                 n => tx.head += n,
             }
         }
-        if self.b.tx.pending() == 0 && !self.b.tx_busy {
-            self.b.tx = TxBuf::default();
-            self.b.stage = Vec::new();
-        }
         Poll::Ready(Ok(()))
     }
-}
 
-impl<IO: AsyncRead + AsyncWrite + Unpin, C: Endpoint> AsyncRead for TlsStream<IO, C> {
-    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
-        let this = self.get_mut();
+    /// Reads through rustls.
+    fn poll_read_rustls(&mut self, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         let start = buf.filled().len();
         loop {
-            let b = &mut this.b;
+            let b = &mut self.b;
             if b.plain_pos < b.plain.len() {
                 let n = buf.remaining().min(b.plain.len() - b.plain_pos);
                 buf.put_slice(&b.plain[b.plain_pos..b.plain_pos + n]);
@@ -514,31 +610,124 @@ impl<IO: AsyncRead + AsyncWrite + Unpin, C: Endpoint> AsyncRead for TlsStream<IO
             if buf.remaining() == 0 || buf.filled().len() > start {
                 return Poll::Ready(Ok(()));
             }
-            if let Err(e) = drive(&mut this.conn, &mut this.b, Some(buf), false) {
+            let Conn::Rustls(c) = &mut self.conn else { unreachable!() };
+            if let Err(e) = drive(c, &mut self.b, Some(buf), false) {
                 // The alert rustls queued, if the socket takes it now.
-                let _ = this.poll_send(cx, 0);
+                let _ = self.poll_send(cx, 0);
                 return Poll::Ready(Err(e));
             }
-            if buf.filled().len() > start || this.b.plain_pos < this.b.plain.len() {
+            if buf.filled().len() > start || self.b.plain_pos < self.b.plain.len() {
                 continue;
             }
-            if this.b.peer_closed {
+            if self.b.peer_closed {
                 return Poll::Ready(Ok(()));
             }
-            if this.b.eof {
-                return Poll::Ready(Err(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    "peer closed connection without sending TLS close_notify",
-                )));
+            if self.b.eof {
+                return Poll::Ready(Err(unexpected_eof()));
             }
-            match this.poll_fill(cx) {
+            match self.poll_fill(cx) {
                 Poll::Ready(Ok(())) => {}
                 Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
                 Poll::Pending => {
-                    this.b.release_idle();
+                    self.b.release_idle();
                     return Poll::Pending;
                 }
             }
+        }
+    }
+
+    /// Reads through our record layer: records are opened in place in `rx`
+    /// and their plaintext copied once, into `buf`.
+    fn poll_read_own(&mut self, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let start = buf.filled().len();
+        loop {
+            let b = &mut self.b;
+            if b.pt_start < b.pt_end {
+                let n = buf.remaining().min(b.pt_end - b.pt_start);
+                buf.put_slice(&b.rx[b.pt_start..b.pt_start + n]);
+                b.pt_start += n;
+                if buf.remaining() == 0 {
+                    return Poll::Ready(Ok(()));
+                }
+            }
+            let Conn::Own(own) = &mut self.conn else { unreachable!() };
+            let avail = b.rx.len() - b.rx_start;
+            if !b.peer_closed && avail >= 5 {
+                let at = b.rx_start;
+                let len = u16::from_be_bytes([b.rx[at + 3], b.rx[at + 4]]) as usize;
+                if len > record::MAX_BODY {
+                    return Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!("TLS: a record of {len} bytes"),
+                    )));
+                }
+                if avail >= 5 + len {
+                    b.rx_start += 5 + len;
+                    match own.open::<C>(&mut b.rx[at..at + 5 + len])? {
+                        Opened::Data(r) => (b.pt_start, b.pt_end) = (at + r.start, at + r.end),
+                        Opened::Nothing => {}
+                        Opened::Closed => b.peer_closed = true,
+                    }
+                    if own.update_due {
+                        // Goes out with the next write or flush, before what it seals.
+                        let n = own.seal_key_update(b.tx.room(record::sealed_len(5)))?;
+                        b.tx.tail += n;
+                    }
+                    continue;
+                }
+            }
+            if buf.filled().len() > start || b.peer_closed {
+                return Poll::Ready(Ok(()));
+            }
+            if b.eof {
+                return Poll::Ready(Err(unexpected_eof()));
+            }
+            match self.poll_fill(cx) {
+                Poll::Ready(Ok(())) => {}
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => {
+                    self.b.release_idle();
+                    return Poll::Pending;
+                }
+            }
+        }
+    }
+
+    /// Seals `budget` bytes of `bufs` with our record layer: each byte is
+    /// copied once, into the record it goes out in, records cut at 16 KiB
+    /// whatever the slices.
+    fn seal_own(&mut self, bufs: &[IoSlice<'_>], budget: usize) -> io::Result<usize> {
+        let Conn::Own(own) = &mut self.conn else { unreachable!() };
+        let tx = &mut self.b.tx;
+        let mut at = (0, 0);
+        let mut taken = 0;
+        while taken < budget {
+            if own.wants_key_update() {
+                let n = own.seal_key_update(tx.room(record::sealed_len(5)))?;
+                tx.tail += n;
+            }
+            let n = (budget - taken).min(RECORD);
+            let room = tx.room(record::sealed_len(n));
+            tx.tail += record::seal(&mut own.tx, 23, n, room, |out| gather(bufs, &mut at, out))?;
+            taken += n;
+        }
+        Ok(taken)
+    }
+}
+
+fn unexpected_eof() -> io::Error {
+    io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed connection without sending TLS close_notify")
+}
+
+impl<IO: AsyncRead + AsyncWrite + Unpin, C: Endpoint> AsyncRead for TlsStream<IO, C> {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        match this.conn {
+            Conn::Rustls(_) => this.poll_read_rustls(cx, buf),
+            // What rustls decrypted after the handshake comes first.
+            Conn::Own(_) if this.b.plain_pos < this.b.plain.len() => this.poll_read_rustls(cx, buf),
+            Conn::Own(_) => this.poll_read_own(cx, buf),
+            Conn::Gone => Poll::Ready(Err(io::Error::other("TLS: the connection failed"))),
         }
     }
 }
@@ -565,10 +754,16 @@ impl<IO: AsyncRead + AsyncWrite + Unpin, C: Endpoint> AsyncWrite for TlsStream<I
             ready!(this.poll_send(cx, TX_HIGH - 1))?;
         }
         let budget = total.min(MAX_TAKE);
-        let mut traffic = write_traffic(&mut this.conn, &mut this.b)?;
-        let b = &mut this.b;
-        let taken = seal_slices(&mut traffic, bufs, budget, &mut b.tx, &mut b.stage)?;
-        this.b.tx_busy = taken >= RECORD;
+        let taken = match &mut this.conn {
+            Conn::Own(_) => this.seal_own(bufs, budget)?,
+            Conn::Rustls(c) => {
+                let mut traffic = write_traffic(c, &mut this.b)?;
+                let b = &mut this.b;
+                seal_slices(&mut traffic, bufs, budget, &mut b.tx, &mut b.stage)?
+            }
+            Conn::Gone => return Poll::Ready(Err(io::Error::other("TLS: the connection failed"))),
+        };
+        this.b.tx_busy |= taken >= RECORD;
         // The bytes are taken: the socket not taking them now is fine.
         if let Poll::Ready(Err(e)) = this.poll_send(cx, 0) {
             return Poll::Ready(Err(e));
@@ -590,12 +785,23 @@ impl<IO: AsyncRead + AsyncWrite + Unpin, C: Endpoint> AsyncWrite for TlsStream<I
         let this = self.get_mut();
         if !this.b.close_queued {
             this.b.close_queued = true;
-            // A connection already closed or failed just shuts the transport.
-            if let Ok(mut traffic) = write_traffic(&mut this.conn, &mut this.b) {
-                let tx = &mut this.b.tx;
-                if let Ok(n) = traffic.queue_close_notify(tx.room(MAX_WIRE)) {
-                    tx.tail += n;
+            let tx = &mut this.b.tx;
+            match &mut this.conn {
+                Conn::Own(own) => {
+                    if let Ok(n) = own.seal_close_notify(tx.room(record::sealed_len(2))) {
+                        tx.tail += n;
+                    }
                 }
+                // A connection already closed or failed just shuts the transport.
+                Conn::Rustls(c) => {
+                    if let Ok(mut traffic) = write_traffic(c, &mut this.b) {
+                        let tx = &mut this.b.tx;
+                        if let Ok(n) = traffic.queue_close_notify(tx.room(MAX_WIRE)) {
+                            tx.tail += n;
+                        }
+                    }
+                }
+                Conn::Gone => {}
             }
         }
         ready!(this.poll_send(cx, 0))?;
@@ -643,15 +849,33 @@ mod tests {
         Arc::new(rustls::crypto::ring::default_provider())
     }
 
-    fn client_config(pki: &Pki, tls12: bool) -> Arc<rustls::ClientConfig> {
+    /// TLS 1.2 (rustls protects the records), TLS 1.3 with rustls or with
+    /// our record layer after the handshake.
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum Mode {
+        Tls12,
+        Tls13,
+        Own,
+    }
+    use Mode::*;
+    const MODES: [Mode; 3] = [Tls12, Tls13, Own];
+
+    fn server_config(pki: &Pki, mode: Mode) -> Arc<rustls::ServerConfig> {
+        let mut config = (*pki.server).clone();
+        config.enable_secret_extraction = mode == Own;
+        Arc::new(config)
+    }
+
+    fn client_config(pki: &Pki, mode: Mode) -> Arc<rustls::ClientConfig> {
         let versions: &[&rustls::SupportedProtocolVersion] =
-            if tls12 { &[&rustls::version::TLS12] } else { &[&rustls::version::TLS13] };
+            if mode == Tls12 { &[&rustls::version::TLS12] } else { &[&rustls::version::TLS13] };
         let mut config = rustls::ClientConfig::builder_with_provider(provider())
             .with_protocol_versions(versions)
             .unwrap()
             .with_root_certificates(pki.roots.clone())
             .with_no_client_auth();
         config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        config.enable_secret_extraction = mode == Own;
         Arc::new(config)
     }
 
@@ -667,11 +891,15 @@ mod tests {
     }
 
     /// Ours on both ends, over a fresh TCP connection.
-    async fn pair(pki: &Pki, tls12: bool) -> (ClientTls<TcpStream>, ServerTls<TcpStream>) {
+    async fn pair(pki: &Pki, mode: Mode) -> (ClientTls<TcpStream>, ServerTls<TcpStream>) {
         let (c, s) = tcp_pair().await;
-        let (client, server) =
-            tokio::join!(connect(client_config(pki, tls12), name(), c), accept(pki.server.clone(), s, &[]));
-        (client.unwrap(), server.unwrap())
+        let (client, server) = tokio::join!(
+            connect(client_config(pki, mode), name(), c),
+            accept(server_config(pki, mode), s, &[])
+        );
+        let (client, server) = (client.unwrap(), server.unwrap());
+        assert_eq!((client.own_records(), server.own_records()), (mode == Own, mode == Own));
+        (client, server)
     }
 
     /// Deterministic bytes that differ everywhere.
@@ -708,22 +936,26 @@ mod tests {
     #[tokio::test]
     async fn handshakes_with_itself_and_with_tokio_rustls_in_tls12_and_tls13() {
         let pki = pki();
-        for tls12 in [false, true] {
+        for mode in MODES {
             // Ours on both ends.
-            let (c, s) = pair(&pki, tls12).await;
+            let (c, s) = pair(&pki, mode).await;
             assert_eq!(c.alpn_protocol(), Some(&b"h2"[..]));
             assert_eq!(s.alpn_protocol(), Some(&b"h2"[..]));
-            let version = c.connection().common().protocol_version();
+            let version = c.protocol_version();
             assert_eq!(
                 version,
-                Some(if tls12 { rustls::ProtocolVersion::TLSv1_2 } else { rustls::ProtocolVersion::TLSv1_3 })
+                Some(if mode == Tls12 {
+                    rustls::ProtocolVersion::TLSv1_2
+                } else {
+                    rustls::ProtocolVersion::TLSv1_3
+                })
             );
             ping(c, s).await;
 
             // Ours as the client, tokio-rustls as the server.
             let (c, s) = tcp_pair().await;
-            let acceptor = tokio_rustls::TlsAcceptor::from(pki.server.clone());
-            let (c, s) = tokio::join!(connect(client_config(&pki, tls12), name(), c), acceptor.accept(s));
+            let acceptor = tokio_rustls::TlsAcceptor::from(server_config(&pki, mode));
+            let (c, s) = tokio::join!(connect(client_config(&pki, mode), name(), c), acceptor.accept(s));
             let (c, s) = (c.unwrap(), s.unwrap());
             assert_eq!(s.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
             ping(c, s).await;
@@ -731,11 +963,11 @@ mod tests {
             // tokio-rustls as the client, ours as the server (with the
             // ClientHello read before, as the edge does).
             let (c, mut s) = tcp_pair().await;
-            let connector = tokio_rustls::TlsConnector::from(client_config(&pki, tls12));
+            let connector = tokio_rustls::TlsConnector::from(client_config(&pki, mode));
             let server = async {
                 let (hello, sni) = crate::edge::sni::read_client_hello(&mut s).await.unwrap();
                 assert_eq!(sni.as_deref(), Some(NAME));
-                accept(pki.server.clone(), s, &hello).await
+                accept(server_config(&pki, mode), s, &hello).await
             };
             let (c, s) = tokio::join!(connector.connect(name(), c), server);
             let (c, s) = (c.unwrap(), s.unwrap());
@@ -749,10 +981,8 @@ mod tests {
         let pki = pki();
         let other = self::pki();
         let (c, s) = tcp_pair().await;
-        let (c, s) = tokio::join!(
-            connect(client_config(&other, false), name(), c),
-            accept(pki.server.clone(), s, &[])
-        );
+        let (c, s) =
+            tokio::join!(connect(client_config(&other, Own), name(), c), accept(pki.server.clone(), s, &[]));
         let c = c.err().expect("the client refuses the certificate");
         assert_eq!(c.kind(), io::ErrorKind::InvalidData);
         // (Both CAs have the same name: the signature is what does not match.)
@@ -816,8 +1046,8 @@ mod tests {
     #[tokio::test]
     async fn large_transfers_both_ways_at_once_arrive_intact() {
         let pki = pki();
-        for tls12 in [false, true] {
-            let (c, s) = pair(&pki, tls12).await;
+        for mode in MODES {
+            let (c, s) = pair(&pki, mode).await;
             let up = random(5 * 1024 * 1024 + 12_345, 1);
             let down = random(3 * 1024 * 1024 + 777, 2);
             let (mut cr, mut cw) = tokio::io::split(c);
@@ -842,21 +1072,25 @@ mod tests {
     #[tokio::test]
     async fn a_transport_that_takes_a_few_bytes_at_a_time_applies_backpressure() {
         let pki = pki();
-        // A 1 KiB pipe: writes are Pending most of the time.
-        let (c, s) = tokio::io::duplex(1024);
-        let (c, s) =
-            tokio::join!(connect(client_config(&pki, false), name(), c), accept(pki.server.clone(), s, &[]));
-        let (mut c, mut s) = (c.unwrap(), s.unwrap());
-        let data = random(1024 * 1024 + 3, 7);
-        let (_, got) = tokio::join!(
-            async {
-                write_varied(&mut c, &data, 8).await;
-                assert!(c.b.tx.pending() == 0);
-                c.shutdown().await.unwrap();
-            },
-            read_varied(&mut s, 9),
-        );
-        assert!(got == data);
+        for mode in MODES {
+            // A 1 KiB pipe: writes are Pending most of the time.
+            let (c, s) = tokio::io::duplex(1024);
+            let (c, s) = tokio::join!(
+                connect(client_config(&pki, mode), name(), c),
+                accept(server_config(&pki, mode), s, &[])
+            );
+            let (mut c, mut s) = (c.unwrap(), s.unwrap());
+            let data = random(1024 * 1024 + 3, 7);
+            let (_, got) = tokio::join!(
+                async {
+                    write_varied(&mut c, &data, 8).await;
+                    assert!(c.b.tx.pending() == 0);
+                    c.shutdown().await.unwrap();
+                },
+                read_varied(&mut s, 9),
+            );
+            assert!(got == data, "{mode:?}");
+        }
     }
 
     /// A transport that keeps a copy of what was written.
@@ -909,43 +1143,56 @@ mod tests {
     #[tokio::test]
     async fn vectored_writes_seal_headers_with_their_payload_in_full_records() {
         let pki = pki();
-        let (c, s) = tcp_pair().await;
-        let log = Arc::new(Mutex::new(Vec::new()));
-        let c = Tap { inner: c, log: log.clone() };
-        let (c, s) =
-            tokio::join!(connect(client_config(&pki, false), name(), c), accept(pki.server.clone(), s, &[]));
-        let (mut c, mut s) = (c.unwrap(), s.unwrap());
-        let mut sent = Vec::new();
-        let mut write = async |bufs: &[&[u8]]| {
-            log.lock().unwrap().clear();
-            let slices: Vec<IoSlice<'_>> = bufs.iter().map(|b| IoSlice::new(b)).collect();
-            let n = c.write_vectored(&slices).await.unwrap();
-            assert_eq!(n, bufs.iter().map(|b| b.len()).sum::<usize>());
-            c.flush().await.unwrap();
-            bufs.iter().for_each(|b| sent.extend_from_slice(b));
-            record_sizes(&log.lock().unwrap())
-        };
-        let payload = random(64 * 1024, 10);
-        // A WebSocket header and an h2 frame header before a 10 KiB frame: one record.
-        assert_eq!(write(&[&[1; 4], &[2; 9], &payload[..10240]]).await, [10253]);
-        // Before 64 KiB: the headers make the one record beyond four full ones
-        // (five are needed anyway), and the payload is sealed where it is.
-        assert_eq!(write(&[&[1; 14], &[2; 9], &payload]).await, [23, 16384, 16384, 16384, 16384]);
-        // Before 20000 bytes: the headers go with the first 3616, the rest is a full record.
-        assert_eq!(write(&[&[3; 4], &payload[..20000]]).await, [3620, 16384]);
-        // Many small slices coalesce.
-        let small: Vec<&[u8]> = (0..100).map(|i| &payload[i * 10..i * 10 + 10]).collect();
-        assert_eq!(write(&small).await, [1000]);
-        let mut got = vec![0u8; sent.len()];
-        s.read_exact(&mut got).await.unwrap();
-        assert!(got == sent);
+        for mode in [Tls13, Own] {
+            let (c, s) = tcp_pair().await;
+            let log = Arc::new(Mutex::new(Vec::new()));
+            let c = Tap { inner: c, log: log.clone() };
+            let (c, s) = tokio::join!(
+                connect(client_config(&pki, mode), name(), c),
+                accept(server_config(&pki, mode), s, &[])
+            );
+            let (mut c, mut s) = (c.unwrap(), s.unwrap());
+            let mut sent = Vec::new();
+            let mut write = async |bufs: &[&[u8]]| {
+                log.lock().unwrap().clear();
+                let slices: Vec<IoSlice<'_>> = bufs.iter().map(|b| IoSlice::new(b)).collect();
+                let n = c.write_vectored(&slices).await.unwrap();
+                assert_eq!(n, bufs.iter().map(|b| b.len()).sum::<usize>());
+                c.flush().await.unwrap();
+                bufs.iter().for_each(|b| sent.extend_from_slice(b));
+                record_sizes(&log.lock().unwrap())
+            };
+            let payload = random(64 * 1024, 10);
+            // A WebSocket header and an h2 frame header before a 10 KiB frame: one record.
+            assert_eq!(write(&[&[1; 4], &[2; 9], &payload[..10240]]).await, [10253]);
+            let big = write(&[&[1; 14], &[2; 9], &payload]).await;
+            let odd = write(&[&[3; 4], &payload[..20000]]).await;
+            if mode == Own {
+                // Each byte is copied once into its record: records are cut at 16 KiB.
+                assert_eq!(big, [16384, 16384, 16384, 16384, 23]);
+                assert_eq!(odd, [16384, 3620]);
+            } else {
+                // rustls seals one slice at a time: the headers make the one
+                // record beyond four full ones (five are needed anyway), the
+                // payload is sealed where it is.
+                assert_eq!(big, [23, 16384, 16384, 16384, 16384]);
+                // The headers go with the first 3616 bytes, the rest is a full record.
+                assert_eq!(odd, [3620, 16384]);
+            }
+            // Many small slices coalesce.
+            let small: Vec<&[u8]> = (0..100).map(|i| &payload[i * 10..i * 10 + 10]).collect();
+            assert_eq!(write(&small).await, [1000]);
+            let mut got = vec![0u8; sent.len()];
+            s.read_exact(&mut got).await.unwrap();
+            assert!(got == sent);
+        }
     }
 
     #[tokio::test]
     async fn close_notify_both_ways_and_half_close() {
         let pki = pki();
-        for tls12 in [false, true] {
-            let (mut c, mut s) = pair(&pki, tls12).await;
+        for mode in MODES {
+            let (mut c, mut s) = pair(&pki, mode).await;
             c.write_all(b"last words").await.unwrap();
             c.shutdown().await.unwrap();
             let mut got = Vec::new();
@@ -964,22 +1211,27 @@ mod tests {
     #[tokio::test]
     async fn a_transport_eof_without_close_notify_is_an_unexpected_eof() {
         let pki = pki();
-        let (c, s) = tcp_pair().await;
-        let (c, s) = tokio::join!(
-            connect(client_config(&pki, false), name(), c),
-            tokio_rustls::TlsAcceptor::from(pki.server.clone()).accept(s)
-        );
-        let (mut c, s) = (c.unwrap(), s.unwrap());
-        let (mut tcp, _) = s.into_inner();
-        tcp.shutdown().await.unwrap(); // TCP FIN, no close_notify
-        let mut buf = [0u8; 10];
-        let err = c.read(&mut buf).await.unwrap_err();
-        assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof);
+        for mode in MODES {
+            let (c, s) = tcp_pair().await;
+            let (c, s) = tokio::join!(
+                connect(client_config(&pki, mode), name(), c),
+                tokio_rustls::TlsAcceptor::from(server_config(&pki, mode)).accept(s)
+            );
+            let (mut c, mut s) = (c.unwrap(), s.unwrap());
+            s.write_all(b"some").await.unwrap();
+            s.flush().await.unwrap();
+            let (mut tcp, _) = s.into_inner();
+            tcp.shutdown().await.unwrap(); // TCP FIN, no close_notify
+            let mut buf = [0u8; 10];
+            assert_eq!(c.read(&mut buf).await.unwrap(), 4);
+            let err = c.read(&mut buf).await.unwrap_err();
+            assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof, "{mode:?}");
+        }
 
         // And in the handshake.
         let (c, mut s) = tcp_pair().await;
         s.shutdown().await.unwrap();
-        let err = connect(client_config(&pki, false), name(), c).await.err().unwrap();
+        let err = connect(client_config(&pki, Own), name(), c).await.err().unwrap();
         assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof);
     }
 
@@ -996,86 +1248,110 @@ mod tests {
             .err()
             .expect("an error");
         assert_eq!(err.kind(), io::ErrorKind::InvalidData, "{err}");
-        // After the handshake: a record header and junk that does not decrypt.
-        let (c, s) = tcp_pair().await;
-        let (c, s) = tokio::join!(
-            connect(client_config(&pki, false), name(), c),
-            tokio_rustls::TlsAcceptor::from(pki.server.clone()).accept(s)
-        );
-        let (mut c, s) = (c.unwrap(), s.unwrap());
-        let (mut tcp, _) = s.into_inner();
-        let mut record = vec![23, 3, 3, 0x10, 0];
-        record.extend_from_slice(&junk[..0x1000]);
-        tcp.write_all(&record).await.unwrap();
-        let mut buf = [0u8; 100];
-        let err = tokio::time::timeout(Duration::from_secs(5), c.read(&mut buf))
-            .await
-            .expect("no hang")
-            .unwrap_err();
-        assert_eq!(err.kind(), io::ErrorKind::InvalidData, "{err}");
-        assert!(err.to_string().contains("decrypt"), "{err}");
+        // After the handshake: a record header and junk that does not
+        // decrypt, or a record too long, or a record of another type.
+        for mode in MODES {
+            for record in [&[23, 3, 3, 0x10, 0][..], &[23, 3, 3, 0x48, 0], &[99, 3, 3, 0x10, 0]] {
+                let (c, s) = tcp_pair().await;
+                let (c, s) = tokio::join!(
+                    connect(client_config(&pki, mode), name(), c),
+                    tokio_rustls::TlsAcceptor::from(server_config(&pki, mode)).accept(s)
+                );
+                let (mut c, s) = (c.unwrap(), s.unwrap());
+                let (mut tcp, _) = s.into_inner();
+                let mut record = record.to_vec();
+                record.extend_from_slice(&junk[..0x4800]);
+                tcp.write_all(&record).await.unwrap();
+                let mut buf = [0u8; 100];
+                let err = tokio::time::timeout(Duration::from_secs(5), c.read(&mut buf))
+                    .await
+                    .expect("no hang")
+                    .unwrap_err();
+                assert_eq!(err.kind(), io::ErrorKind::InvalidData, "{mode:?} {err}");
+            }
+        }
     }
 
     #[tokio::test]
     async fn key_updates_from_the_peer_are_followed_both_ways() {
         let pki = pki();
-        let (c, s) = tcp_pair().await;
-        let (c, s) = tokio::join!(
-            connect(client_config(&pki, false), name(), c),
-            tokio_rustls::TlsAcceptor::from(pki.server.clone()).accept(s)
-        );
-        let (mut c, mut s) = (c.unwrap(), s.unwrap());
-        for round in 0..3u8 {
-            // The peer updates its keys and asks for ours to be updated too.
-            s.get_mut().1.refresh_traffic_keys().unwrap();
-            let data = random(100_000, round as u64);
-            s.write_all(&data).await.unwrap();
-            s.flush().await.unwrap();
-            let mut got = vec![0u8; data.len()];
-            c.read_exact(&mut got).await.unwrap();
-            assert!(got == data);
-            // Our answer (a KeyUpdate of ours) goes before what we send next.
-            c.write_all(&data).await.unwrap();
-            c.flush().await.unwrap();
-            s.read_exact(&mut got).await.unwrap();
-            assert!(got == data);
+        for mode in [Tls13, Own] {
+            let (c, s) = tcp_pair().await;
+            let (c, s) = tokio::join!(
+                connect(client_config(&pki, mode), name(), c),
+                tokio_rustls::TlsAcceptor::from(server_config(&pki, mode)).accept(s)
+            );
+            let (mut c, mut s) = (c.unwrap(), s.unwrap());
+            assert_eq!(c.own_records(), mode == Own);
+            for round in 0..3u8 {
+                // The peer updates its keys and asks for ours to be updated too.
+                s.get_mut().1.refresh_traffic_keys().unwrap();
+                let data = random(100_000, round as u64);
+                s.write_all(&data).await.unwrap();
+                s.flush().await.unwrap();
+                let mut got = vec![0u8; data.len()];
+                c.read_exact(&mut got).await.unwrap();
+                assert!(got == data);
+                // Our answer (a KeyUpdate of ours) goes before what we send next.
+                c.write_all(&data).await.unwrap();
+                c.flush().await.unwrap();
+                s.read_exact(&mut got).await.unwrap();
+                assert!(got == data);
+            }
+            // Our own updates (every 64 records in tests) when a key has sealed enough.
+            let data = random(3 * 1024 * 1024 + 5, 20);
+            let (_, got) = tokio::join!(
+                async {
+                    c.write_all(&data).await.unwrap();
+                    c.flush().await.unwrap();
+                },
+                async {
+                    let mut got = vec![0u8; data.len()];
+                    s.read_exact(&mut got).await.unwrap();
+                    got
+                }
+            );
+            assert!(got == data, "{mode:?}");
         }
     }
 
     #[tokio::test]
     async fn an_idle_connection_holds_no_buffers() {
         let pki = pki();
-        let (mut c, mut s) = pair(&pki, false).await;
-        let data = random(1024 * 1024, 12);
-        let (_, got) = tokio::join!(
-            async {
-                c.write_all(&data).await.unwrap();
-                c.flush().await.unwrap();
-            },
-            async {
-                let mut got = vec![0u8; data.len()];
-                s.read_exact(&mut got).await.unwrap();
-                got
-            }
-        );
-        assert!(got == data);
-        // A small exchange ends the bulk phase, then both ends wait for more.
-        c.write_all(b"x").await.unwrap();
-        c.flush().await.unwrap();
-        let mut one = [0u8; 1];
-        s.read_exact(&mut one).await.unwrap();
-        s.write_all(b"y").await.unwrap();
-        s.flush().await.unwrap();
-        c.read_exact(&mut one).await.unwrap();
-        let pending = tokio::time::timeout(Duration::from_millis(50), s.read(&mut one)).await;
-        assert!(pending.is_err());
-        let pending = tokio::time::timeout(Duration::from_millis(50), c.read(&mut one)).await;
-        assert!(pending.is_err());
-        for b in [&c.b, &s.b] {
-            assert_eq!(
-                (b.rx.capacity(), b.plain.capacity(), b.tx.buf.capacity(), b.stage.capacity()),
-                (0, 0, 0, 0)
+        for mode in MODES {
+            let (mut c, mut s) = pair(&pki, mode).await;
+            let data = random(1024 * 1024, 12);
+            let (_, got) = tokio::join!(
+                async {
+                    c.write_all(&data).await.unwrap();
+                    c.flush().await.unwrap();
+                },
+                async {
+                    let mut got = vec![0u8; data.len()];
+                    s.read_exact(&mut got).await.unwrap();
+                    got
+                }
             );
+            assert!(got == data);
+            // A small exchange ends the bulk phase, then both ends wait for more.
+            c.write_all(b"x").await.unwrap();
+            c.flush().await.unwrap();
+            let mut one = [0u8; 1];
+            s.read_exact(&mut one).await.unwrap();
+            s.write_all(b"y").await.unwrap();
+            s.flush().await.unwrap();
+            c.read_exact(&mut one).await.unwrap();
+            let pending = tokio::time::timeout(Duration::from_millis(50), s.read(&mut one)).await;
+            assert!(pending.is_err());
+            let pending = tokio::time::timeout(Duration::from_millis(50), c.read(&mut one)).await;
+            assert!(pending.is_err());
+            for b in [&c.b, &s.b] {
+                assert_eq!(
+                    (b.rx.capacity(), b.plain.capacity(), b.tx.buf.capacity(), b.stage.capacity()),
+                    (0, 0, 0, 0),
+                    "{mode:?}"
+                );
+            }
         }
     }
 }
