@@ -53,6 +53,8 @@ const RX_BIG: usize = 64 * 1024 + MAX_WIRE;
 const RX_SMALL: usize = MAX_WIRE;
 /// A read of at least this much means bulk data flows.
 const RX_BUSY: usize = 8 * 1024;
+/// Waits for input without bulk data after which large buffers go.
+const QUIET: u8 = 4;
 /// Unsent sealed bytes past which a write waits for the socket.
 pub const TX_HIGH: usize = 64 * 1024;
 /// Most plaintext one write takes: a WebSocket frame of a 64 KiB HTTP/2
@@ -212,8 +214,10 @@ struct Buffers {
     /// TLS bytes read: `rx[rx_start..]` are not discarded yet.
     rx: Vec<u8>,
     rx_start: usize,
-    /// The last read from the socket was a large one.
-    rx_busy: bool,
+    /// Bulk data came in: `rx` is the large size.
+    rx_big: bool,
+    /// Waits for input since the last large read.
+    rx_quiet: u8,
     /// rustls holds no part of a handshake message in `rx` (the last record
     /// it processed was application data, or `rx` is empty): the records
     /// still in `rx` can wait while a write asks rustls to seal.
@@ -230,8 +234,10 @@ struct Buffers {
     pt_start: usize,
     pt_end: usize,
     tx: TxBuf,
-    /// A large write since the connection last waited for input.
-    tx_busy: bool,
+    /// Bulk data went out: `tx` grew large.
+    tx_big: bool,
+    /// Waits for input since the last large write.
+    tx_quiet: u8,
     /// Small slices coalesced into one record.
     stage: Vec<u8>,
     close_queued: bool,
@@ -247,25 +253,32 @@ enum Stop {
 }
 
 impl Buffers {
-    /// Releases the buffers of a connection waiting for input, unless bulk
-    /// data flowed since it last waited (then it is likely to flow again).
+    /// Releases the buffers of a connection waiting for input: small ones at
+    /// once (thousands of idle keep-alive connections hold none), large
+    /// ones after [`QUIET`] waits without bulk data (bulk data that pauses
+    /// keeps them rather than allocating and zero-filling them again).
     fn release_idle(&mut self) {
-        if !self.rx_busy && self.rx_start == self.rx.len() && self.pt_start == self.pt_end {
+        self.rx_quiet = self.rx_quiet.saturating_add(1);
+        if (!self.rx_big || self.rx_quiet >= QUIET)
+            && self.rx_start == self.rx.len()
+            && self.pt_start == self.pt_end
+        {
             self.rx = Vec::new();
             self.rx_start = 0;
             self.pt_start = 0;
             self.pt_end = 0;
+            self.rx_big = false;
         }
-        self.rx_busy = false;
         if self.plain_pos == self.plain.len() {
             self.plain = Vec::new();
             self.plain_pos = 0;
         }
-        if !self.tx_busy && self.tx.pending() == 0 {
+        self.tx_quiet = self.tx_quiet.saturating_add(1);
+        if (!self.tx_big || self.tx_quiet >= QUIET) && self.tx.pending() == 0 {
             self.tx = TxBuf::default();
             self.stage = Vec::new();
+            self.tx_big = false;
         }
-        self.tx_busy = false;
     }
 }
 
@@ -551,7 +564,7 @@ impl<IO: AsyncRead + AsyncWrite + Unpin, C: Endpoint> TlsStream<IO, C> {
             b.rx.clear();
             b.rx_start = 0;
         }
-        let want = if b.rx_busy { RX_BIG } else { RX_SMALL };
+        let want = if b.rx_big { RX_BIG } else { RX_SMALL };
         if b.rx.capacity() - b.rx.len() < want / 4 || b.rx.capacity() < want {
             if b.rx_start > 0 {
                 // What is left is the start of a record (or of a handshake
@@ -575,7 +588,8 @@ impl<IO: AsyncRead + AsyncWrite + Unpin, C: Endpoint> TlsStream<IO, C> {
         if n == 0 {
             b.eof = true;
         } else if n >= RX_BUSY {
-            b.rx_busy = true;
+            b.rx_big = true;
+            b.rx_quiet = 0;
         }
         Poll::Ready(Ok(()))
     }
@@ -763,7 +777,10 @@ impl<IO: AsyncRead + AsyncWrite + Unpin, C: Endpoint> AsyncWrite for TlsStream<I
             }
             Conn::Gone => return Poll::Ready(Err(io::Error::other("TLS: the connection failed"))),
         };
-        this.b.tx_busy |= taken >= RECORD;
+        if taken >= RECORD {
+            this.b.tx_big = true;
+            this.b.tx_quiet = 0;
+        }
         // The bytes are taken: the socket not taking them now is fine.
         if let Poll::Ready(Err(e)) = this.poll_send(cx, 0) {
             return Poll::Ready(Err(e));
@@ -1319,6 +1336,26 @@ mod tests {
     async fn an_idle_connection_holds_no_buffers() {
         let pki = pki();
         for mode in MODES {
+            // Request and response: the buffers go at the first wait.
+            let (mut c, mut s) = pair(&pki, mode).await;
+            c.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
+            c.flush().await.unwrap();
+            let mut req = [0u8; 18];
+            s.read_exact(&mut req).await.unwrap();
+            s.write_all(&random(3000, 13)).await.unwrap();
+            s.flush().await.unwrap();
+            let mut resp = [0u8; 3000];
+            c.read_exact(&mut resp).await.unwrap();
+            let mut one = [0u8; 1];
+            for end in [&mut c as &mut (dyn AsyncRead + Unpin), &mut s] {
+                let pending = tokio::time::timeout(Duration::from_millis(20), end.read(&mut one)).await;
+                assert!(pending.is_err());
+            }
+            for b in [&c.b, &s.b] {
+                assert_eq!((b.rx.capacity(), b.plain.capacity(), b.tx.buf.capacity()), (0, 0, 0), "{mode:?}");
+            }
+
+            // Bulk data, then waits.
             let (mut c, mut s) = pair(&pki, mode).await;
             let data = random(1024 * 1024, 12);
             let (_, got) = tokio::join!(
@@ -1336,15 +1373,18 @@ mod tests {
             // A small exchange ends the bulk phase, then both ends wait for more.
             c.write_all(b"x").await.unwrap();
             c.flush().await.unwrap();
-            let mut one = [0u8; 1];
+
             s.read_exact(&mut one).await.unwrap();
             s.write_all(b"y").await.unwrap();
             s.flush().await.unwrap();
             c.read_exact(&mut one).await.unwrap();
-            let pending = tokio::time::timeout(Duration::from_millis(50), s.read(&mut one)).await;
-            assert!(pending.is_err());
-            let pending = tokio::time::timeout(Duration::from_millis(50), c.read(&mut one)).await;
-            assert!(pending.is_err());
+            // Large buffers go after a few waits without bulk data.
+            for _ in 0..QUIET {
+                let pending = tokio::time::timeout(Duration::from_millis(20), s.read(&mut one)).await;
+                assert!(pending.is_err());
+                let pending = tokio::time::timeout(Duration::from_millis(20), c.read(&mut one)).await;
+                assert!(pending.is_err());
+            }
             for b in [&c.b, &s.b] {
                 assert_eq!(
                     (b.rx.capacity(), b.plain.capacity(), b.tx.buf.capacity(), b.stage.capacity()),
