@@ -179,6 +179,8 @@ impl<D> Own<D> {
                 Ok(Opened::Nothing)
             }
             ALERT if len == 2 && plain[1] == 0 => Ok(Opened::Closed),
+            // user_canceled is a warning (RFC 8446 §6.1); close_notify follows.
+            ALERT if len == 2 && plain[1] == 90 => Ok(Opened::Nothing),
             ALERT if len == 2 => {
                 Err(bad(format!("received fatal alert: {:?}", rustls::AlertDescription::from(plain[1]))))
             }
