@@ -1,23 +1,28 @@
-//! TLS streams on rustls' unbuffered API, for both ends of the tunnel: the
-//! agent's connection to the edge ([`connect`]) and the edge's public HTTPS
-//! listener ([`accept`]), which the tunnel is an upgrade of.
+//! TLS streams for both ends of the tunnel: the agent's connection to the
+//! edge ([`connect`]) and the edge's public HTTPS listener ([`accept`]),
+//! which the tunnel is an upgrade of.
+//!
+//! rustls' unbuffered API does the handshake. After a TLS 1.3 handshake, when
+//! the config allows secret extraction (the edge's and the tunnel client's
+//! do), [`record`] protects the records: rustls keeps the key schedule
+//! (its kernel API) and the records are sealed and opened in place here.
+//! rustls 0.23's unbuffered API would copy each record into a `Vec` of its
+//! own both ways; TLS 1.2 (public clients only) and configs without secret
+//! extraction still go through it.
 //!
 //! Receiving: the socket is read into one buffer of ours (no zero-filling,
 //! 64 KiB and a record while bulk data flows, one record's worth otherwise,
-//! none while idle), rustls deframes and decrypts the records in place there
-//! and the plaintext goes into the reader's buffer (rustls 0.23 still hands a
-//! decrypted record out as a `Vec` of its own: one copy there, one into the
-//! reader's buffer, where the buffered API made three). What the reader has
-//! no room for waits in `plain`, which is always served before the records
-//! still in the buffer.
+//! none while idle). Our record layer opens a record where it lies and the
+//! plaintext waits there (`pt_start..pt_end`, before the records not opened
+//! yet) until the reader takes it: one copy. Through rustls, what the reader
+//! has no room for waits in `plain`, which is always served first.
 //!
-//! Sending: a vectored write is sealed into records of at most 16 KiB;
-//! slices of 4 KiB and more are sealed straight from the caller's buffers,
-//! small ones (a WebSocket and an HTTP/2 frame header) are copied into a
-//! staging record together with the start of what follows, so a header never
-//! makes a record of its own unless the record count is the same either way.
-//! The sealed records go to the socket in one write; past [`TX_HIGH`]
-//! unsent bytes a write is `Pending` until the socket takes them.
+//! Sending: our record layer copies a vectored write once, into records of
+//! 16 KiB whatever the slices. Through rustls, slices of 4 KiB and more are
+//! sealed straight from the caller's buffers and small ones (a WebSocket and
+//! an HTTP/2 frame header) are staged with the start of what follows. The
+//! sealed records go to the socket in one write; past [`TX_HIGH`] unsent
+//! bytes a write is `Pending` until the socket takes them.
 //!
 //! Closing: `poll_shutdown` sends close_notify and shuts the transport down;
 //! a peer's close_notify is EOF; a transport EOF without close_notify is an
