@@ -41,6 +41,16 @@ pub const SERVER_ADDR_HEADER: &str = "culvert-server-addr";
 /// Header on a response the agent made itself (backend unreachable...).
 pub const ERROR_HEADER: &str = "culvert-error";
 
+/// The wire headers every request and response carries, as header names:
+/// a `&str` name is parsed again at every use.
+pub mod names {
+    use http::header::HeaderName;
+
+    pub static STREAM: HeaderName = HeaderName::from_static(super::STREAM_HEADER);
+    pub static STATUS: HeaderName = HeaderName::from_static(super::STATUS_HEADER);
+    pub static ERROR: HeaderName = HeaderName::from_static(super::ERROR_HEADER);
+}
+
 /// WebSocket text message: the agent will take no new streams (draining).
 pub const MSG_GOODBYE: &str = "goodbye";
 /// WebSocket text message: the edge has stopped routing new streams here.

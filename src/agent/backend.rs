@@ -94,6 +94,13 @@ struct ClientKey {
 /// name, kept for the life of the process; few distinct ones exist).
 pub fn client(options: &RouteOptions, server_name: Option<&str>) -> BackendClient {
     static CLIENTS: OnceLock<Mutex<HashMap<ClientKey, BackendClient>>> = OnceLock::new();
+    // Plain HTTP with the default connect timeout, the most common: no lock, no lookup.
+    static PLAIN: OnceLock<BackendClient> = OnceLock::new();
+    if options.scheme == Scheme::Http && options.connect_timeout == BACKEND_CONNECT_TIMEOUT {
+        let key =
+            ClientKey { scheme: Scheme::Http, connect_timeout: BACKEND_CONNECT_TIMEOUT, server_name: None };
+        return PLAIN.get_or_init(|| build(&key)).clone();
+    }
     let key = ClientKey {
         scheme: options.scheme,
         connect_timeout: options.connect_timeout,

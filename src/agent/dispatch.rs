@@ -117,6 +117,10 @@ pub fn service(
     })
 }
 
+/// The byte pipes' futures are boxed: this future is moved into every HTTP
+/// request's task, and those moves showed in a profile of keep-alive HTTP
+/// (memmove at task spawn, ~4 % of the agent's CPU) while a pipe's own
+/// allocation is once per connection.
 async fn handle(req: Request<Incoming>, kind: StreamKind, resolver: &Resolver) -> Response<BoxBody> {
     let (parts, body) = req.into_parts();
     let Some(target) = resolver(&parts) else {
@@ -128,14 +132,14 @@ async fn handle(req: Request<Incoming>, kind: StreamKind, resolver: &Resolver) -
                 let addr = |name| pipe::header_addr(&parts, name);
                 p.encode(addr(CLIENT_ADDR_HEADER), addr(SERVER_ADDR_HEADER))
             });
-            pipe::tcp(addr, header, body).await
+            Box::pin(pipe::tcp(addr, header, body)).await
         }
         (StreamKind::Udp, Target::Udp { addr, proxy }) => {
             let header = proxy.map(|p| {
                 let addr = |name| pipe::header_addr(&parts, name);
                 p.encode_datagram(addr(CLIENT_ADDR_HEADER), addr(SERVER_ADDR_HEADER))
             });
-            pipe::udp(addr, header, body).await
+            Box::pin(pipe::udp(addr, header, body)).await
         }
         (StreamKind::Http, Target::Http { authority, options }) => {
             forward::http(parts, body, &authority, &options).await
@@ -152,7 +156,7 @@ async fn handle(req: Request<Incoming>, kind: StreamKind, resolver: &Resolver) -
             if let Err(refused) = forward::admit(&mut parts.headers, &options) {
                 return refused;
             }
-            pipe::upgrade(parts, body, &authority, &options).await
+            Box::pin(pipe::upgrade(parts, body, &authority, &options)).await
         }
         (kind, target) => agent_error(
             StatusCode::BAD_GATEWAY,

@@ -124,7 +124,7 @@ impl StreamKind {
     }
 
     pub fn of<B>(req: &http::Request<B>) -> StreamKind {
-        match req.headers().get(crate::constants::STREAM_HEADER).map(|v| v.as_bytes()) {
+        match req.headers().get(&crate::constants::names::STREAM).map(|v| v.as_bytes()) {
             Some(b"tcp") => StreamKind::Tcp,
             Some(b"udp") => StreamKind::Udp,
             Some(b"upgrade") => StreamKind::Upgrade,

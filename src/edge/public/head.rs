@@ -8,9 +8,11 @@ use std::net::SocketAddr;
 use http::header::{self, HeaderMap, HeaderValue};
 use http::{Request, Uri};
 
-use crate::constants::{STREAM_HEADER, UPGRADE_HEADER};
+use http::header::HeaderName;
+
+use crate::constants::{UPGRADE_HEADER, names};
 use crate::edge::routes::normalize_host;
-use crate::http::{strip_culvert_headers, strip_hop_by_hop};
+use crate::http::{is_culvert_header, is_hop_by_hop, remove_headers, strip_connection_listed};
 use crate::tunnel::StreamKind;
 
 /// The request's host: `:authority` (h2) or `Host` (HTTP/1.1).
@@ -35,6 +37,11 @@ const CLIENT_ADDRESS_HEADERS: [&str; 10] = [
     "cf-connecting-ip",
     "x-original-forwarded-for",
 ];
+
+static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+static X_FORWARDED_PORT: HeaderName = HeaderName::from_static("x-forwarded-port");
 
 /// Why a public request head is refused before it goes anywhere (400).
 pub(super) fn refuse_head<B: hyper::body::Body>(req: &Request<B>) -> Option<&'static str> {
@@ -73,22 +80,24 @@ pub(crate) fn rewrite_request(
         return Err(BadTarget);
     }
     let uri = Uri::try_from(format!("https://{host}{pq}")).map_err(|_| BadTarget)?;
-    strip_hop_by_hop(&mut parts.headers);
-    strip_culvert_headers(&mut parts.headers);
+    // One pass drops hop-by-hop and culvert headers, the `Host` (the URI
+    // carries it) and client-supplied forwarding headers: replaced, never trusted.
+    strip_connection_listed(&mut parts.headers);
+    remove_headers(&mut parts.headers, |k| {
+        is_hop_by_hop(k)
+            || is_culvert_header(k)
+            || k == header::HOST
+            || CLIENT_ADDRESS_HEADERS.contains(&k.as_str())
+    });
     let h = &mut parts.headers;
-    // Client-supplied forwarding headers are replaced, never trusted.
-    for name in CLIENT_ADDRESS_HEADERS {
-        h.remove(name);
-    }
-    h.insert("x-forwarded-port", HeaderValue::from(port));
-    h.remove(header::HOST);
-    h.insert("x-forwarded-for", HeaderValue::from_str(&peer.ip().to_string()).expect("ip is ascii"));
-    h.insert("x-forwarded-proto", HeaderValue::from_static(scheme));
+    h.insert(X_FORWARDED_PORT.clone(), HeaderValue::from(port));
+    h.insert(X_FORWARDED_FOR.clone(), HeaderValue::from_str(&peer.ip().to_string()).expect("ip is ascii"));
+    h.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static(scheme));
     if let Ok(v) = HeaderValue::from_str(host) {
-        h.insert("x-forwarded-host", v);
+        h.insert(X_FORWARDED_HOST.clone(), v);
     }
     let kind = if upgrade.is_some() { StreamKind::Upgrade } else { StreamKind::Http };
-    h.insert(STREAM_HEADER, HeaderValue::from_static(kind.header_value()));
+    h.insert(names::STREAM.clone(), HeaderValue::from_static(kind.header_value()));
     if let Some(u) = upgrade {
         h.insert(UPGRADE_HEADER, u.clone());
     }
@@ -104,8 +113,8 @@ pub(crate) struct BadTarget;
 /// Cleans the agent's response head for the client: hop-by-hop and culvert
 /// headers are dropped.
 pub(super) fn clean_response(headers: &mut HeaderMap) {
-    strip_hop_by_hop(headers);
-    strip_culvert_headers(headers);
+    strip_connection_listed(headers);
+    remove_headers(headers, |k| is_hop_by_hop(k) || is_culvert_header(k));
 }
 
 #[cfg(test)]

@@ -34,8 +34,8 @@ use super::{Edge, sni};
 use crate::BoxError;
 use crate::api::{Protocol, Reservation, ReservationKind};
 use crate::constants::{
-    API_PREFIX, CONNECT_PATH, ERROR_HEADER, FIRST_REQUEST_GRACE, HANDSHAKE_TIMEOUT, HEADER_READ_TIMEOUT,
-    MAX_HEADER_BYTES, RESERVED_PREFIX, STATUS_HEADER,
+    API_PREFIX, CONNECT_PATH, FIRST_REQUEST_GRACE, HANDSHAKE_TIMEOUT, HEADER_READ_TIMEOUT, MAX_HEADER_BYTES,
+    RESERVED_PREFIX, names,
 };
 use crate::http::{error_page, text};
 use crate::tunnel::body::{self, BoxBody, Counted};
@@ -499,10 +499,10 @@ async fn proxy(
         Err(page) => return page,
     };
 
-    let switched = resp.headers().get(STATUS_HEADER).is_some_and(|v| v == "101");
+    let switched = resp.headers().get(&names::STATUS).is_some_and(|v| v == "101");
     let (mut rparts, rbody) = resp.into_parts();
     tunnel.answered(rparts.status);
-    if let Some(err) = rparts.headers.get(ERROR_HEADER) {
+    if let Some(err) = rparts.headers.get(&names::ERROR) {
         debug!(error = ?err, "agent answered with an error");
     }
     let down = Counted::new(rbody, bytes_out);
