@@ -58,6 +58,9 @@ const RX_BIG: usize = 64 * 1024 + MAX_WIRE;
 const RX_SMALL: usize = MAX_WIRE;
 /// A read of at least this much means bulk data flows.
 const RX_BUSY: usize = 8 * 1024;
+/// A reader's buffer at least this large is read into directly while
+/// traffic is small (our record layer).
+const DIRECT_READ: usize = 1024;
 /// Waits for input without bulk data after which large buffers go.
 const QUIET: u8 = 4;
 /// Unsent sealed bytes past which a write waits for the socket.
@@ -206,7 +209,7 @@ impl TxBuf {
                 self.head = 0;
             }
             if self.buf.len() - self.tail < need {
-                let len = (self.tail + need).max(self.buf.len() * 2).max(4096);
+                let len = (self.tail + need).max(self.buf.len() * 2);
                 self.buf.resize(len, 0);
             }
         }
@@ -701,6 +704,17 @@ impl<IO: AsyncRead + AsyncWrite + Unpin, C: Endpoint> TlsStream<IO, C> {
             if b.eof {
                 return Poll::Ready(Err(unexpected_eof()));
             }
+            if !b.rx_big && b.rx_start == b.rx.len() && buf.remaining() >= DIRECT_READ {
+                // Small traffic: no buffer of ours at all.
+                match self.poll_read_direct(cx, buf) {
+                    Poll::Ready(Ok(())) => continue,
+                    Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                    Poll::Pending => {
+                        self.b.release_idle();
+                        return Poll::Pending;
+                    }
+                }
+            }
             match self.poll_fill(cx) {
                 Poll::Ready(Ok(())) => {}
                 Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
@@ -710,6 +724,65 @@ impl<IO: AsyncRead + AsyncWrite + Unpin, C: Endpoint> TlsStream<IO, C> {
                 }
             }
         }
+    }
+
+    /// Reads straight into the reader's buffer and opens the records there,
+    /// each one's plaintext moved to where the reader's data goes on; the
+    /// start of a record that did not arrive whole goes to `rx`. A large read
+    /// that fills the reader's buffer says bulk data comes: `rx` from then on.
+    fn poll_read_direct(&mut self, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let room = buf.remaining();
+        let mut sub = buf.take(room);
+        ready!(Pin::new(&mut self.io).poll_read(cx, &mut sub))?;
+        let n = sub.filled().len();
+        let b = &mut self.b;
+        if n == 0 {
+            b.eof = true;
+            return Poll::Ready(Ok(()));
+        }
+        if n == room && n >= RX_BUSY {
+            b.rx_big = true;
+            b.rx_quiet = 0;
+        }
+        // SAFETY: the read initialized the first `n` bytes of the unfilled part.
+        unsafe { buf.assume_init(n) };
+        let filled = buf.filled().len();
+        let region = &mut buf.initialized_mut()[filled..filled + n];
+        let Conn::Own(own) = &mut self.conn else { unreachable!() };
+        let (mut at, mut out) = (0, 0);
+        while !b.peer_closed && n - at >= 5 {
+            let len = u16::from_be_bytes([region[at + 3], region[at + 4]]) as usize;
+            if len > record::MAX_BODY {
+                return Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("TLS: a record of {len} bytes"),
+                )));
+            }
+            if n - at < 5 + len {
+                break;
+            }
+            match own.open::<C>(&mut region[at..at + 5 + len])? {
+                Opened::Data(r) => {
+                    region.copy_within(at + r.start..at + r.end, out);
+                    out += r.len();
+                }
+                Opened::Nothing => {}
+                Opened::Closed => b.peer_closed = true,
+            }
+            if own.update_due {
+                let k = own.seal_key_update(b.tx.room(record::sealed_len(5)))?;
+                b.tx.tail += k;
+            }
+            at += 5 + len;
+        }
+        if !b.peer_closed && at < n {
+            b.rx.clear();
+            b.rx_start = 0;
+            b.rx.reserve(RX_SMALL);
+            b.rx.extend_from_slice(&region[at..]);
+        }
+        buf.advance(out);
+        Poll::Ready(Ok(()))
     }
 
     /// Seals `budget` bytes of `bufs` with our record layer: each byte is
@@ -1358,6 +1431,19 @@ mod tests {
             }
             for b in [&c.b, &s.b] {
                 assert_eq!((b.rx.capacity(), b.plain.capacity(), b.tx.buf.capacity()), (0, 0, 0), "{mode:?}");
+            }
+
+            // Our record layer reads small traffic straight into the reader's
+            // buffer: no buffer of its own at all.
+            for _ in 0..3 {
+                s.write_all(b"a small response").await.unwrap();
+                s.flush().await.unwrap();
+                let mut big = vec![0u8; 65536];
+                let n = c.read(&mut big).await.unwrap();
+                assert_eq!(&big[..n], b"a small response");
+                if mode == Own {
+                    assert_eq!(c.b.rx.capacity(), 0);
+                }
             }
 
             // Bulk data, then waits.
