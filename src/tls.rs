@@ -210,6 +210,8 @@ pub fn server_config(resolver: Arc<CertResolver>) -> Result<Arc<rustls::ServerCo
         .with_no_client_auth()
         .with_cert_resolver(resolver);
     config.alpn_protocols = vec![ALPN_H2.to_vec(), ALPN_HTTP11.to_vec(), ALPN_ACME_TLS.to_vec()];
+    // TLS 1.3 records after the handshake are ours (`tunnel::tls`).
+    config.enable_secret_extraction = true;
     Ok(Arc::new(config))
 }
 
@@ -240,6 +242,7 @@ pub fn tunnel_client_config(ca_file: Option<&Path>) -> Result<Arc<rustls::Client
         .with_root_certificates(root_store(ca_file)?)
         .with_no_client_auth();
     config.alpn_protocols = vec![ALPN_HTTP11.to_vec()];
+    config.enable_secret_extraction = true;
     Ok(Arc::new(config))
 }
 

@@ -1,7 +1,8 @@
 //! TLS passthrough by SNI: the edge reads the ClientHello, and a host whose
 //! agents publish `tls` gets the raw bytes (the backend terminates TLS);
-//! every other connection is terminated here as usual, with the bytes read
-//! so far replayed to the TLS acceptor ([`Prefixed`]).
+//! every other connection is terminated here as usual, the bytes read so far
+//! being the start of the TLS stream's input ([`crate::tunnel::tls::accept`]);
+//! a passthrough connection replays them to the backend ([`Prefixed`]).
 
 use std::io;
 use std::pin::Pin;

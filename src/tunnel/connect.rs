@@ -10,10 +10,8 @@ use http::{HeaderValue, Request, StatusCode, header};
 use http_body_util::{BodyExt, Empty, Limited};
 use hyper::upgrade::Upgraded;
 use hyper_util::rt::TokioIo;
-use tokio_rustls::TlsConnector;
 
 use super::proxy::{self, Proxy};
-use super::readahead::ReadAhead;
 use super::ws::{self, Control, WsStream};
 use crate::api::{ErrorBody, Protocol};
 use crate::constants::{
@@ -231,8 +229,7 @@ impl Dialer {
         let tcp = dialed.map_err(|source| ConnectError::Dial { addr: self.edge.to_string(), source })?;
         let server_name = rustls_pki_types::ServerName::try_from(self.edge.host.clone())
             .map_err(|_| ConnectError::BadUrl { url: addr.clone(), why: "invalid host name".into() })?;
-        let tls = TlsConnector::from(self.tls.clone())
-            .connect(server_name, ReadAhead::new(tcp))
+        let tls = super::tls::connect(self.tls.clone(), server_name, tcp)
             .await
             .map_err(|source| ConnectError::Tls { addr: addr.clone(), source })?;
 

@@ -13,8 +13,8 @@
 //! ([`datagram`]).
 
 /// `AsyncWrite` for a read-side wrapper `$ty<S>` that writes straight to its
-/// `inner` stream, vectored writes included (rustls writes its records with
-/// one vectored write: without them, one system call per record).
+/// `inner` stream, vectored writes included (a write of several slices stays
+/// one system call).
 macro_rules! write_through_inner {
     ($ty:ident) => {
         impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for $ty<S> {
@@ -63,7 +63,7 @@ pub mod connect;
 pub mod datagram;
 pub(crate) mod handshake;
 pub(crate) mod proxy;
-pub(crate) mod readahead;
+pub mod tls;
 pub(crate) mod ws;
 
 use hyper_util::rt::TokioExecutor;

@@ -25,7 +25,6 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, OwnedSemaphorePermit};
-use tokio_rustls::TlsAcceptor;
 use tracing::{Instrument, debug, warn};
 
 use super::accept::accept_loop;
@@ -41,7 +40,6 @@ use crate::constants::{
 use crate::http::{error_page, text};
 use crate::tunnel::body::{self, BoxBody, Counted};
 use crate::tunnel::budget::{BudgetSlot, Budgeted};
-use crate::tunnel::readahead::ReadAhead;
 use head::request_host;
 
 fn http_builder() -> auto::Builder<TokioExecutor> {
@@ -57,7 +55,6 @@ fn http_builder() -> auto::Builder<TokioExecutor> {
 /// Accepts public TLS connections. Each handshake runs in its own task under
 /// a timeout; the loop never waits on a client.
 pub async fn serve_https(edge: Arc<Edge>, listener: TcpListener, tls: Arc<rustls::ServerConfig>) {
-    let acceptor = TlsAcceptor::from(tls);
     let mut refused = super::limits::LogEvery::default();
     accept_loop(&listener, &edge.shutdown, |tcp, peer| {
         // Until its first request says what it is, a connection holds a handshake descriptor.
@@ -71,7 +68,7 @@ pub async fn serve_https(edge: Arc<Edge>, listener: TcpListener, tls: Arc<rustls
         };
         let _ = tcp.set_nodelay(true);
         let span = tracing::debug_span!("public", %peer);
-        let serve = serve_tls(edge.clone(), acceptor.clone(), tcp, peer, permit);
+        let serve = serve_tls(edge.clone(), tls.clone(), tcp, peer, permit);
         edge.connections.spawn(serve.instrument(span));
     })
     .await
@@ -81,7 +78,7 @@ pub async fn serve_https(edge: Arc<Edge>, listener: TcpListener, tls: Arc<rustls
 /// HTTP served.
 async fn serve_tls(
     edge: Arc<Edge>,
-    acceptor: TlsAcceptor,
+    config: Arc<rustls::ServerConfig>,
     mut tcp: TcpStream,
     peer: SocketAddr,
     permit: OwnedSemaphorePermit,
@@ -107,30 +104,27 @@ async fn serve_tls(
     }
     // TLS-ALPN-01 validation of an order placed by another edge (for a
     // reserved custom domain): its answer from the store.
-    let acceptor = match (&edge.acme, sni.as_deref()) {
+    let config = match (&edge.acme, sni.as_deref()) {
         (Some(acme), Some(host))
             if hello.len() > 5
                 && sni::offers_alpn(&hello[5..], crate::tls::ALPN_ACME_TLS)
                 && edge.routes().host(host).is_some_and(|r| r.kind == ReservationKind::Custom) =>
         {
-            match acme.tls_alpn01_config(host).await {
-                Some(config) => TlsAcceptor::from(config),
-                None => acceptor,
-            }
+            acme.tls_alpn01_config(host).await.unwrap_or(config)
         }
-        _ => acceptor,
+        _ => config,
     };
-    let tcp = ReadAhead::new(sni::Prefixed::new(hello, tcp));
-    let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+    let accept = crate::tunnel::tls::accept(config, tcp, &hello);
+    let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, accept).await {
         Ok(Ok(tls)) => tls,
         Ok(Err(e)) => return debug!(error = %e, "TLS handshake failed"),
         Err(_) => return debug!("TLS handshake timed out"),
     };
-    if tls.get_ref().1.alpn_protocol() == Some(crate::tls::ALPN_ACME_TLS) {
+    if tls.alpn_protocol() == Some(crate::tls::ALPN_ACME_TLS) {
         // TLS-ALPN-01: the handshake itself was the answer.
         return debug!("answered an ACME TLS-ALPN-01 validation");
     }
-    let h2 = tls.get_ref().1.alpn_protocol() == Some(crate::tls::ALPN_H2);
+    let h2 = tls.alpn_protocol() == Some(crate::tls::ALPN_H2);
     let builder = if h2 { http_builder().http2_only() } else { http_builder().http1_only() };
     let slot = Arc::new(std::sync::Mutex::new(Slot { handshake: Some(_permit), class: None }));
     let first = Arc::new(FirstRequest::default());
