@@ -1085,27 +1085,6 @@ async fn invalid_backend_refs_answer_500_and_keep_their_share_of_a_split() {
     finish(f, &class, stop, task).await;
 }
 
-/// GET through the edge until `want` holds, within `limit` (shorter than
-/// the operator's periodic checks, so a change applied only by them fails).
-async fn within(
-    f: &Fixture,
-    host: &str,
-    limit: Duration,
-    what: &str,
-    want: impl Fn(StatusCode, &str) -> bool,
-) {
-    let deadline = std::time::Instant::now() + limit;
-    let mut last = (StatusCode::OK, String::new());
-    while std::time::Instant::now() < deadline {
-        last = f.edge.client().get(host, "/p").await;
-        if want(last.0, &last.1) {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    panic!("{what}: still {} {:?} after {limit:?}", last.0, last.1);
-}
-
 /// A granted Service of another namespace (outside the operator's
 /// --watch-namespace): its new endpoints, its port change and its deletion
 /// apply at once, with the operator's resync at an hour (a connected
@@ -1163,16 +1142,16 @@ async fn changes_of_a_granted_service_of_another_namespace_apply_at_once() {
     // New endpoints.
     let port = json!({"ports": [{"name": "http", "port": 8002, "protocol": "TCP"}]});
     other.api::<EndpointSlice>().patch("far-1", &pp, &merge(port)).await.unwrap();
-    within(&f, &host, limit, "the new endpoint", |s, b| s == StatusCode::OK && b == "TWO GET /p").await;
+    f.get_within(&host, "/p", limit, |s, b| s == StatusCode::OK && b == "TWO GET /p").await;
     // The Service's port changes: the route's port 80 is gone (its share answers 500), then back.
     let ports = |p: u16| json!({"spec": {"ports": [{"name": "http", "port": p, "targetPort": 8001}]}});
     other.api::<Service>().patch("far", &pp, &merge(ports(81))).await.unwrap();
-    within(&f, &host, limit, "port 80 gone", |s, _| s == StatusCode::INTERNAL_SERVER_ERROR).await;
+    f.get_within(&host, "/p", limit, |s, _| s == StatusCode::INTERNAL_SERVER_ERROR).await;
     other.api::<Service>().patch("far", &pp, &merge(ports(80))).await.unwrap();
-    within(&f, &host, limit, "port 80 back", |s, b| s == StatusCode::OK && b == "TWO GET /p").await;
+    f.get_within(&host, "/p", limit, |s, b| s == StatusCode::OK && b == "TWO GET /p").await;
     // The Service deleted.
     other.api::<Service>().delete("far", &DeleteParams::default()).await.unwrap();
-    within(&f, &host, limit, "the Service deleted", |s, _| s == StatusCode::INTERNAL_SERVER_ERROR).await;
+    f.get_within(&host, "/p", limit, |s, _| s == StatusCode::INTERNAL_SERVER_ERROR).await;
     finish(f, &class, stop, task).await;
     other.delete_and_wait().await.unwrap();
 }

@@ -242,8 +242,20 @@ impl Fixture {
         path: &str,
         want: impl Fn(StatusCode, &str) -> bool,
     ) -> (StatusCode, String) {
+        self.get_within(host, path, WAIT, want).await
+    }
+
+    /// [`Fixture::get_until`] within `limit` (shorter than the operator's
+    /// periodic checks, to show a change applied by a watch).
+    pub async fn get_within(
+        &self,
+        host: &str,
+        path: &str,
+        limit: Duration,
+        want: impl Fn(StatusCode, &str) -> bool,
+    ) -> (StatusCode, String) {
         let mut last = (StatusCode::OK, String::new());
-        let deadline = std::time::Instant::now() + WAIT;
+        let deadline = std::time::Instant::now() + limit;
         while std::time::Instant::now() < deadline {
             last = self.edge.client().get(host, path).await;
             if want(last.0, &last.1) {
@@ -251,7 +263,7 @@ impl Fixture {
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        panic!("GET {host}{path}: still {} {:?} after {WAIT:?}", last.0, last.1);
+        panic!("GET {host}{path}: still {} {:?} after {limit:?}", last.0, last.1);
     }
 
     /// Waits for the Ready condition's reason (any status).
