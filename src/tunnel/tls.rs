@@ -79,18 +79,28 @@ pub trait Endpoint: record::Tickets<Self::Data> + Unpin + Send + 'static {
     fn into_kernel(self) -> Result<(rustls::ExtractedSecrets, KernelConnection<Self::Data>), rustls::Error>;
 }
 
-impl Endpoint for UnbufferedClientConnection {
-    type Data = ClientConnectionData;
-    fn process<'c, 'i>(&'c mut self, incoming: &'i mut [u8]) -> UnbufferedStatus<'c, 'i, Self::Data> {
-        self.process_tls_records(incoming)
-    }
-    fn common(&self) -> &rustls::CommonState {
-        self
-    }
-    fn into_kernel(self) -> Result<(rustls::ExtractedSecrets, KernelConnection<Self::Data>), rustls::Error> {
-        self.dangerous_into_kernel_connection()
-    }
+/// Both rustls connection types have the same methods under the same names.
+macro_rules! endpoint {
+    ($conn:ty, $data:ty) => {
+        impl Endpoint for $conn {
+            type Data = $data;
+            fn process<'c, 'i>(&'c mut self, incoming: &'i mut [u8]) -> UnbufferedStatus<'c, 'i, Self::Data> {
+                self.process_tls_records(incoming)
+            }
+            fn common(&self) -> &rustls::CommonState {
+                self
+            }
+            fn into_kernel(
+                self,
+            ) -> Result<(rustls::ExtractedSecrets, KernelConnection<Self::Data>), rustls::Error> {
+                self.dangerous_into_kernel_connection()
+            }
+        }
+    };
 }
+
+endpoint!(UnbufferedClientConnection, ClientConnectionData);
+endpoint!(UnbufferedServerConnection, ServerConnectionData);
 
 impl record::Tickets<ClientConnectionData> for UnbufferedClientConnection {
     fn ticket(
@@ -98,19 +108,6 @@ impl record::Tickets<ClientConnectionData> for UnbufferedClientConnection {
         payload: &[u8],
     ) -> Result<(), rustls::Error> {
         kernel.handle_new_session_ticket(payload)
-    }
-}
-
-impl Endpoint for UnbufferedServerConnection {
-    type Data = ServerConnectionData;
-    fn process<'c, 'i>(&'c mut self, incoming: &'i mut [u8]) -> UnbufferedStatus<'c, 'i, Self::Data> {
-        self.process_tls_records(incoming)
-    }
-    fn common(&self) -> &rustls::CommonState {
-        self
-    }
-    fn into_kernel(self) -> Result<(rustls::ExtractedSecrets, KernelConnection<Self::Data>), rustls::Error> {
-        self.dangerous_into_kernel_connection()
     }
 }
 
