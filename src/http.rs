@@ -72,6 +72,13 @@ pub fn strip_connection_listed(headers: &mut HeaderMap) {
     }
 }
 
+/// Hop-by-hop and culvert's own headers, in one pass: what neither side
+/// passes on, whichever way a head goes.
+pub fn strip_hop_by_hop_and_culvert(headers: &mut HeaderMap) {
+    strip_connection_listed(headers);
+    remove_headers(headers, |k| is_hop_by_hop(k) || is_culvert_header(k));
+}
+
 /// Whether a header is one of culvert's own wire headers.
 pub fn is_culvert_header(name: &HeaderName) -> bool {
     name.as_str().starts_with("culvert-")

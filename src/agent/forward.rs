@@ -20,9 +20,7 @@ use tracing::warn;
 use super::backend::{self, Access, RouteOptions, Scheme};
 use super::guard::{IdleTimeoutBody, LimitedBody};
 use crate::constants::ERROR_HEADER;
-use crate::http::{
-    error_chain, is_culvert_header, is_hop_by_hop, remove_headers, strip_connection_listed, strip_hop_by_hop,
-};
+use crate::http::{error_chain, strip_hop_by_hop, strip_hop_by_hop_and_culvert};
 use crate::tunnel::body::{self, BoxBody};
 
 /// A response the agent makes itself, marked so the edge can tell.
@@ -69,8 +67,7 @@ pub fn backend_request(
     let pq = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
     parts.uri = Uri::try_from(format!("http://{authority}{pq}")).map_err(|e| e.to_string())?;
     parts.version = http::Version::HTTP_11;
-    strip_connection_listed(&mut parts.headers);
-    remove_headers(&mut parts.headers, |k| is_hop_by_hop(k) || is_culvert_header(k));
+    strip_hop_by_hop_and_culvert(&mut parts.headers);
     if let Some(host) = host.and_then(|h| HeaderValue::from_str(&h).ok()) {
         parts.headers.insert(header::HOST, host);
     }

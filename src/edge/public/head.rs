@@ -12,7 +12,9 @@ use http::header::HeaderName;
 
 use crate::constants::{UPGRADE_HEADER, names};
 use crate::edge::routes::normalize_host;
-use crate::http::{is_culvert_header, is_hop_by_hop, remove_headers, strip_connection_listed};
+use crate::http::{
+    is_culvert_header, is_hop_by_hop, remove_headers, strip_connection_listed, strip_hop_by_hop_and_culvert,
+};
 use crate::tunnel::StreamKind;
 
 /// The request's host: `:authority` (h2) or `Host` (HTTP/1.1).
@@ -115,8 +117,7 @@ pub(crate) struct BadTarget;
 /// Cleans the agent's response head for the client: hop-by-hop and culvert
 /// headers are dropped.
 pub(super) fn clean_response(headers: &mut HeaderMap) {
-    strip_connection_listed(headers);
-    remove_headers(headers, |k| is_hop_by_hop(k) || is_culvert_header(k));
+    strip_hop_by_hop_and_culvert(headers);
 }
 
 #[cfg(test)]
