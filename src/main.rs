@@ -4,6 +4,11 @@ use std::process::ExitCode;
 
 mod cli;
 
+/// musl's allocator serializes every allocation; the static builds use mimalloc.
+#[cfg(target_env = "musl")]
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use clap::Parser;
 use cli::{Cli, Command};
 use culvert::api::Protocol;

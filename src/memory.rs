@@ -5,7 +5,13 @@
 //! peak RSS. [`spawn_trimmer`] checks every [`CHECK_EVERY`] how much free
 //! memory the allocator holds and, when it grew past [`TRIM_ABOVE`] (and past
 //! twice what the last trim could not release), returns it with
-//! `malloc_trim`. Other allocators (musl's) return memory by themselves.
+//! `malloc_trim`.
+//!
+//! The static musl builds allocate with mimalloc (the binary's global
+//! allocator): it gives the pages of freed memory back itself, a purge delay
+//! (1 s) after they were freed, but only when some thread next calls into it.
+//! On an idle process that is never: the trimmer calls `mi_collect` every
+//! [`CHECK_EVERY`], which runs the purges that are due.
 //!
 //! Between two checks, freed buffers stay in their arena for reuse: glibc's
 //! own thresholds (its top-of-heap trim at 128 KiB and more, mmap for 128 KiB
@@ -22,8 +28,20 @@ pub const CHECK_EVERY: Duration = Duration::from_secs(2);
 pub const TRIM_ABOVE: usize = 1024 * 1024;
 
 /// Starts the background trimmer on the current runtime (a no-op where the
-/// allocator is not glibc's).
+/// allocator is neither glibc's nor mimalloc).
 pub fn spawn_trimmer() {
+    #[cfg(target_env = "musl")]
+    tokio::spawn(async {
+        let mut tick = tokio::time::interval(CHECK_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            // SAFETY: mi_collect may be called at any time from any thread;
+            // `false`: only the purges that are due, memory freed just now
+            // stays for reuse.
+            unsafe { libmimalloc_sys::mi_collect(false) };
+        }
+    });
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     glibc::keep_buffers();
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
