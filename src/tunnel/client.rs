@@ -371,9 +371,9 @@ mod tests {
     use super::*;
     use crate::tunnel::body;
 
-    /// What the agent's end saw of one request: its head, its body, and
-    /// whether the body ended in an error (a reset).
-    type Seen = (http::request::Parts, Result<Bytes, String>);
+    /// What the agent's end saw of one request: its head, its body or the
+    /// error it ended in (a reset), its trailers.
+    type Seen = (http::request::Parts, Result<Bytes, String>, Option<http::HeaderMap>);
 
     /// A tunnel connection whose agent end (hyper's HTTP/2 server) reports
     /// each request and answers with `respond`'s body once it has read the
@@ -386,8 +386,14 @@ mod tests {
                 let seen_tx = seen_tx.clone();
                 async move {
                     let (parts, body) = req.into_parts();
-                    let body = body.collect().await.map(|b| b.to_bytes()).map_err(|e| e.to_string());
-                    let _ = seen_tx.send((parts, body));
+                    let seen: Seen = match body.collect().await {
+                        Ok(b) => {
+                            let trailers = b.trailers().cloned();
+                            (parts, Ok(b.to_bytes()), trailers)
+                        }
+                        Err(e) => (parts, Err(e.to_string()), None),
+                    };
+                    let _ = seen_tx.send(seen);
                     Ok::<_, Infallible>(Response::new(respond()))
                 }
             });
@@ -422,7 +428,7 @@ mod tests {
         });
         let resp = send.send(request(Method::POST, upload)).await.unwrap();
         feed.await.unwrap();
-        let (_, got) = seen.recv().await.unwrap();
+        let (_, got, _) = seen.recv().await.unwrap();
         assert_eq!(got.unwrap().len(), 1 << 20);
         assert_eq!(resp.body().size_hint().exact(), Some(1 << 20), "content-length carried");
         let down = resp.into_body().collect().await.unwrap().to_bytes();
@@ -431,13 +437,40 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn trailers_cross_both_ways() {
+        // gRPC's way: data, then trailers, in each direction.
+        fn with_trailers() -> BoxBody {
+            let mut t = http::HeaderMap::new();
+            t.insert("grpc-status", HeaderValue::from_static("0"));
+            let frames: Vec<Result<_, BoxError>> =
+                vec![Ok(Frame::data(Bytes::from_static(b"reply"))), Ok(Frame::trailers(t))];
+            body::boxed(http_body_util::StreamBody::new(futures_util::stream::iter(frames)))
+        }
+        let (send, mut seen) = tunnel(with_trailers).await;
+        let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, BoxError>>(2);
+        let mut t = http::HeaderMap::new();
+        t.insert("x-checksum", HeaderValue::from_static("abc"));
+        tx.send(Ok(Frame::data(Bytes::from_static(b"ask")))).await.unwrap();
+        tx.send(Ok(Frame::trailers(t))).await.unwrap();
+        drop(tx);
+        let upload = body::boxed(http_body_util::StreamBody::new(tokio_stream_of(rx)));
+        let resp = send.send(request(Method::POST, upload)).await.unwrap();
+        let (_, body, trailers) = seen.recv().await.unwrap();
+        assert_eq!(body.unwrap(), "ask");
+        assert_eq!(trailers.expect("request trailers").get("x-checksum").unwrap(), "abc");
+        let got = resp.into_body().collect().await.unwrap();
+        assert_eq!(got.trailers().unwrap().get("grpc-status").unwrap(), "0");
+        assert_eq!(got.to_bytes(), "reply");
+    }
+
+    #[tokio::test]
     async fn an_empty_post_says_content_length_0_and_a_get_says_nothing() {
         let (send, mut seen) = tunnel(body::empty).await;
         send.send(request(Method::POST, body::empty())).await.unwrap();
-        let (parts, _) = seen.recv().await.unwrap();
+        let (parts, _, _) = seen.recv().await.unwrap();
         assert_eq!(parts.headers.get(header::CONTENT_LENGTH).unwrap(), "0");
         send.send(request(Method::GET, body::empty())).await.unwrap();
-        let (parts, _) = seen.recv().await.unwrap();
+        let (parts, _, _) = seen.recv().await.unwrap();
         assert!(parts.headers.get(header::CONTENT_LENGTH).is_none());
     }
 
@@ -452,7 +485,7 @@ mod tests {
         assert!(tokio::time::timeout(Duration::from_millis(100), pending).await.is_err(), "no response yet");
         // Given up (the future dropped): the agent's end sees its body fail.
         let seen = tokio::time::timeout(Duration::from_secs(10), seen.recv());
-        let (_, got) = seen.await.expect("the agent's end saw the body end").unwrap();
+        let (_, got, _) = seen.await.expect("the agent's end saw the body end").unwrap();
         assert!(got.is_err(), "the stream was reset, not ended: {got:?}");
         drop(tx);
     }
