@@ -5,7 +5,7 @@
 #   docker buildx build -t culvert:dev .
 # Files sent to the build: Dockerfile.dockerignore (only the sources).
 FROM rust:1-alpine AS build
-# C compiler and musl headers for the crates with C code (bundled SQLite, ring).
+# C compiler and musl headers for the crates with C code (bundled SQLite, ring, mimalloc).
 RUN apk add --no-cache build-base
 WORKDIR /src
 COPY Cargo.toml Cargo.lock ./
