@@ -113,7 +113,7 @@ pub const DEAD_PEER_TIMEOUT: Duration = Duration::from_secs(30);
 pub const WS_MAX_BATCH: usize = 64 * 1024;
 
 /// HTTP/2 stream window on the tunnel (fixed: the adaptive window is off, see
-/// `tunnel::h2_client`): what one stream may have in flight, and the most a
+/// `tunnel::client::handshake`): what one stream may have in flight, and the most a
 /// stream whose public client stops reading leaves buffered at the edge.
 pub const H2_STREAM_WINDOW: u32 = 256 * 1024;
 /// Concurrent streams one tunnel connection carries (the agent announces it;

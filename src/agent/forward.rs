@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use http::header::{self, HeaderMap, HeaderValue};
+use http::uri::PathAndQuery;
 use http::{Request, Response, StatusCode, Uri};
 use hyper::body::Incoming;
 use tokio::net::TcpStream;
@@ -59,19 +60,34 @@ pub fn answer(
 }
 
 /// The request head as the backend sees it: origin-form URI, the public Host.
-pub fn backend_request(
-    mut parts: http::request::Parts,
-    authority: &str,
-) -> Result<http::request::Parts, String> {
-    let host = parts.uri.authority().map(|a| a.as_str().to_string());
-    let pq = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
-    parts.uri = Uri::try_from(format!("http://{authority}{pq}")).map_err(|e| e.to_string())?;
+pub fn backend_request(mut parts: http::request::Parts) -> http::request::Parts {
+    let host = parts.uri.authority().and_then(|a| HeaderValue::from_str(a.as_str()).ok());
+    let pq = parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
+    parts.uri = Uri::from(pq);
     parts.version = http::Version::HTTP_11;
     strip_hop_by_hop_and_culvert(&mut parts.headers);
-    if let Some(host) = host.and_then(|h| HeaderValue::from_str(&h).ok()) {
+    if let Some(host) = host {
         parts.headers.insert(header::HOST, host);
     }
-    Ok(parts)
+    parts
+}
+
+/// Why a backend gave no response head.
+#[derive(Debug, thiserror::Error)]
+enum BackendError {
+    #[error(transparent)]
+    Pool(#[from] super::pool::PoolError),
+    #[error(transparent)]
+    Client(#[from] hyper_util::client::legacy::Error),
+}
+
+impl BackendError {
+    fn is_connect(&self) -> bool {
+        match self {
+            BackendError::Pool(e) => e.is_connect(),
+            BackendError::Client(e) => e.is_connect(),
+        }
+    }
 }
 
 /// Checks the request's credentials (removing them, so the backend never
@@ -126,12 +142,9 @@ pub async fn http(
     }
     // The public host (or the rewritten one): the TLS server name of an HTTPS backend.
     let server_name = parts.uri.host().map(str::to_string);
-    let mut parts = match backend_request(parts, authority) {
-        Ok(p) => p,
-        Err(e) => return agent_error(StatusCode::BAD_REQUEST, &e),
-    };
+    let mut parts = backend_request(parts);
     options.filters.edit_request(&mut parts.headers);
-    if options.uri_scheme() != "http" {
+    if options.scheme != Scheme::Http {
         let pq = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
         match Uri::try_from(format!("{}://{authority}{pq}", options.uri_scheme())) {
             Ok(uri) => parts.uri = uri,
@@ -145,8 +158,15 @@ pub async fn http(
         }
         None => (body::boxed(body), None),
     };
-    let client = backend::client(options, server_name.as_deref());
-    let sent = client.request(Request::from_parts(parts, body));
+    let request = Request::from_parts(parts, body);
+    let sent = async {
+        if options.scheme == Scheme::Http {
+            Ok(super::pool::send(authority, options.connect_timeout, request).await?)
+        } else {
+            let client = backend::client(options, server_name.as_deref());
+            Ok::<_, BackendError>(client.request(request).await?.map(body::boxed))
+        }
+    };
     let answer = match options.read_timeout {
         Some(limit) => match tokio::time::timeout(limit, sent).await {
             Ok(r) => r,

@@ -14,6 +14,7 @@ pub(crate) mod forward;
 pub(crate) mod guard;
 pub mod metrics;
 pub(crate) mod pipe;
+mod pool;
 pub(crate) mod serve;
 
 use std::sync::Arc;

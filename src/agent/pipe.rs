@@ -263,18 +263,13 @@ pub async fn upgrade(
     }
     let server_name = parts.uri.host().map(str::to_string);
     let upgrade_to = parts.headers.get(UPGRADE_HEADER).cloned();
-    let mut parts = match backend_request(parts, authority) {
-        Ok(p) => p,
-        Err(e) => return agent_error(StatusCode::BAD_REQUEST, &e),
-    };
+    let mut parts = backend_request(parts);
     let Some(upgrade_to) = upgrade_to else {
         return agent_error(StatusCode::BAD_REQUEST, "upgrade stream without culvert-upgrade");
     };
     options.filters.edit_request(&mut parts.headers);
     parts.headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
     parts.headers.insert(header::UPGRADE, upgrade_to);
-    // Origin-form on a dedicated connection.
-    parts.uri = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/").parse().unwrap_or_default();
     let stream = match dial_within(authority, options.connect_timeout).await {
         Ok(s) => s,
         Err(e) => return agent_error(StatusCode::BAD_GATEWAY, &e),

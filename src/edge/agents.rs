@@ -138,7 +138,7 @@ pub async fn accept(edge: Arc<Edge>, mut req: Request<Incoming>, peer: SocketAdd
             let budget = edge.registry.tunnel_budget();
             let stream = WsStream::new(TokioIo::new(upgraded), ws::Role::Server, control.clone())
                 .with_budget(budget.clone());
-            let (sender, conn) = match crate::tunnel::h2_client().handshake(TokioIo::new(stream)).await {
+            let (sender, conn) = match crate::tunnel::client::handshake(stream).await {
                 Ok(x) => x,
                 Err(e) => return warn!(error = %e, "HTTP/2 handshake with the agent failed"),
             };

@@ -13,7 +13,6 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use hyper::client::conn::http2::SendRequest;
 use prometheus_client::metrics::gauge::Gauge;
 use tokio_util::sync::CancellationToken;
 
@@ -22,8 +21,8 @@ use crate::constants::{
     AGENT_RETURN_GRACE, DEFAULT_MAX_TUNNEL_STREAMS, EDGE_UPLOAD_BUDGET, TUNNEL_STREAM_WAIT,
     TUNNEL_UPLOAD_BUDGET,
 };
-use crate::tunnel::body::BoxBody;
 use crate::tunnel::budget::Budget;
+use crate::tunnel::client::Sender;
 use crate::tunnel::ws::Control;
 
 /// Who an agent connection is and where it comes from (for the status page).
@@ -47,7 +46,7 @@ pub struct AgentConn {
     pub origin: Origin,
     /// What the connection's key publishes.
     pub protocol: Protocol,
-    pub sender: SendRequest<BoxBody>,
+    pub sender: Sender,
     pub control: Arc<Control>,
     /// What the connection may hold of public clients' uploads.
     pub budget: Arc<Budget>,
@@ -70,7 +69,7 @@ impl AgentConn {
 /// The moving parts of a connection: its HTTP/2 sender, its control
 /// messages, its upload budget.
 pub struct Link {
-    pub sender: SendRequest<BoxBody>,
+    pub sender: Sender,
     pub control: Arc<Control>,
     pub budget: Arc<Budget>,
 }
@@ -342,7 +341,7 @@ mod tests {
 
     /// The client half of a real HTTP/2 connection over an in-memory pipe;
     /// the server answers every request with 200.
-    async fn sender() -> SendRequest<BoxBody> {
+    async fn sender() -> Sender {
         let (client, server) = tokio::io::duplex(64 * 1024);
         tokio::spawn(async move {
             let svc = hyper::service::service_fn(|_req| async {
@@ -352,8 +351,7 @@ mod tests {
                 .serve_connection(TokioIo::new(server), svc)
                 .await;
         });
-        let (send, conn) =
-            hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(client)).await.unwrap();
+        let (send, conn) = crate::tunnel::client::handshake(client).await.unwrap();
         tokio::spawn(conn);
         send
     }

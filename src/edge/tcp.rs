@@ -148,8 +148,7 @@ pub async fn forward<S>(
         if let Some(local) = local {
             h.insert(SERVER_ADDR_HEADER, HeaderValue::from_str(&local.to_string()).expect("ascii"));
         }
-        let mut sender = guard.conn().sender.clone();
-        match sender.try_send_request(req).await {
+        match guard.conn().sender.send(req).await {
             Ok(resp) if resp.status() == StatusCode::OK => {
                 let down = Counted::new(resp.into_body(), counters.outbound);
                 // The reservation's own idle timeout, else the edge's.

@@ -282,8 +282,7 @@ async fn carry(
         if let Some(local) = local {
             h.insert(SERVER_ADDR_HEADER, HeaderValue::from_str(&local.to_string()).expect("ascii"));
         }
-        let mut sender = guard.conn().sender.clone();
-        match sender.try_send_request(req).await {
+        match guard.conn().sender.send(req).await {
             Ok(resp) if resp.status() == StatusCode::OK => break (resp, guard),
             Ok(resp) => {
                 let why = resp.headers().get(crate::constants::ERROR_HEADER).cloned();

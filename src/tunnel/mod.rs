@@ -59,6 +59,7 @@ pub(crate) use write_through_inner;
 pub(crate) mod backoff;
 pub(crate) mod body;
 pub(crate) mod budget;
+pub mod client;
 pub mod connect;
 pub mod datagram;
 pub(crate) mod handshake;
@@ -70,23 +71,10 @@ use hyper_util::rt::TokioExecutor;
 
 use crate::constants::{H2_CONN_WINDOW, H2_MAX_FRAME, H2_MAX_STREAMS, H2_STREAM_WINDOW};
 
-/// HTTP/2 client settings of the edge's end of a tunnel.
-pub fn h2_client() -> hyper::client::conn::http2::Builder<TokioExecutor> {
-    let mut b = hyper::client::conn::http2::Builder::new(TokioExecutor::new());
-    // Fixed large windows. hyper's adaptive window starts at 64 KiB and is
-    // turned off by setting initial sizes; with 64 KiB a burst of small DATA
-    // frames trips h2's too_many_data_frames limit and closes the tunnel.
-    b.initial_stream_window_size(H2_STREAM_WINDOW)
-        .initial_connection_window_size(H2_CONN_WINDOW)
-        .max_frame_size(H2_MAX_FRAME)
-        .max_concurrent_reset_streams(1024);
-    b
-}
-
 /// HTTP/2 server settings of the agent's end of a tunnel.
 pub fn h2_server() -> hyper::server::conn::http2::Builder<TokioExecutor> {
     let mut b = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
-    // Fixed large windows, as in h2_client.
+    // Fixed large windows, as in client::handshake.
     b.initial_stream_window_size(H2_STREAM_WINDOW)
         .initial_connection_window_size(H2_CONN_WINDOW)
         .max_frame_size(H2_MAX_FRAME)

@@ -3,7 +3,6 @@
 
 use http::header::HeaderMap;
 use http::{Method, Request, Response, StatusCode, Uri};
-use hyper::body::Incoming;
 use tracing::debug;
 
 use crate::api::{Protocol, Reservation};
@@ -13,6 +12,7 @@ use crate::edge::status::traffic::TunnelCounters;
 use crate::http::{error_chain, error_page};
 use crate::tunnel::body::{self, BoxBody};
 use crate::tunnel::budget::BudgetSlot;
+use crate::tunnel::client::RecvBody;
 
 /// Attempts to place one request on a connection before answering 502.
 const MAX_ATTEMPTS: usize = 3;
@@ -24,7 +24,7 @@ pub(super) type Replay = (Method, Uri, HeaderMap);
 /// Sends `request` on the connection of `reservation`'s HTTP agents with the
 /// fewest open streams. A connection that refuses it (an agent draining at
 /// that very moment) is skipped and the request placed on another, up to
-/// [`MAX_ATTEMPTS`]: with the request hyper hands back, or else one built
+/// [`MAX_ATTEMPTS`]: with the request the connection hands back, or else one built
 /// from `replay`. The request's body charges the `budget` of the connection
 /// it is placed on. Fails with the 502 page to answer (counted in `tunnel`).
 pub(super) async fn send(
@@ -35,7 +35,7 @@ pub(super) async fn send(
     replay: Option<Replay>,
     tunnel: &TunnelCounters,
     budget: &BudgetSlot,
-) -> Result<(Response<Incoming>, StreamGuard), Response<BoxBody>> {
+) -> Result<(Response<RecvBody>, StreamGuard), Response<BoxBody>> {
     let Some(slot) = edge.registry.stream_slot().await else {
         tunnel.answered(StatusCode::SERVICE_UNAVAILABLE);
         let reason = "the edge has every tunnel stream it may open in use; try again shortly";
@@ -56,8 +56,7 @@ pub(super) async fn send(
         };
         tried.push(guard.conn().id);
         budget.set(guard.conn().budget.clone());
-        let mut sender = guard.conn().sender.clone();
-        match sender.try_send_request(request).await {
+        match guard.conn().sender.send(request).await {
             Ok(resp) => return Ok((resp, guard.with_slot(slot.take().expect("taken once")))),
             Err(mut e) => {
                 debug!(error = %error_chain(e.error()), conn = guard.conn().id, "stream failed");

@@ -6,7 +6,6 @@ use std::sync::Arc;
 
 use http::header::{self, HeaderValue};
 use http::{Request, Response, StatusCode};
-use hyper::body::Incoming;
 use hyper::upgrade::OnUpgrade;
 use hyper::upgrade::Upgraded;
 use hyper_util::rt::TokioIo;
@@ -21,6 +20,7 @@ use crate::edge::idle::Tracked;
 use crate::edge::registry::StreamGuard;
 use crate::tunnel::body::{self, BoxBody, Counted, Late, LateReadBody};
 use crate::tunnel::budget::{BudgetSlot, Budgeted};
+use crate::tunnel::client::RecvBody;
 
 /// The public request is an HTTP/1.1 upgrade to protocols that are all in
 /// `allowed` (WebSocket by default). Any other upgrade (`h2c`...) is not one:
@@ -61,7 +61,7 @@ pub(super) fn request_body(bytes_in: Counter, budget: BudgetSlot) -> (BoxBody, U
 /// until both directions have ended.
 pub(super) fn switch(
     mut rparts: http::response::Parts,
-    down: Counted<Incoming>,
+    down: Counted<RecvBody>,
     asked: Option<HeaderValue>,
     on_upgrade: OnUpgrade,
     tx: UpgradeReader,

@@ -1,0 +1,294 @@
+//! Kept-alive HTTP/1.1 connections to plain-HTTP backends, the most common
+//! kind, without hyper-util's general client in the way: a request takes an
+//! idle connection to its backend (or opens one), is written there as it is
+//! (origin form, its own `Host`), and the connection goes back once the
+//! response body has ended. h2c and HTTPS backends keep hyper-util's client
+//! ([`super::backend::client`]).
+//!
+//! A backend that closed an idle connection just as a request took it gets
+//! the request again on a new connection, when the request was not written
+//! yet (hyper hands it back).
+
+use std::pin::Pin;
+use std::sync::{Mutex, OnceLock};
+use std::task::{Context, Poll, ready};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{Request, Response};
+use hyper::body::{Body, Frame, Incoming, SizeHint};
+use hyper::client::conn::http1::SendRequest;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+use tracing::{Instrument, debug};
+
+use crate::tunnel::body::BoxBody;
+
+/// How long an idle connection is kept (hyper-util's client: the same).
+const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Idle connections kept per backend; more are closed.
+const MAX_IDLE_PER_BACKEND: usize = 64;
+
+/// Why a request did not get a response head from its backend.
+#[derive(Debug, thiserror::Error)]
+pub enum PoolError {
+    #[error("tcp connect error: {0}")]
+    Connect(#[source] std::io::Error),
+    #[error("tcp connect error: no connection within {0:?} (the route's connect timeout)")]
+    ConnectTimeout(Duration),
+    #[error("HTTP/1.1 handshake failed: {0}")]
+    Handshake(#[source] hyper::Error),
+    #[error("request failed: {0}")]
+    Request(#[source] hyper::Error),
+}
+
+impl PoolError {
+    /// The backend could not be reached at all (no connection).
+    pub fn is_connect(&self) -> bool {
+        matches!(self, PoolError::Connect(_) | PoolError::ConnectTimeout(_))
+    }
+}
+
+struct Idle {
+    authority: String,
+    send: SendRequest<BoxBody>,
+    since: Instant,
+}
+
+fn idle() -> &'static Mutex<Vec<Idle>> {
+    static IDLE: OnceLock<Mutex<Vec<Idle>>> = OnceLock::new();
+    IDLE.get_or_init(Mutex::default)
+}
+
+/// An idle connection to `authority`, the newest first; closed and expired
+/// ones are dropped on the way.
+fn checkout(authority: &str) -> Option<SendRequest<BoxBody>> {
+    let mut idle = idle().lock().expect("poisoned");
+    let now = Instant::now();
+    idle.retain(|c| !c.send.is_closed() && now.duration_since(c.since) < IDLE_TIMEOUT);
+    let at = idle.iter().rposition(|c| c.authority == authority)?;
+    Some(idle.swap_remove(at).send)
+}
+
+/// A connection whose last response has ended goes back to the idle list.
+fn checkin(authority: String, send: SendRequest<BoxBody>) {
+    if send.is_closed() {
+        return;
+    }
+    let mut idle = idle().lock().expect("poisoned");
+    if idle.iter().filter(|c| c.authority == authority).count() < MAX_IDLE_PER_BACKEND {
+        idle.push(Idle { authority, send, since: Instant::now() });
+    }
+}
+
+async fn connect(authority: &str, timeout: Duration) -> Result<SendRequest<BoxBody>, PoolError> {
+    let tcp = match tokio::time::timeout(timeout, TcpStream::connect(authority)).await {
+        Ok(Ok(tcp)) => tcp,
+        Ok(Err(e)) => return Err(PoolError::Connect(e)),
+        Err(_) => return Err(PoolError::ConnectTimeout(timeout)),
+    };
+    let _ = tcp.set_nodelay(true);
+    let (send, conn) =
+        hyper::client::conn::http1::handshake(TokioIo::new(tcp)).await.map_err(PoolError::Handshake)?;
+    tokio::spawn(
+        async move {
+            if let Err(e) = conn.await {
+                debug!(error = %e, "backend connection ended");
+            }
+        }
+        .in_current_span(),
+    );
+    Ok(send)
+}
+
+/// Sends `req` (its URI in origin form, its `Host` set) to the plain-HTTP
+/// backend at `authority` on a kept-alive connection, and waits for the
+/// response head.
+pub async fn send(
+    authority: &str,
+    connect_timeout: Duration,
+    mut req: Request<BoxBody>,
+) -> Result<Response<BoxBody>, PoolError> {
+    let mut reused = checkout(authority);
+    loop {
+        let fresh = reused.is_none();
+        let mut send = match reused.take() {
+            Some(send) => send,
+            None => connect(authority, connect_timeout).await?,
+        };
+        // A reused connection may have been closed by the backend meanwhile.
+        if let Err(e) = send.ready().await {
+            if fresh {
+                return Err(PoolError::Request(e));
+            }
+            continue;
+        }
+        match send.try_send_request(req).await {
+            Ok(resp) => {
+                let authority = authority.to_string();
+                return Ok(resp
+                    .map(|body| crate::tunnel::body::boxed(Pooled { body, back: Some((authority, send)) })));
+            }
+            Err(mut e) => match e.take_message() {
+                // Not written: the backend had closed this idle connection.
+                Some(again) if !fresh => req = again,
+                _ => return Err(PoolError::Request(e.into_error())),
+            },
+        }
+    }
+}
+
+/// A response body that gives its connection back once it has ended.
+struct Pooled {
+    body: Incoming,
+    back: Option<(String, SendRequest<BoxBody>)>,
+}
+
+impl Drop for Pooled {
+    fn drop(&mut self) {
+        // A body nobody read to its end (a HEAD or 204 answer has none to
+        // read): the connection is reusable only if nothing of it is left.
+        if let Some((authority, send)) = self.back.take()
+            && self.body.is_end_stream()
+        {
+            checkin(authority, send);
+        }
+    }
+}
+
+impl Body for Pooled {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let me = self.get_mut();
+        let frame = ready!(Pin::new(&mut me.body).poll_frame(cx));
+        if (frame.is_none() || me.body.is_end_stream())
+            && let Some((authority, send)) = me.back.take()
+        {
+            checkin(authority, send);
+        }
+        Poll::Ready(frame)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use http_body_util::BodyExt;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpListener;
+
+    use super::*;
+    use crate::tunnel::body;
+
+    const CONNECT: Duration = Duration::from_secs(5);
+
+    /// A kept-alive HTTP/1.1 backend on 127.0.0.1 that counts the
+    /// connections it accepted; `HEAD` gets no body, the rest `ok`.
+    async fn backend() -> (String, Arc<AtomicUsize>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = accepted.clone();
+        tokio::spawn(async move {
+            loop {
+                let (tcp, _) = listener.accept().await.unwrap();
+                count.fetch_add(1, Ordering::SeqCst);
+                let svc = hyper::service::service_fn(|req: Request<Incoming>| async move {
+                    let body = if req.method() == http::Method::HEAD { "" } else { "ok" };
+                    Ok::<_, Infallible>(Response::new(http_body_util::Full::new(Bytes::from_static(
+                        body.as_bytes(),
+                    ))))
+                });
+                tokio::spawn(
+                    hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(tcp), svc),
+                );
+            }
+        });
+        (addr, accepted)
+    }
+
+    fn request(method: http::Method, addr: &str) -> Request<BoxBody> {
+        let mut r = Request::new(body::empty());
+        *r.method_mut() = method;
+        *r.uri_mut() = http::Uri::from_static("/x");
+        r.headers_mut().insert(http::header::HOST, addr.parse().unwrap());
+        r
+    }
+
+    #[tokio::test]
+    async fn requests_one_after_another_share_one_connection() {
+        let (addr, accepted) = backend().await;
+        for _ in 0..5 {
+            let resp = send(&addr, CONNECT, request(http::Method::GET, &addr)).await.unwrap();
+            assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), "ok");
+        }
+        // A HEAD answer has no body to read: its connection is reused too.
+        for _ in 0..3 {
+            let resp = send(&addr, CONNECT, request(http::Method::HEAD, &addr)).await.unwrap();
+            drop(resp);
+        }
+        send(&addr, CONNECT, request(http::Method::GET, &addr)).await.unwrap();
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn a_body_not_read_to_its_end_does_not_give_its_connection_back() {
+        let (addr, accepted) = backend().await;
+        let resp = send(&addr, CONNECT, request(http::Method::GET, &addr)).await.unwrap();
+        drop(resp);
+        let resp = send(&addr, CONNECT, request(http::Method::GET, &addr)).await.unwrap();
+        assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), "ok");
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn a_connection_the_backend_closed_is_replaced() {
+        // One response per connection, then the backend closes it without saying so.
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        tokio::spawn(async move {
+            loop {
+                let (mut tcp, _) = listener.accept().await.unwrap();
+                let mut buf = [0u8; 1024];
+                let _ = tcp.read(&mut buf).await;
+                let _ = tcp.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok").await;
+            }
+        });
+        for _ in 0..3 {
+            let resp = send(&addr, CONNECT, request(http::Method::GET, &addr)).await.unwrap();
+            assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), "ok");
+            // Until the closed connection is seen as closed (its task reads the EOF).
+            let seen = async {
+                while idle().lock().unwrap().iter().any(|c| c.authority == addr && !c.send.is_closed()) {
+                    tokio::task::yield_now().await;
+                }
+            };
+            tokio::time::timeout(Duration::from_secs(5), seen).await.unwrap();
+        }
+    }
+
+    #[tokio::test]
+    async fn an_unreachable_backend_is_a_connect_error() {
+        // A port nobody listens on: bound, then closed.
+        let addr = TcpListener::bind("127.0.0.1:0").await.unwrap().local_addr().unwrap().to_string();
+        let e = send(&addr, CONNECT, request(http::Method::GET, &addr)).await.unwrap_err();
+        assert!(e.is_connect(), "{e}");
+        assert!(e.to_string().contains("tcp connect error"), "{e}");
+    }
+}

@@ -1,0 +1,522 @@
+//! The edge's end of a tunnel connection's HTTP/2, on h2 itself: a request is
+//! sent from the task that asks, and its response read there.
+//!
+//! hyper's HTTP/2 client would hand each request over a channel to a task of
+//! its own that opens the stream, and spawn one more task per request to wait
+//! for the response head and send it back over a oneshot: two more wake-ups
+//! and a spawn for every request. Here the request's task opens the stream
+//! and polls the response itself; only a request body that is not already
+//! complete gets a task of its own, which feeds it to the stream as its
+//! window allows (as in hyper).
+
+use std::error::Error as StdError;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll, ready};
+
+use bytes::Bytes;
+use h2::{Reason, RecvStream, SendStream};
+use http::{HeaderValue, Method, Request, Response, header};
+use hyper::body::{Body, Frame, SizeHint};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::sync::oneshot;
+use tracing::{Instrument, debug};
+
+use super::body::BoxBody;
+use crate::BoxError;
+use crate::constants::{H2_CONN_WINDOW, H2_MAX_FRAME, H2_STREAM_WINDOW};
+
+/// The largest response head the edge takes from an agent (what hyper's
+/// client allowed).
+const MAX_HEADER_LIST: u32 = 16 * 1024;
+/// What h2 holds of a stream's body beyond its window (hyper's default).
+const MAX_SEND_BUFFER: usize = 1024 * 1024;
+/// Streams the edge may open before the agent's settings say how many.
+const INITIAL_MAX_SEND_STREAMS: usize = 100;
+
+/// Starts HTTP/2 on a tunnel connection, the edge being the client. The
+/// [`Connection`] must be polled (it reads and writes the socket) for the
+/// [`Sender`] to get anywhere.
+pub async fn handshake<T>(io: T) -> Result<(Sender, Connection<T>), h2::Error>
+where
+    T: AsyncRead + AsyncWrite + Unpin,
+{
+    let mut b = h2::client::Builder::new();
+    // Fixed large windows, not adaptive: with 64 KiB a burst of small DATA
+    // frames trips h2's too_many_data_frames limit and closes the tunnel.
+    b.initial_window_size(H2_STREAM_WINDOW)
+        .initial_connection_window_size(H2_CONN_WINDOW)
+        .max_frame_size(H2_MAX_FRAME)
+        .max_concurrent_reset_streams(1024)
+        .max_header_list_size(MAX_HEADER_LIST)
+        .max_send_buffer_size(MAX_SEND_BUFFER)
+        .initial_max_send_streams(INITIAL_MAX_SEND_STREAMS)
+        .enable_push(false);
+    let (send, conn) = b.handshake::<T, Bytes>(io).await?;
+    let closed = Arc::new(AtomicBool::new(false));
+    Ok((Sender { send, closed: closed.clone() }, Connection { conn, closed }))
+}
+
+/// Drives a tunnel connection's HTTP/2 until it ends; then (or when dropped)
+/// its [`Sender`] reports closed.
+pub struct Connection<T> {
+    conn: h2::client::Connection<T, Bytes>,
+    closed: Arc<AtomicBool>,
+}
+
+impl<T: AsyncRead + AsyncWrite + Unpin> Future for Connection<T> {
+    type Output = Result<(), h2::Error>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let done = ready!(Pin::new(&mut self.conn).poll(cx));
+        self.closed.store(true, Ordering::Relaxed);
+        Poll::Ready(done)
+    }
+}
+
+impl<T> Drop for Connection<T> {
+    fn drop(&mut self) {
+        self.closed.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Opens streams on one tunnel connection; cheap to clone.
+#[derive(Clone)]
+pub struct Sender {
+    send: h2::client::SendRequest<Bytes>,
+    closed: Arc<AtomicBool>,
+}
+
+/// A request that failed, and the request itself when the connection never
+/// took it (it was closing): it can be placed on another connection.
+#[derive(Debug)]
+pub struct SendError {
+    error: h2::Error,
+    request: Option<Request<BoxBody>>,
+}
+
+impl SendError {
+    pub fn error(&self) -> &h2::Error {
+        &self.error
+    }
+
+    /// The request, if it was never sent.
+    pub fn take_message(&mut self) -> Option<Request<BoxBody>> {
+        self.request.take()
+    }
+}
+
+impl Sender {
+    /// The connection has ended: nothing sent on it can get anywhere.
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Relaxed)
+    }
+
+    /// Opens a stream for `req` and waits for the response head. The body,
+    /// unless it is already complete, is fed to the stream by a task of its
+    /// own, which ends with it (or resets the stream when this future is
+    /// dropped before the response came).
+    pub async fn send(&self, req: Request<BoxBody>) -> Result<Response<RecvBody>, SendError> {
+        let mut send = self.send.clone();
+        let (mut head, body) = req.into_parts();
+        if let Some(len) = body.size_hint().exact()
+            && (len != 0 || has_payload_semantics(&head.method))
+            && !head.headers.contains_key(header::CONTENT_LENGTH)
+        {
+            head.headers.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
+        }
+        // Fails only when the connection is closing; the request goes back.
+        if let Err(error) = std::future::poll_fn(|cx| send.poll_ready(cx)).await {
+            return Err(SendError { error, request: Some(Request::from_parts(head, body)) });
+        }
+        let eos = body.is_end_stream();
+        let (response, body_tx) = send
+            .send_request(Request::from_parts(head, ()), eos)
+            .map_err(|error| SendError { error, request: None })?;
+        let mut cancel = None;
+        if !eos {
+            let mut pipe = Pipe { body, tx: body_tx, buffered: None };
+            // Most small bodies are already there: no task for them.
+            if std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut pipe).poll(cx))).await.is_pending() {
+                let (tx, rx) = oneshot::channel();
+                cancel = Some(CancelOnDrop(Some(tx)));
+                tokio::spawn(PipeTask { pipe, cancel: Some(rx) }.in_current_span());
+            }
+        }
+        let response = response.await;
+        if let Some(mut c) = cancel {
+            c.0 = None;
+        }
+        let response = response.map_err(|error| SendError { error, request: None })?;
+        let content_length = content_length(response.headers());
+        Ok(response.map(|recv| RecvBody { recv, data_done: false, content_length }))
+    }
+}
+
+/// Methods whose request body means something even when empty (an empty
+/// body of theirs is sent as `content-length: 0`, as hyper does).
+fn has_payload_semantics(method: &Method) -> bool {
+    !matches!(
+        *method,
+        Method::GET | Method::HEAD | Method::DELETE | Method::OPTIONS | Method::CONNECT | Method::TRACE
+    )
+}
+
+/// The one valid `content-length`, if the head has one.
+fn content_length(headers: &http::HeaderMap) -> Option<u64> {
+    let mut values = headers.get_all(header::CONTENT_LENGTH).iter();
+    match (values.next(), values.next()) {
+        (Some(v), None) => v.to_str().ok()?.trim().parse().ok(),
+        _ => None,
+    }
+}
+
+/// Tells a body's [`PipeTask`] to reset the stream, when dropped armed (the
+/// request was given up before its response came).
+struct CancelOnDrop(Option<oneshot::Sender<()>>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if let Some(tx) = self.0.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+/// Feeds a request body to its stream: a chunk at a time, each once the
+/// stream has room for it (h2 holds what the window does not take yet, up to
+/// its send buffer).
+struct Pipe {
+    body: BoxBody,
+    tx: SendStream<Bytes>,
+    /// A chunk taken from the body, waiting for the stream's capacity.
+    buffered: Option<(Bytes, bool)>,
+}
+
+impl Future for Pipe {
+    type Output = Result<(), BoxError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let me = self.get_mut();
+        loop {
+            // Woken by a reset from the agent while waiting for the body or for room.
+            if let Poll::Ready(reset) = me.tx.poll_reset(cx) {
+                let error = match reset {
+                    Ok(reason) => h2::Error::from(reason),
+                    Err(e) => e,
+                };
+                return Poll::Ready(Err(error.into()));
+            }
+            if let Some((data, eos)) = me.buffered.take() {
+                while me.tx.capacity() == 0 {
+                    match me.tx.poll_capacity(cx) {
+                        Poll::Pending => {
+                            me.buffered = Some((data, eos));
+                            return Poll::Pending;
+                        }
+                        Poll::Ready(Some(Ok(0))) => {}
+                        Poll::Ready(Some(Ok(_))) => break,
+                        Poll::Ready(Some(Err(e))) => return Poll::Ready(Err(e.into())),
+                        Poll::Ready(None) => return Poll::Ready(Err("the tunnel stream closed".into())),
+                    }
+                }
+                me.tx.send_data(data, eos)?;
+                if eos {
+                    return Poll::Ready(Ok(()));
+                }
+                continue;
+            }
+            // The next chunk first, then room for it: capacity reserved ahead
+            // of data would pin the connection window for a body that sends
+            // nothing (hyper#4003).
+            match ready!(Pin::new(&mut me.body).poll_frame(cx)) {
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(chunk) => {
+                        let eos = me.body.is_end_stream();
+                        if chunk.is_empty() {
+                            me.tx.send_data(chunk, eos)?;
+                            if eos {
+                                return Poll::Ready(Ok(()));
+                            }
+                            continue;
+                        }
+                        // A minimal claim: h2 raises it to what is buffered.
+                        me.tx.reserve_capacity(1);
+                        me.buffered = Some((chunk, eos));
+                    }
+                    Err(frame) => {
+                        if let Ok(trailers) = frame.into_trailers() {
+                            me.tx.reserve_capacity(0);
+                            me.tx.send_trailers(trailers)?;
+                            return Poll::Ready(Ok(()));
+                        }
+                    }
+                },
+                Some(Err(e)) => {
+                    me.tx.send_reset(reason_of(&*e));
+                    return Poll::Ready(Err(e));
+                }
+                None => {
+                    me.tx.send_data(Bytes::new(), true)?;
+                    return Poll::Ready(Ok(()));
+                }
+            }
+        }
+    }
+}
+
+/// The reset to send for a body that failed: the HTTP/2 reason behind it
+/// (a public client's own reset), else `INTERNAL_ERROR`.
+fn reason_of(mut e: &(dyn StdError + 'static)) -> Reason {
+    loop {
+        if let Some(reason) = e.downcast_ref::<h2::Error>().and_then(h2::Error::reason) {
+            return reason;
+        }
+        match e.source() {
+            Some(source) => e = source,
+            None => return Reason::INTERNAL_ERROR,
+        }
+    }
+}
+
+/// A [`Pipe`] in a task of its own, reset when the request is given up.
+struct PipeTask {
+    pipe: Pipe,
+    cancel: Option<oneshot::Receiver<()>>,
+}
+
+impl Future for PipeTask {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let me = self.get_mut();
+        if let Some(rx) = &mut me.cancel
+            && let Poll::Ready(given_up) = Pin::new(rx).poll(cx)
+        {
+            me.cancel = None;
+            if given_up.is_ok() {
+                me.pipe.tx.send_reset(Reason::CANCEL);
+                return Poll::Ready(());
+            }
+        }
+        if let Err(e) = ready!(Pin::new(&mut me.pipe).poll(cx)) {
+            debug!(error = %e, "request body to the tunnel ended");
+        }
+        Poll::Ready(())
+    }
+}
+
+/// A response body from the tunnel: its DATA as they come, each handed back
+/// to the stream's window as it is taken, then its trailers.
+#[derive(Debug)]
+pub struct RecvBody {
+    recv: RecvStream,
+    data_done: bool,
+    /// What remains of the response's `content-length`.
+    content_length: Option<u64>,
+}
+
+impl Body for RecvBody {
+    type Data = Bytes;
+    type Error = h2::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, h2::Error>>> {
+        let me = self.get_mut();
+        if !me.data_done {
+            match ready!(me.recv.poll_data(cx)) {
+                Some(Ok(data)) => {
+                    let _ = me.recv.flow_control().release_capacity(data.len());
+                    if let Some(left) = &mut me.content_length {
+                        *left = left.saturating_sub(data.len() as u64);
+                    }
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                // RST_STREAM(NO_ERROR) after a complete response: the agent
+                // needs no more of the request; the response is whole.
+                Some(Err(e)) if e.reason() == Some(Reason::NO_ERROR) => return Poll::Ready(None),
+                Some(Err(e)) => return Poll::Ready(Some(Err(e))),
+                None => me.data_done = true,
+            }
+        }
+        match ready!(me.recv.poll_trailers(cx)) {
+            Ok(trailers) => Poll::Ready(trailers.map(|t| Ok(Frame::trailers(t)))),
+            Err(e) if e.reason() == Some(Reason::NO_ERROR) => Poll::Ready(None),
+            Err(e) => Poll::Ready(Some(Err(e))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.recv.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.content_length.map(SizeHint::with_exact).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+    use std::time::Duration;
+
+    use http_body_util::BodyExt;
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    use tokio::sync::mpsc;
+
+    use super::*;
+    use crate::tunnel::body;
+
+    /// What the agent's end saw of one request: its head, its body or the
+    /// error it ended in (a reset), its trailers.
+    type Seen = (http::request::Parts, Result<Bytes, String>, Option<http::HeaderMap>);
+
+    /// A tunnel connection whose agent end (hyper's HTTP/2 server) reports
+    /// each request and answers with `respond`'s body once it has read the
+    /// request's body.
+    async fn tunnel(respond: fn() -> BoxBody) -> (Sender, mpsc::UnboundedReceiver<Seen>) {
+        let (client, server) = tokio::io::duplex(64 * 1024);
+        let (seen_tx, seen) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+                let seen_tx = seen_tx.clone();
+                async move {
+                    let (parts, body) = req.into_parts();
+                    let seen: Seen = match body.collect().await {
+                        Ok(b) => {
+                            let trailers = b.trailers().cloned();
+                            (parts, Ok(b.to_bytes()), trailers)
+                        }
+                        Err(e) => (parts, Err(e.to_string()), None),
+                    };
+                    let _ = seen_tx.send(seen);
+                    Ok::<_, Infallible>(Response::new(respond()))
+                }
+            });
+            let _ = crate::tunnel::h2_server().serve_connection(TokioIo::new(server), svc).await;
+        });
+        let (send, conn) = handshake(client).await.unwrap();
+        tokio::spawn(conn);
+        (send, seen)
+    }
+
+    fn request(method: Method, body: BoxBody) -> Request<BoxBody> {
+        let mut r = Request::new(body);
+        *r.method_mut() = method;
+        *r.uri_mut() = http::Uri::from_static("https://app.test/x");
+        r
+    }
+
+    #[tokio::test]
+    async fn bodies_cross_both_ways_beyond_the_windows() {
+        // 1 MiB each way: four times a stream's window, so both ends must
+        // hand the window back as they read.
+        fn big() -> BoxBody {
+            body::full(vec![7u8; 1 << 20])
+        }
+        let (send, mut seen) = tunnel(big).await;
+        let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, BoxError>>(1);
+        let upload = body::boxed(http_body_util::StreamBody::new(tokio_stream_of(rx)));
+        let feed = tokio::spawn(async move {
+            for _ in 0..16 {
+                tx.send(Ok(Frame::data(Bytes::from(vec![1u8; 64 * 1024])))).await.unwrap();
+            }
+        });
+        let resp = send.send(request(Method::POST, upload)).await.unwrap();
+        feed.await.unwrap();
+        let (_, got, _) = seen.recv().await.unwrap();
+        assert_eq!(got.unwrap().len(), 1 << 20);
+        assert_eq!(resp.body().size_hint().exact(), Some(1 << 20), "content-length carried");
+        let down = resp.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(down.len(), 1 << 20);
+        assert!(down.iter().all(|b| *b == 7));
+    }
+
+    #[tokio::test]
+    async fn trailers_cross_both_ways() {
+        // gRPC's way: data, then trailers, in each direction.
+        fn with_trailers() -> BoxBody {
+            let mut t = http::HeaderMap::new();
+            t.insert("grpc-status", HeaderValue::from_static("0"));
+            let frames: Vec<Result<_, BoxError>> =
+                vec![Ok(Frame::data(Bytes::from_static(b"reply"))), Ok(Frame::trailers(t))];
+            body::boxed(http_body_util::StreamBody::new(futures_util::stream::iter(frames)))
+        }
+        let (send, mut seen) = tunnel(with_trailers).await;
+        let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, BoxError>>(2);
+        let mut t = http::HeaderMap::new();
+        t.insert("x-checksum", HeaderValue::from_static("abc"));
+        tx.send(Ok(Frame::data(Bytes::from_static(b"ask")))).await.unwrap();
+        tx.send(Ok(Frame::trailers(t))).await.unwrap();
+        drop(tx);
+        let upload = body::boxed(http_body_util::StreamBody::new(tokio_stream_of(rx)));
+        let resp = send.send(request(Method::POST, upload)).await.unwrap();
+        let (_, body, trailers) = seen.recv().await.unwrap();
+        assert_eq!(body.unwrap(), "ask");
+        assert_eq!(trailers.expect("request trailers").get("x-checksum").unwrap(), "abc");
+        let got = resp.into_body().collect().await.unwrap();
+        assert_eq!(got.trailers().unwrap().get("grpc-status").unwrap(), "0");
+        assert_eq!(got.to_bytes(), "reply");
+    }
+
+    #[tokio::test]
+    async fn an_empty_post_says_content_length_0_and_a_get_says_nothing() {
+        let (send, mut seen) = tunnel(body::empty).await;
+        send.send(request(Method::POST, body::empty())).await.unwrap();
+        let (parts, _, _) = seen.recv().await.unwrap();
+        assert_eq!(parts.headers.get(header::CONTENT_LENGTH).unwrap(), "0");
+        send.send(request(Method::GET, body::empty())).await.unwrap();
+        let (parts, _, _) = seen.recv().await.unwrap();
+        assert!(parts.headers.get(header::CONTENT_LENGTH).is_none());
+    }
+
+    #[tokio::test]
+    async fn a_request_given_up_before_its_response_resets_its_stream() {
+        let (send, mut seen) = tunnel(body::empty).await;
+        // A body that never ends: the agent's end waits for it, the response never comes.
+        let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, BoxError>>(1);
+        tx.send(Ok(Frame::data(Bytes::from_static(b"part")))).await.unwrap();
+        let upload = body::boxed(http_body_util::StreamBody::new(tokio_stream_of(rx)));
+        let pending = send.send(request(Method::POST, upload));
+        assert!(tokio::time::timeout(Duration::from_millis(100), pending).await.is_err(), "no response yet");
+        // Given up (the future dropped): the agent's end sees its body fail.
+        let seen = tokio::time::timeout(Duration::from_secs(10), seen.recv());
+        let (_, got, _) = seen.await.expect("the agent's end saw the body end").unwrap();
+        assert!(got.is_err(), "the stream was reset, not ended: {got:?}");
+        drop(tx);
+    }
+
+    #[tokio::test]
+    async fn a_request_on_a_closed_connection_comes_back() {
+        let (client, server) = tokio::io::duplex(64 * 1024);
+        let agent = tokio::spawn(async move {
+            let svc = hyper::service::service_fn(|_req| async {
+                Ok::<_, Infallible>(Response::new(http_body_util::Empty::<Bytes>::new()))
+            });
+            let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                .serve_connection(TokioIo::new(server), svc);
+            tokio::pin!(conn);
+            conn.as_mut().graceful_shutdown();
+            let _ = conn.await;
+        });
+        let (send, conn) = handshake(client).await.unwrap();
+        let _ = conn.await;
+        agent.await.unwrap();
+        assert!(send.is_closed());
+        let mut err = send.send(request(Method::GET, body::full("again"))).await.unwrap_err();
+        let back = err.take_message().expect("the request comes back");
+        assert_eq!(back.uri(), "https://app.test/x");
+        assert_eq!(back.into_body().collect().await.unwrap().to_bytes(), "again");
+    }
+
+    /// A stream of body frames from a channel.
+    fn tokio_stream_of(
+        mut rx: mpsc::Receiver<Result<Frame<Bytes>, BoxError>>,
+    ) -> impl futures_util::Stream<Item = Result<Frame<Bytes>, BoxError>> + Send {
+        futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx))
+    }
+}
