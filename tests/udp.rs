@@ -396,6 +396,43 @@ async fn idle_flows_expire() {
     assert_eq!(metric(&edge, "culvert_edge_udp_flows_started_total"), 2.0);
 }
 
+/// A client that starts sending while its tunnel's agent is away, and never
+/// pauses (a resolver retrying), is served once the agent is back. It used to
+/// stay cut off: its flow, held without an agent, went idle only after a
+/// pause of the idle timeout.
+#[tokio::test]
+async fn a_client_that_never_pauses_is_served_once_the_agent_is_back() {
+    let edge = TestEdge::start().await;
+    let echo = udp_echo().await;
+    let (port, key) = udp_tunnel_key(&edge).await;
+    let target = || Target::Udp { addr: echo.to_string(), proxy: None };
+    let first = TestAgent::start(&edge, &key, target()).await;
+    first.shutdown.cancel();
+    let _ = first.task.await;
+    net::wait_for("the agent's connection gone", Duration::from_secs(10), || {
+        edge.edge().registry.connections().values().all(Vec::is_empty).then_some(())
+    })
+    .await;
+    let c = client(port).await;
+    c.send(b"early").await.unwrap();
+    net::wait_for("a flow held without an agent", Duration::from_secs(10), || {
+        (metric(&edge, "culvert_edge_udp_flows ") == 1.0).then_some(())
+    })
+    .await;
+    let _agent = TestAgent::start(&edge, &key, target()).await;
+    let answered = async {
+        let mut buf = [0u8; 64];
+        loop {
+            c.send(b"ping").await.unwrap();
+            if let Ok(Ok(n)) = tokio::time::timeout(Duration::from_millis(50), c.recv(&mut buf)).await {
+                return buf[..n].to_vec();
+            }
+        }
+    };
+    let answer = tokio::time::timeout(Duration::from_secs(10), answered).await;
+    assert_eq!(answer.expect("an answer while the client keeps sending"), b"ping");
+}
+
 /// PROXY protocol v2 for UDP: every datagram reaches the backend after a
 /// v2 header with the UDP-over-IPv4 protocol byte and the public client's
 /// address.

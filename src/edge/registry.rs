@@ -231,6 +231,12 @@ impl Registry {
         self.by_reservation.lock().expect("poisoned").clone()
     }
 
+    /// Resolves when the next agent connection is added (any reservation's);
+    /// `enable` it before looking, so an arrival in between is not missed.
+    pub fn arrival(&self) -> tokio::sync::futures::Notified<'_> {
+        self.arrived.notified()
+    }
+
     /// [`Registry::pick`]; but on an edge that started less than
     /// [`AGENT_RETURN_GRACE`] ago, for a reservation no agent connected for
     /// since, first waits for one until the grace is over.

@@ -254,6 +254,9 @@ async fn carry(
     let mut tried = Vec::new();
     let idle = edge.udp.idle_timeout;
     let resp = loop {
+        let arrival = edge.registry.arrival();
+        tokio::pin!(arrival);
+        arrival.as_mut().enable();
         let pick = tokio::select! {
             g = edge.registry.pick_or_wait(&reservation.id, Protocol::Udp, &tried) => g,
             _ = state.ended.cancelled() => return "released",
@@ -266,8 +269,14 @@ async fn carry(
                 counters.tunnel.answered(StatusCode::BAD_GATEWAY);
             }
             // Held until idle: datagrams of this client are dropped, not
-            // each one a new search for an agent.
-            state.idle(idle).await;
+            // each one a new search for an agent. An agent that connects
+            // ends the hold: the client's next datagram starts a new flow,
+            // which finds it (a client that never pauses would otherwise
+            // stay cut off).
+            tokio::select! {
+                _ = state.idle(idle) => {}
+                _ = arrival => {}
+            }
             return "no_agent";
         };
         tried.push(guard.conn().id);

@@ -6,6 +6,7 @@
 use std::net::SocketAddr;
 
 use http::header::{self, HeaderMap, HeaderValue};
+use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Request, Uri};
 
 use http::header::HeaderName;
@@ -75,13 +76,18 @@ pub(crate) fn rewrite_request(
     port: u16,
     upgrade: Option<&HeaderValue>,
 ) -> Result<(), BadTarget> {
-    let pq = parts.uri.path_and_query().map(|p| p.as_str().to_string()).unwrap_or_else(|| "/".into());
+    let pq = parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
     // Origin form only: `OPTIONS *` (or `PRI *`) is about the edge, not a
     // tenant's backend, and `https://host*` would name another authority.
-    if !pq.starts_with('/') {
+    if !pq.as_str().starts_with('/') {
         return Err(BadTarget);
     }
-    let uri = Uri::try_from(format!("https://{host}{pq}")).map_err(|_| BadTarget)?;
+    // From its parts: the path is the request's own (parsed once, by hyper).
+    let mut uri = http::uri::Parts::default();
+    uri.scheme = Some(Scheme::HTTPS);
+    uri.authority = Some(Authority::try_from(host).map_err(|_| BadTarget)?);
+    uri.path_and_query = Some(pq);
+    let uri = Uri::from_parts(uri).map_err(|_| BadTarget)?;
     // One pass drops hop-by-hop and culvert headers, the `Host` (the URI
     // carries it) and client-supplied forwarding headers: replaced, never trusted.
     strip_connection_listed(&mut parts.headers);
