@@ -26,8 +26,9 @@ use crate::tunnel::body::BoxBody;
 
 /// How long an idle connection is kept (hyper-util's client: the same).
 const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
-/// Idle connections kept per backend; more are closed.
-const MAX_IDLE_PER_BACKEND: usize = 64;
+/// Idle connections kept per backend (as many as were busy at once, up to
+/// this); more are closed.
+const MAX_IDLE_PER_BACKEND: usize = 1024;
 
 /// Why a request did not get a response head from its backend.
 #[derive(Debug, thiserror::Error)]
@@ -50,24 +51,37 @@ impl PoolError {
 }
 
 struct Idle {
-    authority: String,
     send: SendRequest<BoxBody>,
     since: Instant,
 }
 
-fn idle() -> &'static Mutex<Vec<Idle>> {
-    static IDLE: OnceLock<Mutex<Vec<Idle>>> = OnceLock::new();
+impl Idle {
+    fn usable(&self, now: Instant) -> bool {
+        !self.send.is_closed() && now.duration_since(self.since) < IDLE_TIMEOUT
+    }
+}
+
+/// Idle connections by backend (few backends: a list), each backend's
+/// oldest first.
+type IdleList = Vec<(String, Vec<Idle>)>;
+
+fn idle() -> &'static Mutex<IdleList> {
+    static IDLE: OnceLock<Mutex<IdleList>> = OnceLock::new();
     IDLE.get_or_init(Mutex::default)
 }
 
-/// An idle connection to `authority`, the newest first; closed and expired
-/// ones are dropped on the way.
+/// The newest idle connection to `authority`; closed and expired ones met
+/// on the way are dropped.
 fn checkout(authority: &str) -> Option<SendRequest<BoxBody>> {
     let mut idle = idle().lock().expect("poisoned");
+    let conns = &mut idle.iter_mut().find(|(a, _)| a == authority)?.1;
     let now = Instant::now();
-    idle.retain(|c| !c.send.is_closed() && now.duration_since(c.since) < IDLE_TIMEOUT);
-    let at = idle.iter().rposition(|c| c.authority == authority)?;
-    Some(idle.swap_remove(at).send)
+    while let Some(c) = conns.pop() {
+        if c.usable(now) {
+            return Some(c.send);
+        }
+    }
+    None
 }
 
 /// A connection whose last response has ended goes back to the idle list.
@@ -76,8 +90,20 @@ fn checkin(authority: String, send: SendRequest<BoxBody>) {
         return;
     }
     let mut idle = idle().lock().expect("poisoned");
-    if idle.iter().filter(|c| c.authority == authority).count() < MAX_IDLE_PER_BACKEND {
-        idle.push(Idle { authority, send, since: Instant::now() });
+    let conns = match idle.iter().position(|(a, _)| *a == authority) {
+        Some(at) => &mut idle[at].1,
+        None => {
+            idle.push((authority, Vec::new()));
+            &mut idle.last_mut().expect("just pushed").1
+        }
+    };
+    let now = Instant::now();
+    // The oldest expired: sweep (rarely: the newest are taken first).
+    if conns.first().is_some_and(|c| !c.usable(now)) {
+        conns.retain(|c| c.usable(now));
+    }
+    if conns.len() < MAX_IDLE_PER_BACKEND {
+        conns.push(Idle { send, since: now });
     }
 }
 
@@ -248,6 +274,21 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn as_many_connections_as_requests_at_once_and_all_kept() {
+        let (addr, accepted) = backend().await;
+        for _ in 0..3 {
+            let all = (0..20).map(|_| async {
+                let resp = send(&addr, CONNECT, request(http::Method::GET, &addr)).await.unwrap();
+                resp.into_body().collect().await.unwrap().to_bytes()
+            });
+            let bodies = futures_util::future::join_all(all).await;
+            assert!(bodies.iter().all(|b| b == "ok"));
+        }
+        // Twenty at once the first time; the rounds after reuse them.
+        assert!(accepted.load(Ordering::SeqCst) <= 20, "{}", accepted.load(Ordering::SeqCst));
+    }
+
+    #[tokio::test]
     async fn a_body_not_read_to_its_end_does_not_give_its_connection_back() {
         let (addr, accepted) = backend().await;
         let resp = send(&addr, CONNECT, request(http::Method::GET, &addr)).await.unwrap();
@@ -275,7 +316,10 @@ mod tests {
             assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), "ok");
             // Until the closed connection is seen as closed (its task reads the EOF).
             let seen = async {
-                while idle().lock().unwrap().iter().any(|c| c.authority == addr && !c.send.is_closed()) {
+                let open = |(a, conns): &(String, Vec<Idle>)| {
+                    *a == addr && conns.iter().any(|c| !c.send.is_closed())
+                };
+                while idle().lock().unwrap().iter().any(open) {
                     tokio::task::yield_now().await;
                 }
             };
