@@ -10,6 +10,7 @@
 //! yet (hyper hands it back).
 
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::task::{Context, Poll, ready};
 use std::time::{Duration, Instant};
@@ -24,11 +25,18 @@ use tracing::{Instrument, debug};
 
 use crate::tunnel::body::BoxBody;
 
-/// How long an idle connection is kept (hyper-util's client: the same).
+/// How long the newest [`WARM_PER_BACKEND`] idle connections of a backend
+/// are kept (hyper-util's client keeps every one this long).
 const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
-/// Idle connections kept per backend (as many as were busy at once, up to
-/// this); more are closed.
+/// Idle connections of a backend kept for [`IDLE_TIMEOUT`]; the others (a
+/// burst's) close after [`BURST_IDLE_TIMEOUT`] unused.
+const WARM_PER_BACKEND: usize = 16;
+const BURST_IDLE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Idle connections kept per backend at most (as many as were busy at once,
+/// up to this); more are closed.
 const MAX_IDLE_PER_BACKEND: usize = 1024;
+/// How often idle connections are looked at while there are any.
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
 
 /// Why a request did not get a response head from its backend.
 #[derive(Debug, thiserror::Error)]
@@ -56,9 +64,63 @@ struct Idle {
 }
 
 impl Idle {
-    fn usable(&self, now: Instant) -> bool {
-        !self.send.is_closed() && now.duration_since(self.since) < IDLE_TIMEOUT
+    /// Still worth keeping: open, and not idle longer than its place in the
+    /// list (`newer` idle connections of the same backend after it) allows.
+    fn usable(&self, now: Instant, newer: usize) -> bool {
+        let limit = if newer < WARM_PER_BACKEND { IDLE_TIMEOUT } else { BURST_IDLE_TIMEOUT };
+        !self.send.is_closed() && now.duration_since(self.since) < limit
     }
+}
+
+/// Drops what is no longer worth keeping of one backend's idle connections
+/// (oldest first), closing them.
+fn sweep(conns: &mut Vec<Idle>, now: Instant) {
+    let len = conns.len();
+    let mut at = 0;
+    conns.retain(|c| {
+        at += 1;
+        c.usable(now, len - at)
+    });
+}
+
+/// Whether a sweeper task runs (it ends when no idle connection is left,
+/// or with its runtime).
+static SWEEPING: AtomicBool = AtomicBool::new(false);
+
+struct Sweeping;
+
+impl Drop for Sweeping {
+    fn drop(&mut self) {
+        SWEEPING.store(false, Ordering::Release);
+    }
+}
+
+/// Closes idle connections as they expire, even when no request comes to
+/// take them (after a burst, hundreds of connections would otherwise stay
+/// open until their backends close them).
+fn start_sweeper() {
+    if SWEEPING.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        SWEEPING.store(false, Ordering::Release);
+        return;
+    };
+    runtime.spawn(async {
+        let _running = Sweeping;
+        loop {
+            tokio::time::sleep(SWEEP_EVERY).await;
+            let mut idle = idle().lock().expect("poisoned");
+            let now = Instant::now();
+            for (_, conns) in idle.iter_mut() {
+                sweep(conns, now);
+            }
+            idle.retain(|(_, conns)| !conns.is_empty());
+            if idle.is_empty() {
+                return;
+            }
+        }
+    });
 }
 
 /// Idle connections by backend (few backends: a list), each backend's
@@ -77,7 +139,7 @@ fn checkout(authority: &str) -> Option<SendRequest<BoxBody>> {
     let conns = &mut idle.iter_mut().find(|(a, _)| a == authority)?.1;
     let now = Instant::now();
     while let Some(c) = conns.pop() {
-        if c.usable(now) {
+        if c.usable(now, 0) {
             return Some(c.send);
         }
     }
@@ -98,13 +160,11 @@ fn checkin(authority: String, send: SendRequest<BoxBody>) {
         }
     };
     let now = Instant::now();
-    // The oldest expired: sweep (rarely: the newest are taken first).
-    if conns.first().is_some_and(|c| !c.usable(now)) {
-        conns.retain(|c| c.usable(now));
-    }
     if conns.len() < MAX_IDLE_PER_BACKEND {
         conns.push(Idle { send, since: now });
     }
+    drop(idle);
+    start_sweeper();
 }
 
 async fn connect(authority: &str, timeout: Duration) -> Result<SendRequest<BoxBody>, PoolError> {
@@ -286,6 +346,37 @@ mod tests {
         }
         // Twenty at once the first time; the rounds after reuse them.
         assert!(accepted.load(Ordering::SeqCst) <= 20, "{}", accepted.load(Ordering::SeqCst));
+    }
+
+    #[tokio::test]
+    async fn a_bursts_extra_connections_close_once_idle_and_the_warm_ones_stay() {
+        let (addr, accepted) = backend().await;
+        let all = (0..40).map(|_| async {
+            let resp = send(&addr, CONNECT, request(http::Method::GET, &addr)).await.unwrap();
+            resp.into_body().collect().await.unwrap().to_bytes()
+        });
+        futures_util::future::join_all(all).await;
+        let idle_now = || {
+            let idle = idle().lock().unwrap();
+            idle.iter().find(|(a, _)| *a == addr).map_or(0, |(_, c)| c.len())
+        };
+        assert_eq!(idle_now(), 40);
+        // What the sweeper finds once they were unused for BURST_IDLE_TIMEOUT
+        // (and later, for IDLE_TIMEOUT), without waiting for it.
+        let sweep_at = |later: Duration| {
+            let mut idle = idle().lock().unwrap();
+            let (_, conns) = idle.iter_mut().find(|(a, _)| *a == addr).unwrap();
+            sweep(conns, Instant::now() + later);
+        };
+        sweep_at(Duration::ZERO);
+        assert_eq!(idle_now(), 40, "nothing expired yet");
+        sweep_at(BURST_IDLE_TIMEOUT + Duration::from_secs(1));
+        assert_eq!(idle_now(), WARM_PER_BACKEND, "all but the warm ones closed");
+        let resp = send(&addr, CONNECT, request(http::Method::GET, &addr)).await.unwrap();
+        resp.into_body().collect().await.unwrap();
+        assert_eq!(accepted.load(Ordering::SeqCst), 40, "a warm one was reused");
+        sweep_at(IDLE_TIMEOUT + Duration::from_secs(1));
+        assert_eq!(idle_now(), 0, "the warm ones close after IDLE_TIMEOUT");
     }
 
     #[tokio::test]
