@@ -176,6 +176,9 @@ pub const FIRST_REQUEST_GRACE: Duration = Duration::from_secs(1);
 
 /// Dialing a backend must succeed within this.
 pub const BACKEND_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// A kept-alive backend connection unused this long is closed (with its
+/// buffers: about 30 KiB each, hundreds of them after a burst of requests).
+pub const BACKEND_POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Timeout of one control API call made by `culvert admin` and the operator.
 pub const API_CLIENT_TIMEOUT: Duration = Duration::from_secs(30);
 

@@ -9,13 +9,13 @@ use std::time::Duration;
 use hyper_rustls::{FixedServerNameResolver, HttpsConnector};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 use rustls::crypto::ring as provider;
 use rustls_pki_types::ServerName;
 
 use super::filters::Filters;
 use super::guard::Credentials;
-use crate::constants::BACKEND_CONNECT_TIMEOUT;
+use crate::constants::{BACKEND_CONNECT_TIMEOUT, BACKEND_POOL_IDLE_TIMEOUT};
 use crate::tunnel::body::BoxBody;
 
 /// How the agent speaks to an HTTP backend.
@@ -126,7 +126,10 @@ fn build(key: &ClientKey) -> BackendClient {
     };
     let connector = builder.enable_all_versions().wrap_connector(http);
     Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(60))
+        .pool_idle_timeout(BACKEND_POOL_IDLE_TIMEOUT)
+        // Without a timer the pool closes idle connections only when it meets
+        // them on a later checkout: after a burst, never.
+        .pool_timer(TokioTimer::new())
         .http2_only(key.scheme == Scheme::H2c)
         .build(connector)
 }
@@ -154,4 +157,47 @@ pub fn tls_config(verify: bool) -> Arc<rustls::ClientConfig> {
         Arc::new(config)
     };
     if verify { VERIFIED.get_or_init(make).clone() } else { UNVERIFIED.get_or_init(make).clone() }
+}
+
+#[cfg(test)]
+mod tests {
+    use http_body_util::BodyExt;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpListener;
+
+    use super::*;
+
+    /// A backend connection left idle in the pool is closed after
+    /// [`BACKEND_POOL_IDLE_TIMEOUT`], not kept until the backend closes it.
+    #[tokio::test(start_paused = true)]
+    async fn an_idle_backend_connection_is_closed_after_the_pool_timeout() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let backend = tokio::spawn(async move {
+            let (mut conn, _) = listener.accept().await.unwrap();
+            let mut head = Vec::new();
+            let mut buf = [0u8; 1024];
+            while !head.ends_with(b"\r\n\r\n") {
+                let n = conn.read(&mut buf).await.unwrap();
+                assert!(n > 0, "the request head comes first");
+                head.extend_from_slice(&buf[..n]);
+            }
+            conn.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok").await.unwrap();
+            // Kept alive: the next read ends when the client closes the connection.
+            let idle_since = tokio::time::Instant::now();
+            assert_eq!(conn.read(&mut buf).await.unwrap(), 0, "no second request");
+            idle_since.elapsed()
+        });
+        let key =
+            ClientKey { scheme: Scheme::Http, connect_timeout: BACKEND_CONNECT_TIMEOUT, server_name: None };
+        let client = build(&key);
+        let req = http::Request::get(format!("http://{addr}/")).body(crate::tunnel::body::empty()).unwrap();
+        let resp = client.request(req).await.unwrap();
+        assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), "ok");
+        let idle = tokio::time::timeout(3 * BACKEND_POOL_IDLE_TIMEOUT, backend)
+            .await
+            .expect("the idle connection is closed by the pool")
+            .unwrap();
+        assert!(idle >= BACKEND_POOL_IDLE_TIMEOUT, "not before the timeout: {idle:?}");
+    }
 }

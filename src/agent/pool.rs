@@ -10,6 +10,7 @@
 //! yet (hyper hands it back).
 
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::task::{Context, Poll, ready};
 use std::time::{Duration, Instant};
@@ -24,10 +25,18 @@ use tracing::{Instrument, debug};
 
 use crate::tunnel::body::BoxBody;
 
-/// How long an idle connection is kept (hyper-util's client: the same).
+/// How long the newest [`WARM_PER_BACKEND`] idle connections of a backend
+/// are kept (hyper-util's client keeps every one this long).
 const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
-/// Idle connections kept per backend; more are closed.
-const MAX_IDLE_PER_BACKEND: usize = 64;
+/// Idle connections of a backend kept for [`IDLE_TIMEOUT`]; the others (a
+/// burst's) close after [`BURST_IDLE_TIMEOUT`] unused.
+const WARM_PER_BACKEND: usize = 16;
+const BURST_IDLE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Idle connections kept per backend at most (as many as were busy at once,
+/// up to this); more are closed.
+const MAX_IDLE_PER_BACKEND: usize = 1024;
+/// How often idle connections are looked at while there are any.
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
 
 /// Why a request did not get a response head from its backend.
 #[derive(Debug, thiserror::Error)]
@@ -50,24 +59,91 @@ impl PoolError {
 }
 
 struct Idle {
-    authority: String,
     send: SendRequest<BoxBody>,
     since: Instant,
 }
 
-fn idle() -> &'static Mutex<Vec<Idle>> {
-    static IDLE: OnceLock<Mutex<Vec<Idle>>> = OnceLock::new();
+impl Idle {
+    /// Still worth keeping: open, and not idle longer than its place in the
+    /// list (`newer` idle connections of the same backend after it) allows.
+    fn usable(&self, now: Instant, newer: usize) -> bool {
+        let limit = if newer < WARM_PER_BACKEND { IDLE_TIMEOUT } else { BURST_IDLE_TIMEOUT };
+        !self.send.is_closed() && now.duration_since(self.since) < limit
+    }
+}
+
+/// Drops what is no longer worth keeping of one backend's idle connections
+/// (oldest first), closing them.
+fn sweep(conns: &mut Vec<Idle>, now: Instant) {
+    let len = conns.len();
+    let mut at = 0;
+    conns.retain(|c| {
+        at += 1;
+        c.usable(now, len - at)
+    });
+}
+
+/// Whether a sweeper task runs (it ends when no idle connection is left,
+/// or with its runtime).
+static SWEEPING: AtomicBool = AtomicBool::new(false);
+
+struct Sweeping;
+
+impl Drop for Sweeping {
+    fn drop(&mut self) {
+        SWEEPING.store(false, Ordering::Release);
+    }
+}
+
+/// Closes idle connections as they expire, even when no request comes to
+/// take them (after a burst, hundreds of connections would otherwise stay
+/// open until their backends close them).
+fn start_sweeper() {
+    if SWEEPING.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        SWEEPING.store(false, Ordering::Release);
+        return;
+    };
+    runtime.spawn(async {
+        let _running = Sweeping;
+        loop {
+            tokio::time::sleep(SWEEP_EVERY).await;
+            let mut idle = idle().lock().expect("poisoned");
+            let now = Instant::now();
+            for (_, conns) in idle.iter_mut() {
+                sweep(conns, now);
+            }
+            idle.retain(|(_, conns)| !conns.is_empty());
+            if idle.is_empty() {
+                return;
+            }
+        }
+    });
+}
+
+/// Idle connections by backend (few backends: a list), each backend's
+/// oldest first.
+type IdleList = Vec<(String, Vec<Idle>)>;
+
+fn idle() -> &'static Mutex<IdleList> {
+    static IDLE: OnceLock<Mutex<IdleList>> = OnceLock::new();
     IDLE.get_or_init(Mutex::default)
 }
 
-/// An idle connection to `authority`, the newest first; closed and expired
-/// ones are dropped on the way.
+/// The newest idle connection to `authority`; closed and expired ones met
+/// on the way are dropped.
 fn checkout(authority: &str) -> Option<SendRequest<BoxBody>> {
     let mut idle = idle().lock().expect("poisoned");
+    let conns = &mut idle.iter_mut().find(|(a, _)| a == authority)?.1;
     let now = Instant::now();
-    idle.retain(|c| !c.send.is_closed() && now.duration_since(c.since) < IDLE_TIMEOUT);
-    let at = idle.iter().rposition(|c| c.authority == authority)?;
-    Some(idle.swap_remove(at).send)
+    while let Some(c) = conns.pop() {
+        if c.usable(now, 0) {
+            return Some(c.send);
+        }
+    }
+    None
 }
 
 /// A connection whose last response has ended goes back to the idle list.
@@ -76,9 +152,19 @@ fn checkin(authority: String, send: SendRequest<BoxBody>) {
         return;
     }
     let mut idle = idle().lock().expect("poisoned");
-    if idle.iter().filter(|c| c.authority == authority).count() < MAX_IDLE_PER_BACKEND {
-        idle.push(Idle { authority, send, since: Instant::now() });
+    let conns = match idle.iter().position(|(a, _)| *a == authority) {
+        Some(at) => &mut idle[at].1,
+        None => {
+            idle.push((authority, Vec::new()));
+            &mut idle.last_mut().expect("just pushed").1
+        }
+    };
+    let now = Instant::now();
+    if conns.len() < MAX_IDLE_PER_BACKEND {
+        conns.push(Idle { send, since: now });
     }
+    drop(idle);
+    start_sweeper();
 }
 
 async fn connect(authority: &str, timeout: Duration) -> Result<SendRequest<BoxBody>, PoolError> {
@@ -248,6 +334,52 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn as_many_connections_as_requests_at_once_and_all_kept() {
+        let (addr, accepted) = backend().await;
+        for _ in 0..3 {
+            let all = (0..20).map(|_| async {
+                let resp = send(&addr, CONNECT, request(http::Method::GET, &addr)).await.unwrap();
+                resp.into_body().collect().await.unwrap().to_bytes()
+            });
+            let bodies = futures_util::future::join_all(all).await;
+            assert!(bodies.iter().all(|b| b == "ok"));
+        }
+        // Twenty at once the first time; the rounds after reuse them.
+        assert!(accepted.load(Ordering::SeqCst) <= 20, "{}", accepted.load(Ordering::SeqCst));
+    }
+
+    #[tokio::test]
+    async fn a_bursts_extra_connections_close_once_idle_and_the_warm_ones_stay() {
+        let (addr, accepted) = backend().await;
+        let all = (0..40).map(|_| async {
+            let resp = send(&addr, CONNECT, request(http::Method::GET, &addr)).await.unwrap();
+            resp.into_body().collect().await.unwrap().to_bytes()
+        });
+        futures_util::future::join_all(all).await;
+        let idle_now = || {
+            let idle = idle().lock().unwrap();
+            idle.iter().find(|(a, _)| *a == addr).map_or(0, |(_, c)| c.len())
+        };
+        assert_eq!(idle_now(), 40);
+        // What the sweeper finds once they were unused for BURST_IDLE_TIMEOUT
+        // (and later, for IDLE_TIMEOUT), without waiting for it.
+        let sweep_at = |later: Duration| {
+            let mut idle = idle().lock().unwrap();
+            let (_, conns) = idle.iter_mut().find(|(a, _)| *a == addr).unwrap();
+            sweep(conns, Instant::now() + later);
+        };
+        sweep_at(Duration::ZERO);
+        assert_eq!(idle_now(), 40, "nothing expired yet");
+        sweep_at(BURST_IDLE_TIMEOUT + Duration::from_secs(1));
+        assert_eq!(idle_now(), WARM_PER_BACKEND, "all but the warm ones closed");
+        let resp = send(&addr, CONNECT, request(http::Method::GET, &addr)).await.unwrap();
+        resp.into_body().collect().await.unwrap();
+        assert_eq!(accepted.load(Ordering::SeqCst), 40, "a warm one was reused");
+        sweep_at(IDLE_TIMEOUT + Duration::from_secs(1));
+        assert_eq!(idle_now(), 0, "the warm ones close after IDLE_TIMEOUT");
+    }
+
+    #[tokio::test]
     async fn a_body_not_read_to_its_end_does_not_give_its_connection_back() {
         let (addr, accepted) = backend().await;
         let resp = send(&addr, CONNECT, request(http::Method::GET, &addr)).await.unwrap();
@@ -275,7 +407,10 @@ mod tests {
             assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), "ok");
             // Until the closed connection is seen as closed (its task reads the EOF).
             let seen = async {
-                while idle().lock().unwrap().iter().any(|c| c.authority == addr && !c.send.is_closed()) {
+                let open = |(a, conns): &(String, Vec<Idle>)| {
+                    *a == addr && conns.iter().any(|c| !c.send.is_closed())
+                };
+                while idle().lock().unwrap().iter().any(open) {
                     tokio::task::yield_now().await;
                 }
             };
