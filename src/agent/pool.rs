@@ -200,7 +200,8 @@ pub async fn send(
         let fresh = reused.is_none();
         let mut send = match reused.take() {
             Some(send) => send,
-            None => connect(authority, connect_timeout).await?,
+            // Boxed: the rarely taken path would size every stream's future.
+            None => Box::pin(connect(authority, connect_timeout)).await?,
         };
         // A reused connection may have been closed by the backend meanwhile.
         if let Err(e) = send.ready().await {
