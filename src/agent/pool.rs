@@ -41,13 +41,14 @@ const SWEEP_EVERY: Duration = Duration::from_secs(1);
 /// Why a request did not get a response head from its backend.
 #[derive(Debug, thiserror::Error)]
 pub enum PoolError {
-    #[error("tcp connect error: {0}")]
+    // The sources follow in error chains (`http::error_chain`): not repeated here.
+    #[error("tcp connect error")]
     Connect(#[source] std::io::Error),
     #[error("tcp connect error: no connection within {0:?} (the route's connect timeout)")]
     ConnectTimeout(Duration),
-    #[error("HTTP/1.1 handshake failed: {0}")]
+    #[error("HTTP/1.1 handshake failed")]
     Handshake(#[source] hyper::Error),
-    #[error("request failed: {0}")]
+    #[error("request failed")]
     Request(#[source] hyper::Error),
 }
 
@@ -425,6 +426,8 @@ mod tests {
         let addr = TcpListener::bind("127.0.0.1:0").await.unwrap().local_addr().unwrap().to_string();
         let e = send(&addr, CONNECT, request(http::Method::GET, &addr)).await.unwrap_err();
         assert!(e.is_connect(), "{e}");
-        assert!(e.to_string().contains("tcp connect error"), "{e}");
+        let chain = crate::http::error_chain(&e);
+        assert!(chain.starts_with("tcp connect error: Connection refused"), "{chain}");
+        assert_eq!(chain.matches("Connection refused").count(), 1, "said once: {chain}");
     }
 }
