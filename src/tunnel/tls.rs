@@ -560,6 +560,15 @@ impl<IO: AsyncRead + AsyncWrite + Unpin, C: Endpoint> TlsStream<IO, C> {
         }
     }
 
+    /// [`Self::poll_fill`]; while nothing comes, no read buffer is held.
+    fn poll_fill_idle(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let filled = self.poll_fill(cx);
+        if filled.is_pending() {
+            self.b.release_idle();
+        }
+        filled
+    }
+
     /// Reads from the transport into `rx` (what was there moved to the
     /// front when room runs out; no decrypted bytes are waiting).
     fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -644,14 +653,7 @@ impl<IO: AsyncRead + AsyncWrite + Unpin, C: Endpoint> TlsStream<IO, C> {
             if self.b.eof {
                 return Poll::Ready(Err(unexpected_eof()));
             }
-            match self.poll_fill(cx) {
-                Poll::Ready(Ok(())) => {}
-                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
-                Poll::Pending => {
-                    self.b.release_idle();
-                    return Poll::Pending;
-                }
-            }
+            ready!(self.poll_fill_idle(cx))?;
         }
     }
 
@@ -712,14 +714,7 @@ impl<IO: AsyncRead + AsyncWrite + Unpin, C: Endpoint> TlsStream<IO, C> {
                     }
                 }
             }
-            match self.poll_fill(cx) {
-                Poll::Ready(Ok(())) => {}
-                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
-                Poll::Pending => {
-                    self.b.release_idle();
-                    return Poll::Pending;
-                }
-            }
+            ready!(self.poll_fill_idle(cx))?;
         }
     }
 
