@@ -4,6 +4,8 @@
 mod support;
 use support::net;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -383,14 +385,22 @@ async fn two_agents_on_one_key_survive_a_rolling_restart_without_failures() {
 
     let client = edge.client();
     let stop = tokio_util::sync::CancellationToken::new();
+    let served = Arc::new(AtomicU32::new(0));
     let mut workers = Vec::new();
     for _ in 0..8 {
-        let (client, host, stop) = (client.clone(), host.clone(), stop.clone());
-        workers.push(tokio::spawn(load(client, host, stop)));
+        let (client, host, stop, served) = (client.clone(), host.clone(), stop.clone(), served.clone());
+        workers.push(tokio::spawn(load(client, host, stop, served)));
     }
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    async fn served_at_least(served: &AtomicU32, n: u32) {
+        let what = format!("{n} requests served");
+        net::wait_for(&what, Duration::from_secs(30), || (served.load(Ordering::Relaxed) >= n).then_some(()))
+            .await
+    }
+    // Both agents serve, then one leaves under load and the other carries on.
+    served_at_least(&served, 40).await;
     a.stop().await; // drains: goodbye, no new streams, open ones finish
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let after_drain = served.load(Ordering::Relaxed);
+    served_at_least(&served, after_drain + 40).await;
     stop.cancel();
     let (mut ok, mut failed) = (0, 0);
     for w in workers {
@@ -404,7 +414,12 @@ async fn two_agents_on_one_key_survive_a_rolling_restart_without_failures() {
     b.stop().await;
 }
 
-async fn load(client: HttpsClient, host: String, stop: tokio_util::sync::CancellationToken) -> (u32, u32) {
+async fn load(
+    client: HttpsClient,
+    host: String,
+    stop: tokio_util::sync::CancellationToken,
+    served: Arc<AtomicU32>,
+) -> (u32, u32) {
     let (mut ok, mut failed) = (0, 0);
     let tls = client.connect(&host, true).await;
     let (mut sender, conn) = hyper::client::conn::http2::handshake(
@@ -419,6 +434,7 @@ async fn load(client: HttpsClient, host: String, stop: tokio_util::sync::Cancell
         match sender.send_request(req).await {
             Ok(r) if r.status() == StatusCode::OK => {
                 let _ = r.into_body().collect().await;
+                served.fetch_add(1, Ordering::Relaxed);
                 ok += 1
             }
             Ok(r) => {
