@@ -1,7 +1,8 @@
 //! The operator test fixture, shared by the operator and Ingress suites: a
 //! real kube-apiserver (the kube-env harness), an in-process edge, one
 //! namespace per test and an in-process operator watching only it; helpers to
-//! create objects, wait for events and statuses, and clean up.
+//! create objects, wait for events and statuses, and clean up; backends in a
+//! network namespace (TCP listeners, an HTTPS backend) and a TLS passthrough client.
 //!
 //! Used as `support::operator` (see `support/mod.rs`); it builds on
 //! `support::kube`, `support::net` and `support::netns`.
@@ -9,16 +10,20 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use bytes::Bytes;
 use culvert::crd::{Domain, TcpPort, Tunnel};
 use culvert::operator::{BackendAddress, DomainPolicy, OperatorArgs};
-use http::StatusCode;
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
 use k8s_openapi::api::core::v1::{Event, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::networking::v1::{Ingress, IngressClass};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 
 use super::kube::{self as kube_env, TestNamespace, wait_until};
@@ -315,6 +320,65 @@ impl Fixture {
         }
         self.ns.delete_and_wait().await.unwrap();
     }
+}
+
+/// An HTTPS backend (HTTP/1.1) in `host` with a certificate for `names` from a
+/// test CA; answers `tls <path> sni=<server name>`. Returns the CA (PEM).
+pub fn tls_backend(host: &NetnsHost, port: u16, names: &[String]) -> String {
+    use rustls_pki_types::pem::PemObject;
+    let pki = culvert::tls::generate_pki(names).unwrap();
+    let certs = rustls_pki_types::CertificateDer::pem_slice_iter(pki.cert_pem.as_bytes())
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap();
+    let key = rustls_pki_types::PrivateKeyDer::from_pem_slice(pki.key_pem.as_bytes()).unwrap();
+    let mut config =
+        rustls::ServerConfig::builder().with_no_client_auth().with_single_cert(certs, key).unwrap();
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let acceptor = tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config));
+    let listener = listen_in(host, port);
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else { return };
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let Ok(tls) = acceptor.accept(tcp).await else { return };
+                let sni = tls.get_ref().1.server_name().unwrap_or("none").to_string();
+                let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+                    let text = format!("tls {} sni={sni}", req.uri().path());
+                    async move { Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::from(text)))) }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(tls), service)
+                    .await;
+            });
+        }
+    });
+    pki.ca_pem
+}
+
+/// GET `/` over TLS to the edge with SNI `host`, trusting only `ca_pem`
+/// (the backend's CA): an answer comes from the backend itself.
+pub async fn get_passthrough(f: &Fixture, host: &str, ca_pem: &str) -> Result<String, String> {
+    use rustls_pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    for c in rustls_pki_types::CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let mut config = rustls::ClientConfig::builder().with_root_certificates(roots).with_no_client_auth();
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let tcp = TcpStream::connect(f.edge.https).await.map_err(|e| e.to_string())?;
+    let name = rustls_pki_types::ServerName::try_from(host.to_string()).unwrap();
+    let tls = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+        .connect(name, tcp)
+        .await
+        .map_err(|e| format!("TLS: {e}"))?;
+    let (mut s, conn) =
+        hyper::client::conn::http1::handshake(TokioIo::new(tls)).await.map_err(|e| e.to_string())?;
+    tokio::spawn(conn);
+    let req = Request::get("/").header("host", host).body(Full::new(Bytes::new())).unwrap();
+    let resp = s.send_request(req).await.map_err(|e| e.to_string())?;
+    let body = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
+    Ok(String::from_utf8_lossy(&body).into_owned())
 }
 
 /// A TCP listener on `ip:port` inside the network namespace `host`.
