@@ -201,6 +201,10 @@ pub const ACME_ORDER_TIMEOUT: Duration = Duration::from_secs(180);
 /// Five minutes keeps a name under Let's Encrypt's 5 failed validations per hour.
 pub const ACME_ORDER_BACKOFF_INITIAL: Duration = Duration::from_secs(300);
 pub const ACME_ORDER_BACKOFF_MAX: Duration = Duration::from_secs(6 * 3600);
+/// ACME: a failure of the CA or of the way to it (unreachable, 5xx, bad
+/// nonces) is retried after this, doubling up to `ACME_ORDER_BACKOFF_INITIAL`:
+/// the CA judged nothing, so no validation was spent.
+pub const ACME_TRANSIENT_RETRY_INITIAL: Duration = Duration::from_secs(5);
 /// ACME: a name whose DNS does not point at the edge is checked again after
 /// this (doubling up to the cap). DNS checks cost the CA nothing.
 pub const ACME_DNS_RECHECK_INITIAL: Duration = Duration::from_secs(5);

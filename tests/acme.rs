@@ -22,6 +22,7 @@ use support::{net, postgres};
 use std::collections::{HashMap, HashSet};
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -112,6 +113,9 @@ struct Pebble {
     listener_ca: PathBuf,
     /// Pebble's issuing root, PEM (what public clients trust in the test).
     root_pem: String,
+    /// While set, the forwarder to the ACME port drops every new
+    /// connection: the CA is unreachable.
+    outage: Arc<AtomicBool>,
     _dir: tempfile::TempDir,
 }
 
@@ -199,13 +203,14 @@ impl Pebble {
         }
         let (acme_port, management_port) = (acme_port.unwrap(), management_port.unwrap());
         let directory = format!("https://127.0.0.1:{}/dir", forwarder.local_addr().unwrap().port());
-        tokio::spawn(forward(forwarder, ([127, 0, 0, 1], acme_port).into()));
+        let outage = Arc::new(AtomicBool::new(false));
+        tokio::spawn(forward(forwarder, ([127, 0, 0, 1], acme_port).into(), outage.clone()));
 
         let management =
             HttpsClient { addr: ([127, 0, 0, 1], management_port).into(), ca_file: listener_ca.clone() };
         let (status, root_pem) = management.get("127.0.0.1", "/roots/0").await;
         assert_eq!(status, 200, "{root_pem}");
-        Pebble { _child: child, directory, listener_ca, root_pem, _dir: dir }
+        Pebble { _child: child, directory, listener_ca, root_pem, outage, _dir: dir }
     }
 }
 
@@ -231,9 +236,12 @@ fn listening_ports(pid: u32) -> Vec<u16> {
         .collect()
 }
 
-async fn forward(listener: TcpListener, to: SocketAddr) {
+async fn forward(listener: TcpListener, to: SocketAddr, outage: Arc<AtomicBool>) {
     loop {
         let Ok((mut inbound, _)) = listener.accept().await else { return };
+        if outage.load(Ordering::SeqCst) {
+            continue;
+        }
         tokio::spawn(async move {
             if let Ok(mut outbound) = TcpStream::connect(to).await {
                 let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
@@ -448,6 +456,33 @@ async fn wrong_dns_is_reported_then_fixed() {
 
     // The user fixes the CNAME: the next check (seconds later) orders.
     w.dns.set(host, Ipv4Addr::LOCALHOST);
+    let c = w.wait_status(host, "ready").await;
+    assert!(c.get("lastError").is_none(), "{c}");
+    w.served_leaf(host).await.expect("valid against pebble's root");
+}
+
+/// The CA cannot be reached for a while: the order is retried within
+/// seconds (not after the 5 min a failed validation waits) and the
+/// certificate follows by itself once the CA is back. Pebble also rejects
+/// 5 % of nonces at random, which takes the same path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_ca_is_retried_within_seconds() {
+    let w = World::start(AcmeChallenge::TlsAlpn01, Duration::from_secs(90 * 86_400)).await;
+    w.pebble.outage.store(true, Ordering::SeqCst);
+    let host = "app.outage.test";
+    w.dns.set(host, Ipv4Addr::LOCALHOST);
+    w.reserve(host).await;
+    let c = w.wait_status(host, "failed").await;
+    let error = c["lastError"].as_str().unwrap();
+    assert!(error.contains("ACME account"), "{c}");
+    let record = w.edge.edge().store.engine().certificate(host).unwrap().unwrap();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    let retry_in = record.next_attempt.saturating_sub(now);
+    assert!(retry_in <= 10, "retried in {retry_in}s, not after the backoff of a judged order: {c}");
+    assert!(w.jobs("transient") >= 1, "counted as transient");
+    assert_eq!(w.jobs("failed"), 0);
+
+    w.pebble.outage.store(false, Ordering::SeqCst);
     let c = w.wait_status(host, "ready").await;
     assert!(c.get("lastError").is_none(), "{c}");
     w.served_leaf(host).await.expect("valid against pebble's root");

@@ -22,7 +22,7 @@ pub struct Metrics {
     pub public_connections_rejected: Counter,
     /// Connections closed because their class had no file descriptor left.
     connections_refused: Family<Labels, Counter>,
-    /// ACME certificate jobs by result (`issued`, `failed`, `dns_mismatch`).
+    /// ACME certificate jobs by result (`issued`, `failed`, `transient`, `dns_mismatch`).
     pub acme_orders: Family<Labels, Counter>,
     /// Reloads of the edge's own certificate files by result (`reloaded`, `failed`).
     pub tls_reloads: Family<Labels, Counter>,
@@ -88,7 +88,7 @@ impl Default for Metrics {
         let acme_orders = Family::<Labels, Counter>::default();
         registry.register(
             "acme_orders",
-            "ACME certificate jobs (DNS check and order) by result: issued, failed, dns_mismatch",
+            "ACME certificate jobs (DNS check and order) by result: issued, failed, transient, dns_mismatch",
             acme_orders.clone(),
         );
         let tls_reloads = Family::<Labels, Counter>::default();

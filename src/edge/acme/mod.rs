@@ -10,7 +10,8 @@
 //! retried into the CA's rate limits; then it orders the certificate,
 //! answering the CA's TLS-ALPN-01 (on the HTTPS port, see
 //! [`crate::tls::CertResolver`]) or HTTP-01 challenge (on the HTTP port, see
-//! [`Acme::http01_response`]). Failures back off exponentially.
+//! [`Acme::http01_response`]). Failures back off exponentially: from
+//! seconds when the CA was not reached, from minutes when it judged the order.
 //!
 //! Several edges on one store: an order runs on one edge at a time (a
 //! lease per name in the store), and the challenge answers it publishes go
@@ -61,7 +62,8 @@ use super::store::{
 use crate::api::ReservationKind;
 use crate::constants::{
     ACME_DNS_RECHECK_INITIAL, ACME_DNS_RECHECK_MAX, ACME_DNS01_HOOK_TIMEOUT, ACME_ORDER_BACKOFF_INITIAL,
-    ACME_ORDER_BACKOFF_MAX, ACME_ORDER_TIMEOUT, ACME_SCAN_INTERVAL, API_CLIENT_TIMEOUT,
+    ACME_ORDER_BACKOFF_MAX, ACME_ORDER_TIMEOUT, ACME_SCAN_INTERVAL, ACME_TRANSIENT_RETRY_INITIAL,
+    API_CLIENT_TIMEOUT,
 };
 use crate::tls::{self, CertResolver, TlsError};
 use dns01::{Dns01Error, Dns01Provider};
@@ -124,6 +126,38 @@ impl AcmeError {
             AcmeError::Tls(_) => "tls",
             AcmeError::Store(_) => "store",
         }
+    }
+
+    /// Whether the CA (or the way to it) failed for a moment, before it
+    /// judged the order: the ACME server could not be reached or did not
+    /// answer in time, answered 5xx, or kept rejecting nonces (instant-acme
+    /// already retried those). Such a failure costs no validation at the
+    /// CA, so it is retried within seconds instead of after the backoff
+    /// that keeps a name under the CA's failed-validation limit.
+    pub fn transient(&self) -> bool {
+        let (AcmeError::Account(e) | AcmeError::Protocol(e)) = self else { return false };
+        match e {
+            instant_acme::Error::Other(_) => true,
+            instant_acme::Error::Api(problem) => {
+                let kind =
+                    problem.r#type.as_deref().and_then(|t| t.strip_prefix("urn:ietf:params:acme:error:"));
+                matches!(kind, Some("badNonce" | "serverInternal"))
+                    || problem.status.is_some_and(|s| (500..600).contains(&s))
+            }
+            _ => false,
+        }
+    }
+
+    /// How long after its `failures`-th failure in a row a name is tried again.
+    pub fn retry_in(&self, failures: u32) -> Duration {
+        let (initial, max) = if matches!(self, AcmeError::DnsMismatch(_)) {
+            (ACME_DNS_RECHECK_INITIAL, ACME_DNS_RECHECK_MAX)
+        } else if self.transient() {
+            (ACME_TRANSIENT_RETRY_INITIAL, ACME_ORDER_BACKOFF_INITIAL)
+        } else {
+            (ACME_ORDER_BACKOFF_INITIAL, ACME_ORDER_BACKOFF_MAX)
+        };
+        backoff(failures, initial, max)
     }
 }
 
@@ -628,12 +662,7 @@ impl Acme {
             Err(e) => {
                 let dns = matches!(e, AcmeError::DnsMismatch(_));
                 record.failures = record.failures.saturating_add(1);
-                let (initial, max) = if dns {
-                    (ACME_DNS_RECHECK_INITIAL, ACME_DNS_RECHECK_MAX)
-                } else {
-                    (ACME_ORDER_BACKOFF_INITIAL, ACME_ORDER_BACKOFF_MAX)
-                };
-                let delay = backoff(record.failures, initial, max);
+                let delay = e.retry_in(record.failures);
                 record.next_attempt = now + delay.as_secs();
                 record.last_error = Some(crate::http::error_chain(&e));
                 // A name that still has a valid certificate keeps serving it.
@@ -645,7 +674,13 @@ impl Acme {
                     };
                 }
                 warn!(error = %record.last_error.as_deref().unwrap_or_default(), category = e.category(), retry_in_s = delay.as_secs(), "certificate not obtained");
-                self.count(if dns { "dns_mismatch" } else { "failed" });
+                self.count(if dns {
+                    "dns_mismatch"
+                } else if e.transient() {
+                    "transient"
+                } else {
+                    "failed"
+                });
                 if let Err(e) = self.store.put_certificate(&record).await {
                     warn!(error = %e, "failed to store the certificate state");
                 }
@@ -1114,7 +1149,10 @@ impl HttpClient for AcmeHttp {
             match tokio::time::timeout(API_CLIENT_TIMEOUT, fut).await {
                 Ok(Ok(response)) => Ok(BytesResponse::from(response)),
                 Ok(Err(e)) => Err(instant_acme::Error::Other(Box::new(e))),
-                Err(_) => Err(instant_acme::Error::Str("the ACME server did not answer in time")),
+                Err(_) => Err(instant_acme::Error::Other(Box::new(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("the ACME server did not answer within {}s", API_CLIENT_TIMEOUT.as_secs()),
+                )))),
             }
         })
     }
@@ -1132,6 +1170,42 @@ mod tests {
         assert_eq!(backoff(4, i, m), Duration::from_secs(480));
         assert_eq!(backoff(7, i, m), m);
         assert_eq!(backoff(u32::MAX, i, m), m);
+    }
+
+    #[test]
+    fn a_failing_ca_is_retried_within_seconds_a_judged_order_after_minutes() {
+        let problem =
+            |json: &str| AcmeError::Protocol(instant_acme::Error::Api(serde_json::from_str(json).unwrap()));
+        let nonce = problem(r#"{"type":"urn:ietf:params:acme:error:badNonce","status":400}"#);
+        let down = problem(r#"{"type":"urn:ietf:params:acme:error:serverInternal","status":500}"#);
+        let gateway = problem(r#"{"detail":"bad gateway","status":502}"#);
+        let unreachable = AcmeError::Account(instant_acme::Error::Other(Box::new(std::io::Error::from(
+            std::io::ErrorKind::ConnectionRefused,
+        ))));
+        for e in [&nonce, &down, &gateway, &unreachable] {
+            assert!(e.transient(), "{e:?}");
+            assert_eq!(e.retry_in(1), ACME_TRANSIENT_RETRY_INITIAL);
+            assert_eq!(e.retry_in(2), 2 * ACME_TRANSIENT_RETRY_INITIAL);
+            assert_eq!(
+                e.retry_in(30),
+                ACME_ORDER_BACKOFF_INITIAL,
+                "capped at the judged order's first delay"
+            );
+        }
+        let judged = [
+            problem(r#"{"type":"urn:ietf:params:acme:error:rateLimited","status":429}"#),
+            problem(r#"{"type":"urn:ietf:params:acme:error:rejectedIdentifier","status":400}"#),
+            AcmeError::Invalid { host: "a.example".into(), detail: "connection refused".into() },
+            AcmeError::Timeout,
+        ];
+        for e in &judged {
+            assert!(!e.transient(), "{e:?}");
+            assert_eq!(e.retry_in(1), ACME_ORDER_BACKOFF_INITIAL);
+            assert_eq!(e.retry_in(30), ACME_ORDER_BACKOFF_MAX);
+        }
+        let dns = AcmeError::DnsMismatch("no A/AAAA record".into());
+        assert!(!dns.transient());
+        assert_eq!(dns.retry_in(1), ACME_DNS_RECHECK_INITIAL);
     }
 
     #[test]
