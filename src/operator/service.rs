@@ -695,7 +695,14 @@ async fn apply(svc: Arc<Service>, ctx: &Ctx, ns: &str) -> Result<Action, Error> 
     let pp = PatchParams::apply(FIELD_MANAGER).force();
     let meta = json!({ "apiVersion": "v1", "kind": "Service",
         "metadata": { "name": svc.name_any(), "annotations": { ANNOTATION_PUBLIC_PORTS: report.public_ports } } });
-    api.patch(&svc.name_any(), &pp, &Patch::Apply(&meta)).await?;
+    let now = api.patch(&svc.name_any(), &pp, &Patch::Apply(&meta)).await?;
+    if !is_managed(&now, base.manage_classless) {
+        // Changed since this reconcile read it (another type or class): the
+        // API would refuse a load balancer status on a type other than
+        // LoadBalancer, and the change's watch event brings it back to be
+        // withdrawn.
+        return Ok(Action::await_change());
+    }
     let ingress = match &report.address {
         Some((host, ports)) => Some(vec![lb_ingress(host, ports, &report.udp_ports).await]),
         None => None,
