@@ -297,15 +297,11 @@ impl World {
 
     /// Waits until the edge reports `status` for the domain's certificate.
     async fn wait_status(&self, fqdn: &str, status: &str) -> Value {
-        let deadline = tokio::time::Instant::now() + ISSUE_TIMEOUT;
-        loop {
+        net::eventually(&format!("{fqdn}: certificate {status}"), ISSUE_TIMEOUT, || async move {
             let c = self.certificate(fqdn).await;
-            if c["status"] == status {
-                return c;
-            }
-            assert!(tokio::time::Instant::now() < deadline, "{fqdn}: still {c} after {ISSUE_TIMEOUT:?}");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+            if c["status"] == status { Ok(c) } else { Err(c) }
+        })
+        .await
     }
 
     /// TLS to the edge with SNI `host`, trusting only pebble's root: the
@@ -416,15 +412,11 @@ async fn tls_alpn01_issue_and_renew() {
     let leaf = w.served_leaf(host).await.expect("valid against pebble's root");
 
     // 24 s certificates renew a third of their lifetime before expiry.
-    let deadline = tokio::time::Instant::now() + ISSUE_TIMEOUT;
-    let renewed = loop {
+    let renewed = net::eventually("renewed", ISSUE_TIMEOUT, || async {
         let now = w.served_leaf(host).await.expect("always a valid certificate");
-        if now != leaf {
-            break now;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "not renewed within {ISSUE_TIMEOUT:?}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+        if now != leaf { Ok(now) } else { Err("the first certificate is still served") }
+    })
+    .await;
     assert_ne!(renewed, leaf);
     let after = w.certificate(host).await;
     assert_eq!(after["status"], "ready", "{after}");
@@ -634,17 +626,7 @@ impl World {
 
     /// Waits until the edge's own name is served with a chain pebble issued.
     async fn wait_own_certificate(&self) -> CertificateDer<'static> {
-        let deadline = tokio::time::Instant::now() + ISSUE_TIMEOUT;
-        loop {
-            if let Ok(leaf) = self.served_leaf(net::DOMAIN).await {
-                return leaf;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "no certificate for the edge within {ISSUE_TIMEOUT:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        net::eventually("a certificate for the edge", ISSUE_TIMEOUT, || self.served_leaf(net::DOMAIN)).await
     }
 }
 
@@ -763,15 +745,11 @@ EOF
     assert_eq!(log.lines().filter(|l| *l == format!("set {name}")).count(), 2, "{log}");
 
     // 24 s certificates renew a third of their lifetime before expiry.
-    let deadline = tokio::time::Instant::now() + ISSUE_TIMEOUT;
-    loop {
+    net::eventually("renewed", ISSUE_TIMEOUT, || async {
         let now = w.served_leaf(net::DOMAIN).await.expect("always a valid certificate");
-        if now != first {
-            break;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "not renewed within {ISSUE_TIMEOUT:?}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+        if now != first { Ok(()) } else { Err("the first certificate is still served") }
+    })
+    .await;
     assert!(w.jobs("issued") >= 2);
     assert_eq!(w.jobs("failed"), 0);
     net::wait_for("every DNS-01 record removed", Duration::from_secs(10), || {
@@ -917,15 +895,11 @@ async fn two_edges_on_one_store(challenge: AcmeChallenge, host: &'static str) {
 
     let (status, r) = a.api("POST", "domains", Some(json!({"fqdn": host}))).await;
     assert_eq!(status, 201, "{r}");
-    let deadline = tokio::time::Instant::now() + ISSUE_TIMEOUT;
-    loop {
+    net::eventually(&format!("{host}: certificate ready on the other edge"), ISSUE_TIMEOUT, || async {
         let (_, r) = b.api("GET", &format!("domains/{host}"), None).await;
-        if r["certificate"]["status"] == "ready" {
-            break;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "{host}: still {r} after {ISSUE_TIMEOUT:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+        if r["certificate"]["status"] == "ready" { Ok(()) } else { Err(r) }
+    })
+    .await;
     let routed = *routed.lock().unwrap();
     let issued = |e: &TestEdge| {
         let prefix = "culvert_edge_acme_orders_total{result=\"issued\"} ";
@@ -945,26 +919,22 @@ async fn two_edges_on_one_store(challenge: AcmeChallenge, host: &'static str) {
 
     // Served by both: the orderer at once, the other once it read the store.
     for e in [&a, &b] {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-        while let Err(why) = served_leaf_at(e.https, &pebble.root_pem, host).await {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "{} does not serve the certificate: {why}",
-                e.https
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let what = format!("{} serves the certificate", e.https);
+        net::eventually(&what, Duration::from_secs(20), || served_leaf_at(e.https, &pebble.root_pem, host))
+            .await;
     }
     assert_eq!(
         served_leaf_at(a.https, &pebble.root_pem, host).await.unwrap(),
         served_leaf_at(b.https, &pebble.root_pem, host).await.unwrap()
     );
     // The order ended: its answers left the store.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while count_rows(&store, "acme_challenges").await != 0 {
-        assert!(tokio::time::Instant::now() < deadline, "challenge answers still in the store");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    net::eventually("the challenge answers left the store", Duration::from_secs(10), || async {
+        match count_rows(&store, "acme_challenges").await {
+            0 => Ok(()),
+            n => Err(format!("{n} rows")),
+        }
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

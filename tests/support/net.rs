@@ -497,6 +497,24 @@ pub async fn wait_for<T>(what: &str, limit: std::time::Duration, mut probe: impl
     }
 }
 
+/// Polls the async `probe` every 50 ms until it yields `Ok`, failing the
+/// test with "`what` not met within `limit`: <the last `Err`>" after `limit`
+/// (the `Err` says what was seen instead).
+pub async fn eventually<T, E: std::fmt::Display, F: std::future::Future<Output = Result<T, E>>>(
+    what: &str,
+    limit: std::time::Duration,
+    mut probe: impl FnMut() -> F,
+) -> T {
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        match probe().await {
+            Ok(v) => return v,
+            Err(e) => assert!(tokio::time::Instant::now() < deadline, "{what} not met within {limit:?}: {e}"),
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
 /// The next line of a child's stdout that starts with `prefix` (a process's
 /// readiness signal), within `limit`.
 pub async fn line_starting(
