@@ -39,32 +39,42 @@ async fn tinyproxy(dir: &std::path::Path) -> Option<(tokio::process::Child, u16)
         .arg("-d")
         .arg("-c")
         .arg(&conf)
-        .stdout(Stdio::null())
+        .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .kill_on_drop(true)
         .spawn()
         .expect("tinyproxy starts");
-    // Ready when it accepts connections (bounded).
-    for _ in 0..200 {
-        if let Ok(Some(status)) = child.try_wait() {
-            let mut err = String::new();
-            use tokio::io::AsyncReadExt;
-            let _ = child.stderr.take().unwrap().read_to_string(&mut err).await;
-            panic!("tinyproxy exited ({status}): {err}");
+    // In the foreground it logs to stdout; ready when it logs that it accepts
+    // connections (it exits if it cannot listen, saying why on stderr).
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut seen = Vec::new();
+    let ready = tokio::time::timeout(Duration::from_secs(10), async {
+        while let Ok(Some(l)) = lines.next_line().await {
+            let ready = l.contains("Accepting connections");
+            seen.push(l);
+            if ready {
+                return true;
+            }
         }
-        if tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok() {
-            let stderr = child.stderr.take().unwrap();
-            tokio::spawn(async move {
-                let mut lines = BufReader::new(stderr).lines();
-                while let Ok(Some(l)) = lines.next_line().await {
-                    eprintln!("tinyproxy: {l}");
-                }
-            });
-            return Some((child, port));
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
+        false
+    })
+    .await;
+    if !matches!(ready, Ok(true)) {
+        use tokio::io::AsyncReadExt;
+        let mut err = String::new();
+        let _ = tokio::time::timeout(
+            Duration::from_secs(1),
+            child.stderr.take().unwrap().read_to_string(&mut err),
+        )
+        .await;
+        panic!("tinyproxy did not start ({:?}): {err}\n{}", child.try_wait(), seen.join("\n"));
     }
-    panic!("tinyproxy did not start");
+    tokio::spawn(async move {
+        while let Ok(Some(l)) = lines.next_line().await {
+            eprintln!("tinyproxy: {l}");
+        }
+    });
+    Some((child, port))
 }
 
 #[tokio::test]
@@ -104,13 +114,13 @@ async fn agent_reaches_the_edge_only_through_an_http_proxy() {
 
     // The tunnel really runs through the proxy: stop the proxy, the tunnel drops.
     proxy.kill().await.unwrap();
-    tokio::time::timeout(Duration::from_secs(40), async {
-        while edge.edge().registry.count_for_key(&first_key(&edge).await) > 0 {
-            tokio::time::sleep(Duration::from_millis(50)).await;
+    net::eventually("the tunnel went down with the proxy", Duration::from_secs(40), || async {
+        match edge.edge().registry.count_for_key(&first_key(&edge).await) {
+            0 => Ok(()),
+            n => Err(format!("{n} tunnels still up")),
         }
     })
-    .await
-    .expect("tunnel went down with the proxy");
+    .await;
     agent.stop().await;
 }
 
