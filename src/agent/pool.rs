@@ -6,8 +6,12 @@
 //! ([`super::backend::client`]).
 //!
 //! A backend that closed an idle connection just as a request took it gets
-//! the request again on a new connection, when the request was not written
-//! yet (hyper hands it back).
+//! the request again on a new connection: always when the request was not
+//! written yet (hyper hands it back), and when it was written but nothing
+//! came back if it can safely be sent twice (as Go's `net/http` does): a
+//! GET, HEAD, OPTIONS or TRACE, or any request with an `Idempotency-Key`,
+//! without a body, on a connection idle long enough for a backend's
+//! keep-alive timeout to have closed it.
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -37,6 +41,11 @@ const BURST_IDLE_TIMEOUT: Duration = Duration::from_secs(5);
 const MAX_IDLE_PER_BACKEND: usize = 1024;
 /// How often idle connections are looked at while there are any.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
+/// A connection idle at least this long may have met its backend's
+/// keep-alive timeout (2 s for gunicorn, 5 s for Node.js and Apache) as a
+/// request went out on it; a request that can be sent twice is kept for
+/// that (a busy connection's requests are not: no copy on the hot path).
+const REPLAY_AFTER_IDLE: Duration = Duration::from_secs(1);
 
 /// Why a request did not get a response head from its backend.
 #[derive(Debug, thiserror::Error)]
@@ -133,18 +142,48 @@ fn idle() -> &'static Mutex<IdleList> {
     IDLE.get_or_init(Mutex::default)
 }
 
-/// The newest idle connection to `authority`; closed and expired ones met
-/// on the way are dropped.
-fn checkout(authority: &str) -> Option<SendRequest<BoxBody>> {
+/// The newest idle connection to `authority` and how long it was idle;
+/// closed and expired ones met on the way are dropped.
+fn checkout(authority: &str) -> Option<(SendRequest<BoxBody>, Duration)> {
     let mut idle = idle().lock().expect("poisoned");
     let conns = &mut idle.iter_mut().find(|(a, _)| a == authority)?.1;
     let now = Instant::now();
     while let Some(c) = conns.pop() {
         if c.usable(now, 0) {
-            return Some(c.send);
+            return Some((c.send, now.duration_since(c.since)));
         }
     }
     None
+}
+
+/// The head of a request that may be sent again after its connection closed
+/// with nothing read (RFC 9110 9.2.2; Go's `isReplayable`): no body, and a
+/// safe method or an idempotency key.
+fn replayable(req: &Request<BoxBody>) -> Option<http::request::Parts> {
+    use http::Method;
+    let safe = matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE);
+    let keyed =
+        || req.headers().contains_key("idempotency-key") || req.headers().contains_key("x-idempotency-key");
+    let upgrade = req.headers().contains_key(http::header::UPGRADE);
+    if !req.body().is_end_stream() || upgrade || !(safe || keyed()) {
+        return None;
+    }
+    let mut head = Request::new(());
+    *head.method_mut() = req.method().clone();
+    *head.uri_mut() = req.uri().clone();
+    *head.version_mut() = req.version();
+    *head.headers_mut() = req.headers().clone();
+    Some(head.into_parts().0)
+}
+
+/// The backend closed the connection after the request went out, before any
+/// of a response came back (or reset it).
+fn closed_before_response(e: &hyper::Error) -> bool {
+    use std::error::Error as _;
+    e.is_incomplete_message()
+        || e.source().and_then(|s| s.downcast_ref::<std::io::Error>()).is_some_and(|io| {
+            matches!(io.kind(), std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe)
+        })
 }
 
 /// A connection whose last response has ended goes back to the idle list.
@@ -199,10 +238,10 @@ pub async fn send(
     let mut reused = checkout(authority);
     loop {
         let fresh = reused.is_none();
-        let mut send = match reused.take() {
-            Some(send) => send,
+        let (mut send, idle_for) = match reused.take() {
+            Some(reused) => reused,
             // Boxed: the rarely taken path would size every stream's future.
-            None => Box::pin(connect(authority, connect_timeout)).await?,
+            None => (Box::pin(connect(authority, connect_timeout)).await?, Duration::ZERO),
         };
         // A reused connection may have been closed by the backend meanwhile.
         if let Err(e) = send.ready().await {
@@ -211,15 +250,21 @@ pub async fn send(
             }
             continue;
         }
+        let replay = if idle_for >= REPLAY_AFTER_IDLE { replayable(&req) } else { None };
         match send.try_send_request(req).await {
             Ok(resp) => {
                 let authority = authority.to_string();
                 return Ok(resp
                     .map(|body| crate::tunnel::body::boxed(Pooled { body, back: Some((authority, send)) })));
             }
-            Err(mut e) => match e.take_message() {
+            Err(mut e) => match (e.take_message(), replay) {
                 // Not written: the backend had closed this idle connection.
-                Some(again) if !fresh => req = again,
+                (Some(again), _) if !fresh => req = again,
+                // Written as the backend closed it: nothing was done twice.
+                (None, Some(head)) if closed_before_response(e.error()) => {
+                    debug!(error = %e.error(), "the backend closed an idle connection as the request went out; sending it again");
+                    req = Request::from_parts(head, crate::tunnel::body::empty());
+                }
                 _ => return Err(PoolError::Request(e.into_error())),
             },
         }
@@ -418,6 +463,100 @@ mod tests {
             };
             tokio::time::timeout(Duration::from_secs(5), seen).await.unwrap();
         }
+    }
+
+    /// A backend whose first connection answers one request, then closes
+    /// on the next one without answering (its keep-alive timeout met the
+    /// request on the way); later connections answer everything. Returns
+    /// its address and how many requests it read.
+    async fn closes_the_first_connection_on_its_second_request() -> (String, Arc<AtomicUsize>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let requests = Arc::new(AtomicUsize::new(0));
+        let count = requests.clone();
+        tokio::spawn(async move {
+            for n in 0.. {
+                let (mut tcp, _) = listener.accept().await.unwrap();
+                let count = count.clone();
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 4096];
+                    for i in 0.. {
+                        match tcp.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(_) => count.fetch_add(1, Ordering::SeqCst),
+                        };
+                        if n == 0 && i == 1 {
+                            return; // closed with the request read, nothing answered
+                        }
+                        let _ = tcp.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok").await;
+                    }
+                });
+            }
+        });
+        (addr, requests)
+    }
+
+    /// Makes the idle connections of `addr` look idle for `age`.
+    fn age_idle(addr: &str, age: Duration) {
+        let mut idle = idle().lock().unwrap();
+        for c in &mut idle.iter_mut().find(|(a, _)| a == addr).unwrap().1 {
+            c.since = Instant::now().checked_sub(age).unwrap();
+        }
+    }
+
+    #[tokio::test]
+    async fn a_get_the_backend_closed_on_after_it_went_out_is_sent_again() {
+        let (addr, requests) = closes_the_first_connection_on_its_second_request().await;
+        let resp = send(&addr, CONNECT, request(http::Method::GET, &addr)).await.unwrap();
+        assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), "ok");
+        age_idle(&addr, REPLAY_AFTER_IDLE);
+        let resp = send(&addr, CONNECT, request(http::Method::GET, &addr)).await.unwrap();
+        assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), "ok");
+        assert_eq!(requests.load(Ordering::SeqCst), 3, "the second GET was read twice: once unanswered");
+    }
+
+    #[tokio::test]
+    async fn a_post_or_a_busy_connections_request_is_not_sent_twice() {
+        // A POST (even without a body) may have been acted on: its error goes back.
+        let (addr, requests) = closes_the_first_connection_on_its_second_request().await;
+        send(&addr, CONNECT, request(http::Method::GET, &addr))
+            .await
+            .unwrap()
+            .into_body()
+            .collect()
+            .await
+            .unwrap();
+        age_idle(&addr, REPLAY_AFTER_IDLE);
+        let e = send(&addr, CONNECT, request(http::Method::POST, &addr)).await.unwrap_err();
+        assert!(!e.is_connect(), "{e}");
+        assert_eq!(requests.load(Ordering::SeqCst), 2);
+
+        // A GET on a connection idle for less than a keep-alive timeout: not kept, not sent twice.
+        let (addr, requests) = closes_the_first_connection_on_its_second_request().await;
+        send(&addr, CONNECT, request(http::Method::GET, &addr))
+            .await
+            .unwrap()
+            .into_body()
+            .collect()
+            .await
+            .unwrap();
+        send(&addr, CONNECT, request(http::Method::GET, &addr)).await.unwrap_err();
+        assert_eq!(requests.load(Ordering::SeqCst), 2);
+
+        // A PUT with an idempotency key is sent again.
+        let (addr, requests) = closes_the_first_connection_on_its_second_request().await;
+        send(&addr, CONNECT, request(http::Method::GET, &addr))
+            .await
+            .unwrap()
+            .into_body()
+            .collect()
+            .await
+            .unwrap();
+        age_idle(&addr, REPLAY_AFTER_IDLE);
+        let mut put = request(http::Method::PUT, &addr);
+        put.headers_mut().insert("idempotency-key", "8e03978e".parse().unwrap());
+        send(&addr, CONNECT, put).await.unwrap();
+        assert_eq!(requests.load(Ordering::SeqCst), 3);
     }
 
     #[tokio::test]
