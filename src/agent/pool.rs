@@ -504,14 +504,18 @@ mod tests {
         }
     }
 
+    /// A GET to `addr` answered `ok`, its connection back in the pool.
+    async fn get_ok(addr: &str) {
+        let resp = send(addr, CONNECT, request(http::Method::GET, addr)).await.unwrap();
+        assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), "ok");
+    }
+
     #[tokio::test]
     async fn a_get_the_backend_closed_on_after_it_went_out_is_sent_again() {
         let (addr, requests) = closes_the_first_connection_on_its_second_request().await;
-        let resp = send(&addr, CONNECT, request(http::Method::GET, &addr)).await.unwrap();
-        assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), "ok");
+        get_ok(&addr).await;
         age_idle(&addr, REPLAY_AFTER_IDLE);
-        let resp = send(&addr, CONNECT, request(http::Method::GET, &addr)).await.unwrap();
-        assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), "ok");
+        get_ok(&addr).await;
         assert_eq!(requests.load(Ordering::SeqCst), 3, "the second GET was read twice: once unanswered");
     }
 
@@ -519,13 +523,7 @@ mod tests {
     async fn a_post_or_a_busy_connections_request_is_not_sent_twice() {
         // A POST (even without a body) may have been acted on: its error goes back.
         let (addr, requests) = closes_the_first_connection_on_its_second_request().await;
-        send(&addr, CONNECT, request(http::Method::GET, &addr))
-            .await
-            .unwrap()
-            .into_body()
-            .collect()
-            .await
-            .unwrap();
+        get_ok(&addr).await;
         age_idle(&addr, REPLAY_AFTER_IDLE);
         let e = send(&addr, CONNECT, request(http::Method::POST, &addr)).await.unwrap_err();
         assert!(!e.is_connect(), "{e}");
@@ -533,25 +531,13 @@ mod tests {
 
         // A GET on a connection idle for less than a keep-alive timeout: not kept, not sent twice.
         let (addr, requests) = closes_the_first_connection_on_its_second_request().await;
-        send(&addr, CONNECT, request(http::Method::GET, &addr))
-            .await
-            .unwrap()
-            .into_body()
-            .collect()
-            .await
-            .unwrap();
+        get_ok(&addr).await;
         send(&addr, CONNECT, request(http::Method::GET, &addr)).await.unwrap_err();
         assert_eq!(requests.load(Ordering::SeqCst), 2);
 
         // A PUT with an idempotency key is sent again.
         let (addr, requests) = closes_the_first_connection_on_its_second_request().await;
-        send(&addr, CONNECT, request(http::Method::GET, &addr))
-            .await
-            .unwrap()
-            .into_body()
-            .collect()
-            .await
-            .unwrap();
+        get_ok(&addr).await;
         age_idle(&addr, REPLAY_AFTER_IDLE);
         let mut put = request(http::Method::PUT, &addr);
         put.headers_mut().insert("idempotency-key", "8e03978e".parse().unwrap());
