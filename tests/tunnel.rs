@@ -149,18 +149,16 @@ async fn a_reserved_port_taken_while_the_edge_was_down_is_retried() {
     edge.restart().await;
     let _agent = TestAgent::start(&edge, &key, Target::Tcp { addr: echo.to_string(), proxy: None }).await;
     drop(squatter);
-    let t0 = Instant::now();
-    let mut c = loop {
-        // Refused until the edge's retry binds the port (every 10 s).
-        match tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
-            Ok(c) => break c,
-            Err(e) if t0.elapsed() < Duration::from_secs(30) => {
-                assert_eq!(e.kind(), std::io::ErrorKind::ConnectionRefused, "{e}");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            Err(e) => panic!("the edge did not listen on port {port} again: {e}"),
+    // Refused until the edge's retry binds the port (every 10 s).
+    let what = format!("the edge listens on port {port} again");
+    let mut c = net::eventually(&what, Duration::from_secs(30), || async {
+        let connected = tokio::net::TcpStream::connect(("127.0.0.1", port)).await;
+        if let Err(e) = &connected {
+            assert_eq!(e.kind(), std::io::ErrorKind::ConnectionRefused, "{e}");
         }
-    };
+        connected
+    })
+    .await;
     c.write_all(b"back").await.unwrap();
     let mut got = [0u8; 4];
     c.read_exact(&mut got).await.unwrap();
@@ -700,17 +698,17 @@ async fn request_in_flight() -> (
 async fn draining_edge_finishes_requests_in_flight_and_refuses_new_connections() {
     let (mut edge, _agent, tx, response) = request_in_flight().await;
     let drain = tokio::spawn(edge.handle.take().unwrap().drain(Duration::from_secs(60)));
-    let t0 = Instant::now();
-    loop {
+    net::eventually("no new connections while draining", Duration::from_secs(10), || async {
         match tokio::net::TcpStream::connect(edge.https).await {
             Err(e) => {
                 use std::io::ErrorKind::{ConnectionRefused, ConnectionReset};
-                break assert!(matches!(e.kind(), ConnectionRefused | ConnectionReset), "{e}");
+                assert!(matches!(e.kind(), ConnectionRefused | ConnectionReset), "{e}");
+                Ok(())
             }
-            Ok(_) => assert!(t0.elapsed() < Duration::from_secs(10), "still accepting while draining"),
+            Ok(_) => Err("still accepting"),
         }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    })
+    .await;
     tx.send(Bytes::from_static(b"rest")).await.unwrap();
     drop(tx);
     let resp = response.await.unwrap().unwrap();

@@ -27,7 +27,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 
 use super::kube::{self as kube_env, TestNamespace, wait_until};
-use super::net::TestEdge;
+use super::net::{self, TestEdge};
 use super::netns::NetnsHost;
 
 pub const WAIT: Duration = Duration::from_secs(60);
@@ -259,16 +259,12 @@ impl Fixture {
         limit: Duration,
         want: impl Fn(StatusCode, &str) -> bool,
     ) -> (StatusCode, String) {
-        let mut last = (StatusCode::OK, String::new());
-        let deadline = std::time::Instant::now() + limit;
-        while std::time::Instant::now() < deadline {
-            last = self.edge.client().get(host, path).await;
-            if want(last.0, &last.1) {
-                return last;
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-        panic!("GET {host}{path}: still {} {:?} after {limit:?}", last.0, last.1);
+        let want = &want;
+        net::eventually(&format!("GET {host}{path}"), limit, || async move {
+            let got = self.edge.client().get(host, path).await;
+            if want(got.0, &got.1) { Ok(got) } else { Err(format!("still {} {:?}", got.0, got.1)) }
+        })
+        .await
     }
 
     /// Waits for the Ready condition's reason (any status).
