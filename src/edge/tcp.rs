@@ -129,7 +129,7 @@ pub async fn forward<S>(
     let counters = edge.metrics.bytes(name);
     counters.tunnel.request();
     let slot = BudgetSlot::default();
-    let upload = Budgeted::new(Counted::new(ReadBody::new(read), counters.inbound), slot.clone());
+    let upload = Budgeted::new(Counted::new(ReadBody::charged(read), counters.inbound), slot.clone());
     let mut body = Some(body::boxed(upload));
     let Some(_slot) = edge.registry.stream_slot().await else {
         counters.tunnel.answered(StatusCode::SERVICE_UNAVAILABLE);
