@@ -4,6 +4,7 @@
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 
 use bytes::{BufMut, Bytes, BytesMut};
@@ -19,23 +20,51 @@ use crate::BoxError;
 /// The body type every tunnelled request and response uses.
 pub type BoxBody = http_body_util::combinators::UnsyncBoxBody<Bytes, BoxError>;
 
-/// Largest read from a socket into a body chunk: a little under 64 KiB,
-/// so that the chunk, as one HTTP/2 DATA frame in one WebSocket frame, fits
-/// the 64 KiB the TLS layer takes in one write (four full records, no
-/// stray small one for the last few bytes). A stream whose window is shut
-/// holds at most one such chunk beyond it (the agent's downloads).
+/// A read from a socket into a body chunk: a little under 64 KiB, so that
+/// the chunk, as one HTTP/2 DATA frame in one WebSocket frame, fits the
+/// 64 KiB the TLS layer takes in one write (four full records, no stray small
+/// one for the last few bytes).
 const READ_CHUNK: usize = 64 * 1024 - 64;
 
-/// Largest read of a [`ReadBody::charged`], whose chunks count against an
-/// upload budget (`tunnel::budget`): that bounds what they hold, not the read
-/// size. HTTP/2 still cuts a chunk into DATA frames of at most
-/// `H2_MAX_FRAME`, so a stream's bytes take turns with other streams' frame
-/// by frame; where an upload has piled up in the socket (a client faster
-/// than the tunnel), one read takes four frames' worth: a quarter of the
-/// reads, and of the wake-ups of the tunnel's writer and of the agent
-/// (`bench/counts --path tcp`: the edge's context switches per GB uploaded
+/// A large read: where data has piled up in the socket (a sender faster than
+/// the tunnel), one read takes four frames' worth. HTTP/2 still cuts the
+/// chunk into DATA frames of at most `H2_MAX_FRAME`, so a stream's bytes take
+/// turns with other streams' frame by frame; what it saves is three reads in
+/// four, and the wake-ups of the tunnel's writer and of the peer with them
+/// (`bench/counts --path tcp`: the sender's context switches per GB
 /// ~12,800 → ~4,100, its CPU ~1.1 → ~0.8 s).
-const CHARGED_READ_CHUNK: usize = 256 * 1024;
+const LARGE_READ: usize = 256 * 1024;
+
+/// Large chunks the [`ReadBody::new`] bodies of a process hold at once. A
+/// stream whose window is shut (its public client stopped reading) keeps
+/// the last chunk it read; past this many such chunks, reads stay at
+/// [`READ_CHUNK`]: at most 16 MiB more than 64 KiB chunks would hold, and
+/// never a wait.
+const LARGE_READS: usize = 64;
+
+/// The large chunks held, against their limit.
+pub struct LargeReads {
+    held: AtomicUsize,
+    limit: usize,
+}
+
+impl LargeReads {
+    const fn new(limit: usize) -> Self {
+        LargeReads { held: AtomicUsize::new(0), limit }
+    }
+
+    fn try_take(&self) -> bool {
+        self.held
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < self.limit).then_some(n + 1))
+            .is_ok()
+    }
+
+    fn give_back(&self) {
+        self.held.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+static LARGE: LargeReads = LargeReads::new(LARGE_READS);
 
 pub fn empty() -> BoxBody {
     Empty::new().map_err(|never| match never {}).boxed_unsync()
@@ -54,33 +83,58 @@ where
     body.map_err(Into::into).boxed_unsync()
 }
 
-/// First read size of a [`ReadBody`]; doubled up to its largest
-/// ([`READ_CHUNK`] or [`CHARGED_READ_CHUNK`]) while reads fill it.
+/// First read size of a [`ReadBody`]; doubled up to [`LARGE_READ`] while
+/// reads fill it.
 const FIRST_READ: usize = 4 * 1024;
 
 /// A body that reads a socket (or any `AsyncRead`) until EOF.
 ///
 /// It holds no buffer while it waits for the socket (a thousand idle TCP
 /// streams cost a thousand sockets, not a thousand 64 KiB buffers), and reads
-/// in chunks that grow while data keeps coming.
+/// in chunks that grow while data keeps coming: to [`READ_CHUNK`], then to
+/// [`LARGE_READ`] while the process holds fewer than [`LARGE_READS`] large
+/// chunks, or always for a body whose chunks an upload budget bounds
+/// ([`ReadBody::charged`]).
 pub struct ReadBody<R> {
     reader: R,
     buf: BytesMut,
     chunk: usize,
-    max: usize,
+    /// Where large reads are counted; `None`: charged to a budget instead.
+    large: Option<&'static LargeReads>,
+    /// The last chunk was a large one, counted in `large`: it is on its way
+    /// until the body is polled again (HTTP/2 polls once it has room).
+    holds_large: bool,
     done: bool,
 }
 
 impl<R> ReadBody<R> {
-    /// Chunks of at most [`READ_CHUNK`].
     pub fn new(reader: R) -> Self {
-        ReadBody { reader, buf: BytesMut::new(), chunk: FIRST_READ, max: READ_CHUNK, done: false }
+        Self::counted_in(reader, Some(&LARGE))
     }
 
-    /// Chunks of at most [`CHARGED_READ_CHUNK`], for a body whose chunks are
-    /// charged to an upload budget ([`super::budget::Budgeted`]).
+    /// A body whose chunks are charged to an upload budget
+    /// ([`super::budget::Budgeted`]): the budget bounds what they hold, so its
+    /// large reads are not counted.
     pub fn charged(reader: R) -> Self {
-        ReadBody { max: CHARGED_READ_CHUNK, ..ReadBody::new(reader) }
+        Self::counted_in(reader, None)
+    }
+
+    fn counted_in(reader: R, large: Option<&'static LargeReads>) -> Self {
+        ReadBody { reader, buf: BytesMut::new(), chunk: FIRST_READ, large, holds_large: false, done: false }
+    }
+
+    fn give_back_large(&mut self) {
+        if std::mem::take(&mut self.holds_large)
+            && let Some(large) = self.large
+        {
+            large.give_back();
+        }
+    }
+}
+
+impl<R> Drop for ReadBody<R> {
+    fn drop(&mut self) {
+        self.give_back_large();
     }
 }
 
@@ -93,21 +147,38 @@ impl<R: AsyncRead + Unpin> Body for ReadBody<R> {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = self.get_mut();
+        // Polled again: the last chunk went on.
+        this.give_back_large();
         if this.done {
             return Poll::Ready(None);
         }
-        if this.buf.capacity() < this.chunk {
-            this.buf.reserve(this.chunk);
+        let mut want = this.chunk;
+        if want > READ_CHUNK
+            && let Some(large) = this.large
+        {
+            if large.try_take() {
+                this.holds_large = true;
+            } else {
+                want = READ_CHUNK;
+            }
         }
-        // At most `chunk`: the buffer may have more room than it was asked for.
-        match poll_read_buf(Pin::new(&mut this.reader), cx, &mut (&mut this.buf).limit(this.chunk)) {
+        if this.buf.capacity() < want {
+            this.buf.reserve(want);
+        }
+        // At most `want`: the buffer may have more room than it was asked for.
+        let read = poll_read_buf(Pin::new(&mut this.reader), cx, &mut (&mut this.buf).limit(want));
+        if !matches!(read, Poll::Ready(Ok(n)) if n > READ_CHUNK) {
+            this.give_back_large();
+        }
+        match read {
             Poll::Ready(Ok(0)) => {
                 this.done = true;
                 Poll::Ready(None)
             }
             Poll::Ready(Ok(n)) => {
-                if n >= this.chunk {
-                    this.chunk = (this.chunk * 2).min(this.max);
+                if n >= want {
+                    let max = if want < READ_CHUNK { READ_CHUNK } else { LARGE_READ };
+                    this.chunk = (want * 2).min(max);
                 }
                 Poll::Ready(Some(Ok(Frame::data(this.buf.split().freeze()))))
             }
@@ -262,8 +333,8 @@ mod tests {
 
     /// The largest chunk `body` reads of 2 MiB written at once.
     async fn largest_chunk(
-        mut body: ReadBody<tokio::io::DuplexStream>,
-        mut w: tokio::io::DuplexStream,
+        body: &mut ReadBody<tokio::io::DuplexStream>,
+        w: &mut tokio::io::DuplexStream,
     ) -> usize {
         w.write_all(&vec![1u8; 2 << 20]).await.unwrap();
         let (mut got, mut largest) = (0, 0);
@@ -278,16 +349,40 @@ mod tests {
     #[tokio::test]
     async fn an_idle_body_holds_no_buffer_and_bulk_reads_grow() {
         let (mut w, r) = tokio::io::duplex(4 << 20);
-        let mut body = ReadBody::new(r);
+        let mut body = ReadBody::counted_in(r, Some(Box::leak(Box::new(LargeReads::new(1)))));
         w.write_all(&[7u8; 100]).await.unwrap();
         let data = body.frame().await.unwrap().unwrap().into_data().unwrap();
         assert_eq!(&data[..], &[7u8; 100][..]);
         // Nothing more to read: the buffer is given back while waiting.
         assert!(tokio::time::timeout(Duration::from_millis(20), body.frame()).await.is_err());
         assert_eq!(body.buf.capacity(), 0);
-        // Reads grow while data keeps coming, up to the body's largest.
-        assert_eq!(largest_chunk(body, w).await, READ_CHUNK);
-        let (w, r) = tokio::io::duplex(4 << 20);
-        assert_eq!(largest_chunk(ReadBody::charged(r), w).await, CHARGED_READ_CHUNK);
+        // Reads grow while data keeps coming, to a large read.
+        assert_eq!(largest_chunk(&mut body, &mut w).await, LARGE_READ);
+        let (mut w, r) = tokio::io::duplex(4 << 20);
+        assert_eq!(largest_chunk(&mut ReadBody::charged(r), &mut w).await, LARGE_READ);
+    }
+
+    #[tokio::test]
+    async fn large_chunks_held_are_bounded_and_reads_go_on_in_small_ones() {
+        let large: &'static LargeReads = Box::leak(Box::new(LargeReads::new(1)));
+        let (mut wa, ra) = tokio::io::duplex(4 << 20);
+        let mut a = ReadBody::counted_in(ra, Some(large));
+        // `a` reads a large chunk and is not polled again (its stream's window is shut).
+        wa.write_all(&vec![1u8; 1 << 20]).await.unwrap();
+        while a.frame().await.unwrap().unwrap().into_data().unwrap().len() <= READ_CHUNK {}
+        assert_eq!(large.held.load(Ordering::Relaxed), 1);
+        let (mut wb, rb) = tokio::io::duplex(4 << 20);
+        let mut b = ReadBody::counted_in(rb, Some(large));
+        assert_eq!(
+            largest_chunk(&mut b, &mut wb).await,
+            READ_CHUNK,
+            "no large read left: small ones, no wait"
+        );
+        // `a` goes on (or ends): its large read is given back, and `b` takes it.
+        drop(a);
+        assert_eq!(large.held.load(Ordering::Relaxed), 0);
+        assert_eq!(largest_chunk(&mut b, &mut wb).await, LARGE_READ);
+        drop(b);
+        assert_eq!(large.held.load(Ordering::Relaxed), 0);
     }
 }
