@@ -43,7 +43,7 @@ const LARGE_READ: usize = 256 * 1024;
 const LARGE_READS: usize = 64;
 
 /// The large chunks held, against their limit.
-pub struct LargeReads {
+struct LargeReads {
     held: AtomicUsize,
     limit: usize,
 }
