@@ -342,6 +342,77 @@ async fn tcp_reservations_have_an_idle_timeout_and_a_cap_per_port() {
     watch.check(Bounds { latency: Duration::from_millis(1000), rss_mib: 32, fds: 32 }).await;
 }
 
+/// A backend that writes without end to every connection: a download the
+/// client stops reading.
+async fn flood_backend() -> std::net::SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut tcp, _)) = listener.accept().await else { return };
+            tokio::spawn(async move { while tcp.write_all(&[7u8; 16 * 1024]).await.is_ok() {} });
+        }
+    });
+    addr
+}
+
+/// A TCP client that resets its connection (killed, or closed with bytes
+/// unread) frees its place under the port's cap and its tunnel stream at
+/// once, whether the edge was writing to it (a download) or waiting to read
+/// from it (an idle echo): not after --tcp-idle-timeout-seconds (here the
+/// default hour). Under churn, clients that reset used to fill a port's cap
+/// within seconds and every new client of the port was refused.
+#[tokio::test]
+async fn a_client_that_resets_its_tcp_connection_frees_its_place_at_once() {
+    let _serial = SERIAL.lock().await;
+    let edge = TestEdge::start_with(|a| a.max_connections_per_tcp_port = 1).await;
+    let (flood, flood_key) = edge.tcp_tunnel_key().await;
+    let _flood = TestAgent::start(
+        &edge,
+        &flood_key,
+        Target::Tcp { addr: flood_backend().await.to_string(), proxy: None },
+    )
+    .await;
+    let (echo, echo_key) = edge.tcp_tunnel_key().await;
+    let _echo = TestAgent::start(
+        &edge,
+        &echo_key,
+        Target::Tcp { addr: net::tcp_echo().await.to_string(), proxy: None },
+    )
+    .await;
+
+    /// A connection to `port` that the edge admitted and that carries bytes
+    /// (over the cap of one, the edge closes a new one at once).
+    async fn served(port: u16, echo: bool) -> Result<TcpStream, String> {
+        let mut s = TcpStream::connect(("127.0.0.1", port)).await.map_err(|e| e.to_string())?;
+        if echo {
+            s.write_all(b"ping").await.map_err(|e| e.to_string())?;
+        }
+        let mut b = [0u8; 4];
+        match tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut b)).await {
+            Ok(Ok(_)) => Ok(s),
+            Ok(Err(e)) => Err(format!("closed by the edge ({e}): the port's one place is still taken")),
+            Err(_) => Err("no byte in 5 s".into()),
+        }
+    }
+    for (port, echo, what) in [(echo, true, "an idle echo"), (flood, false, "a download")] {
+        for round in 0..3 {
+            let s = net::eventually(
+                &format!("{what}, round {round}: a new client served after the last one reset"),
+                Duration::from_secs(5),
+                || served(port, echo),
+            )
+            .await;
+            s.set_zero_linger().unwrap();
+            drop(s);
+        }
+    }
+    net::wait_for("every tunnel stream closed", Duration::from_secs(5), || {
+        (streams_open(&edge) == Some(0)).then_some(())
+    })
+    .await;
+}
+
 /// Item 2: a port reservation's own idle timeout (`idleTimeoutSeconds`)
 /// wins over --tcp-idle-timeout-seconds; given again, it replaces the old
 /// one for new connections.

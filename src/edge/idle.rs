@@ -123,16 +123,24 @@ mod tests {
 /// [`expired`](Activity::expired) runs on a timer of its own, whether or not
 /// anything reads: a connection silent for `idle`, or silent for
 /// `half_close` once either side has half-closed (a peer that ignores the
-/// half-close), is ended; [`close`](Activity::close) then fails the reads
-/// still pending elsewhere (the request body a tunnel stream is reading).
+/// half-close), is ended, and so is one whose reads or writes failed (a
+/// client that reset it: nothing more can pass either way, so neither bound
+/// is waited for); [`close`](Activity::close) then fails the reads still
+/// pending elsewhere (the request body a tunnel stream is reading).
 #[derive(Clone)]
 pub struct Activity(std::sync::Arc<ActivityInner>);
+
+/// [`ActivityInner::half_closed`]'s bits.
+const READ_END: u8 = 1;
+const WRITE_END: u8 = 2;
+const FAILED: u8 = 4;
 
 struct ActivityInner {
     start: Instant,
     /// Milliseconds since `start` of the last byte.
     last: std::sync::atomic::AtomicU64,
-    /// Bit 0: the reads saw the end; bit 1: the writes were shut down.
+    /// Bit 0: the reads saw the end; bit 1: the writes were shut down;
+    /// bit 2: a read or a write failed (the connection is gone).
     half_closed: std::sync::atomic::AtomicU8,
     changed: tokio::sync::Notify,
     closed: tokio_util::sync::CancellationToken,
@@ -172,7 +180,10 @@ impl Activity {
         use std::sync::atomic::Ordering;
         loop {
             let closed = self.0.half_closed.load(Ordering::Acquire);
-            if closed == 3 {
+            if closed & FAILED != 0 {
+                return "failed";
+            }
+            if closed == READ_END | WRITE_END {
                 return "closed both ways";
             }
             let half = closed != 0;
@@ -218,12 +229,11 @@ impl<S: AsyncRead + Unpin> AsyncRead for Tracked<S> {
         }
         let before = buf.filled().len();
         let r = Pin::new(&mut this.inner).poll_read(cx, buf);
-        if let Poll::Ready(Ok(())) = r {
-            if buf.filled().len() > before {
-                this.activity.touch();
-            } else if buf.remaining() > 0 {
-                this.activity.half_close(1);
-            }
+        match &r {
+            Poll::Ready(Ok(())) if buf.filled().len() > before => this.activity.touch(),
+            Poll::Ready(Ok(())) if buf.remaining() > 0 => this.activity.half_close(READ_END),
+            Poll::Ready(Err(_)) => this.activity.half_close(FAILED),
+            _ => {}
         }
         r
     }
@@ -233,21 +243,30 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Tracked<S> {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         let r = Pin::new(&mut this.inner).poll_write(cx, buf);
-        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
-            this.activity.touch();
+        match r {
+            Poll::Ready(Ok(n)) if n > 0 => this.activity.touch(),
+            Poll::Ready(Err(_)) => this.activity.half_close(FAILED),
+            _ => {}
         }
         r
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+        let this = self.get_mut();
+        let r = Pin::new(&mut this.inner).poll_flush(cx);
+        if let Poll::Ready(Err(_)) = r {
+            this.activity.half_close(FAILED);
+        }
+        r
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         let r = Pin::new(&mut this.inner).poll_shutdown(cx);
-        if r.is_ready() {
-            this.activity.half_close(2);
+        match r {
+            Poll::Ready(Ok(())) => this.activity.half_close(WRITE_END),
+            Poll::Ready(Err(_)) => this.activity.half_close(FAILED),
+            Poll::Pending => {}
         }
         r
     }
@@ -290,6 +309,35 @@ mod activity_tests {
         let started = Instant::now();
         let why = activity.expired(Duration::from_secs(3600), Duration::from_secs(5)).await;
         assert_eq!((why, started.elapsed()), ("closed both ways", Duration::ZERO));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_write_or_read_ends_it_at_once() {
+        // The peer is gone (a reset): writes fail, and nothing more can pass.
+        let (client, server) = tokio::io::duplex(64);
+        let activity = Activity::default();
+        let mut s = activity.track(server);
+        drop(client);
+        assert!(s.write_all(b"x").await.is_err());
+        let started = Instant::now();
+        let why = activity.expired(Duration::from_secs(3600), Duration::from_secs(60)).await;
+        assert_eq!((why, started.elapsed()), ("failed", Duration::ZERO));
+
+        struct Reset;
+        impl AsyncRead for Reset {
+            fn poll_read(
+                self: Pin<&mut Self>,
+                _: &mut Context<'_>,
+                _: &mut ReadBuf<'_>,
+            ) -> Poll<io::Result<()>> {
+                Poll::Ready(Err(io::ErrorKind::ConnectionReset.into()))
+            }
+        }
+        let activity = Activity::default();
+        let mut s = activity.track(Reset);
+        assert!(s.read(&mut [0u8; 8]).await.is_err());
+        let why = activity.expired(Duration::from_secs(3600), Duration::from_secs(60)).await;
+        assert_eq!((why, started.elapsed()), ("failed", Duration::ZERO));
     }
 
     #[tokio::test(start_paused = true)]

@@ -158,7 +158,12 @@ pub async fn forward<S>(
                 let bound = activity.expired(idle, edge.half_close_timeout);
                 let mut bound = std::pin::pin!(bound);
                 tokio::select! {
-                    r = body::copy_body(down, write) => debug!(result = ?r, "agent to client ended"),
+                    r = body::copy_body(down, write) => match r {
+                        Ok(bytes) => debug!(bytes, "agent to client ended"),
+                        // The stream was reset, or the client is gone: nothing
+                        // more can pass, so no bound is waited for.
+                        Err(e) => return debug!(error = %e, "agent to client failed; closing the connection"),
+                    },
                     why = bound.as_mut() => return debug!(why, "closing the connection"),
                 }
                 // The client may still send: until it closes too, or the bound.
