@@ -413,6 +413,43 @@ async fn a_client_that_resets_its_tcp_connection_frees_its_place_at_once() {
     .await;
 }
 
+/// A backend that resets every connection once it has read a byte.
+async fn resetting_backend() -> std::net::SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut tcp, _)) = listener.accept().await else { return };
+            let _ = tcp.read(&mut [0u8; 1]).await;
+            let _ = tcp.set_zero_linger();
+        }
+    });
+    addr
+}
+
+/// A backend that resets its connection: the public client's connection is
+/// closed and its tunnel stream (and place under the port's cap) freed at
+/// once; they used to be held for the idle bound, an hour.
+#[tokio::test]
+async fn a_backend_that_resets_closes_the_public_connection_at_once() {
+    let _serial = SERIAL.lock().await;
+    let edge = TestEdge::start().await;
+    let (port, key) = edge.tcp_tunnel_key().await;
+    let _agent = TestAgent::start(
+        &edge,
+        &key,
+        Target::Tcp { addr: resetting_backend().await.to_string(), proxy: None },
+    )
+    .await;
+    let mut s = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    s.write_all(b"x").await.unwrap();
+    until_closed(&mut s, Duration::from_secs(5)).await;
+    net::wait_for("the tunnel stream closed", Duration::from_secs(5), || {
+        (streams_open(&edge) == Some(0)).then_some(())
+    })
+    .await;
+}
+
 /// Item 2: a port reservation's own idle timeout (`idleTimeoutSeconds`)
 /// wins over --tcp-idle-timeout-seconds; given again, it replaces the old
 /// one for new connections.
