@@ -14,7 +14,12 @@
 //! allocator): it gives the pages of freed memory back itself, a purge delay
 //! (1 s) after they were freed, but only when some thread next calls into it.
 //! On an idle process that is never: the trimmer calls `mi_collect` every
-//! [`CHECK_EVERY`], which runs the purges that are due.
+//! [`CHECK_EVERY`], which runs the purges that are due. `mi_collect` purges
+//! only the calling thread's pages (and the arenas, program-wide), and the
+//! trimmer runs on one worker thread: the runtime's other workers call
+//! [`on_thread_park`] as they go idle, so the pages a worker freed in a
+//! burst go back even when it then sleeps until the next one (1000 closed
+//! streams left ~1.5 MiB more resident per process 3 s later without it).
 //!
 //! Between two checks, freed buffers stay in their arena for reuse: glibc's
 //! own thresholds (its top-of-heap trim at 128 KiB and more, mmap for 128 KiB
@@ -29,6 +34,30 @@ use std::time::Duration;
 pub const CHECK_EVERY: Duration = Duration::from_secs(2);
 /// Growth of resident memory the heap does not use below this is kept for reuse.
 pub const TRIM_ABOVE: usize = 1024 * 1024;
+
+/// A worker thread calls `mi_collect` as it parks at most this often.
+pub const PARK_COLLECT_EVERY: Duration = Duration::from_millis(10);
+
+/// For the runtime's `on_thread_park`: the thread's due purges (see the
+/// module docs), at most once per [`PARK_COLLECT_EVERY`] per thread; a
+/// no-op where the allocator is not mimalloc.
+pub fn on_thread_park() {
+    #[cfg(target_env = "musl")]
+    {
+        use std::cell::Cell;
+        use std::time::Instant;
+        thread_local! {
+            static LAST: Cell<Option<Instant>> = const { Cell::new(None) };
+        }
+        let now = Instant::now();
+        if LAST.get().is_some_and(|last| now.duration_since(last) < PARK_COLLECT_EVERY) {
+            return;
+        }
+        LAST.set(Some(now));
+        // SAFETY: as in spawn_trimmer.
+        unsafe { libmimalloc_sys::mi_collect(false) };
+    }
+}
 
 /// Starts the background trimmer on the current runtime (a no-op where the
 /// allocator is neither glibc's nor mimalloc).
