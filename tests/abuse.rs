@@ -231,6 +231,14 @@ async fn cli_keys_from_files_plain_http_refused_data_dir_tightened() {
     assert!(!args.iter().any(|a| a.contains(&secret)), "the key is not on the command line");
 }
 
+/// A TCP reservation of `edge` with an agent forwarding it to `backend`:
+/// the reserved port, and the agent (its task runs with the test).
+async fn tcp_reservation_to(edge: &TestEdge, backend: std::net::SocketAddr) -> (u16, TestAgent) {
+    let (port, key) = edge.tcp_tunnel_key().await;
+    let agent = TestAgent::start(edge, &key, Target::Tcp { addr: backend.to_string(), proxy: None }).await;
+    (port, agent)
+}
+
 /// A backend that reads what it is sent and then holds the connection open
 /// without a byte or a close: it ignores the half-close.
 async fn deaf_backend() -> std::net::SocketAddr {
@@ -275,8 +283,7 @@ async fn a_half_close_ignored_by_the_backend_is_closed_after_the_bound() {
     let _serial = SERIAL.lock().await;
     let edge = TestEdge::start_with(|a| a.half_close_timeout_seconds = 1).await;
     let backend = deaf_backend().await;
-    let (port, key) = edge.tcp_tunnel_key().await;
-    let _agent = TestAgent::start(&edge, &key, Target::Tcp { addr: backend.to_string(), proxy: None }).await;
+    let (port, _agent) = tcp_reservation_to(&edge, backend).await;
     let (steady, _steady) = watch::bystander(&edge, "bystander").await;
     let watch = Watch::start("a half-close the backend ignores", &edge.client(), &steady, Proc::This).await;
     let mut s = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
@@ -303,11 +310,8 @@ async fn tcp_reservations_have_an_idle_timeout_and_a_cap_per_port() {
     })
     .await;
     let echo = net::tcp_echo().await;
-    let (port, key) = edge.tcp_tunnel_key().await;
-    let _agent = TestAgent::start(&edge, &key, Target::Tcp { addr: echo.to_string(), proxy: None }).await;
-    let (other, other_key) = edge.tcp_tunnel_key().await;
-    let _other =
-        TestAgent::start(&edge, &other_key, Target::Tcp { addr: echo.to_string(), proxy: None }).await;
+    let (port, _agent) = tcp_reservation_to(&edge, echo).await;
+    let (other, _other) = tcp_reservation_to(&edge, echo).await;
     let (steady, _steady) = watch::bystander(&edge, "bystander").await;
     let watch = Watch::start(
         "a TCP port's connections held idle and over its cap",
@@ -366,20 +370,8 @@ async fn flood_backend() -> std::net::SocketAddr {
 async fn a_client_that_resets_its_tcp_connection_frees_its_place_at_once() {
     let _serial = SERIAL.lock().await;
     let edge = TestEdge::start_with(|a| a.max_connections_per_tcp_port = 1).await;
-    let (flood, flood_key) = edge.tcp_tunnel_key().await;
-    let _flood = TestAgent::start(
-        &edge,
-        &flood_key,
-        Target::Tcp { addr: flood_backend().await.to_string(), proxy: None },
-    )
-    .await;
-    let (echo, echo_key) = edge.tcp_tunnel_key().await;
-    let _echo = TestAgent::start(
-        &edge,
-        &echo_key,
-        Target::Tcp { addr: net::tcp_echo().await.to_string(), proxy: None },
-    )
-    .await;
+    let (flood, _flood) = tcp_reservation_to(&edge, flood_backend().await).await;
+    let (echo, _echo) = tcp_reservation_to(&edge, net::tcp_echo().await).await;
 
     /// A connection to `port` that the edge admitted and that carries bytes
     /// (over the cap of one, the edge closes a new one at once).
@@ -434,13 +426,7 @@ async fn resetting_backend() -> std::net::SocketAddr {
 async fn a_backend_that_resets_closes_the_public_connection_at_once() {
     let _serial = SERIAL.lock().await;
     let edge = TestEdge::start().await;
-    let (port, key) = edge.tcp_tunnel_key().await;
-    let _agent = TestAgent::start(
-        &edge,
-        &key,
-        Target::Tcp { addr: resetting_backend().await.to_string(), proxy: None },
-    )
-    .await;
+    let (port, _agent) = tcp_reservation_to(&edge, resetting_backend().await).await;
     let mut s = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
     s.write_all(b"x").await.unwrap();
     until_closed(&mut s, Duration::from_secs(5)).await;
@@ -471,8 +457,7 @@ async fn a_port_has_its_own_idle_timeout() {
         Target::Tcp { addr: echo.to_string(), proxy: None },
     )
     .await;
-    let (long, key) = edge.tcp_tunnel_key().await;
-    let _b = TestAgent::start(&edge, &key, Target::Tcp { addr: echo.to_string(), proxy: None }).await;
+    let (long, _long_agent) = tcp_reservation_to(&edge, echo).await;
     async fn echo_once(port: u16) -> TcpStream {
         let mut s = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
         s.write_all(b"ping").await.unwrap();
