@@ -239,21 +239,31 @@ async fn tcp_reservation_to(edge: &TestEdge, backend: std::net::SocketAddr) -> (
     (port, agent)
 }
 
-/// A backend that reads what it is sent and then holds the connection open
-/// without a byte or a close: it ignores the half-close.
-async fn deaf_backend() -> std::net::SocketAddr {
+/// A TCP backend on 127.0.0.1:0 that runs `serve` on each connection.
+async fn tcp_backend<F, Fut>(serve: F) -> std::net::SocketAddr
+where
+    F: Fn(TcpStream) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
-        let mut held = Vec::new();
-        loop {
-            let Ok((mut tcp, _)) = listener.accept().await else { return };
-            let mut buf = [0u8; 1024];
-            while tcp.read(&mut buf).await.is_ok_and(|n| n > 0) {}
-            held.push(tcp);
+        while let Ok((tcp, _)) = listener.accept().await {
+            tokio::spawn(serve(tcp));
         }
     });
     addr
+}
+
+/// A backend that reads what it is sent and then holds the connection open
+/// without a byte or a close: it ignores the half-close.
+async fn deaf_backend() -> std::net::SocketAddr {
+    tcp_backend(|mut tcp| async move {
+        let mut buf = [0u8; 1024];
+        while tcp.read(&mut buf).await.is_ok_and(|n| n > 0) {}
+        std::future::pending::<()>().await;
+    })
+    .await
 }
 
 fn streams_open(edge: &TestEdge) -> Option<u64> {
@@ -349,15 +359,7 @@ async fn tcp_reservations_have_an_idle_timeout_and_a_cap_per_port() {
 /// A backend that writes without end to every connection: a download the
 /// client stops reading.
 async fn flood_backend() -> std::net::SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        loop {
-            let Ok((mut tcp, _)) = listener.accept().await else { return };
-            tokio::spawn(async move { while tcp.write_all(&[7u8; 16 * 1024]).await.is_ok() {} });
-        }
-    });
-    addr
+    tcp_backend(|mut tcp| async move { while tcp.write_all(&[7u8; 16 * 1024]).await.is_ok() {} }).await
 }
 
 /// A TCP client that resets its connection (killed, or closed with bytes
@@ -407,16 +409,11 @@ async fn a_client_that_resets_its_tcp_connection_frees_its_place_at_once() {
 
 /// A backend that resets every connection once it has read a byte.
 async fn resetting_backend() -> std::net::SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        loop {
-            let Ok((mut tcp, _)) = listener.accept().await else { return };
-            let _ = tcp.read(&mut [0u8; 1]).await;
-            let _ = tcp.set_zero_linger();
-        }
-    });
-    addr
+    tcp_backend(|mut tcp| async move {
+        let _ = tcp.read(&mut [0u8; 1]).await;
+        let _ = tcp.set_zero_linger();
+    })
+    .await
 }
 
 /// A backend that resets its connection: the public client's connection is
