@@ -12,7 +12,8 @@
 //!
 //! The static musl builds allocate with mimalloc (the binary's global
 //! allocator): it gives the pages of freed memory back itself, a purge delay
-//! (1 s) after they were freed, but only when some thread next calls into it.
+//! (10 ms; 100 ms for whole segments back in its arenas) after they were
+//! freed, but only when the owning thread next calls into it.
 //! On an idle process that is never: the trimmer calls `mi_collect` every
 //! [`CHECK_EVERY`], which runs the purges that are due. `mi_collect` purges
 //! only the calling thread's pages (and the arenas, program-wide), and the
