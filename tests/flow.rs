@@ -302,8 +302,9 @@ async fn an_agent_that_stops_reading_cannot_make_the_edge_buffer_uploads_without
         let (client, host, chunk, written) = (client.clone(), host.clone(), chunk.clone(), written.clone());
         let mut go = go.clone();
         tokio::spawn(async move {
-            let mut tls = client.connect(&host, false).await;
-            // The clients' own TLS buffers stay small: the edge's are measured.
+            // The clients' own TLS and socket buffers stay small: the edge's
+            // are measured.
+            let mut tls = client.connect_with_send_buffer(&host, 64 * 1024).await;
             tls.get_mut().1.set_buffer_limit(Some(16 * 1024));
             if i < UPLOADS {
                 let head =

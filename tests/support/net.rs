@@ -246,7 +246,26 @@ impl HttpsClient {
     }
 
     pub async fn connect(&self, host: &str, h2: bool) -> tokio_rustls::client::TlsStream<TcpStream> {
-        let tcp = TcpStream::connect(self.addr).await.unwrap();
+        self.tls(TcpStream::connect(self.addr).await.unwrap(), host, h2).await
+    }
+
+    /// [`HttpsClient::connect`] with the socket's send buffer fixed at
+    /// `bytes` (the kernel doubles it), not grown by the kernel: a test
+    /// with hundreds of clients that write until they block measures the
+    /// edge, not gigabytes of its own clients' send buffers, which would put
+    /// every TCP socket of the machine under memory pressure (tcp_mem) and
+    /// have the kernel drop packets of the connections the test watches.
+    pub async fn connect_with_send_buffer(
+        &self,
+        host: &str,
+        bytes: u32,
+    ) -> tokio_rustls::client::TlsStream<TcpStream> {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.set_send_buffer_size(bytes).unwrap();
+        self.tls(socket.connect(self.addr).await.unwrap(), host, false).await
+    }
+
+    async fn tls(&self, tcp: TcpStream, host: &str, h2: bool) -> tokio_rustls::client::TlsStream<TcpStream> {
         let name = rustls_pki_types::ServerName::try_from(host.to_string()).unwrap();
         tokio_rustls::TlsConnector::from(self.tls_config(h2))
             .connect(name, tcp)
