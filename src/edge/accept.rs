@@ -14,6 +14,23 @@ const MAX_BACKLOG_TAKEN: usize = 4096;
 /// Pause after a failed accept (out of file descriptors and the like).
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
+/// Connections the kernel completes ahead of the accept loop (the listen
+/// backlog; `net.core.somaxconn` may lower it). What tokio's
+/// `TcpListener::bind` asks for; the standard library's asks for 128, and
+/// a burst of more clients than that at once saw their SYNs dropped and
+/// waited a second for the retransmit.
+pub(crate) const LISTEN_BACKLOG: u32 = 1024;
+
+/// Listens on `addr` now (no await: the caller reconciles listeners in one
+/// pass) with [`LISTEN_BACKLOG`] and `SO_REUSEADDR`, as tokio's bind does.
+pub(crate) fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket =
+        if addr.is_ipv4() { tokio::net::TcpSocket::new_v4() } else { tokio::net::TcpSocket::new_v6() }?;
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
+}
+
 /// Accepts on `listener` until `stop` is cancelled and hands every connection
 /// to `on_accept`, which must not wait on the client (it spawns a task); the
 /// loop never waits on a client. A failed accept backs off briefly. When
@@ -67,6 +84,21 @@ fn backlog(listener: &TcpListener) -> Vec<(TcpStream, SocketAddr)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_burst_of_clients_beyond_128_is_completed_by_the_kernel() {
+        // Nothing accepts: every connect below completes only if the
+        // backlog holds it (a full one drops the SYN, and the client waits
+        // a second for the retransmit).
+        let listener = listen("127.0.0.1:0".parse().unwrap()).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let connects =
+            (0..300).map(|_| tokio::time::timeout(Duration::from_millis(500), TcpStream::connect(addr)));
+        let done = futures_util::future::join_all(connects).await;
+        let ok = done.iter().filter(|r| matches!(r, Ok(Ok(_)))).count();
+        assert_eq!(ok, 300, "connections completed without an accept");
+        assert_eq!(backlog(&listener).len(), 300);
+    }
 
     #[tokio::test]
     async fn a_stopped_loop_takes_the_connections_of_the_backlog() {

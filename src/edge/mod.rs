@@ -381,7 +381,7 @@ impl EdgeHandle {
 }
 
 async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, EdgeError> {
-    TcpListener::bind(addr).await.map_err(|source| EdgeError::Bind { what, addr, source })
+    accept::listen(addr).map_err(|source| EdgeError::Bind { what, addr, source })
 }
 
 /// Starts every listener and returns once they are bound.

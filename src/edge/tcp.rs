@@ -30,10 +30,7 @@ impl TcpListeners {
     pub fn reconcile(&self, edge: &Arc<Edge>, ports: HashSet<u16>) {
         let failed = self.ports.reconcile("TCP", edge, ports, |port, token| {
             let addr = SocketAddr::new(edge.tcp_bind, port);
-            let listener = match std::net::TcpListener::bind(addr)
-                .and_then(|l| l.set_nonblocking(true).map(|_| l))
-                .and_then(TcpListener::from_std)
-            {
+            let listener = match super::accept::listen(addr) {
                 Ok(l) => l,
                 Err(e) => {
                     error!(
