@@ -1,5 +1,6 @@
-//! The one accept loop of the edge's listeners: public HTTPS, the HTTP
-//! redirect port, the admin port and the TCP reservation ports.
+//! How the edge's listeners are bound, and their one accept loop: public
+//! HTTPS, the HTTP redirect port, the admin port and the TCP reservation
+//! ports.
 
 use std::net::SocketAddr;
 use std::time::Duration;
