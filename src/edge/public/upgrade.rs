@@ -102,7 +102,13 @@ pub(super) fn switch(
             let (read, write) = tokio::io::split(activity.track(TokioIo::new(upgraded)));
             let _ = tx.send((read, Box::new(guard.clone())));
             tokio::select! {
-                down = body::copy_body(down, write) => debug!(?down, "upgraded stream: backend to client ended"),
+                down = body::copy_body(down, write) => match down {
+                    Ok(bytes) => debug!(bytes, "upgraded stream: backend to client ended"),
+                    Err(e) => {
+                        debug!(error = %e, "upgraded stream: backend to client failed; closing it");
+                        return activity.close();
+                    }
+                },
                 why = activity.expired(PUBLIC_IDLE_TIMEOUT, half_close) => {
                     debug!(why, "closing the upgraded stream");
                     return activity.close();
