@@ -16,10 +16,11 @@ const MAX_BACKLOG_TAKEN: usize = 4096;
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
 /// Connections the kernel completes ahead of the accept loop (the listen
-/// backlog; `net.core.somaxconn` may lower it). What tokio's
-/// `TcpListener::bind` asks for; the standard library's asks for 128, and
-/// a burst of more clients than that at once saw their SYNs dropped and
-/// waited a second for the retransmit.
+/// backlog; `net.core.somaxconn` may lower it). tokio's `TcpListener::bind`
+/// and the standard library's both ask for 128: a burst of more clients
+/// than that at once (a load balancer's reconnect, 500 `wrk` connections)
+/// had SYNs dropped and waited a second for the retransmit. nginx asks for
+/// 511, Go for `somaxconn`.
 pub(crate) const LISTEN_BACKLOG: u32 = 1024;
 
 /// Listens on `addr` now (no await: the caller reconciles listeners in one
