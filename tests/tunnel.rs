@@ -74,6 +74,56 @@ async fn curl_reaches_the_backend() {
     assert_eq!(String::from_utf8_lossy(&out.stdout), "hello from backend");
 }
 
+/// One `GET /` on a new connection with `config` (its own session store);
+/// how the handshake went. The answer is read whole, and with it the
+/// session tickets the edge sent after the handshake.
+async fn get_on_a_new_connection(
+    client: &HttpsClient,
+    config: Arc<rustls::ClientConfig>,
+    host: &str,
+) -> rustls::HandshakeKind {
+    let tcp = tokio::net::TcpStream::connect(client.addr).await.unwrap();
+    let name = rustls_pki_types::ServerName::try_from(host.to_string()).unwrap();
+    let tls = tokio_rustls::TlsConnector::from(config).connect(name, tcp).await.expect("TLS to the edge");
+    let kind = tls.get_ref().1.handshake_kind().expect("handshake done");
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls)).await.unwrap();
+    tokio::spawn(conn);
+    let req = Request::get("/").header("host", host).body(Full::new(Bytes::new())).unwrap();
+    let body = sender.send_request(req).await.unwrap().into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&body[..], b"hello from backend");
+    kind
+}
+
+#[tokio::test]
+async fn public_clients_resume_their_tls_sessions_however_many_there_are() {
+    // More clients at once than a session cache of 256 entries holds (two
+    // per TLS 1.3 connection): every one resumes on its next connection.
+    const CLIENTS: usize = 300;
+    let (edge, host, _agent) = published().await;
+    let client = edge.client();
+    let roots = culvert::tls::root_store(Some(&edge.ca_file)).unwrap();
+    for version in [&rustls::version::TLS13, &rustls::version::TLS12] {
+        let configs: Vec<_> = (0..CLIENTS)
+            .map(|_| {
+                let mut c = rustls::ClientConfig::builder_with_protocol_versions(&[version])
+                    .with_root_certificates(roots.clone())
+                    .with_no_client_auth();
+                c.alpn_protocols = vec![b"http/1.1".to_vec()];
+                Arc::new(c)
+            })
+            .collect();
+        for expected in [rustls::HandshakeKind::Full, rustls::HandshakeKind::Resumed] {
+            let kinds = futures_util::future::join_all(
+                configs.iter().map(|c| get_on_a_new_connection(&client, c.clone(), &host)),
+            )
+            .await;
+            let matching = kinds.iter().filter(|k| **k == expected).count();
+            assert_eq!(matching, CLIENTS, "{version:?}: {expected:?} handshakes of {CLIENTS} clients");
+        }
+    }
+}
+
 #[tokio::test]
 async fn websocket_upgrade_passes_through() {
     let (edge, host, _agent) = published().await;
