@@ -1,32 +1,30 @@
 //! Kept-alive HTTP/1.1 connections to plain-HTTP backends, the most common
 //! kind, without hyper-util's general client in the way: a request takes an
 //! idle connection to its backend (or opens one), is written there as it is
-//! (origin form, its own `Host`), and the connection goes back once the
-//! response body has ended. h2c and HTTPS backends keep hyper-util's client
+//! (origin form, its own `Host`) by its own task ([`super::h1`]: no
+//! connection task), and the connection goes back once the response body
+//! has ended. h2c and HTTPS backends keep hyper-util's client
 //! ([`super::backend::client`]).
 //!
 //! A backend that closed an idle connection just as a request took it gets
 //! the request again on a new connection: always when the request was not
-//! written yet (hyper hands it back), and when it was written but nothing
+//! written yet (a closed idle connection is seen before anything is written
+//! to it), and when it was written but nothing
 //! came back if it can safely be sent twice (as Go's `net/http` does): a
 //! GET, HEAD, OPTIONS or TRACE, or any request with an `Idempotency-Key`,
 //! without a body, on a connection idle long enough for a backend's
 //! keep-alive timeout to have closed it.
 
-use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
-use std::task::{Context, Poll, ready};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use http::{Request, Response};
-use hyper::body::{Body, Frame, Incoming, SizeHint};
-use hyper::client::conn::http1::SendRequest;
-use hyper_util::rt::TokioIo;
+use hyper::body::Body;
 use tokio::net::TcpStream;
-use tracing::{Instrument, debug};
+use tracing::debug;
 
+use super::h1::{self, Conn};
 use crate::tunnel::body::BoxBody;
 
 /// How long the newest [`WARM_PER_BACKEND`] idle connections of a backend
@@ -55,10 +53,8 @@ pub enum PoolError {
     Connect(#[source] std::io::Error),
     #[error("tcp connect error: no connection within {0:?} (the route's connect timeout)")]
     ConnectTimeout(Duration),
-    #[error("HTTP/1.1 handshake failed")]
-    Handshake(#[source] hyper::Error),
     #[error("request failed")]
-    Request(#[source] hyper::Error),
+    Request(#[source] h1::Error),
 }
 
 impl PoolError {
@@ -69,16 +65,16 @@ impl PoolError {
 }
 
 struct Idle {
-    send: SendRequest<BoxBody>,
+    conn: Conn,
     since: Instant,
 }
 
 impl Idle {
-    /// Still worth keeping: open, and not idle longer than its place in the
-    /// list (`newer` idle connections of the same backend after it) allows.
+    /// Still worth keeping: not idle longer than its place in the list
+    /// (`newer` idle connections of the same backend after it) allows.
     fn usable(&self, now: Instant, newer: usize) -> bool {
         let limit = if newer < WARM_PER_BACKEND { IDLE_TIMEOUT } else { BURST_IDLE_TIMEOUT };
-        !self.send.is_closed() && now.duration_since(self.since) < limit
+        now.duration_since(self.since) < limit
     }
 }
 
@@ -144,16 +140,18 @@ fn idle() -> &'static Mutex<IdleList> {
 
 /// The newest idle connection to `authority` and how long it was idle;
 /// closed and expired ones met on the way are dropped.
-fn checkout(authority: &str) -> Option<(SendRequest<BoxBody>, Duration)> {
-    let mut idle = idle().lock().expect("poisoned");
-    let conns = &mut idle.iter_mut().find(|(a, _)| a == authority)?.1;
+fn checkout(authority: &str) -> Option<(Conn, Duration)> {
     let now = Instant::now();
-    while let Some(c) = conns.pop() {
-        if c.usable(now, 0) {
-            return Some((c.send, now.duration_since(c.since)));
+    loop {
+        let c = {
+            let mut idle = idle().lock().expect("poisoned");
+            idle.iter_mut().find(|(a, _)| a == authority)?.1.pop()?
+        };
+        // Out of the lock: the check is a system call.
+        if c.usable(now, 0) && c.conn.is_open() {
+            return Some((c.conn, now.duration_since(c.since)));
         }
     }
-    None
 }
 
 /// The head of a request that may be sent again after its connection closed
@@ -176,21 +174,8 @@ fn replayable(req: &Request<BoxBody>) -> Option<http::request::Parts> {
     Some(head.into_parts().0)
 }
 
-/// The backend closed the connection after the request went out, before any
-/// of a response came back (or reset it).
-fn closed_before_response(e: &hyper::Error) -> bool {
-    use std::error::Error as _;
-    e.is_incomplete_message()
-        || e.source().and_then(|s| s.downcast_ref::<std::io::Error>()).is_some_and(|io| {
-            matches!(io.kind(), std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe)
-        })
-}
-
 /// A connection whose last response has ended goes back to the idle list.
-fn checkin(authority: String, send: SendRequest<BoxBody>) {
-    if send.is_closed() {
-        return;
-    }
+fn checkin(authority: String, conn: Conn) {
     let mut idle = idle().lock().expect("poisoned");
     let conns = match idle.iter().position(|(a, _)| *a == authority) {
         Some(at) => &mut idle[at].1,
@@ -201,30 +186,20 @@ fn checkin(authority: String, send: SendRequest<BoxBody>) {
     };
     let now = Instant::now();
     if conns.len() < MAX_IDLE_PER_BACKEND {
-        conns.push(Idle { send, since: now });
+        conns.push(Idle { conn, since: now });
     }
     drop(idle);
     start_sweeper();
 }
 
-async fn connect(authority: &str, timeout: Duration) -> Result<SendRequest<BoxBody>, PoolError> {
+async fn connect(authority: &str, timeout: Duration) -> Result<Conn, PoolError> {
     let tcp = match tokio::time::timeout(timeout, TcpStream::connect(authority)).await {
         Ok(Ok(tcp)) => tcp,
         Ok(Err(e)) => return Err(PoolError::Connect(e)),
         Err(_) => return Err(PoolError::ConnectTimeout(timeout)),
     };
     let _ = tcp.set_nodelay(true);
-    let (send, conn) =
-        hyper::client::conn::http1::handshake(TokioIo::new(tcp)).await.map_err(PoolError::Handshake)?;
-    tokio::spawn(
-        async move {
-            if let Err(e) = conn.await {
-                debug!(error = %e, "backend connection ended");
-            }
-        }
-        .in_current_span(),
-    );
-    Ok(send)
+    Ok(Conn::new(tcp))
 }
 
 /// Sends `req` (its URI in origin form, its `Host` set) to the plain-HTTP
@@ -238,81 +213,26 @@ pub async fn send(
     let mut reused = checkout(authority);
     loop {
         let fresh = reused.is_none();
-        let (mut send, idle_for) = match reused.take() {
+        let (conn, idle_for) = match reused.take() {
             Some(reused) => reused,
             // Boxed: the rarely taken path would size every stream's future.
             None => (Box::pin(connect(authority, connect_timeout)).await?, Duration::ZERO),
         };
-        // A reused connection may have been closed by the backend meanwhile.
-        if let Err(e) = send.ready().await {
-            if fresh {
-                return Err(PoolError::Request(e));
-            }
-            continue;
-        }
         let replay = if idle_for >= REPLAY_AFTER_IDLE { replayable(&req) } else { None };
-        match send.try_send_request(req).await {
-            Ok(resp) => {
-                let authority = authority.to_string();
-                return Ok(resp
-                    .map(|body| crate::tunnel::body::boxed(Pooled { body, back: Some((authority, send)) })));
-            }
-            Err(mut e) => match (e.take_message(), replay) {
+        let back = authority.to_string();
+        match h1::exchange(conn, req, Box::new(move |conn| checkin(back, conn))).await {
+            Ok(resp) => return Ok(resp.map(crate::tunnel::body::boxed)),
+            Err(h1::Failed { error, request }) => match (request, replay) {
                 // Not written: the backend had closed this idle connection.
                 (Some(again), _) if !fresh => req = again,
                 // Written as the backend closed it: nothing was done twice.
-                (None, Some(head)) if closed_before_response(e.error()) => {
-                    debug!(error = %e.error(), "the backend closed an idle connection as the request went out; sending it again");
+                (None, Some(head)) if !fresh && error.closed_before_response() => {
+                    debug!(%error, "the backend closed an idle connection as the request went out; sending it again");
                     req = Request::from_parts(head, crate::tunnel::body::empty());
                 }
-                _ => return Err(PoolError::Request(e.into_error())),
+                _ => return Err(PoolError::Request(error)),
             },
         }
-    }
-}
-
-/// A response body that gives its connection back once it has ended.
-struct Pooled {
-    body: Incoming,
-    back: Option<(String, SendRequest<BoxBody>)>,
-}
-
-impl Drop for Pooled {
-    fn drop(&mut self) {
-        // A body nobody read to its end (a HEAD or 204 answer has none to
-        // read): the connection is reusable only if nothing of it is left.
-        if let Some((authority, send)) = self.back.take()
-            && self.body.is_end_stream()
-        {
-            checkin(authority, send);
-        }
-    }
-}
-
-impl Body for Pooled {
-    type Data = Bytes;
-    type Error = hyper::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let me = self.get_mut();
-        let frame = ready!(Pin::new(&mut me.body).poll_frame(cx));
-        if (frame.is_none() || me.body.is_end_stream())
-            && let Some((authority, send)) = me.back.take()
-        {
-            checkin(authority, send);
-        }
-        Poll::Ready(frame)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
     }
 }
 
@@ -322,7 +242,10 @@ mod tests {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
+    use bytes::Bytes;
     use http_body_util::BodyExt;
+    use hyper::body::Incoming;
+    use hyper_util::rt::TokioIo;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpListener;
 
@@ -452,11 +375,10 @@ mod tests {
         for _ in 0..3 {
             let resp = send(&addr, CONNECT, request(http::Method::GET, &addr)).await.unwrap();
             assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), "ok");
-            // Until the closed connection is seen as closed (its task reads the EOF).
+            // Until the backend's close reached the idle connection.
             let seen = async {
-                let open = |(a, conns): &(String, Vec<Idle>)| {
-                    *a == addr && conns.iter().any(|c| !c.send.is_closed())
-                };
+                let open =
+                    |(a, conns): &(String, Vec<Idle>)| *a == addr && conns.iter().any(|c| c.conn.is_open());
                 while idle().lock().unwrap().iter().any(open) {
                     tokio::task::yield_now().await;
                 }
