@@ -445,23 +445,32 @@ fn poll_head<R: AsyncRead + ?Sized>(
     head_request: bool,
 ) -> Poll<Result<Head, Error>> {
     loop {
-        if !buf.is_empty()
-            && let Some(head) = parse_head(buf, head_request)?
-        {
+        if let Some(head) = head_from(buf, head_request)? {
             return Poll::Ready(Ok(head));
         }
-        if buf.len() >= MAX_HEAD {
-            return Poll::Ready(Err(Error::Head("larger than 64 KiB")));
-        }
         buf.reserve(INITIAL_BUFFER);
-        let read = ready!(poll_read_buf(rd.as_mut(), cx, buf));
-        match read {
-            Ok(0) if buf.is_empty() => return Poll::Ready(Err(Error::ClosedBeforeResponse)),
-            Ok(0) => return Poll::Ready(Err(Error::Head("the connection closed inside it"))),
+        match ready!(poll_read_buf(rd.as_mut(), cx, buf)) {
+            Ok(0) => return Poll::Ready(Err(head_cut(buf))),
             Ok(_) => {}
             Err(e) => return Poll::Ready(Err(Error::Read(e))),
         }
     }
+}
+
+/// A final response head out of `buf`, `None` while it needs more bytes.
+fn head_from(buf: &mut BytesMut, head_request: bool) -> Result<Option<Head>, Error> {
+    if buf.is_empty() {
+        return Ok(None);
+    }
+    match parse_head(buf, head_request)? {
+        None if buf.len() >= MAX_HEAD => Err(Error::Head("larger than 64 KiB")),
+        head => Ok(head),
+    }
+}
+
+/// The connection ended before a whole head.
+fn head_cut(buf: &BytesMut) -> Error {
+    if buf.is_empty() { Error::ClosedBeforeResponse } else { Error::Head("the connection closed inside it") }
 }
 
 /// Parses a final response head at the start of `buf` and takes it out;
@@ -649,12 +658,6 @@ impl ResponseBody {
             Err(e) => Poll::Ready(Err(Error::Read(e))),
         }
     }
-
-    /// Takes up to `n` bytes of data from the buffer.
-    fn take(&mut self, n: u64) -> Bytes {
-        let n = (self.buf.len() as u64).min(n) as usize;
-        self.buf.split_to(n).freeze()
-    }
 }
 
 impl Body for ResponseBody {
@@ -664,46 +667,18 @@ impl Body for ResponseBody {
     fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Error>>> {
         let me = self.get_mut();
         loop {
-            match me.decoder {
-                Decoder::Done => {
+            match me.decoder.next(&mut me.buf)? {
+                Next::Frame(frame) => {
+                    me.give_back();
+                    return Poll::Ready(Some(Ok(frame)));
+                }
+                Next::End => {
                     me.give_back();
                     return Poll::Ready(None);
                 }
-                Decoder::Length(left) => {
-                    if me.buf.is_empty() && !ready!(me.poll_fill(cx, left as usize))? {
-                        return Poll::Ready(Some(Err(Error::ClosedInBody)));
-                    }
-                    let data = me.take(left);
-                    let left = left - data.len() as u64;
-                    me.decoder = if left == 0 { Decoder::Done } else { Decoder::Length(left) };
-                    if left == 0 {
-                        me.give_back();
-                    }
-                    return Poll::Ready(Some(Ok(Frame::data(data))));
-                }
-                Decoder::Eof => {
-                    if me.buf.is_empty() && !ready!(me.poll_fill(cx, MAX_READ))? {
-                        me.decoder = Decoder::Done;
-                        me.reusable = false;
-                        return Poll::Ready(None);
-                    }
-                    let data = me.take(u64::MAX);
-                    return Poll::Ready(Some(Ok(Frame::data(data))));
-                }
-                Decoder::Chunked(state) => {
-                    if let Some(frame) = me.step_chunked(state)? {
-                        return Poll::Ready(Some(Ok(frame)));
-                    }
-                    if me.decoder != Decoder::Chunked(state) {
-                        continue; // moved on within the buffer
-                    }
-                    // Needs more bytes.
-                    let want = match state {
-                        Chunk::Data(n) => n as usize,
-                        _ => INITIAL_BUFFER,
-                    };
+                Next::More(want) => {
                     if !ready!(me.poll_fill(cx, want))? {
-                        return Poll::Ready(Some(Err(Error::ClosedInBody)));
+                        return Poll::Ready(me.decoder.at_eof().err().map(Err));
                     }
                 }
             }
@@ -723,71 +698,186 @@ impl Body for ResponseBody {
     }
 }
 
-impl ResponseBody {
-    /// One step of the chunked decoding on what is buffered: a frame, or
-    /// `None` when it moved on (the decoder changed) or needs more bytes
-    /// (it did not).
-    fn step_chunked(&mut self, state: Chunk) -> Result<Option<Frame<Bytes>>, Error> {
-        match state {
-            Chunk::Size => match httparse::parse_chunk_size(&self.buf) {
-                Ok(httparse::Status::Complete((len, 0))) => {
-                    self.buf.advance(len);
-                    self.decoder = Decoder::Chunked(Chunk::Trailers);
-                    Ok(None)
+/// What a [`Decoder`] makes of the bytes buffered.
+enum Next {
+    Frame(Frame<Bytes>),
+    /// It needs more bytes (about this many).
+    More(usize),
+    /// The body has ended.
+    End,
+}
+
+/// Takes up to `n` bytes from the front of `buf`.
+fn take(buf: &mut BytesMut, n: u64) -> Bytes {
+    let n = (buf.len() as u64).min(n) as usize;
+    buf.split_to(n).freeze()
+}
+
+impl Decoder {
+    /// The next frame of the body out of `buf`, free of IO: what it needs is
+    /// read by the caller.
+    fn next(&mut self, buf: &mut BytesMut) -> Result<Next, Error> {
+        loop {
+            match *self {
+                Decoder::Done => return Ok(Next::End),
+                Decoder::Length(left) if buf.is_empty() => {
+                    return Ok(Next::More(left.min(MAX_READ as u64) as usize));
                 }
-                Ok(httparse::Status::Complete((len, size))) => {
-                    self.buf.advance(len);
-                    self.decoder = Decoder::Chunked(Chunk::Data(size));
-                    Ok(None)
+                Decoder::Length(left) => {
+                    let data = take(buf, left);
+                    let left = left - data.len() as u64;
+                    *self = if left == 0 { Decoder::Done } else { Decoder::Length(left) };
+                    return Ok(Next::Frame(Frame::data(data)));
                 }
-                Ok(httparse::Status::Partial) if self.buf.len() > MAX_CHUNK_LINE => Err(Error::Chunked),
-                Ok(httparse::Status::Partial) => Ok(None),
-                Err(_) => Err(Error::Chunked),
-            },
-            Chunk::Data(left) => {
-                if self.buf.is_empty() {
-                    return Ok(None);
+                Decoder::Eof if buf.is_empty() => return Ok(Next::More(MAX_READ)),
+                Decoder::Eof => return Ok(Next::Frame(Frame::data(take(buf, u64::MAX)))),
+                Decoder::Chunked(Chunk::Size) => match httparse::parse_chunk_size(buf) {
+                    Ok(httparse::Status::Complete((len, _))) if len > MAX_CHUNK_LINE => {
+                        return Err(Error::Chunked);
+                    }
+                    Ok(httparse::Status::Complete((len, size))) => {
+                        buf.advance(len);
+                        *self = Decoder::Chunked(if size == 0 { Chunk::Trailers } else { Chunk::Data(size) });
+                    }
+                    Ok(httparse::Status::Partial) if buf.len() > MAX_CHUNK_LINE => {
+                        return Err(Error::Chunked);
+                    }
+                    Ok(httparse::Status::Partial) => return Ok(Next::More(INITIAL_BUFFER)),
+                    Err(_) => return Err(Error::Chunked),
+                },
+                Decoder::Chunked(Chunk::Data(left)) if buf.is_empty() => {
+                    return Ok(Next::More(left.min(MAX_READ as u64) as usize));
                 }
-                let data = self.take(left);
-                let left = left - data.len() as u64;
-                self.decoder = Decoder::Chunked(if left == 0 { Chunk::DataEnd } else { Chunk::Data(left) });
-                Ok(Some(Frame::data(data)))
-            }
-            Chunk::DataEnd => {
-                if self.buf.len() < 2 {
-                    return Ok(None);
+                Decoder::Chunked(Chunk::Data(left)) => {
+                    let data = take(buf, left);
+                    let left = left - data.len() as u64;
+                    *self = Decoder::Chunked(if left == 0 { Chunk::DataEnd } else { Chunk::Data(left) });
+                    return Ok(Next::Frame(Frame::data(data)));
                 }
-                if &self.buf[..2] != b"\r\n" {
-                    return Err(Error::Chunked);
+                Decoder::Chunked(Chunk::DataEnd) if buf.len() < 2 => return Ok(Next::More(2)),
+                Decoder::Chunked(Chunk::DataEnd) if &buf[..2] == b"\r\n" => {
+                    buf.advance(2);
+                    *self = Decoder::Chunked(Chunk::Size);
                 }
-                self.buf.advance(2);
-                self.decoder = Decoder::Chunked(Chunk::Size);
-                Ok(None)
-            }
-            Chunk::Trailers => {
-                let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
-                match httparse::parse_headers(&self.buf, &mut slots) {
-                    Ok(httparse::Status::Complete((len, fields))) => {
-                        let mut trailers = HeaderMap::new();
-                        for f in fields {
-                            if let (Ok(n), Ok(v)) =
-                                (HeaderName::from_bytes(f.name.as_bytes()), HeaderValue::from_bytes(f.value))
-                            {
-                                trailers.append(n, v);
+                Decoder::Chunked(Chunk::DataEnd) => return Err(Error::Chunked),
+                Decoder::Chunked(Chunk::Trailers) => {
+                    let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
+                    match httparse::parse_headers(buf, &mut slots) {
+                        Ok(httparse::Status::Complete((len, _))) if len > MAX_HEAD => {
+                            return Err(Error::Chunked);
+                        }
+                        Ok(httparse::Status::Complete((len, fields))) => {
+                            let mut trailers = HeaderMap::new();
+                            for f in fields {
+                                if let (Ok(n), Ok(v)) = (
+                                    HeaderName::from_bytes(f.name.as_bytes()),
+                                    HeaderValue::from_bytes(f.value),
+                                ) {
+                                    trailers.append(n, v);
+                                }
+                            }
+                            buf.advance(len);
+                            *self = Decoder::Done;
+                            if !trailers.is_empty() {
+                                return Ok(Next::Frame(Frame::trailers(trailers)));
                             }
                         }
-                        self.buf.advance(len);
-                        self.decoder = Decoder::Done;
-                        self.give_back();
-                        Ok((!trailers.is_empty()).then(|| Frame::trailers(trailers)))
+                        Ok(httparse::Status::Partial) if buf.len() > MAX_HEAD => return Err(Error::Chunked),
+                        Ok(httparse::Status::Partial) => return Ok(Next::More(INITIAL_BUFFER)),
+                        Err(_) => return Err(Error::Chunked),
                     }
-                    Ok(httparse::Status::Partial) if self.buf.len() > MAX_HEAD => Err(Error::Chunked),
-                    Ok(httparse::Status::Partial) => Ok(None),
-                    Err(_) => Err(Error::Chunked),
                 }
             }
         }
     }
+
+    /// The connection ended where the body needed more: its end (a
+    /// close-delimited body, after which the connection is not used again),
+    /// or an error.
+    fn at_eof(&mut self) -> Result<(), Error> {
+        match self {
+            Decoder::Eof => {
+                *self = Decoder::Done;
+                Ok(())
+            }
+            _ => Err(Error::ClosedInBody),
+        }
+    }
+}
+
+/// How a response stream decodes, whole or in pieces ([`decode`]).
+#[doc(hidden)]
+#[derive(Debug, PartialEq, Eq)]
+pub struct Decoded {
+    pub status: Option<u16>,
+    pub headers: usize,
+    pub data: Vec<u8>,
+    pub trailers: usize,
+    /// How it ended: the body's end, or the error.
+    pub end: String,
+}
+
+/// Decodes `stream`, a backend's response to a `HEAD` request or another,
+/// arriving in pieces of `sizes` bytes (taken in turn; 0 counts as 1), as
+/// an exchange reads it; the stream's end is the connection's. For the
+/// `h1_response` fuzz target: what it decodes does not depend on the pieces.
+#[doc(hidden)]
+pub fn decode(stream: &[u8], sizes: &[u8], head_request: bool) -> Decoded {
+    let mut out = Decoded { status: None, headers: 0, data: Vec::new(), trailers: 0, end: String::new() };
+    let mut rest = stream;
+    let mut turn = 0;
+    let mut buf = BytesMut::new();
+    // One more piece into `buf`: `false` at the stream's end.
+    let mut fill = |buf: &mut BytesMut| {
+        if rest.is_empty() {
+            return false;
+        }
+        let size = sizes.get(turn % sizes.len().max(1)).map_or(rest.len(), |s| (*s as usize).max(1));
+        turn += 1;
+        let (piece, left) = rest.split_at(size.min(rest.len()));
+        buf.extend_from_slice(piece);
+        rest = left;
+        true
+    };
+    let head = loop {
+        match head_from(&mut buf, head_request) {
+            Ok(Some(head)) => break head,
+            Ok(None) if fill(&mut buf) => {}
+            Ok(None) => {
+                out.end = head_cut(&buf).to_string();
+                return out;
+            }
+            Err(e) => {
+                out.end = e.to_string();
+                return out;
+            }
+        }
+    };
+    out.status = Some(head.status.as_u16());
+    out.headers = head.headers.len();
+    let mut decoder = head.body;
+    loop {
+        match decoder.next(&mut buf) {
+            Ok(Next::Frame(frame)) => match frame.into_data() {
+                Ok(data) => out.data.extend_from_slice(&data),
+                Err(frame) => out.trailers = frame.into_trailers().map_or(0, |t| t.len()),
+            },
+            Ok(Next::End) => break,
+            Ok(Next::More(_)) if fill(&mut buf) => {}
+            Ok(Next::More(_)) => {
+                if let Err(e) = decoder.at_eof() {
+                    out.end = e.to_string();
+                    return out;
+                }
+            }
+            Err(e) => {
+                out.end = e.to_string();
+                return out;
+            }
+        }
+    }
+    out.end = "end".into();
+    out
 }
 
 #[cfg(test)]

@@ -12,7 +12,7 @@ pub mod edges;
 pub(crate) mod filters;
 pub(crate) mod forward;
 pub(crate) mod guard;
-mod h1;
+pub(crate) mod h1;
 pub mod metrics;
 pub(crate) mod pipe;
 mod pool;

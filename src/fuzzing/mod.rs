@@ -227,6 +227,22 @@ pub fn ws_frames(data: &[u8]) {
     assert_eq!(whole.error.map(|e| e.kind()), out.error.map(|e| e.kind()));
 }
 
+/// Target `h1_response`: what a plain-HTTP backend answers the agent
+/// (`agent::h1`). The first byte's bit 0 says whether the request was a
+/// `HEAD`, the next 8 are the sizes of the pieces the answer arrives in, the
+/// rest is the answer (the connection ends after it). The head, the body's
+/// bytes and trailers and how it ends do not depend on the pieces, and the
+/// body is never longer than the input.
+pub fn h1_response(data: &[u8]) {
+    let Some((&first, rest)) = data.split_first() else { return };
+    let (sizes, stream) = rest.split_at(rest.len().min(8));
+    let head_request = first & 1 == 1;
+    let pieces = crate::agent::h1::decode(stream, sizes, head_request);
+    assert!(pieces.data.len() <= stream.len(), "more body than input");
+    let whole = crate::agent::h1::decode(stream, &[], head_request);
+    assert_eq!(pieces, whole, "the answer depends on how it arrived");
+}
+
 /// Headers the edge never passes on from a client: hop-by-hop ones and the
 /// forwarding headers it writes itself (plus, below, whatever `Connection`
 /// names and every `culvert-` header but the two the edge sets).

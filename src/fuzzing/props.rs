@@ -401,3 +401,74 @@ proptest! {
         prop_assert_eq!(crate::http::percent_decode(&encoded), Some(text.clone()));
     }
 }
+
+// --- A backend's HTTP/1.1 answer (agent::h1) ----------------------------------------------------
+
+/// A response whose body is framed by `content-length`, chunked (with
+/// trailers) or the connection's end, and the body it carries.
+fn backend_answer() -> impl Strategy<Value = (Vec<u8>, Vec<u8>)> {
+    let chunks = prop::collection::vec(prop::collection::vec(any::<u8>(), 1..40), 0..6);
+    (0..3u8, chunks, any::<bool>()).prop_map(|(framing, chunks, interim)| {
+        let body: Vec<u8> = chunks.concat();
+        let mut out = Vec::new();
+        if interim {
+            out.extend_from_slice(b"HTTP/1.1 100 Continue\r\n\r\n");
+        }
+        out.extend_from_slice(b"HTTP/1.1 200 OK\r\nServer: proptest\r\n");
+        match framing {
+            0 => {
+                out.extend_from_slice(format!("Content-Length: {}\r\n\r\n", body.len()).as_bytes());
+                out.extend_from_slice(&body);
+            }
+            1 => {
+                out.extend_from_slice(b"Transfer-Encoding: chunked\r\n\r\n");
+                for c in &chunks {
+                    out.extend_from_slice(format!("{:X};x=y\r\n", c.len()).as_bytes());
+                    out.extend_from_slice(c);
+                    out.extend_from_slice(b"\r\n");
+                }
+                out.extend_from_slice(b"0\r\nx-checksum: 1\r\n\r\n");
+            }
+            _ => {
+                out.extend_from_slice(b"\r\n");
+                out.extend_from_slice(&body);
+            }
+        }
+        (out, body)
+    })
+}
+
+proptest! {
+    #![proptest_config(config(256))]
+
+    #[test]
+    fn a_backend_answer_decodes_the_same_in_any_pieces(
+        (answer, body) in backend_answer(),
+        sizes in prop::collection::vec(any::<u8>(), 1..8),
+    ) {
+        let got = crate::agent::h1::decode(&answer, &sizes, false);
+        prop_assert_eq!(got.status, Some(200));
+        prop_assert_eq!(&got.data, &body);
+        prop_assert_eq!(&got.end, "end");
+        prop_assert_eq!(got, crate::agent::h1::decode(&answer, &[], false));
+    }
+
+    #[test]
+    fn any_backend_answer_is_read_or_refused_without_a_panic(
+        (answer, _) in backend_answer(),
+        edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..4),
+        sizes in prop::collection::vec(any::<u8>(), 0..8),
+        head in any::<bool>(),
+    ) {
+        let mut answer = answer;
+        for (at, byte) in edits {
+            let i = at.index(answer.len());
+            answer[i] = byte;
+        }
+        let mut input = vec![u8::from(head)];
+        input.extend_from_slice(&sizes);
+        input.resize(1 + 8, 1);
+        input.extend_from_slice(&answer);
+        super::h1_response(&input);
+    }
+}

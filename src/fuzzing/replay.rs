@@ -57,3 +57,8 @@ fn api_request_corpus() {
 fn http_head_corpus() {
     replay("http_head", super::http_head);
 }
+
+#[test]
+fn h1_response_corpus() {
+    replay("h1_response", super::h1_response);
+}
