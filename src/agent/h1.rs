@@ -200,7 +200,8 @@ pub async fn exchange(
         }
         _ => Reader::Whole(io),
     };
-    let body = ResponseBody { reader: Some(reader), buf, decoder, reusable, checkin: Some(checkin) };
+    let body =
+        ResponseBody { reader: Some(reader), buf, decoder, reusable, large: false, checkin: Some(checkin) };
     Ok(resp.map(|()| body.finish_if_done()))
 }
 
@@ -629,6 +630,9 @@ pub struct ResponseBody {
     buf: BytesMut,
     decoder: Decoder,
     reusable: bool,
+    /// The body was read in reads larger than a connection's first buffer:
+    /// that buffer is not kept with the idle connection.
+    large: bool,
     checkin: Option<Checkin>,
 }
 
@@ -644,14 +648,20 @@ impl ResponseBody {
             return;
         }
         if let (Some(Reader::Whole(io)), Some(checkin)) = (self.reader.take(), self.checkin.take()) {
-            checkin(Conn { io, buf: std::mem::take(&mut self.buf) });
+            // An idle connection keeps a small buffer for its next answer, not
+            // the allocation of a large body (up to 64 KiB each, for as many
+            // connections as a burst left idle).
+            let buf = if self.large { BytesMut::new() } else { std::mem::take(&mut self.buf) };
+            checkin(Conn { io, buf });
         }
     }
 
     /// Reads more of the body into `buf`: `false` at the connection's end.
     fn poll_fill(&mut self, cx: &mut Context<'_>, want: usize) -> Poll<Result<bool, Error>> {
         let Some(reader) = &mut self.reader else { return Poll::Ready(Ok(false)) };
-        self.buf.reserve(want.clamp(1, MAX_READ));
+        let want = want.clamp(1, MAX_READ);
+        self.large |= want > INITIAL_BUFFER;
+        self.buf.reserve(want);
         match ready!(poll_read_buf(Pin::new(reader), cx, &mut self.buf)) {
             Ok(0) => Poll::Ready(Ok(false)),
             Ok(_) => Poll::Ready(Ok(true)),
@@ -1064,7 +1074,8 @@ mod tests {
         assert_eq!(resp.body().size_hint().exact(), Some(LEN as u64));
         let body = resp.into_body().collect().await.unwrap().to_bytes();
         assert!(body.len() == LEN && body.iter().all(|b| *b == 7));
-        assert!(back.lock().unwrap().is_some());
+        let idle = back.lock().unwrap().take().expect("kept alive");
+        assert_eq!(idle.buf.capacity(), 0, "an idle connection keeps no large buffer");
 
         let tcp = backend(|mut tcp| async move {
             read_head(&mut tcp).await;
