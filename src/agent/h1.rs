@@ -32,6 +32,7 @@ use tracing::{Instrument, debug};
 
 use crate::BoxError;
 use crate::tunnel::body::BoxBody;
+use crate::tunnel::client::has_payload_semantics;
 
 /// The largest response head taken from a backend (the edge takes 16 KiB of
 /// it through the tunnel).
@@ -211,15 +212,6 @@ enum Framing {
     None,
     Length(u64),
     Chunked,
-}
-
-/// Methods whose request body means something even when empty (an empty
-/// body of theirs is sent as `content-length: 0`, as hyper does).
-fn has_payload_semantics(method: &Method) -> bool {
-    !matches!(
-        *method,
-        Method::GET | Method::HEAD | Method::DELETE | Method::OPTIONS | Method::CONNECT | Method::TRACE
-    )
 }
 
 /// Decides the body's framing and sets the head's framing headers for it

@@ -157,7 +157,7 @@ impl Sender {
 
 /// Methods whose request body means something even when empty (an empty
 /// body of theirs is sent as `content-length: 0`, as hyper does).
-fn has_payload_semantics(method: &Method) -> bool {
+pub(crate) fn has_payload_semantics(method: &Method) -> bool {
     !matches!(
         *method,
         Method::GET | Method::HEAD | Method::DELETE | Method::OPTIONS | Method::CONNECT | Method::TRACE
