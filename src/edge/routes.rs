@@ -2,6 +2,7 @@
 //! whole from the store at a (re)load, then changed one entry at a time as
 //! the control API reserves and releases; tested without IO.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -97,7 +98,7 @@ impl RouteIndex {
     /// The reservation serving `host` (a Host header or :authority: any case,
     /// with or without port or trailing dot).
     pub fn host(&self, host: &str) -> Option<&Reservation> {
-        self.by_host.get(&normalize_host(host)).map(|r| &**r)
+        self.by_host.get(&*normalize_host(host)).map(|r| &**r)
     }
 
     /// The edge's default host: the reservation of [`DEFAULT_HOST`], if any.
@@ -111,7 +112,7 @@ impl RouteIndex {
     /// host (HTTP/1.0 without `Host`) has none.
     pub fn host_or_default(&self, host: &str, edge_domain: &str) -> Option<&Reservation> {
         let name = normalize_host(host);
-        if let Some(r) = self.by_host.get(&name) {
+        if let Some(r) = self.by_host.get(&*name) {
             return Some(r);
         }
         if name.is_empty() || name == edge_domain || default_host_name(host).is_none() {
@@ -194,7 +195,7 @@ pub fn default_host_name(host: &str) -> Option<String> {
         && name.len() <= 253
         && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.' || b == b'_')
     {
-        name
+        name.into_owned()
     } else {
         return None;
     };
@@ -205,7 +206,7 @@ pub fn default_host_name(host: &str) -> Option<String> {
 }
 
 /// Lower case, no port, no trailing dot.
-pub fn normalize_host(host: &str) -> String {
+pub fn normalize_host(host: &str) -> Cow<'_, str> {
     let host = host.trim();
     let host = if let Some(rest) = host.strip_prefix('[') {
         rest.split(']').next().unwrap_or_default()
@@ -215,7 +216,13 @@ pub fn normalize_host(host: &str) -> String {
             _ => host,
         }
     };
-    host.trim_end_matches('.').to_ascii_lowercase()
+    let host = host.trim_end_matches('.');
+    // Most hosts come lowercase: looked up without a copy.
+    if host.bytes().any(|b| b.is_ascii_uppercase()) {
+        Cow::Owned(host.to_ascii_lowercase())
+    } else {
+        Cow::Borrowed(host)
+    }
 }
 
 #[cfg(test)]

@@ -368,7 +368,8 @@ proptest! {
         if let Ok(host) = crate::edge::api::names::normalize_hostname(&given) {
             prop_assert_eq!(&host, &name.to_ascii_lowercase());
             prop_assert_eq!(crate::edge::api::names::normalize_hostname(&host).unwrap(), host.clone());
-            prop_assert_eq!(crate::edge::routes::normalize_host(&format!("{given}:443")), host);
+            let with_port = format!("{given}:443");
+            prop_assert_eq!(crate::edge::routes::normalize_host(&with_port), host);
         } else {
             // Only one label, or an all-digit last label, is refused here.
             let last = name.rsplit('.').next().unwrap();

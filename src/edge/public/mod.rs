@@ -159,15 +159,14 @@ struct Slot {
 /// What a request on the HTTPS port is: a tenant's (public), the tunnel
 /// endpoint (agent) or the control API (control).
 fn class_of<B>(edge: &Edge, req: &Request<B>) -> Class {
-    let host = request_host(req).unwrap_or_default();
-    if edge.routes().host(&host).is_some() {
-        return Class::Public;
-    }
-    match req.uri().path() {
+    let by_path = match req.uri().path() {
         CONNECT_PATH => Class::Agent,
         p if p.starts_with(API_PREFIX) => Class::Control,
-        _ => Class::Public,
-    }
+        // Public whatever the host: no lookup for the common case.
+        _ => return Class::Public,
+    };
+    let host = request_host(req).unwrap_or_default();
+    if edge.routes().host(&host).is_some() { Class::Public } else { by_path }
 }
 
 /// Moves the connection to the class of `req` (once, or when its requests
