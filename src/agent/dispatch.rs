@@ -2,11 +2,9 @@
 //! resolver says, by its kind ([`StreamKind`]): HTTP requests to
 //! [`super::forward`], upgrades, TCP streams and UDP flows to [`super::pipe`].
 
-use std::convert::Infallible;
 use std::sync::Arc;
 
 use http::{Request, Response, StatusCode};
-use hyper::body::Incoming;
 use tracing::Instrument;
 
 use super::backend::RouteOptions;
@@ -15,6 +13,7 @@ use super::pipe::{self, ProxyHeader};
 use crate::constants::{CLIENT_ADDR_HEADER, SERVER_ADDR_HEADER};
 use crate::tunnel::StreamKind;
 use crate::tunnel::body::BoxBody;
+use crate::tunnel::stream::RecvBody;
 
 /// Where a stream goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -100,21 +99,16 @@ pub fn fixed(target: Target) -> Resolver {
     Arc::new(move |_| Some(target.clone()))
 }
 
-/// The HTTP/2 service of a tunnel connection.
-pub fn service(
-    resolver: Resolver,
-) -> impl hyper::service::Service<
-    Request<Incoming>,
-    Response = Response<BoxBody>,
-    Error = Infallible,
-    Future = impl Future<Output = Result<Response<BoxBody>, Infallible>> + Send,
-> + Clone {
-    hyper::service::service_fn(move |req: Request<Incoming>| {
-        let resolver = resolver.clone();
-        let kind = StreamKind::of(&req);
-        let span = tracing::debug_span!("stream", kind = kind.header_value(), uri = %req.uri());
-        async move { Ok(handle(req, kind, &resolver).await) }.instrument(span)
-    })
+/// The answer to a stream the edge opened (the service of a tunnel
+/// connection, which [`crate::tunnel::server::serve`] runs for each).
+pub fn answer(
+    resolver: &Resolver,
+    req: Request<RecvBody>,
+) -> impl Future<Output = Response<BoxBody>> + Send + 'static {
+    let resolver = resolver.clone();
+    let kind = StreamKind::of(&req);
+    let span = tracing::debug_span!("stream", kind = kind.header_value(), uri = %req.uri());
+    async move { handle(req, kind, &resolver).await }.instrument(span)
 }
 
 /// Every arm's future is boxed: this future is what each stream's task
@@ -123,7 +117,7 @@ pub fn service(
 /// agent's CPU in a profile of keep-alive HTTP). One allocation per stream costs
 /// less than those copies, and a held TCP stream no longer carries the room of
 /// the HTTP forwarding's backend connect, pool checkout and timeout.
-async fn handle(req: Request<Incoming>, kind: StreamKind, resolver: &Resolver) -> Response<BoxBody> {
+async fn handle(req: Request<RecvBody>, kind: StreamKind, resolver: &Resolver) -> Response<BoxBody> {
     let (parts, body) = req.into_parts();
     let Some(target) = resolver(&parts) else {
         return agent_error(StatusCode::NOT_FOUND, "no backend for this host and path");

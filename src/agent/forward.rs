@@ -14,7 +14,6 @@ use std::sync::atomic::Ordering;
 use http::header::{self, HeaderMap, HeaderValue};
 use http::uri::PathAndQuery;
 use http::{Request, Response, StatusCode, Uri};
-use hyper::body::Incoming;
 use tokio::net::TcpStream;
 use tracing::warn;
 
@@ -23,6 +22,7 @@ use super::guard::{IdleTimeoutBody, LimitedBody};
 use crate::constants::ERROR_HEADER;
 use crate::http::{error_chain, strip_hop_by_hop, strip_hop_by_hop_and_culvert};
 use crate::tunnel::body::{self, BoxBody};
+use crate::tunnel::stream::RecvBody;
 
 /// A response the agent makes itself, marked so the edge can tell.
 pub fn agent_error(status: StatusCode, message: &str) -> Response<BoxBody> {
@@ -125,7 +125,7 @@ fn too_large(max: u64) -> Response<BoxBody> {
 /// Forwards one request to `authority` as `options` say.
 pub async fn http(
     mut parts: http::request::Parts,
-    body: Incoming,
+    body: RecvBody,
     authority: &str,
     options: &Arc<RouteOptions>,
 ) -> Response<BoxBody> {

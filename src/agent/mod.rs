@@ -21,7 +21,6 @@ pub(crate) mod serve;
 use std::sync::Arc;
 use std::time::Instant;
 
-use hyper_util::rt::TokioIo;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, warn};
 
@@ -148,8 +147,11 @@ async fn serve_connection(
     let Connected { stream, control, info } = c;
     // Calls `on_lost` on every way out, once the connection was ready.
     let lost = LostGuard { info: info.clone(), on_lost: options.on_lost.clone(), ready: Default::default() };
-    let service = serve::service(resolver);
-    let conn = crate::tunnel::h2_server().serve_connection(TokioIo::new(stream), service);
+    let service = |req| serve::answer(&resolver, req);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let conn = crate::tunnel::server::serve(stream, service, async {
+        let _ = stopped.await;
+    });
     tokio::pin!(conn);
 
     let ready = async {
@@ -180,7 +182,7 @@ async fn serve_connection(
         r = &mut conn => return describe_end(r),
         _ = drain => {}
     }
-    conn.as_mut().graceful_shutdown();
+    let _ = stop.send(());
     match tokio::time::timeout(DRAIN_TIMEOUT, conn).await {
         Ok(r) => describe_end(r),
         Err(_) => format!("drain timed out after {DRAIN_TIMEOUT:?}; open streams were cut"),
@@ -201,7 +203,7 @@ impl Drop for LostGuard {
     }
 }
 
-fn describe_end(r: Result<(), hyper::Error>) -> String {
+fn describe_end(r: Result<(), h2::Error>) -> String {
     match r {
         Ok(()) => "closed by the edge".into(),
         Err(e) => crate::http::error_chain(&e),

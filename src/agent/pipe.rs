@@ -7,7 +7,6 @@ use std::sync::{Arc, LazyLock};
 use http::header::{self, HeaderValue};
 use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use tokio::net::{TcpStream, UdpSocket};
 use tracing::{Instrument, debug, warn};
@@ -20,6 +19,7 @@ use crate::constants::{
 use crate::http::strip_hop_by_hop;
 use crate::tunnel::body::{self, BoxBody, ReadBody};
 use crate::tunnel::datagram;
+use crate::tunnel::stream::RecvBody;
 
 /// A PROXY protocol header (HAProxy's, versions 1 and 2) written to a TCP
 /// backend before the stream's bytes, so it learns the public client's address.
@@ -126,7 +126,7 @@ async fn dial_within(addr: &str, limit: std::time::Duration) -> Result<TcpStream
 /// replies queued into the response body. The queue toward the edge is
 /// bounded: a reply that does not fit is dropped and counted
 /// ([`super::metrics::udp_reply_dropped`]).
-pub async fn udp(addr: String, proxy_header: Option<Vec<u8>>, body: Incoming) -> Response<BoxBody> {
+pub async fn udp(addr: String, proxy_header: Option<Vec<u8>>, body: RecvBody) -> Response<BoxBody> {
     let socket = match udp_connect(&addr).await {
         Ok(s) => Arc::new(s),
         Err(e) => {
@@ -223,7 +223,7 @@ async fn udp_connect(addr: &str) -> Result<UdpSocket, String> {
 }
 
 /// Pipes a TCP stream to `addr`, after the PROXY protocol header if any.
-pub async fn tcp(addr: String, proxy_header: Option<Vec<u8>>, body: Incoming) -> Response<BoxBody> {
+pub async fn tcp(addr: String, proxy_header: Option<Vec<u8>>, body: RecvBody) -> Response<BoxBody> {
     let mut stream = match dial(&addr).await {
         Ok(s) => s,
         Err(e) => {
@@ -253,7 +253,7 @@ pub async fn tcp(addr: String, proxy_header: Option<Vec<u8>>, body: Incoming) ->
 /// both ways. The caller has admitted the request.
 pub async fn upgrade(
     parts: http::request::Parts,
-    body: Incoming,
+    body: RecvBody,
     authority: &str,
     options: &RouteOptions,
 ) -> Response<BoxBody> {

@@ -3,4 +3,4 @@
 //! in [`super::forward`] and pipes bytes in [`super::pipe`]. The HTTP
 //! helpers the edge shares are in [`crate::http`].
 
-pub use super::dispatch::{Resolver, Target, fixed, service};
+pub use super::dispatch::{Resolver, Target, answer, fixed};

@@ -9,7 +9,6 @@
 //! complete gets a task of its own, which feeds it to the stream as its
 //! window allows (as in hyper).
 
-use std::error::Error as StdError;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -17,15 +16,16 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll, ready};
 
 use bytes::Bytes;
-use h2::{Reason, RecvStream, SendStream};
+use h2::Reason;
 use http::{HeaderValue, Method, Request, Response, header};
-use hyper::body::{Body, Frame, SizeHint};
+use hyper::body::Body;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::oneshot;
 use tracing::{Instrument, debug};
 
 use super::body::BoxBody;
-use crate::BoxError;
+use super::stream::Pipe;
+pub use super::stream::RecvBody;
 use crate::constants::{H2_CONN_WINDOW, H2_MAX_FRAME, H2_STREAM_WINDOW};
 
 /// The largest response head the edge takes from an agent (what hyper's
@@ -137,7 +137,7 @@ impl Sender {
             .map_err(|error| SendError { error, request: None })?;
         let mut cancel = None;
         if !eos {
-            let mut pipe = Pipe { body, tx: body_tx, buffered: None };
+            let mut pipe = Pipe::new(body, body_tx);
             // Most small bodies are already there: no task for them.
             if std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut pipe).poll(cx))).await.is_pending() {
                 let (tx, rx) = oneshot::channel();
@@ -149,9 +149,9 @@ impl Sender {
         if let Some(mut c) = cancel {
             c.0 = None;
         }
-        let response = response.map_err(|error| SendError { error, request: None })?;
-        let content_length = content_length(response.headers());
-        Ok(response.map(|recv| RecvBody { recv, data_done: false, content_length }))
+        let (head, recv) = response.map_err(|error| SendError { error, request: None })?.into_parts();
+        let body = RecvBody::new(recv, &head.headers);
+        Ok(Response::from_parts(head, body))
     }
 }
 
@@ -164,15 +164,6 @@ pub(crate) fn has_payload_semantics(method: &Method) -> bool {
     )
 }
 
-/// The one valid `content-length`, if the head has one.
-fn content_length(headers: &http::HeaderMap) -> Option<u64> {
-    let mut values = headers.get_all(header::CONTENT_LENGTH).iter();
-    match (values.next(), values.next()) {
-        (Some(v), None) => v.to_str().ok()?.trim().parse().ok(),
-        _ => None,
-    }
-}
-
 /// Tells a body's [`PipeTask`] to reset the stream, when dropped armed (the
 /// request was given up before its response came).
 struct CancelOnDrop(Option<oneshot::Sender<()>>);
@@ -181,102 +172,6 @@ impl Drop for CancelOnDrop {
     fn drop(&mut self) {
         if let Some(tx) = self.0.take() {
             let _ = tx.send(());
-        }
-    }
-}
-
-/// Feeds a request body to its stream: a chunk at a time, each once the
-/// stream has room for it (h2 holds what the window does not take yet, up to
-/// its send buffer).
-struct Pipe {
-    body: BoxBody,
-    tx: SendStream<Bytes>,
-    /// A chunk taken from the body, waiting for the stream's capacity.
-    buffered: Option<(Bytes, bool)>,
-}
-
-impl Future for Pipe {
-    type Output = Result<(), BoxError>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let me = self.get_mut();
-        loop {
-            // Woken by a reset from the agent while waiting for the body or for room.
-            if let Poll::Ready(reset) = me.tx.poll_reset(cx) {
-                let error = match reset {
-                    Ok(reason) => h2::Error::from(reason),
-                    Err(e) => e,
-                };
-                return Poll::Ready(Err(error.into()));
-            }
-            if let Some((data, eos)) = me.buffered.take() {
-                while me.tx.capacity() == 0 {
-                    match me.tx.poll_capacity(cx) {
-                        Poll::Pending => {
-                            me.buffered = Some((data, eos));
-                            return Poll::Pending;
-                        }
-                        Poll::Ready(Some(Ok(0))) => {}
-                        Poll::Ready(Some(Ok(_))) => break,
-                        Poll::Ready(Some(Err(e))) => return Poll::Ready(Err(e.into())),
-                        Poll::Ready(None) => return Poll::Ready(Err("the tunnel stream closed".into())),
-                    }
-                }
-                me.tx.send_data(data, eos)?;
-                if eos {
-                    return Poll::Ready(Ok(()));
-                }
-                continue;
-            }
-            // The next chunk first, then room for it: capacity reserved ahead
-            // of data would pin the connection window for a body that sends
-            // nothing (hyper#4003).
-            match ready!(Pin::new(&mut me.body).poll_frame(cx)) {
-                Some(Ok(frame)) => match frame.into_data() {
-                    Ok(chunk) => {
-                        let eos = me.body.is_end_stream();
-                        if chunk.is_empty() {
-                            me.tx.send_data(chunk, eos)?;
-                            if eos {
-                                return Poll::Ready(Ok(()));
-                            }
-                            continue;
-                        }
-                        // A minimal claim: h2 raises it to what is buffered.
-                        me.tx.reserve_capacity(1);
-                        me.buffered = Some((chunk, eos));
-                    }
-                    Err(frame) => {
-                        if let Ok(trailers) = frame.into_trailers() {
-                            me.tx.reserve_capacity(0);
-                            me.tx.send_trailers(trailers)?;
-                            return Poll::Ready(Ok(()));
-                        }
-                    }
-                },
-                Some(Err(e)) => {
-                    me.tx.send_reset(reason_of(&*e));
-                    return Poll::Ready(Err(e));
-                }
-                None => {
-                    me.tx.send_data(Bytes::new(), true)?;
-                    return Poll::Ready(Ok(()));
-                }
-            }
-        }
-    }
-}
-
-/// The reset to send for a body that failed: the HTTP/2 reason behind it
-/// (a public client's own reset), else `INTERNAL_ERROR`.
-fn reason_of(mut e: &(dyn StdError + 'static)) -> Reason {
-    loop {
-        if let Some(reason) = e.downcast_ref::<h2::Error>().and_then(h2::Error::reason) {
-            return reason;
-        }
-        match e.source() {
-            Some(source) => e = source,
-            None => return Reason::INTERNAL_ERROR,
         }
     }
 }
@@ -308,81 +203,30 @@ impl Future for PipeTask {
     }
 }
 
-/// A response body from the tunnel: its DATA as they come, each handed back
-/// to the stream's window as it is taken, then its trailers.
-#[derive(Debug)]
-pub struct RecvBody {
-    recv: RecvStream,
-    data_done: bool,
-    /// What remains of the response's `content-length`.
-    content_length: Option<u64>,
-}
-
-impl Body for RecvBody {
-    type Data = Bytes;
-    type Error = h2::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, h2::Error>>> {
-        let me = self.get_mut();
-        if !me.data_done {
-            match ready!(me.recv.poll_data(cx)) {
-                Some(Ok(data)) => {
-                    let _ = me.recv.flow_control().release_capacity(data.len());
-                    if let Some(left) = &mut me.content_length {
-                        *left = left.saturating_sub(data.len() as u64);
-                    }
-                    return Poll::Ready(Some(Ok(Frame::data(data))));
-                }
-                // RST_STREAM(NO_ERROR) after a complete response: the agent
-                // needs no more of the request; the response is whole.
-                Some(Err(e)) if e.reason() == Some(Reason::NO_ERROR) => return Poll::Ready(None),
-                Some(Err(e)) => return Poll::Ready(Some(Err(e))),
-                None => me.data_done = true,
-            }
-        }
-        match ready!(me.recv.poll_trailers(cx)) {
-            Ok(trailers) => Poll::Ready(trailers.map(|t| Ok(Frame::trailers(t)))),
-            Err(e) if e.reason() == Some(Reason::NO_ERROR) => Poll::Ready(None),
-            Err(e) => Poll::Ready(Some(Err(e))),
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.recv.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.content_length.map(SizeHint::with_exact).unwrap_or_default()
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use std::convert::Infallible;
     use std::time::Duration;
 
     use http_body_util::BodyExt;
-    use hyper_util::rt::{TokioExecutor, TokioIo};
+    use hyper::body::Frame;
     use tokio::sync::mpsc;
 
     use super::*;
+    use crate::BoxError;
     use crate::tunnel::body;
 
     /// What the agent's end saw of one request: its head, its body or the
     /// error it ended in (a reset), its trailers.
     type Seen = (http::request::Parts, Result<Bytes, String>, Option<http::HeaderMap>);
 
-    /// A tunnel connection whose agent end (hyper's HTTP/2 server) reports
+    /// A tunnel connection whose agent end ([`crate::tunnel::server`]) reports
     /// each request and answers with `respond`'s body once it has read the
     /// request's body.
     async fn tunnel(respond: fn() -> BoxBody) -> (Sender, mpsc::UnboundedReceiver<Seen>) {
         let (client, server) = tokio::io::duplex(64 * 1024);
         let (seen_tx, seen) = mpsc::unbounded_channel();
         tokio::spawn(async move {
-            let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+            let svc = move |req: Request<RecvBody>| {
                 let seen_tx = seen_tx.clone();
                 async move {
                     let (parts, body) = req.into_parts();
@@ -394,10 +238,10 @@ mod tests {
                         Err(e) => (parts, Err(e.to_string()), None),
                     };
                     let _ = seen_tx.send(seen);
-                    Ok::<_, Infallible>(Response::new(respond()))
+                    Response::new(respond())
                 }
-            });
-            let _ = crate::tunnel::h2_server().serve_connection(TokioIo::new(server), svc).await;
+            };
+            let _ = crate::tunnel::server::serve(server, svc, std::future::pending()).await;
         });
         let (send, conn) = handshake(client).await.unwrap();
         tokio::spawn(conn);
@@ -493,15 +337,10 @@ mod tests {
     #[tokio::test]
     async fn a_request_on_a_closed_connection_comes_back() {
         let (client, server) = tokio::io::duplex(64 * 1024);
+        // An agent end that stops at once: GOAWAY before any stream.
         let agent = tokio::spawn(async move {
-            let svc = hyper::service::service_fn(|_req| async {
-                Ok::<_, Infallible>(Response::new(http_body_util::Empty::<Bytes>::new()))
-            });
-            let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
-                .serve_connection(TokioIo::new(server), svc);
-            tokio::pin!(conn);
-            conn.as_mut().graceful_shutdown();
-            let _ = conn.await;
+            let svc = |_req| async { Response::new(body::empty()) };
+            let _ = crate::tunnel::server::serve(server, svc, std::future::ready(())).await;
         });
         let (send, conn) = handshake(client).await.unwrap();
         let _ = conn.await;

@@ -64,29 +64,10 @@ pub mod connect;
 pub mod datagram;
 pub(crate) mod handshake;
 pub(crate) mod proxy;
+pub mod server;
+pub mod stream;
 pub mod tls;
 pub(crate) mod ws;
-
-use hyper_util::rt::TokioExecutor;
-
-use crate::constants::{H2_CONN_WINDOW, H2_MAX_FRAME, H2_MAX_STREAMS, H2_STREAM_WINDOW};
-
-/// HTTP/2 server settings of the agent's end of a tunnel.
-pub fn h2_server() -> hyper::server::conn::http2::Builder<TokioExecutor> {
-    let mut b = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
-    // Fixed large windows, as in client::handshake.
-    b.initial_stream_window_size(H2_STREAM_WINDOW)
-        .initial_connection_window_size(H2_CONN_WINDOW)
-        .max_frame_size(H2_MAX_FRAME)
-        .max_concurrent_streams(H2_MAX_STREAMS)
-        // The edge cancels a tunnel stream whenever a public client goes away
-        // or resets its request, possibly before this end accepted it. hyper's
-        // default (20 such resets, the rapid-reset guard meant for untrusted
-        // clients) would let public clients tear the tunnel down; the edge
-        // keeps that guard on its public side.
-        .max_pending_accept_reset_streams(H2_MAX_STREAMS as usize);
-    b
-}
 
 /// What a tunnelled stream is, from the `culvert-stream` header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

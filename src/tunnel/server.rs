@@ -1,0 +1,336 @@
+//! The agent's end of a tunnel connection's HTTP/2, on h2 itself (as the
+//! edge's end is, [`super::client`]): every stream the edge opens is answered
+//! in a task of its own, which runs the service on the request, sends the
+//! response head and feeds the body to the stream ([`Pipe`]).
+//!
+//! hyper's HTTP/2 server did the same with more in between, all of it for
+//! every request: its request body wrapped h2's, its stream task stripped
+//! connection headers with one hashed lookup per name and looked for a
+//! `Date`, its body pipe re-checked the stream per chunk, and the tunnel's
+//! bytes went through hyper's IO traits and back into tokio's. Here the
+//! response's head is only cleaned when it carries a header HTTP/2 forbids
+//! (one pass over its names; the forwarding path strips them already).
+
+use std::future::Future;
+use std::pin::pin;
+use std::task::Poll;
+
+use bytes::Bytes;
+use h2::Reason;
+use h2::server::SendResponse;
+use http::{HeaderMap, HeaderValue, Request, Response, header};
+use hyper::body::Body;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tracing::debug;
+
+use super::body::BoxBody;
+use super::stream::{Pipe, RecvBody};
+use crate::constants::{H2_CONN_WINDOW, H2_MAX_FRAME, H2_MAX_STREAMS, H2_STREAM_WINDOW};
+
+/// The largest request head the agent takes from the edge (hyper's server's
+/// default, which the agent had before).
+const MAX_HEADER_LIST: u32 = 16 * 1024;
+/// What h2 holds of a stream's response body beyond its window (hyper's
+/// server's default): the agent's buffering per stream whose public client
+/// does not read.
+const MAX_SEND_BUFFER: usize = 400 * 1024;
+/// Streams reset because of an error of this end, before the connection is
+/// closed as broken (hyper's default).
+const MAX_LOCAL_ERROR_RESETS: usize = 1024;
+
+fn builder() -> h2::server::Builder {
+    let mut b = h2::server::Builder::new();
+    // Fixed large windows, as at the edge's end (client::handshake).
+    b.initial_window_size(H2_STREAM_WINDOW)
+        .initial_connection_window_size(H2_CONN_WINDOW)
+        .max_frame_size(H2_MAX_FRAME)
+        .max_concurrent_streams(H2_MAX_STREAMS)
+        .max_header_list_size(MAX_HEADER_LIST)
+        .max_send_buffer_size(MAX_SEND_BUFFER)
+        .max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESETS))
+        // The edge cancels a tunnel stream whenever a public client goes away
+        // or resets its request, possibly before this end accepted it. h2's
+        // default (20 such resets, the rapid-reset guard meant for untrusted
+        // clients) would let public clients tear the tunnel down; the edge
+        // keeps that guard on its public side.
+        .max_pending_accept_reset_streams(H2_MAX_STREAMS as usize);
+    b
+}
+
+/// Serves the HTTP/2 of a tunnel connection, the agent being the server,
+/// until the edge closes it or it fails. Each request goes to `service` in a
+/// task of its own; the response it returns is sent back on its stream. When
+/// `stop` completes, the connection is shut down gracefully (GOAWAY: the
+/// streams already open finish, no new one is taken) and this returns once
+/// they have.
+pub async fn serve<T, S, F>(io: T, mut service: S, stop: impl Future<Output = ()>) -> Result<(), h2::Error>
+where
+    T: AsyncRead + AsyncWrite + Unpin,
+    S: FnMut(Request<RecvBody>) -> F,
+    F: Future<Output = Response<BoxBody>> + Send + 'static,
+{
+    let mut stop = pin!(stop);
+    let mut conn = tokio::select! {
+        conn = builder().handshake::<T, Bytes>(io) => conn?,
+        _ = stop.as_mut() => return Ok(()),
+    };
+    let mut stopping = false;
+    std::future::poll_fn(|cx| {
+        if !stopping && stop.as_mut().poll(cx).is_ready() {
+            stopping = true;
+            conn.graceful_shutdown();
+        }
+        // Accepting also drives the connection: it reads and writes the socket.
+        loop {
+            match std::task::ready!(conn.poll_accept(cx)) {
+                Some(Ok((req, respond))) => {
+                    let (head, recv) = req.into_parts();
+                    let body = RecvBody::new(recv, &head.headers);
+                    // Boxed: a task's future is copied whole when it is
+                    // spawned and again when it ends (a profile showed those
+                    // copies, ~2.5 k instructions a request, beside one
+                    // allocation's ~0.2 k).
+                    let response = Box::pin(service(Request::from_parts(head, body)));
+                    tokio::spawn(answer(response, respond));
+                }
+                Some(Err(e)) => return Poll::Ready(Err(e)),
+                None => return Poll::Ready(Ok(())),
+            }
+        }
+    })
+    .await
+}
+
+/// Waits for a stream's response and sends it: the head, then the body as
+/// the stream's window allows. A reset from the edge (its public client went
+/// away) drops the response's future, whatever it was waiting for.
+async fn answer<F>(response: F, mut respond: SendResponse<Bytes>)
+where
+    F: Future<Output = Response<BoxBody>>,
+{
+    let mut response = pin!(response);
+    let response = std::future::poll_fn(|cx| {
+        if let Poll::Ready(r) = response.as_mut().poll(cx) {
+            return Poll::Ready(Some(r));
+        }
+        match respond.poll_reset(cx) {
+            Poll::Ready(_) => Poll::Ready(None),
+            Poll::Pending => Poll::Pending,
+        }
+    })
+    .await;
+    let Some(response) = response else {
+        return debug!("stream reset before its response");
+    };
+    let (mut head, body) = response.into_parts();
+    head_for_h2(&mut head.headers);
+    let eos = body.is_end_stream();
+    if !eos
+        && let Some(len) = body.size_hint().exact()
+        && !head.headers.contains_key(header::CONTENT_LENGTH)
+    {
+        head.headers.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
+    }
+    let tx = match respond.send_response(Response::from_parts(head, ()), eos) {
+        Ok(tx) => tx,
+        Err(e) => {
+            debug!(error = %e, "sending a response head failed");
+            return respond.send_reset(Reason::INTERNAL_ERROR);
+        }
+    };
+    if !eos && let Err(e) = Pipe::new(body, tx).await {
+        debug!(error = %e, "response body to the tunnel ended");
+    }
+}
+
+/// Removes what HTTP/2 forbids in a head (h2 refuses to send one with a
+/// connection-specific header): nothing, in one pass over the names, for the
+/// heads the forwarding path cleaned already.
+fn head_for_h2(headers: &mut HeaderMap) {
+    if headers.keys().any(crate::http::is_hop_by_hop) {
+        crate::http::strip_hop_by_hop(headers);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use http::{Method, StatusCode};
+    use http_body_util::BodyExt;
+    use hyper::body::Frame;
+    use tokio::sync::{mpsc, oneshot};
+
+    use super::*;
+    use crate::BoxError;
+    use crate::tunnel::body;
+    use crate::tunnel::client::{self, Sender};
+
+    /// A tunnel connection (in memory) served by `service`; `stop` shuts it
+    /// down gracefully.
+    async fn tunnel<S, F>(
+        service: S,
+    ) -> (Sender, oneshot::Sender<()>, tokio::task::JoinHandle<Result<(), h2::Error>>)
+    where
+        S: FnMut(Request<RecvBody>) -> F + Send + 'static,
+        F: Future<Output = Response<BoxBody>> + Send + 'static,
+    {
+        let (edge, agent) = tokio::io::duplex(64 * 1024);
+        let (stop_tx, stop_rx) = oneshot::channel::<()>();
+        let served = tokio::spawn(serve(agent, service, async {
+            let _ = stop_rx.await;
+        }));
+        let (send, conn) = client::handshake(edge).await.unwrap();
+        tokio::spawn(conn);
+        (send, stop_tx, served)
+    }
+
+    fn get(path: &str) -> Request<BoxBody> {
+        Request::builder().uri(format!("https://app.test{path}")).body(body::empty()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_head_is_made_fit_for_http2_and_a_known_length_is_said() {
+        let (send, _stop, _) = tunnel(|_req| async {
+            let mut r = Response::new(body::full("hello"));
+            // What a response filter could add; HTTP/2 forbids them.
+            r.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close, x-hop"));
+            r.headers_mut().insert("x-hop", HeaderValue::from_static("1"));
+            r.headers_mut().insert("x-kept", HeaderValue::from_static("2"));
+            r.headers_mut().insert(header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
+            r
+        })
+        .await;
+        let resp = send.send(get("/")).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        let h = resp.headers();
+        assert!(h.get(header::CONNECTION).is_none() && h.get(header::TRANSFER_ENCODING).is_none());
+        assert!(h.get("x-hop").is_none(), "a header the Connection header named");
+        assert_eq!(h.get("x-kept").unwrap(), "2");
+        assert_eq!(h.get(header::CONTENT_LENGTH).unwrap(), "5");
+        assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), "hello");
+    }
+
+    #[tokio::test]
+    async fn an_empty_response_ends_with_its_head_and_keeps_its_content_length() {
+        // A HEAD's answer: the length of what a GET would get, no body.
+        let (send, _stop, _) = tunnel(|_req| async {
+            let mut r = Response::new(body::empty());
+            r.headers_mut().insert(header::CONTENT_LENGTH, HeaderValue::from_static("1234"));
+            r
+        })
+        .await;
+        let mut head = get("/");
+        *head.method_mut() = Method::HEAD;
+        let resp = send.send(head).await.unwrap();
+        assert_eq!(resp.headers().get(header::CONTENT_LENGTH).unwrap(), "1234");
+        assert!(resp.body().is_end_stream(), "the head ended the stream");
+    }
+
+    #[tokio::test]
+    async fn request_bodies_and_their_trailers_reach_the_service() {
+        let (send, _stop, _) = tunnel(|req: Request<RecvBody>| async move {
+            assert_eq!(req.body().size_hint().exact(), Some(1 << 20), "its content-length");
+            let got = req.into_body().collect().await.unwrap();
+            let trailers = got.trailers().cloned();
+            let n = got.to_bytes().len();
+            let mut r = Response::new(body::full(format!("{n}")));
+            if let Some(t) = trailers.and_then(|t| t.get("x-sum").cloned()) {
+                r.headers_mut().insert("x-sum", t);
+            }
+            r
+        })
+        .await;
+        let upload = Request::builder()
+            .method(Method::POST)
+            .uri("https://app.test/up")
+            .body(body::full(vec![1u8; 1 << 20]))
+            .unwrap();
+        let resp = send.send(upload).await.unwrap();
+        assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), "1048576");
+
+        let mut t = HeaderMap::new();
+        t.insert("x-sum", HeaderValue::from_static("abc"));
+        let frames: Vec<Result<_, BoxError>> =
+            vec![Ok(Frame::data(Bytes::from_static(b"ask"))), Ok(Frame::trailers(t))];
+        let with_trailers = body::boxed(http_body_util::StreamBody::new(futures_util::stream::iter(frames)));
+        let req =
+            Request::builder().method(Method::POST).uri("https://app.test/t").body(with_trailers).unwrap();
+        let (send2, _stop2, _) = tunnel(|req: Request<RecvBody>| async move {
+            let got = req.into_body().collect().await.unwrap();
+            let sum = got.trailers().and_then(|t| t.get("x-sum").cloned()).unwrap();
+            let mut r = Response::new(body::full(got.to_bytes()));
+            r.headers_mut().insert("x-sum", sum);
+            r
+        })
+        .await;
+        let resp = send2.send(req).await.unwrap();
+        assert_eq!(resp.headers().get("x-sum").unwrap(), "abc");
+        assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), "ask");
+        drop(send);
+    }
+
+    #[tokio::test]
+    async fn a_reset_from_the_edge_drops_the_pending_response() {
+        // The service never answers; it tells when its future is dropped.
+        let (dropped_tx, mut dropped) = mpsc::unbounded_channel::<()>();
+        let (send, _stop, _) = tunnel(move |_req| {
+            let guard = DropSignal(dropped_tx.clone());
+            async move {
+                let _guard = guard;
+                std::future::pending::<Response<BoxBody>>().await
+            }
+        })
+        .await;
+        let pending = send.send(get("/slow"));
+        assert!(tokio::time::timeout(Duration::from_millis(50), pending).await.is_err());
+        // The edge gave the request up (its future dropped: a reset).
+        tokio::time::timeout(Duration::from_secs(10), dropped.recv())
+            .await
+            .expect("the service's future was dropped")
+            .unwrap();
+    }
+
+    struct DropSignal(mpsc::UnboundedSender<()>);
+
+    impl Drop for DropSignal {
+        fn drop(&mut self) {
+            let _ = self.0.send(());
+        }
+    }
+
+    #[tokio::test]
+    async fn stopping_lets_open_streams_finish_and_takes_no_new_one() {
+        let (arrived_tx, mut arrived) = mpsc::unbounded_channel::<()>();
+        let (release_tx, release_rx) = oneshot::channel::<()>();
+        let release = Arc::new(std::sync::Mutex::new(Some(release_rx)));
+        let (send, stop, served) = tunnel(move |_req| {
+            let release = release.lock().unwrap().take();
+            let _ = arrived_tx.send(());
+            async move {
+                if let Some(rx) = release {
+                    let _ = rx.await;
+                }
+                Response::new(body::full("done"))
+            }
+        })
+        .await;
+        let in_flight = tokio::spawn({
+            let send = send.clone();
+            async move { send.send(get("/long")).await }
+        });
+        // The stream is open at the agent, then the stop comes.
+        arrived.recv().await.unwrap();
+        stop.send(()).unwrap();
+        release_tx.send(()).unwrap();
+        let resp = in_flight.await.unwrap().expect("the open stream was answered");
+        assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), "done");
+        tokio::time::timeout(Duration::from_secs(10), served)
+            .await
+            .expect("the connection closed once its streams were done")
+            .unwrap()
+            .unwrap();
+        assert!(send.send(get("/after")).await.is_err(), "no stream after the GOAWAY");
+    }
+}
