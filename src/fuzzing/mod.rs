@@ -273,7 +273,7 @@ fn check_public_head<B>(req: Request<B>) {
     use crate::constants::{STREAM_HEADER, UPGRADE_HEADER};
     use crate::edge::public::{head, upgrade};
     let asked = head::request_host(&req).unwrap_or_default();
-    let name = crate::edge::routes::normalize_host(&asked);
+    let name = crate::edge::routes::normalize_host(asked);
     assert_eq!(name, name.to_ascii_lowercase());
     let host = names::normalize_hostname(&name).unwrap_or_else(|_| "app.example.com".into());
     let upgrade = upgrade::upgrade_of(&req, &["websocket".to_string()]);

@@ -3,7 +3,7 @@
 //! culvert's stream headers) and the agent's response head cleaned for the
 //! client.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 
 use http::header::{self, HeaderMap, HeaderValue};
 use http::uri::{Authority, PathAndQuery, Scheme};
@@ -19,27 +19,30 @@ use crate::http::{
 use crate::tunnel::StreamKind;
 
 /// The request's host: `:authority` (h2) or `Host` (HTTP/1.1).
-pub(crate) fn request_host<B>(req: &Request<B>) -> Option<String> {
+pub(crate) fn request_host<B>(req: &Request<B>) -> Option<&str> {
     req.uri()
         .authority()
-        .map(|a| a.as_str().to_string())
-        .or_else(|| req.headers().get(header::HOST).and_then(|h| h.to_str().ok()).map(str::to_string))
+        .map(|a| a.as_str())
+        .or_else(|| req.headers().get(header::HOST).and_then(|h| h.to_str().ok()))
 }
 
-/// Headers that carry a client address or port as some proxy or CDN saw it:
-/// a client's own are never passed on (the edge sets `X-Forwarded-*`).
-const CLIENT_ADDRESS_HEADERS: [&str; 10] = [
-    "x-forwarded-for",
-    "x-forwarded-proto",
-    "x-forwarded-host",
-    "x-forwarded-port",
-    "x-real-ip",
-    "forwarded",
-    "true-client-ip",
-    "x-client-ip",
-    "cf-connecting-ip",
-    "x-original-forwarded-for",
-];
+/// Whether a header carries a client address or port as some proxy or CDN
+/// saw it: a client's own are never passed on (the edge sets `X-Forwarded-*`).
+fn is_client_address_header(name: &HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "x-forwarded-for"
+            | "x-forwarded-proto"
+            | "x-forwarded-host"
+            | "x-forwarded-port"
+            | "x-real-ip"
+            | "forwarded"
+            | "true-client-ip"
+            | "x-client-ip"
+            | "cf-connecting-ip"
+            | "x-original-forwarded-for"
+    )
+}
 
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
@@ -85,25 +88,24 @@ pub(crate) fn rewrite_request(
     // From its parts: the path is the request's own (parsed once, by hyper).
     let mut uri = http::uri::Parts::default();
     uri.scheme = Some(Scheme::HTTPS);
-    uri.authority = Some(Authority::try_from(host).map_err(|_| BadTarget)?);
+    // One copy of the host for the URI and `X-Forwarded-Host`.
+    let host = bytes::Bytes::copy_from_slice(host.as_bytes());
+    uri.authority = Some(Authority::from_maybe_shared(host.clone()).map_err(|_| BadTarget)?);
     uri.path_and_query = Some(pq);
     let uri = Uri::from_parts(uri).map_err(|_| BadTarget)?;
     // One pass drops hop-by-hop and culvert headers, the `Host` (the URI
     // carries it) and client-supplied forwarding headers: replaced, never trusted.
     strip_connection_listed(&mut parts.headers);
     remove_headers(&mut parts.headers, |k| {
-        is_hop_by_hop(k)
-            || is_culvert_header(k)
-            || k == header::HOST
-            || CLIENT_ADDRESS_HEADERS.contains(&k.as_str())
+        is_hop_by_hop(k) || is_culvert_header(k) || k == header::HOST || is_client_address_header(k)
     });
     let h = &mut parts.headers;
     // Room for what is added below at once, not one growth per insert.
     h.reserve(6);
     h.insert(X_FORWARDED_PORT.clone(), HeaderValue::from(port));
-    h.insert(X_FORWARDED_FOR.clone(), HeaderValue::from_str(&peer.ip().to_string()).expect("ip is ascii"));
+    h.insert(X_FORWARDED_FOR.clone(), address_value(peer.ip()));
     h.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static(scheme));
-    if let Ok(v) = HeaderValue::from_str(host) {
+    if let Ok(v) = HeaderValue::from_maybe_shared(host) {
         h.insert(X_FORWARDED_HOST.clone(), v);
     }
     let kind = if upgrade.is_some() { StreamKind::Upgrade } else { StreamKind::Http };
@@ -114,6 +116,30 @@ pub(crate) fn rewrite_request(
     parts.uri = uri;
     parts.version = http::Version::HTTP_2;
     Ok(())
+}
+
+/// An address as a header value; IPv4 written by hand (its `Display`, through
+/// the formatting machinery, was a fifth of `rewrite_request`).
+fn address_value(ip: IpAddr) -> HeaderValue {
+    let IpAddr::V4(v4) = ip else {
+        return HeaderValue::from_maybe_shared(bytes::Bytes::from(ip.to_string()))
+            .expect("an address is ascii");
+    };
+    let mut text = [0u8; 15];
+    let mut len = 0;
+    for (i, octet) in v4.octets().into_iter().enumerate() {
+        if i > 0 {
+            text[len] = b'.';
+            len += 1;
+        }
+        for (place, digit) in [(100, octet / 100), (10, octet / 10 % 10), (1, octet % 10)] {
+            if octet >= place || place == 1 {
+                text[len] = b'0' + digit;
+                len += 1;
+            }
+        }
+    }
+    HeaderValue::from_bytes(&text[..len]).expect("an address is ascii")
 }
 
 /// A request target the edge does not forward (answered `400`).
@@ -128,6 +154,17 @@ pub(super) fn clean_response(headers: &mut HeaderMap) {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn addresses_as_header_values() {
+        for ip in ["0.0.0.0", "203.0.113.9", "10.100.1.255", "255.255.255.255", "1.20.100.0", "2001:db8::1"] {
+            assert_eq!(super::address_value(ip.parse().unwrap()), ip);
+        }
+        for o in 0..=255u8 {
+            let ip = std::net::Ipv4Addr::new(o, o / 3, 255 - o, o % 10);
+            assert_eq!(super::address_value(ip.into()), ip.to_string().as_str());
+        }
+    }
+
     /// Found by the `http_head` fuzz target: `PRI * HTTP/1.0` (asterisk
     /// form) was rewritten to `https://app.example.com*`, another authority.
     #[test]

@@ -166,7 +166,7 @@ fn class_of<B>(edge: &Edge, req: &Request<B>) -> Class {
         _ => return Class::Public,
     };
     let host = request_host(req).unwrap_or_default();
-    if edge.routes().host(&host).is_some() { Class::Public } else { by_path }
+    if edge.routes().host(host).is_some() { Class::Public } else { by_path }
 }
 
 /// Moves the connection to the class of `req` (once, or when its requests
@@ -286,7 +286,7 @@ pub async fn serve_redirect(edge: Arc<Edge>, listener: TcpListener) {
         let custom = |host: &str| edge.routes().host(host).is_some_and(|r| r.kind == ReservationKind::Custom);
         if let Some(acme) = &edge.acme
             && let Some(key_authorization) =
-                acme.http01_response(req.uri().path(), request_host(&req).is_some_and(|h| custom(&h))).await
+                acme.http01_response(req.uri().path(), request_host(&req).is_some_and(custom)).await
         {
             return Ok(text(StatusCode::OK, &key_authorization));
         }
@@ -296,7 +296,7 @@ pub async fn serve_redirect(edge: Arc<Edge>, listener: TcpListener) {
         if edge.plain_http {
             let host = request_host(&req).unwrap_or_default();
             let routes = edge.routes();
-            if let Some(reservation) = routes.host_or_default(&host, &edge.domain)
+            if let Some(reservation) = routes.host_or_default(host, &edge.domain)
                 && reservation.kind != ReservationKind::Tcp
             {
                 return Ok(proxy(edge.clone(), req, peer, reservation, "http").await);
@@ -384,7 +384,7 @@ fn redirect(edge: &Edge, req: &Request<Incoming>) -> Response<BoxBody> {
     let Some(host) = request_host(req) else {
         return text(StatusCode::BAD_REQUEST, "missing Host header\n");
     };
-    let host = super::routes::normalize_host(&host);
+    let host = super::routes::normalize_host(host);
     let port = if edge.https_port == 443 { String::new() } else { format!(":{}", edge.https_port) };
     let pq = req.uri().path_and_query().map(|p| p.as_str()).unwrap_or("/");
     let location = format!("https://{host}{port}{pq}");
@@ -401,7 +401,7 @@ async fn handle(edge: Arc<Edge>, req: Request<Incoming>, peer: SocketAddr) -> Re
     }
     let host = request_host(&req).unwrap_or_default();
     let routes = edge.routes();
-    if let Some(reservation) = routes.host(&host)
+    if let Some(reservation) = routes.host(host)
         && reservation.kind != ReservationKind::Tcp
     {
         return proxy(edge, req, peer, reservation, "https").await;
@@ -414,7 +414,7 @@ async fn handle(edge: Arc<Edge>, req: Request<Incoming>, peer: SocketAddr) -> Re
         let resp = super::api::handle(&edge.api, req).await;
         return resp.map(|b| body::boxed(b.map_err(|never| match never {})));
     }
-    let name = super::routes::normalize_host(&host);
+    let name = super::routes::normalize_host(host);
     if name == edge.domain && super::status::is_public_path(path) {
         return super::status::serve_public(edge, req).await;
     }
@@ -422,7 +422,7 @@ async fn handle(edge: Arc<Edge>, req: Request<Incoming>, peer: SocketAddr) -> Re
         return text(StatusCode::OK, "culvert edge\n");
     }
     // The default host: any other host (after the tunnel endpoint and the API).
-    if let Some(reservation) = routes.host_or_default(&host, &edge.domain) {
+    if let Some(reservation) = routes.host_or_default(host, &edge.domain) {
         return proxy(edge.clone(), req, peer, reservation, "https").await;
     }
     error_page(StatusCode::BAD_GATEWAY, &name, "no tunnel is registered for this host")
@@ -439,8 +439,7 @@ async fn proxy(
 ) -> Response<BoxBody> {
     let name = reservation.hostname.as_deref().unwrap_or_default();
     // The default host forwards the request's own host (its agent matches on it).
-    let asked =
-        reservation.is_default_host().then(|| request_host(&req).as_deref().and_then(default_host_name));
+    let asked = reservation.is_default_host().then(|| request_host(&req).and_then(default_host_name));
     let host = match &asked {
         Some(Some(asked)) => asked.as_str(),
         Some(None) => {
