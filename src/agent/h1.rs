@@ -31,6 +31,7 @@ use tokio_util::io::poll_read_buf;
 use tracing::{Instrument, debug};
 
 use crate::BoxError;
+use crate::http::is_hop_by_hop;
 use crate::tunnel::body::BoxBody;
 use crate::tunnel::client::has_payload_semantics;
 
@@ -515,6 +516,12 @@ fn parse_head(buf: &mut BytesMut, head_request: bool) -> Result<Option<Head>, Er
             let value = HeaderValue::from_maybe_shared(head.slice(v..v + vl as usize))
                 .map_err(|_| Error::Head("bad header value"))?;
             framing.see(&name, &value)?;
+            // Hop-by-hop headers are never forwarded: not taken at all,
+            // except a `Connection` that names other headers (they go with
+            // it, in `strip_hop_by_hop`).
+            if is_hop_by_hop(&name) && !(name == header::CONNECTION && names_other_headers(&value)) {
+                continue;
+            }
             headers.append(name, value);
         }
         let body = framing.decoder(status, head_request);
@@ -525,6 +532,15 @@ fn parse_head(buf: &mut BytesMut, head_request: bool) -> Result<Option<Head>, Er
             && !(framing.transfer_encoding.is_some() && framing.length.is_some());
         return Ok(Some(Head { status, version, headers, body, keep_alive }));
     }
+}
+
+/// Whether a `Connection` value lists more than `close` and `keep-alive`.
+fn names_other_headers(value: &HeaderValue) -> bool {
+    value.to_str().map_or(true, |v| {
+        v.split(',')
+            .map(str::trim)
+            .any(|t| !t.eq_ignore_ascii_case("close") && !t.eq_ignore_ascii_case("keep-alive"))
+    })
 }
 
 /// What a response head says of its body's framing and its connection,
@@ -918,6 +934,19 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!((h.body, h.keep_alive), (Decoder::Done, false));
+        // Hop-by-hop headers are left out of the head, but a `Connection`
+        // naming another header stays for `strip_hop_by_hop` to drop both.
+        let raw = b"HTTP/1.1 200 OK\r\nConnection: keep-alive\r\nKeep-Alive: timeout=5\r\n\
+            Transfer-Encoding: chunked\r\nX-A: 1\r\n\r\n";
+        let h = head(raw, false).unwrap().unwrap();
+        assert_eq!(h.headers.keys().map(|k| k.as_str()).collect::<Vec<_>>(), ["x-a"]);
+        assert_eq!((h.body, h.keep_alive), (Decoder::Chunked(Chunk::Size), true));
+        let raw =
+            b"HTTP/1.1 200 OK\r\nConnection: close, X-A\r\nX-A: 1\r\nX-B: 2\r\nContent-Length: 0\r\n\r\n";
+        let mut h = head(raw, false).unwrap().unwrap();
+        assert!(!h.keep_alive);
+        crate::http::strip_hop_by_hop(&mut h.headers);
+        assert_eq!(h.headers.keys().map(|k| k.as_str()).collect::<Vec<_>>(), ["x-b", "content-length"]);
         let h = head(b"HTTP/1.0 200 OK\r\nContent-Length: 1\r\n\r\n", false).unwrap().unwrap();
         assert!(!h.keep_alive);
         // Interim answers are skipped.
