@@ -24,8 +24,7 @@ use tokio::sync::oneshot;
 use tracing::{Instrument, debug};
 
 use super::body::BoxBody;
-use super::stream::Pipe;
-pub use super::stream::RecvBody;
+use super::stream::{Pipe, RecvBody};
 use crate::constants::{H2_CONN_WINDOW, H2_MAX_FRAME, H2_STREAM_WINDOW};
 
 /// The largest response head the edge takes from an agent (what hyper's

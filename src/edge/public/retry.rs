@@ -12,7 +12,7 @@ use crate::edge::status::traffic::TunnelCounters;
 use crate::http::{error_chain, error_page};
 use crate::tunnel::body::{self, BoxBody};
 use crate::tunnel::budget::BudgetSlot;
-use crate::tunnel::client::RecvBody;
+use crate::tunnel::stream::RecvBody;
 
 /// Attempts to place one request on a connection before answering 502.
 const MAX_ATTEMPTS: usize = 3;

@@ -20,7 +20,7 @@ use crate::edge::idle::Tracked;
 use crate::edge::registry::StreamGuard;
 use crate::tunnel::body::{self, BoxBody, Counted, Late, LateReadBody};
 use crate::tunnel::budget::{BudgetSlot, Budgeted};
-use crate::tunnel::client::RecvBody;
+use crate::tunnel::stream::RecvBody;
 
 /// The public request is an HTTP/1.1 upgrade to protocols that are all in
 /// `allowed` (WebSocket by default). Any other upgrade (`h2c`...) is not one:
