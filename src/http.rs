@@ -43,10 +43,25 @@ pub fn is_hop_by_hop(name: &HeaderName) -> bool {
     )
 }
 
-/// Headers that belong to one hop and are never forwarded.
+/// Headers that belong to one hop and are never forwarded. A head with
+/// none of them (so no `Connection` either) costs one pass over its names.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    strip_connection_listed(headers);
-    remove_headers(headers, is_hop_by_hop);
+    if headers.keys().any(is_hop_by_hop) {
+        strip_connection_listed(headers);
+        remove_headers(headers, is_hop_by_hop);
+    }
+}
+
+/// Whether a `Connection` token names a header: `close` and `keep-alive`
+/// are the connection's options, not names.
+fn names_a_header(token: &str) -> bool {
+    !token.eq_ignore_ascii_case("close") && !token.eq_ignore_ascii_case("keep-alive")
+}
+
+/// Whether a `Connection` value names a header besides its options (one
+/// that is not text is taken to).
+pub fn connection_names_headers(value: &HeaderValue) -> bool {
+    value.to_str().map_or(true, |v| v.split(',').map(str::trim).any(names_a_header))
 }
 
 /// Removes the headers the `Connection` header names (the rest of
@@ -60,7 +75,7 @@ pub fn strip_connection_listed(headers: &mut HeaderMap) {
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
         .map(str::trim)
-        .filter(|t| !t.eq_ignore_ascii_case("close") && !t.eq_ignore_ascii_case("keep-alive"))
+        .filter(|t| names_a_header(t))
         .filter_map(|name| HeaderName::from_bytes(name.as_bytes()).ok())
         .filter(|name| !is_hop_by_hop(name))
         .collect();

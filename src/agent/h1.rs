@@ -31,7 +31,7 @@ use tokio_util::io::poll_read_buf;
 use tracing::{Instrument, debug};
 
 use crate::BoxError;
-use crate::http::is_hop_by_hop;
+use crate::http::{connection_names_headers, is_hop_by_hop};
 use crate::tunnel::body::BoxBody;
 use crate::tunnel::client::has_payload_semantics;
 
@@ -519,7 +519,7 @@ fn parse_head(buf: &mut BytesMut, head_request: bool) -> Result<Option<Head>, Er
             // Hop-by-hop headers are never forwarded: not taken at all,
             // except a `Connection` that names other headers (they go with
             // it, in `strip_hop_by_hop`).
-            if is_hop_by_hop(&name) && !(name == header::CONNECTION && names_other_headers(&value)) {
+            if is_hop_by_hop(&name) && !(name == header::CONNECTION && connection_names_headers(&value)) {
                 continue;
             }
             headers.append(name, value);
@@ -532,15 +532,6 @@ fn parse_head(buf: &mut BytesMut, head_request: bool) -> Result<Option<Head>, Er
             && !(framing.transfer_encoding.is_some() && framing.length.is_some());
         return Ok(Some(Head { status, version, headers, body, keep_alive }));
     }
-}
-
-/// Whether a `Connection` value lists more than `close` and `keep-alive`.
-fn names_other_headers(value: &HeaderValue) -> bool {
-    value.to_str().map_or(true, |v| {
-        v.split(',')
-            .map(str::trim)
-            .any(|t| !t.eq_ignore_ascii_case("close") && !t.eq_ignore_ascii_case("keep-alive"))
-    })
 }
 
 /// What a response head says of its body's framing and its connection,

@@ -18,7 +18,7 @@ use std::task::Poll;
 use bytes::Bytes;
 use h2::Reason;
 use h2::server::SendResponse;
-use http::{HeaderMap, HeaderValue, Request, Response, header};
+use http::{HeaderValue, Request, Response, header};
 use hyper::body::Body;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tracing::debug;
@@ -123,7 +123,10 @@ where
         return debug!("stream reset before its response");
     };
     let (mut head, body) = response.into_parts();
-    head_for_h2(&mut head.headers);
+    // What HTTP/2 forbids in a head (h2 refuses to send one with a
+    // connection-specific header): one pass over the names finds nothing in
+    // the heads the forwarding path cleaned already.
+    crate::http::strip_hop_by_hop(&mut head.headers);
     let eos = body.is_end_stream();
     if !eos
         && let Some(len) = body.size_hint().exact()
@@ -140,15 +143,6 @@ where
     };
     if !eos && let Err(e) = Pipe::new(body, tx).await {
         debug!(error = %e, "response body to the tunnel ended");
-    }
-}
-
-/// Removes what HTTP/2 forbids in a head (h2 refuses to send one with a
-/// connection-specific header): nothing, in one pass over the names, for the
-/// heads the forwarding path cleaned already.
-fn head_for_h2(headers: &mut HeaderMap) {
-    if headers.keys().any(crate::http::is_hop_by_hop) {
-        crate::http::strip_hop_by_hop(headers);
     }
 }
 
@@ -250,7 +244,7 @@ mod tests {
         let resp = send.send(upload).await.unwrap();
         assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), "1048576");
 
-        let mut t = HeaderMap::new();
+        let mut t = http::HeaderMap::new();
         t.insert("x-sum", HeaderValue::from_static("abc"));
         let frames: Vec<Result<_, BoxError>> =
             vec![Ok(Frame::data(Bytes::from_static(b"ask"))), Ok(Frame::trailers(t))];
