@@ -809,6 +809,30 @@ async fn draining_edge_answers_the_first_request_of_a_connection_it_accepted() {
     tokio::time::timeout(Duration::from_secs(10), drain).await.expect("the drain ends after it").unwrap();
 }
 
+/// A connection the kernel completed before the drain began but the edge
+/// had not accepted yet (in its listen backlog, as a client sees it: connected)
+/// is served too: the drain waits for the listener to hand it over rather
+/// than stopping at once because no connection was open yet. On this test's
+/// one-thread runtime the drain runs before the accept loop sees the socket.
+#[tokio::test]
+async fn draining_edge_answers_a_connection_still_in_its_backlog() {
+    let (mut edge, host, _agent) = published().await;
+    // Connected in the kernel; this task has not yielded since, so nothing accepted it.
+    let tcp = std::net::TcpStream::connect(edge.https).unwrap();
+    let drain = tokio::spawn(edge.handle.take().unwrap().drain(Duration::from_secs(60)));
+    tcp.set_nonblocking(true).unwrap();
+    let tls = edge.client().tls(tokio::net::TcpStream::from_std(tcp).unwrap(), &host, false).await;
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls)).await.unwrap();
+    tokio::spawn(conn);
+    let req = Request::get("/").header("host", &host).body(Full::new(Bytes::new())).unwrap();
+    let resp = sender.send_request(req).await.expect("answered, not closed");
+    assert_eq!(resp.status(), StatusCode::OK);
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&body[..], b"hello from backend");
+    tokio::time::timeout(Duration::from_secs(10), drain).await.expect("the drain ends after it").unwrap();
+}
+
 /// The edge's default host (`*`): a request whose host no reservation holds
 /// (the edge's own address, an unknown name), on HTTPS without SNI and on
 /// the plain HTTP port, reaches its tunnel with its own Host; a key without

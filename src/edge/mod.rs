@@ -131,7 +131,9 @@ pub struct Edge {
     pub shutdown: CancellationToken,
     /// Cancelled when the edge has stopped (after the drain).
     pub stopped: CancellationToken,
-    /// Public connections (HTTP and TCP), waited for while draining.
+    /// Public connections (HTTP and TCP), waited for while draining, and the
+    /// public listeners' accept loops (each holds a token until it has handed
+    /// over its backlog: a drain that begins before they ran waits for them).
     pub connections: TaskTracker,
     /// File descriptors per class of connection.
     pub fds: limits::FdBudget,

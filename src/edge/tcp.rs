@@ -67,6 +67,7 @@ pub fn can_listen(addr: SocketAddr) -> bool {
 }
 
 async fn accept_loop(edge: Arc<Edge>, listener: TcpListener, port: u16, token: CancellationToken) {
+    let _listening = edge.connections.token();
     // This port's own share: one reservation's clients cannot take every TCP descriptor.
     let own = Arc::new(tokio::sync::Semaphore::new(edge.fds.tcp_per_port));
     let mut refused = super::limits::LogEvery::default();

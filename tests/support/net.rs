@@ -265,7 +265,12 @@ impl HttpsClient {
         self.tls(socket.connect(self.addr).await.unwrap(), host, false).await
     }
 
-    async fn tls(&self, tcp: TcpStream, host: &str, h2: bool) -> tokio_rustls::client::TlsStream<TcpStream> {
+    pub async fn tls(
+        &self,
+        tcp: TcpStream,
+        host: &str,
+        h2: bool,
+    ) -> tokio_rustls::client::TlsStream<TcpStream> {
         let name = rustls_pki_types::ServerName::try_from(host.to_string()).unwrap();
         tokio_rustls::TlsConnector::from(self.tls_config(h2))
             .connect(name, tcp)

@@ -55,6 +55,7 @@ fn http_builder() -> auto::Builder<TokioExecutor> {
 /// Accepts public TLS connections. Each handshake runs in its own task under
 /// a timeout; the loop never waits on a client.
 pub async fn serve_https(edge: Arc<Edge>, listener: TcpListener, tls: Arc<rustls::ServerConfig>) {
+    let _listening = edge.connections.token();
     let mut refused = super::limits::LogEvery::default();
     accept_loop(&listener, &edge.shutdown, |tcp, peer| {
         // Until its first request says what it is, a connection holds a handshake descriptor.
@@ -351,6 +352,7 @@ where
     Fut: Future<Output = Result<Response<BoxBody>, Infallible>> + Send + 'static,
 {
     let stop = if public { edge.shutdown.clone() } else { edge.stopped.clone() };
+    let _listening = public.then(|| edge.connections.token());
     accept_loop(&listener, &stop, |tcp, peer| {
         let _ = tcp.set_nodelay(true);
         let (edge, f) = (edge.clone(), f.clone());
