@@ -7,11 +7,11 @@ use std::net::{IpAddr, SocketAddr};
 
 use http::header::{self, HeaderMap, HeaderValue};
 use http::uri::{Authority, PathAndQuery, Scheme};
-use http::{Request, Uri};
+use http::{Request, StatusCode, Uri};
 
 use http::header::HeaderName;
 
-use crate::constants::{UPGRADE_HEADER, names};
+use crate::constants::{MAX_HEADER_BYTES, UPGRADE_HEADER, names};
 use crate::edge::routes::normalize_host;
 use crate::http::{
     is_culvert_header, is_hop_by_hop, remove_headers, strip_connection_listed, strip_hop_by_hop_and_culvert,
@@ -49,20 +49,36 @@ static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-prot
 static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 static X_FORWARDED_PORT: HeaderName = HeaderName::from_static("x-forwarded-port");
 
-/// Why a public request head is refused before it goes anywhere (400).
-pub(super) fn refuse_head<B: hyper::body::Body>(req: &Request<B>) -> Option<&'static str> {
+/// Why a public request head is refused before it goes anywhere: the status
+/// to answer (431 or 400) and the reason.
+pub(super) fn refuse_head<B: hyper::body::Body>(req: &Request<B>) -> Option<(StatusCode, &'static str)> {
+    // hyper's HTTP/1 limit is on its read buffer, and a head that completes
+    // within the read that crosses it gets through: the exact bound is here.
+    if head_len(req) > MAX_HEADER_BYTES {
+        let why = "request head too large: it is over the edge's 64 KiB; send fewer or smaller header fields";
+        return Some((StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE, why));
+    }
+    let bad = |why| Some((StatusCode::BAD_REQUEST, why));
     let mut hosts = req.headers().get_all(header::HOST).iter();
     let host = hosts.next();
     if hosts.next().is_some() {
-        return Some("more than one Host header");
+        return bad("bad request: more than one Host header");
     }
     // h2: a Host next to :authority must name the same host.
     if let (Some(authority), Some(host)) = (req.uri().authority(), host)
         && !host.to_str().is_ok_and(|h| normalize_host(h) == normalize_host(authority.as_str()))
     {
-        return Some("the Host header differs from the request's authority");
+        return bad("bad request: the Host header differs from the request's authority");
     }
     None
+}
+
+/// The length of `req`'s head as HTTP/1.1 writes it: the request line, and
+/// `name: value\r\n` per field.
+fn head_len<B>(req: &Request<B>) -> usize {
+    let target = req.uri().path_and_query().map_or(1, |pq| pq.as_str().len());
+    let fields: usize = req.headers().iter().map(|(n, v)| n.as_str().len() + v.len() + 4).sum();
+    req.method().as_str().len() + target + " HTTP/1.1\r\n".len() + 1 + fields + 2
 }
 
 /// Rewrites a public request's head into the head of one h2 stream to an
@@ -154,6 +170,21 @@ pub(super) fn clean_response(headers: &mut HeaderMap) {
 
 #[cfg(test)]
 mod tests {
+    /// The head limit is on the head as written, to the byte.
+    #[test]
+    fn heads_over_the_limit_are_refused_with_431() {
+        let head = |value: usize| {
+            let req = http::Request::get("/a?b")
+                .header("x-big", "v".repeat(value))
+                .body(http_body_util::Empty::<bytes::Bytes>::new());
+            super::refuse_head(&req.unwrap()).map(|(status, _)| status.as_u16())
+        };
+        // "GET /a?b HTTP/1.1\r\n" + "x-big: …\r\n" + "\r\n"
+        let fits = super::MAX_HEADER_BYTES - 19 - 9 - 2;
+        assert_eq!(head(fits), None);
+        assert_eq!(head(fits + 1), Some(431));
+    }
+
     #[test]
     fn addresses_as_header_values() {
         for ip in ["0.0.0.0", "203.0.113.9", "10.100.1.255", "255.255.255.255", "1.20.100.0", "2001:db8::1"] {

@@ -291,8 +291,8 @@ pub async fn serve_redirect(edge: Arc<Edge>, listener: TcpListener) {
         {
             return Ok(text(StatusCode::OK, &key_authorization));
         }
-        if let Some(why) = head::refuse_head(&req) {
-            return Ok(text(StatusCode::BAD_REQUEST, &format!("bad request: {why}\n")));
+        if let Some((status, why)) = head::refuse_head(&req) {
+            return Ok(text(status, &format!("{why}\n")));
         }
         if edge.plain_http {
             let host = request_host(&req).unwrap_or_default();
@@ -398,8 +398,8 @@ fn redirect(edge: &Edge, req: &Request<Incoming>) -> Response<BoxBody> {
 }
 
 async fn handle(edge: Arc<Edge>, req: Request<Incoming>, peer: SocketAddr) -> Response<BoxBody> {
-    if let Some(why) = head::refuse_head(&req) {
-        return text(StatusCode::BAD_REQUEST, &format!("bad request: {why}\n"));
+    if let Some((status, why)) = head::refuse_head(&req) {
+        return text(status, &format!("{why}\n"));
     }
     let host = request_host(&req).unwrap_or_default();
     let routes = edge.routes();
