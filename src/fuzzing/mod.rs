@@ -227,6 +227,92 @@ pub fn ws_frames(data: &[u8]) {
     assert_eq!(whole.error.map(|e| e.kind()), out.error.map(|e| e.kind()));
 }
 
+/// Target `mux_frames`: the tunnel multiplexer (`tunnel::mux`) fed the
+/// input as its peer's bytes. The first byte picks the side (bit 0) and the
+/// size of the decoder's pieces, the next 8 the sizes the connection reads
+/// the input in. The frames decoded, and the error that stops them, do not
+/// depend on the pieces; encoding those frames again gives the bytes they
+/// came from; a connection driven with the input ends (cleanly, or with an
+/// `InvalidData` error saying why) and its streams never read more than
+/// the input carried.
+pub fn mux_frames(data: &[u8]) {
+    use crate::tunnel::mux::{self, frame::Frame};
+    let Some((&first, rest)) = data.split_first() else { return };
+    let (sizes, stream) = rest.split_at(rest.len().min(8));
+    let decode = |piece: usize| {
+        let (mut buf, mut frames, mut fed) = (bytes::BytesMut::new(), Vec::new(), 0);
+        loop {
+            match Frame::decode(&mut buf) {
+                Ok(Some(f)) => frames.push(f),
+                Err(e) => return (frames, Some(e)),
+                Ok(None) if fed == stream.len() => return (frames, None),
+                Ok(None) => {
+                    let n = piece.min(stream.len() - fed);
+                    buf.extend_from_slice(&stream[fed..fed + n]);
+                    fed += n;
+                }
+            }
+        }
+    };
+    let whole = decode(stream.len().max(1));
+    assert_eq!(whole, decode((first >> 1) as usize + 1), "the frames depend on how the input was split");
+    let mut again = bytes::BytesMut::new();
+    whole.0.iter().for_each(|f| f.encode(&mut again));
+    assert_eq!(&again[..], &stream[..again.len()], "a frame encodes back to other bytes");
+
+    let side = if first & 1 == 0 { mux::Side::Agent } else { mux::Side::Edge };
+    let config = mux::Config { window: 64 * 1024, max_streams: 16 };
+    block_on(async {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (mut peer, io) = tokio::io::duplex(64 * 1024);
+        let (handle, mut incoming, conn) = mux::new(io, side, config);
+        drop(handle);
+        let conn = tokio::spawn(conn);
+        let readers = tokio::spawn(async move {
+            let mut streams = Vec::new();
+            while let Some(mut s) = incoming.accept().await {
+                streams.push(tokio::spawn(async move {
+                    let mut got = Vec::new();
+                    let _ = s.read_to_end(&mut got).await;
+                    got.len()
+                }));
+            }
+            let mut total = 0;
+            for s in streams {
+                total += s.await.expect("a stream reader");
+            }
+            total
+        });
+        let (mut read_half, mut write_half) = tokio::io::split(&mut peer);
+        let drain = async {
+            let mut sink = Vec::new();
+            let _ = read_half.read_to_end(&mut sink).await;
+        };
+        let feed = async {
+            let mut at = 0;
+            for &size in sizes.iter().cycle() {
+                if at == stream.len() {
+                    break;
+                }
+                let n = (size as usize).max(1).min(stream.len() - at);
+                if write_half.write_all(&stream[at..at + n]).await.is_err() {
+                    break;
+                }
+                at += n;
+                tokio::task::yield_now().await;
+            }
+            let _ = write_half.shutdown().await;
+        };
+        tokio::join!(drain, feed);
+        match conn.await.expect("the connection's task") {
+            Ok(()) => {}
+            Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::InvalidData, "{e}"),
+        }
+        let read = readers.await.expect("the readers");
+        assert!(read <= stream.len(), "streams read {read} bytes of a {}-byte input", stream.len());
+    });
+}
+
 /// Target `h1_response`: what a plain-HTTP backend answers the agent
 /// (`agent::h1`). The first byte's bit 0 says whether the request was a
 /// `HEAD`, the next 8 are the sizes of the pieces the answer arrives in, the

@@ -37,6 +37,11 @@ fn ws_frames_corpus() {
 }
 
 #[test]
+fn mux_frames_corpus() {
+    replay("mux_frames", super::mux_frames);
+}
+
+#[test]
 fn htpasswd_corpus() {
     replay("htpasswd", super::htpasswd);
 }

@@ -63,6 +63,7 @@ pub mod client;
 pub mod connect;
 pub mod datagram;
 pub(crate) mod handshake;
+pub mod mux;
 pub(crate) mod proxy;
 pub mod server;
 pub mod stream;

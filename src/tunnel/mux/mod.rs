@@ -1,0 +1,640 @@
+//! A stream multiplexer for the tunnel, leaner than HTTP/2 (ARCHITECTURE.md,
+//! "Next: a multiplexer of our own"): 8-byte frame headers ([`frame`]),
+//! streams opened without a round trip, and flow control per stream only.
+//!
+//! Each stream starts with [`Config::window`] bytes of credit each way; a
+//! reader grants the bytes it has consumed back once they reach half the
+//! window. There is no connection-wide window: a stream whose reader stops
+//! holds back only itself, and what a connection buffers is at most its open
+//! streams × the window.
+//!
+//! One task drives the connection ([`Connection`], a future): it writes the
+//! frames the streams queue, vectored, in the order they were queued (a
+//! stream queues at most its credit, at most [`frame::MAX_PAYLOAD`] per
+//! frame, so none holds the others back by size) and reads the peer's
+//! frames into the streams' buffers. [`Stream`] is `AsyncRead + AsyncWrite`:
+//! `shutdown` half-closes, dropping it before both halves closed resets it.
+
+pub mod frame;
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{self, IoSlice};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
+
+use bytes::{Buf, Bytes, BytesMut};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+use frame::{Frame, MAX_PAYLOAD};
+
+/// `Reset` codes.
+pub mod code {
+    /// The stream's owner dropped it before it finished.
+    pub const CANCEL: u32 = 1;
+    /// The receiver did not take the stream (no acceptor, too many
+    /// streams, or the peer is going away); it may be opened again elsewhere.
+    pub const REFUSED: u32 = 2;
+}
+
+/// Which stream ids a side opens: the edge's are odd, the agent's even.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    Edge,
+    Agent,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Config {
+    /// Each stream's credit each way, and what a reader buffers at most.
+    pub window: u32,
+    /// Streams the peer may hold open at once; more are refused.
+    pub max_streams: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config { window: 256 * 1024, max_streams: 4096 }
+    }
+}
+
+/// Opens streams.
+pub struct Handle {
+    shared: Arc<Mutex<Shared>>,
+}
+
+/// The streams the peer opens.
+pub struct Incoming {
+    shared: Arc<Mutex<Shared>>,
+}
+
+/// One stream.
+pub struct Stream {
+    id: u32,
+    header: Bytes,
+    shared: Arc<Mutex<Shared>>,
+}
+
+/// The future that drives a connection; it ends when the peer closes it
+/// (`Ok`), on an error, or once nothing uses it anymore (every [`Handle`],
+/// [`Incoming`] and [`Stream`] dropped, what they queued written).
+pub struct Connection<T> {
+    io: T,
+    shared: Arc<Mutex<Shared>>,
+    read: BytesMut,
+    /// Frames taken from the queue, not yet (entirely) written.
+    writing: VecDeque<Bytes>,
+    flushed: bool,
+}
+
+/// A multiplexed connection over `io`.
+pub fn new<T>(io: T, side: Side, config: Config) -> (Handle, Incoming, Connection<T>)
+where
+    T: AsyncRead + AsyncWrite + Unpin,
+{
+    let shared = Arc::new(Mutex::new(Shared {
+        streams: HashMap::new(),
+        out: VecDeque::new(),
+        scratch: BytesMut::new(),
+        driver: None,
+        next_id: if side == Side::Edge { 1 } else { 2 },
+        side,
+        last_peer_id: 0,
+        accepted: VecDeque::new(),
+        acceptor: None,
+        accepting: true,
+        closed: None,
+        going_away: false,
+        config,
+        users: 2,
+        peer_streams: 0,
+    }));
+    let connection = Connection {
+        io,
+        shared: shared.clone(),
+        read: BytesMut::new(),
+        writing: VecDeque::new(),
+        flushed: true,
+    };
+    (Handle { shared: shared.clone() }, Incoming { shared }, connection)
+}
+
+struct Shared {
+    streams: HashMap<u32, Slot>,
+    /// Encoded frames for the connection's task to write.
+    out: VecDeque<Bytes>,
+    scratch: BytesMut,
+    driver: Option<Waker>,
+    next_id: u32,
+    side: Side,
+    last_peer_id: u32,
+    accepted: VecDeque<(u32, Bytes)>,
+    acceptor: Option<Waker>,
+    accepting: bool,
+    /// Why the connection ended.
+    closed: Option<Arc<str>>,
+    /// The peer takes no new streams.
+    going_away: bool,
+    config: Config,
+    /// Handles, the incoming side and streams alive.
+    users: usize,
+    /// Streams the peer opened, held here.
+    peer_streams: usize,
+}
+
+struct Slot {
+    recv: VecDeque<Bytes>,
+    recv_fin: bool,
+    /// Bytes the peer may still send.
+    recv_window: u32,
+    /// Bytes read and not yet granted back.
+    consumed: u32,
+    send_credit: u32,
+    send_fin: bool,
+    reset: Option<u32>,
+    reader: Option<Waker>,
+    writer: Option<Waker>,
+}
+
+impl Slot {
+    fn new(window: u32) -> Slot {
+        Slot {
+            recv: VecDeque::new(),
+            recv_fin: false,
+            recv_window: window,
+            consumed: 0,
+            send_credit: window,
+            send_fin: false,
+            reset: None,
+            reader: None,
+            writer: None,
+        }
+    }
+
+    fn wake(&mut self) {
+        wake(&mut self.reader);
+        wake(&mut self.writer);
+    }
+}
+
+fn wake(waker: &mut Option<Waker>) {
+    if let Some(w) = waker.take() {
+        w.wake();
+    }
+}
+
+/// The peer broke the protocol; the connection ends.
+fn violation(why: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, why)
+}
+
+impl Shared {
+    fn queue(&mut self, frame: Frame) {
+        frame.encode_head(&mut self.scratch);
+        self.out.push_back(self.scratch.split().freeze());
+        if let Some(p) = frame.payload().filter(|p| !p.is_empty()) {
+            self.out.push_back(p.clone());
+        }
+        wake(&mut self.driver);
+    }
+
+    fn remove(&mut self, id: u32) -> Option<Slot> {
+        let slot = self.streams.remove(&id)?;
+        if self.peer_opens(id) {
+            self.peer_streams -= 1;
+        }
+        Some(slot)
+    }
+
+    fn release(&mut self) {
+        self.users -= 1;
+        if self.users == 0 {
+            wake(&mut self.driver);
+        }
+    }
+
+    fn close(&mut self, why: &str) {
+        if self.closed.is_none() {
+            self.closed = Some(why.into());
+        }
+        self.streams.values_mut().for_each(Slot::wake);
+        wake(&mut self.acceptor);
+    }
+
+    fn closed_error(&self, kind: io::ErrorKind) -> io::Error {
+        let why = self.closed.as_deref().unwrap_or("closed");
+        io::Error::new(kind, format!("the tunnel connection ended: {why}"))
+    }
+
+    /// Whether `id` is one the peer opens.
+    fn peer_opens(&self, id: u32) -> bool {
+        (id % 2 == 1) == (self.side == Side::Agent)
+    }
+
+    fn receive(&mut self, frame: Frame) -> io::Result<()> {
+        match frame {
+            Frame::Open { stream, header } => {
+                if !self.peer_opens(stream) || stream <= self.last_peer_id {
+                    return Err(violation(format!("stream {stream} opened out of order")));
+                }
+                self.last_peer_id = stream;
+                if !self.accepting || self.peer_streams >= self.config.max_streams {
+                    self.queue(Frame::Reset { stream, code: code::REFUSED });
+                    return Ok(());
+                }
+                self.streams.insert(stream, Slot::new(self.config.window));
+                self.peer_streams += 1;
+                self.accepted.push_back((stream, header));
+                wake(&mut self.acceptor);
+            }
+            Frame::Data { stream, fin, payload } => {
+                // A stream dropped here: what was in flight is discarded.
+                let Some(slot) = self.streams.get_mut(&stream) else { return Ok(()) };
+                if slot.recv_fin {
+                    return Err(violation(format!("data on stream {stream} after its end")));
+                }
+                let len = payload.len() as u32;
+                if len > slot.recv_window {
+                    return Err(violation(format!("stream {stream} sent {len} bytes over its credit")));
+                }
+                slot.recv_window -= len;
+                if len > 0 && slot.reset.is_none() {
+                    slot.recv.push_back(payload);
+                }
+                slot.recv_fin = fin;
+                wake(&mut slot.reader);
+            }
+            Frame::Credit { stream, bytes } => {
+                let Some(slot) = self.streams.get_mut(&stream) else { return Ok(()) };
+                slot.send_credit = slot
+                    .send_credit
+                    .checked_add(bytes)
+                    .ok_or_else(|| violation(format!("credit of stream {stream} overflows")))?;
+                wake(&mut slot.writer);
+            }
+            Frame::Reset { stream, code } => {
+                if let Some(slot) = self.streams.get_mut(&stream) {
+                    slot.reset = Some(code);
+                    slot.recv.clear();
+                    slot.wake();
+                }
+            }
+            Frame::Ping { ack: false, opaque } => self.queue(Frame::Ping { ack: true, opaque }),
+            Frame::Ping { ack: true, .. } => {}
+            Frame::GoAway { last } => {
+                self.going_away = true;
+                let side = self.side;
+                for (id, slot) in &mut self.streams {
+                    // Ours that the peer did not take: refused, to be opened elsewhere.
+                    if (id % 2 == 1) == (side == Side::Edge) && *id > last {
+                        slot.reset = Some(code::REFUSED);
+                        slot.wake();
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn lock(shared: &Mutex<Shared>) -> MutexGuard<'_, Shared> {
+    shared.lock().expect("poisoned")
+}
+
+impl Handle {
+    /// Opens a stream that carries `header` (what it is for) to the peer.
+    /// No round trip: bytes may be written at once.
+    pub fn open(&self, header: Bytes) -> io::Result<Stream> {
+        if header.len() > MAX_PAYLOAD {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "stream header over 64 KiB"));
+        }
+        let mut s = lock(&self.shared);
+        if s.closed.is_some() {
+            return Err(s.closed_error(io::ErrorKind::NotConnected));
+        }
+        if s.going_away {
+            return Err(io::Error::new(io::ErrorKind::ConnectionRefused, "the peer is going away"));
+        }
+        let id = s.next_id;
+        s.next_id = id.checked_add(2).ok_or_else(|| io::Error::other("stream ids exhausted; reconnect"))?;
+        let window = s.config.window;
+        s.streams.insert(id, Slot::new(window));
+        s.queue(Frame::Open { stream: id, header: header.clone() });
+        s.users += 1;
+        Ok(Stream { id, header: Bytes::new(), shared: self.shared.clone() })
+    }
+
+    /// Streams open now, both sides'.
+    pub fn streams(&self) -> usize {
+        lock(&self.shared).streams.len()
+    }
+}
+
+impl Clone for Handle {
+    fn clone(&self) -> Self {
+        lock(&self.shared).users += 1;
+        Handle { shared: self.shared.clone() }
+    }
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        lock(&self.shared).release();
+    }
+}
+
+impl Incoming {
+    /// The next stream the peer opens; `None` once the connection ended.
+    pub async fn accept(&mut self) -> Option<Stream> {
+        std::future::poll_fn(|cx| {
+            let mut s = lock(&self.shared);
+            if let Some((id, header)) = s.accepted.pop_front() {
+                s.users += 1;
+                return Poll::Ready(Some(Stream { id, header, shared: self.shared.clone() }));
+            }
+            if s.closed.is_some() {
+                return Poll::Ready(None);
+            }
+            s.acceptor = Some(cx.waker().clone());
+            Poll::Pending
+        })
+        .await
+    }
+}
+
+impl Drop for Incoming {
+    fn drop(&mut self) {
+        let mut s = lock(&self.shared);
+        s.accepting = false;
+        while let Some((stream, _)) = s.accepted.pop_front() {
+            s.remove(stream);
+            s.queue(Frame::Reset { stream, code: code::REFUSED });
+        }
+        s.release();
+    }
+}
+
+impl Stream {
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
+    /// What the peer opened the stream for (empty for the streams opened here).
+    pub fn header(&self) -> &Bytes {
+        &self.header
+    }
+
+    fn write_slices(&self, cx: &mut Context<'_>, bufs: &[IoSlice<'_>]) -> Poll<io::Result<usize>> {
+        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        if total == 0 {
+            return Poll::Ready(Ok(0));
+        }
+        let mut s = lock(&self.shared);
+        let s = &mut *s;
+        let Some(slot) = s.streams.get_mut(&self.id) else {
+            return Poll::Ready(Err(io::ErrorKind::NotConnected.into()));
+        };
+        if let Some(code) = slot.reset {
+            return Poll::Ready(Err(reset_error(code)));
+        }
+        if slot.send_fin {
+            return Poll::Ready(Err(io::Error::new(io::ErrorKind::BrokenPipe, "write after shutdown")));
+        }
+        if s.closed.is_some() {
+            return Poll::Ready(Err(s.closed_error(io::ErrorKind::BrokenPipe)));
+        }
+        if slot.send_credit == 0 {
+            slot.writer = Some(cx.waker().clone());
+            return Poll::Pending;
+        }
+        let n = total.min(slot.send_credit as usize).min(MAX_PAYLOAD);
+        slot.send_credit -= n as u32;
+        let mut payload = BytesMut::with_capacity(n);
+        for b in bufs {
+            let take = b.len().min(n - payload.len());
+            payload.extend_from_slice(&b[..take]);
+            if payload.len() == n {
+                break;
+            }
+        }
+        s.queue(Frame::Data { stream: self.id, fin: false, payload: payload.freeze() });
+        Poll::Ready(Ok(n))
+    }
+}
+
+fn reset_error(code: u32) -> io::Error {
+    let why = match code {
+        code::CANCEL => "the stream was reset by the other end (cancelled)".to_string(),
+        code::REFUSED => "the stream was refused by the other end".to_string(),
+        other => format!("the stream was reset by the other end (code {other})"),
+    };
+    io::Error::new(io::ErrorKind::ConnectionReset, why)
+}
+
+impl AsyncRead for Stream {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let id = self.id;
+        let mut s = lock(&self.shared);
+        let s = &mut *s;
+        let Some(slot) = s.streams.get_mut(&id) else {
+            return Poll::Ready(Err(io::ErrorKind::NotConnected.into()));
+        };
+        if let Some(code) = slot.reset {
+            return Poll::Ready(Err(reset_error(code)));
+        }
+        if slot.recv.is_empty() {
+            if slot.recv_fin {
+                return Poll::Ready(Ok(()));
+            }
+            if s.closed.is_some() {
+                return Poll::Ready(Err(s.closed_error(io::ErrorKind::UnexpectedEof)));
+            }
+            slot.reader = Some(cx.waker().clone());
+            return Poll::Pending;
+        }
+        let mut read = 0;
+        while buf.remaining() > 0
+            && let Some(front) = slot.recv.front_mut()
+        {
+            let n = front.len().min(buf.remaining());
+            buf.put_slice(&front[..n]);
+            front.advance(n);
+            read += n;
+            if front.is_empty() {
+                slot.recv.pop_front();
+            }
+        }
+        slot.consumed += read as u32;
+        if !slot.recv_fin && slot.consumed >= s.config.window / 2 {
+            let bytes = std::mem::take(&mut slot.consumed);
+            slot.recv_window += bytes;
+            s.queue(Frame::Credit { stream: id, bytes });
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl AsyncWrite for Stream {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        self.write_slices(cx, &[IoSlice::new(buf)])
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        self.write_slices(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
+    }
+
+    /// What was written is queued for the connection's task, which writes
+    /// as soon as it runs: nothing to wait for.
+    fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    /// Half-closes: the peer reads the end; this side can still read.
+    fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let mut s = lock(&self.shared);
+        let Some(slot) = s.streams.get_mut(&self.id) else { return Poll::Ready(Ok(())) };
+        if slot.send_fin || slot.reset.is_some() {
+            return Poll::Ready(Ok(()));
+        }
+        slot.send_fin = true;
+        s.queue(Frame::Data { stream: self.id, fin: true, payload: Bytes::new() });
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        let mut s = lock(&self.shared);
+        if let Some(slot) = s.remove(self.id)
+            && !(slot.send_fin && slot.recv_fin)
+            && slot.reset.is_none()
+            && s.closed.is_none()
+        {
+            s.queue(Frame::Reset { stream: self.id, code: code::CANCEL });
+        }
+        s.release();
+    }
+}
+
+/// Frames taken off the queue per vectored write.
+const MAX_SLICES: usize = 64;
+/// The room the read buffer has before a read.
+const READ_AT_LEAST: usize = 16 * 1024;
+/// Rounds of writing and reading before the task yields to others.
+const ROUNDS: usize = 32;
+
+impl<T: AsyncRead + AsyncWrite + Unpin> Connection<T> {
+    fn fail(&mut self, e: io::Error) -> Poll<io::Result<()>> {
+        lock(&self.shared).close(&e.to_string());
+        self.writing.clear();
+        Poll::Ready(Err(e))
+    }
+
+    /// Writes what is queued; `Ok(true)` when it wrote something.
+    fn poll_write_out(&mut self, cx: &mut Context<'_>) -> io::Result<bool> {
+        let mut wrote = false;
+        while !self.writing.is_empty() {
+            let slices: Vec<IoSlice<'_>> =
+                self.writing.iter().take(MAX_SLICES).map(|b| IoSlice::new(b)).collect();
+            match Pin::new(&mut self.io).poll_write_vectored(cx, &slices) {
+                Poll::Ready(Ok(0)) => return Err(io::ErrorKind::WriteZero.into()),
+                Poll::Ready(Ok(mut n)) => {
+                    wrote = true;
+                    self.flushed = false;
+                    while n > 0 {
+                        let front = self.writing.front_mut().expect("wrote what was there");
+                        let k = front.len().min(n);
+                        front.advance(k);
+                        n -= k;
+                        if front.is_empty() {
+                            self.writing.pop_front();
+                        }
+                    }
+                }
+                Poll::Ready(Err(e)) => return Err(e),
+                Poll::Pending => return Ok(wrote),
+            }
+        }
+        if !self.flushed {
+            match Pin::new(&mut self.io).poll_flush(cx) {
+                Poll::Ready(Ok(())) => self.flushed = true,
+                Poll::Ready(Err(e)) => return Err(e),
+                Poll::Pending => {}
+            }
+        }
+        Ok(wrote)
+    }
+}
+
+impl<T: AsyncRead + AsyncWrite + Unpin> Future for Connection<T> {
+    type Output = io::Result<()>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        for _ in 0..ROUNDS {
+            let unused = {
+                let mut s = lock(&this.shared);
+                if !s.driver.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+                    s.driver = Some(cx.waker().clone());
+                }
+                this.writing.extend(s.out.drain(..));
+                s.users == 0
+            };
+            let wrote = match this.poll_write_out(cx) {
+                Ok(wrote) => wrote,
+                Err(e) => return this.fail(e),
+            };
+            if unused && this.writing.is_empty() {
+                let r = std::task::ready!(Pin::new(&mut this.io).poll_shutdown(cx));
+                lock(&this.shared).close("closed by this end");
+                return Poll::Ready(r);
+            }
+            if this.read.capacity() - this.read.len() < READ_AT_LEAST {
+                this.read.reserve(MAX_PAYLOAD + frame::HEADER);
+            }
+            let read = match tokio_util::io::poll_read_buf(Pin::new(&mut this.io), cx, &mut this.read) {
+                Poll::Ready(Ok(0)) => {
+                    lock(&this.shared).close("closed by the other end");
+                    return Poll::Ready(Ok(()));
+                }
+                Poll::Ready(Ok(_)) => {
+                    let mut s = lock(&this.shared);
+                    loop {
+                        match Frame::decode(&mut this.read) {
+                            Ok(Some(frame)) => {
+                                if let Err(e) = s.receive(frame) {
+                                    drop(s);
+                                    return this.fail(e);
+                                }
+                            }
+                            Ok(None) => break,
+                            Err(e) => {
+                                drop(s);
+                                return this.fail(violation(e.to_string()));
+                            }
+                        }
+                    }
+                    true
+                }
+                Poll::Ready(Err(e)) => return this.fail(e),
+                Poll::Pending => false,
+            };
+            if !wrote && !read && lock(&this.shared).out.is_empty() {
+                return Poll::Pending;
+            }
+        }
+        cx.waker().wake_by_ref();
+        Poll::Pending
+    }
+}
+
+#[cfg(test)]
+mod tests;
