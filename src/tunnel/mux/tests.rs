@@ -41,6 +41,11 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len).map(|i| (i % 251) as u8 ^ seed).collect()
 }
 
+/// Runs a test's body; a body that hangs fails (paused time: at once).
+async fn within<F: Future<Output = ()>>(body: F) {
+    tokio::time::timeout(Duration::from_secs(600), body).await.expect("the test hung");
+}
+
 async fn stalls<F: Future>(f: F) -> bool {
     tokio::time::timeout(Duration::from_secs(5), f).await.is_err()
 }
@@ -49,270 +54,298 @@ async fn stalls<F: Future>(f: F) -> bool {
 /// the end and can still write until its own shutdown.
 #[tokio::test(start_paused = true)]
 async fn a_stream_carries_bytes_both_ways_and_half_closes() {
-    let mut p = pair(Config::default());
-    let mut out = p.edge.open(Bytes::from_static(b"tcp 127.0.0.1:80")).unwrap();
-    let up = pattern(1 << 20, 1);
-    let writer = tokio::spawn({
-        let up = up.clone();
-        async move {
-            out.write_all(&up).await.unwrap();
-            out.shutdown().await.unwrap();
-            let mut down = Vec::new();
-            out.read_to_end(&mut down).await.unwrap();
-            down
-        }
-    });
-    let mut inc = p.agent.accept().await.unwrap();
-    assert_eq!(inc.header(), &Bytes::from_static(b"tcp 127.0.0.1:80"));
-    assert_eq!(inc.id() % 2, 1, "the edge opens odd streams");
-    let mut got = Vec::new();
-    inc.read_to_end(&mut got).await.unwrap();
-    assert!(got == up, "the upload arrived whole and in order");
-    // Half-closed by the edge: the agent still answers.
-    let down = pattern(300_000, 7);
-    inc.write_all(&down).await.unwrap();
-    inc.shutdown().await.unwrap();
-    assert!(writer.await.unwrap() == down);
-    drop(inc);
-    assert_eq!(p.edge.streams(), 0, "a stream closed both ways and dropped is gone");
+    within(async {
+        let mut p = pair(Config::default());
+        let mut out = p.edge.open(Bytes::from_static(b"tcp 127.0.0.1:80")).unwrap();
+        let up = pattern(1 << 20, 1);
+        let writer = tokio::spawn({
+            let up = up.clone();
+            async move {
+                out.write_all(&up).await.unwrap();
+                out.shutdown().await.unwrap();
+                let mut down = Vec::new();
+                out.read_to_end(&mut down).await.unwrap();
+                down
+            }
+        });
+        let mut inc = p.agent.accept().await.unwrap();
+        assert_eq!(inc.header(), &Bytes::from_static(b"tcp 127.0.0.1:80"));
+        assert_eq!(inc.id() % 2, 1, "the edge opens odd streams");
+        let mut got = Vec::new();
+        inc.read_to_end(&mut got).await.unwrap();
+        assert!(got == up, "the upload arrived whole and in order");
+        // Half-closed by the edge: the agent still answers.
+        let down = pattern(300_000, 7);
+        inc.write_all(&down).await.unwrap();
+        inc.shutdown().await.unwrap();
+        assert!(writer.await.unwrap() == down);
+        drop(inc);
+        assert_eq!(p.edge.streams(), 0, "a stream closed both ways and dropped is gone");
+    })
+    .await;
 }
 
 /// Many streams at once, written in small pieces that interleave on the
 /// wire: each arrives whole, in its own order.
 #[tokio::test(start_paused = true)]
 async fn interleaved_streams_keep_their_order() {
-    let mut p = pair(Config::default());
-    let mut writers = Vec::new();
-    for i in 0..20u8 {
-        let mut s = p.edge.open(Bytes::from(vec![i])).unwrap();
-        writers.push(tokio::spawn(async move {
-            for chunk in pattern(200_000, i).chunks(1000 + i as usize * 37) {
-                s.write_all(chunk).await.unwrap();
-                tokio::task::yield_now().await;
-            }
-            s.shutdown().await.unwrap();
-            let mut rest = Vec::new();
-            s.read_to_end(&mut rest).await.unwrap();
-        }));
-    }
-    let mut readers = Vec::new();
-    for _ in 0..20 {
-        let mut s = p.agent.accept().await.unwrap();
-        readers.push(tokio::spawn(async move {
-            let i = s.header()[0];
-            let mut got = Vec::new();
-            s.read_to_end(&mut got).await.unwrap();
-            s.shutdown().await.unwrap();
-            assert!(got == pattern(200_000, i), "stream {i} arrived whole and in order");
-        }));
-    }
-    for t in writers.into_iter().chain(readers) {
-        t.await.unwrap();
-    }
+    within(async {
+        let mut p = pair(Config::default());
+        let mut writers = Vec::new();
+        for i in 0..20u8 {
+            let mut s = p.edge.open(Bytes::from(vec![i])).unwrap();
+            writers.push(tokio::spawn(async move {
+                for chunk in pattern(200_000, i).chunks(1000 + i as usize * 37) {
+                    s.write_all(chunk).await.unwrap();
+                    tokio::task::yield_now().await;
+                }
+                s.shutdown().await.unwrap();
+                let mut rest = Vec::new();
+                s.read_to_end(&mut rest).await.unwrap();
+            }));
+        }
+        let mut readers = Vec::new();
+        for _ in 0..20 {
+            let mut s = p.agent.accept().await.unwrap();
+            readers.push(tokio::spawn(async move {
+                let i = s.header()[0];
+                let mut got = Vec::new();
+                s.read_to_end(&mut got).await.unwrap();
+                s.shutdown().await.unwrap();
+                assert!(got == pattern(200_000, i), "stream {i} arrived whole and in order");
+            }));
+        }
+        for t in writers.into_iter().chain(readers) {
+            t.await.unwrap();
+        }
+    })
+    .await;
 }
 
 /// The hole h2's connection window left: streams whose readers stop hold
 /// back only themselves; another stream on the connection moves 8 MiB.
 #[tokio::test(start_paused = true)]
 async fn a_reader_that_stops_holds_back_only_its_stream() {
-    let mut p = pair(SMALL);
-    let mut stuck = Vec::new();
-    for _ in 0..5 {
-        let mut s = p.edge.open(Bytes::new()).unwrap();
-        let held = p.agent.accept().await.unwrap(); // never read
-        // The stream's credit goes in, then its writes wait.
-        s.write_all(&vec![0; SMALL.window as usize]).await.unwrap();
-        assert!(stalls(s.write_all(b"one byte more")).await, "a stream writes no more than its credit");
-        stuck.push((s, held));
-    }
-    let mut s = p.edge.open(Bytes::new()).unwrap();
-    let mut other = p.agent.accept().await.unwrap();
-    let data = pattern(8 << 20, 3);
-    let (sent, got) = tokio::join!(
-        async {
-            s.write_all(&data).await.unwrap();
-            s.shutdown().await.unwrap();
-        },
-        async {
-            let mut got = Vec::new();
-            other.read_to_end(&mut got).await.unwrap();
-            got
+    within(async {
+        let mut p = pair(SMALL);
+        let mut stuck = Vec::new();
+        for _ in 0..5 {
+            let mut s = p.edge.open(Bytes::new()).unwrap();
+            let held = p.agent.accept().await.unwrap(); // never read
+            // The stream's credit goes in, then its writes wait.
+            s.write_all(&vec![0; SMALL.window as usize]).await.unwrap();
+            assert!(stalls(s.write_all(b"one byte more")).await, "a stream writes no more than its credit");
+            stuck.push((s, held));
         }
-    );
-    let () = sent;
-    assert!(got == data);
-    // What the stuck streams hold is their window each, no more.
-    let held: usize = {
-        let shared = lock(&p.agent.shared);
-        shared.streams.values().map(|slot| slot.recv.iter().map(Bytes::len).sum::<usize>()).sum()
-    };
-    assert_eq!(held, 5 * SMALL.window as usize);
-    // The held streams still work once read.
-    let (mut s, mut held) = stuck.pop().unwrap();
-    let mut buf = vec![0; SMALL.window as usize];
-    held.read_exact(&mut buf).await.unwrap();
-    s.write_all(b"more").await.unwrap();
-    let mut more = [0; 4];
-    held.read_exact(&mut more).await.unwrap();
-    assert_eq!(&more, b"more");
+        let mut s = p.edge.open(Bytes::new()).unwrap();
+        let mut other = p.agent.accept().await.unwrap();
+        let data = pattern(8 << 20, 3);
+        let (sent, got) = tokio::join!(
+            async {
+                s.write_all(&data).await.unwrap();
+                s.shutdown().await.unwrap();
+            },
+            async {
+                let mut got = Vec::new();
+                other.read_to_end(&mut got).await.unwrap();
+                got
+            }
+        );
+        let () = sent;
+        assert!(got == data);
+        // What the stuck streams hold is their window each, no more.
+        let held: usize = {
+            let shared = lock(&p.agent.shared);
+            shared.streams.values().map(|slot| slot.recv.iter().map(Bytes::len).sum::<usize>()).sum()
+        };
+        assert_eq!(held, 5 * SMALL.window as usize);
+        // The held streams still work once read.
+        let (mut s, mut held) = stuck.pop().unwrap();
+        let mut buf = vec![0; SMALL.window as usize];
+        held.read_exact(&mut buf).await.unwrap();
+        s.write_all(b"more").await.unwrap();
+        let mut more = [0; 4];
+        held.read_exact(&mut more).await.unwrap();
+        assert_eq!(&more, b"more");
+    })
+    .await;
 }
 
 /// Dropping a stream before it finished resets it: the other end's reads
 /// and writes fail (a cancelled request, a closed public connection).
 #[tokio::test(start_paused = true)]
 async fn dropping_an_unfinished_stream_resets_it() {
-    let mut p = pair(Config::default());
-    let mut s = p.edge.open(Bytes::new()).unwrap();
-    s.write_all(b"part of a request").await.unwrap();
-    let mut inc = p.agent.accept().await.unwrap();
-    let mut buf = [0; 17];
-    inc.read_exact(&mut buf).await.unwrap();
-    drop(s);
-    let e = inc.read(&mut buf).await.unwrap_err();
-    assert_eq!(e.kind(), io::ErrorKind::ConnectionReset, "{e}");
-    assert!(e.to_string().contains("cancelled"), "{e}");
-    let e = inc.write_all(b"answer").await.unwrap_err();
-    assert_eq!(e.kind(), io::ErrorKind::ConnectionReset);
-    drop(inc);
-    tokio::task::yield_now().await;
-    assert_eq!(p.edge.streams(), 0);
+    within(async {
+        let mut p = pair(Config::default());
+        let mut s = p.edge.open(Bytes::new()).unwrap();
+        s.write_all(b"part of a request").await.unwrap();
+        let mut inc = p.agent.accept().await.unwrap();
+        let mut buf = [0; 17];
+        inc.read_exact(&mut buf).await.unwrap();
+        drop(s);
+        let e = inc.read(&mut buf).await.unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::ConnectionReset, "{e}");
+        assert!(e.to_string().contains("cancelled"), "{e}");
+        let e = inc.write_all(b"answer").await.unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::ConnectionReset);
+        drop(inc);
+        tokio::task::yield_now().await;
+        assert_eq!(p.edge.streams(), 0);
+    })
+    .await;
 }
 
 /// A side that accepts nothing refuses the streams opened to it; more
 /// streams than the peer allows are refused too.
 #[tokio::test(start_paused = true)]
 async fn streams_nobody_takes_are_refused() {
-    let mut p = pair(SMALL);
-    // The agent opens a stream to the edge, whose incoming side is gone.
-    drop(p.edge_incoming.take());
-    let mut s = p._agent_handle.open(Bytes::new()).unwrap();
-    assert_eq!(s.id() % 2, 0, "the agent opens even streams");
-    let e = s.read(&mut [0; 1]).await.unwrap_err();
-    assert!(e.to_string().contains("refused"), "{e}");
-    drop(s);
+    within(async {
+        let mut p = pair(SMALL);
+        // The agent opens a stream to the edge, whose incoming side is gone.
+        drop(p.edge_incoming.take());
+        let mut s = p._agent_handle.open(Bytes::new()).unwrap();
+        assert_eq!(s.id() % 2, 0, "the agent opens even streams");
+        let e = s.read(&mut [0; 1]).await.unwrap_err();
+        assert!(e.to_string().contains("refused"), "{e}");
+        drop(s);
 
-    let mut open = Vec::new();
-    for _ in 0..SMALL.max_streams {
-        open.push(p.edge.open(Bytes::new()).unwrap());
-    }
-    let mut over = p.edge.open(Bytes::new()).unwrap();
-    let e = over.read(&mut [0; 1]).await.unwrap_err();
-    assert!(e.to_string().contains("refused"), "{e}");
-    assert_eq!(p.agent.accept().await.unwrap().id(), 1, "the ones within the limit are taken");
+        let mut open = Vec::new();
+        for _ in 0..SMALL.max_streams {
+            open.push(p.edge.open(Bytes::new()).unwrap());
+        }
+        let mut over = p.edge.open(Bytes::new()).unwrap();
+        let e = over.read(&mut [0; 1]).await.unwrap_err();
+        assert!(e.to_string().contains("refused"), "{e}");
+        assert_eq!(p.agent.accept().await.unwrap().id(), 1, "the ones within the limit are taken");
+    })
+    .await;
 }
 
 /// The connection ending fails what waits on it, with why; nothing hangs.
 #[tokio::test(start_paused = true)]
 async fn the_connection_ending_fails_its_streams() {
-    let mut p = pair(Config::default());
-    let mut s = p.edge.open(Bytes::new()).unwrap();
-    let _inc = p.agent.accept().await.unwrap();
-    p.agent_conn.abort();
-    let _ = (&mut p.agent_conn).await;
-    let e = s.read(&mut [0; 1]).await.unwrap_err();
-    assert!(e.to_string().contains("the tunnel connection ended"), "{e}");
-    assert!(p.edge_conn.await.unwrap().is_ok(), "the peer went away: the connection ends, cleanly");
-    assert!(p.edge.open(Bytes::new()).is_err());
-    assert!(p.edge_incoming.as_mut().unwrap().accept().await.is_none());
+    within(async {
+        let mut p = pair(Config::default());
+        let mut s = p.edge.open(Bytes::new()).unwrap();
+        let _inc = p.agent.accept().await.unwrap();
+        p.agent_conn.abort();
+        let _ = (&mut p.agent_conn).await;
+        let e = s.read(&mut [0; 1]).await.unwrap_err();
+        assert!(e.to_string().contains("the tunnel connection ended"), "{e}");
+        assert!(p.edge_conn.await.unwrap().is_ok(), "the peer went away: the connection ends, cleanly");
+        assert!(p.edge.open(Bytes::new()).is_err());
+        assert!(p.edge_incoming.as_mut().unwrap().accept().await.is_none());
+    })
+    .await;
 }
 
 /// A connection nothing uses anymore writes what it queued and ends.
 #[tokio::test(start_paused = true)]
 async fn a_connection_nothing_uses_ends() {
-    let Pair { edge, agent, edge_incoming, edge_conn, agent_conn, _agent_handle } = pair(Config::default());
-    let mut s = edge.open(Bytes::new()).unwrap();
-    s.write_all(b"last words").await.unwrap();
-    s.shutdown().await.unwrap();
-    let mut agent = agent;
-    let mut inc = agent.accept().await.unwrap();
-    drop((edge, edge_incoming, s));
-    let mut got = Vec::new();
-    inc.read_to_end(&mut got).await.unwrap();
-    assert_eq!(got, b"last words");
-    assert!(edge_conn.await.unwrap().is_ok());
-    drop((inc, agent, _agent_handle));
-    assert!(agent_conn.await.unwrap().is_ok());
+    within(async {
+        let Pair { edge, agent, edge_incoming, edge_conn, agent_conn, _agent_handle } =
+            pair(Config::default());
+        let mut s = edge.open(Bytes::new()).unwrap();
+        s.write_all(b"last words").await.unwrap();
+        s.shutdown().await.unwrap();
+        let mut agent = agent;
+        let mut inc = agent.accept().await.unwrap();
+        drop((edge, edge_incoming, s));
+        let mut got = Vec::new();
+        inc.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got, b"last words");
+        assert!(edge_conn.await.unwrap().is_ok());
+        drop((inc, agent, _agent_handle));
+        assert!(agent_conn.await.unwrap().is_ok());
+    })
+    .await;
 }
 
 /// A peer that breaks the protocol ends the connection with why.
 #[tokio::test(start_paused = true)]
 async fn a_peer_that_breaks_the_protocol_is_dropped() {
-    let cases: Vec<(Vec<Frame>, &str)> = vec![
-        (
-            vec![
-                Frame::Open { stream: 1, header: Bytes::new() },
-                Frame::Data { stream: 1, fin: false, payload: Bytes::from(vec![0; 40_000]) },
-                Frame::Data { stream: 1, fin: false, payload: Bytes::from(vec![0; 30_000]) },
-            ],
-            "over its credit",
-        ),
-        (vec![Frame::Open { stream: 2, header: Bytes::new() }], "out of order"),
-        (
-            vec![
-                Frame::Open { stream: 3, header: Bytes::new() },
-                Frame::Open { stream: 1, header: Bytes::new() },
-            ],
-            "out of order",
-        ),
-        (
-            vec![
-                Frame::Open { stream: 1, header: Bytes::new() },
-                Frame::Data { stream: 1, fin: true, payload: Bytes::new() },
-                Frame::Data { stream: 1, fin: false, payload: Bytes::from_static(b"x") },
-            ],
-            "after its end",
-        ),
-    ];
-    for (frames, why) in cases {
-        let (mut raw, b) = tokio::io::duplex(1 << 20);
+    within(async {
+        let cases: Vec<(Vec<Frame>, &str)> = vec![
+            (
+                vec![
+                    Frame::Open { stream: 1, header: Bytes::new() },
+                    Frame::Data { stream: 1, fin: false, payload: Bytes::from(vec![0; 40_000]) },
+                    Frame::Data { stream: 1, fin: false, payload: Bytes::from(vec![0; 30_000]) },
+                ],
+                "over its credit",
+            ),
+            (vec![Frame::Open { stream: 2, header: Bytes::new() }], "out of order"),
+            (
+                vec![
+                    Frame::Open { stream: 3, header: Bytes::new() },
+                    Frame::Open { stream: 1, header: Bytes::new() },
+                ],
+                "out of order",
+            ),
+            (
+                vec![
+                    Frame::Open { stream: 1, header: Bytes::new() },
+                    Frame::Data { stream: 1, fin: true, payload: Bytes::new() },
+                    Frame::Data { stream: 1, fin: false, payload: Bytes::from_static(b"x") },
+                ],
+                "after its end",
+            ),
+        ];
+        for (frames, why) in cases {
+            let (mut raw, b) = tokio::io::duplex(1 << 20);
+            let (_h, _incoming, conn) = new(b, Side::Agent, SMALL);
+            let conn = tokio::spawn(conn);
+            let mut wire = BytesMut::new();
+            frames.iter().for_each(|f| f.encode(&mut wire));
+            raw.write_all(&wire).await.unwrap();
+            let e = conn.await.unwrap().unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::InvalidData);
+            assert!(e.to_string().contains(why), "{e} (expected {why})");
+        }
+        // Not frames at all.
+        let (mut raw, b) = tokio::io::duplex(1024);
         let (_h, _incoming, conn) = new(b, Side::Agent, SMALL);
         let conn = tokio::spawn(conn);
-        let mut wire = BytesMut::new();
-        frames.iter().for_each(|f| f.encode(&mut wire));
-        raw.write_all(&wire).await.unwrap();
+        raw.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
         let e = conn.await.unwrap().unwrap_err();
-        assert_eq!(e.kind(), io::ErrorKind::InvalidData);
-        assert!(e.to_string().contains(why), "{e} (expected {why})");
-    }
-    // Not frames at all.
-    let (mut raw, b) = tokio::io::duplex(1024);
-    let (_h, _incoming, conn) = new(b, Side::Agent, SMALL);
-    let conn = tokio::spawn(conn);
-    raw.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
-    let e = conn.await.unwrap().unwrap_err();
-    assert!(e.to_string().contains("unknown frame type"), "{e}");
+        assert!(e.to_string().contains("unknown frame type"), "{e}");
+    })
+    .await;
 }
 
 /// Pings are answered; credit is granted as the reader consumes, in
 /// frames of half the window, not one per read.
 #[tokio::test(start_paused = true)]
 async fn pings_are_answered_and_credit_comes_in_halves() {
-    let (mut raw, b): (DuplexStream, DuplexStream) = tokio::io::duplex(1 << 20);
-    let (_h, mut incoming, conn) = new(b, Side::Agent, SMALL);
-    let _conn = tokio::spawn(conn);
-    let mut wire = BytesMut::new();
-    Frame::Ping { ack: false, opaque: 42 }.encode(&mut wire);
-    Frame::Open { stream: 1, header: Bytes::new() }.encode(&mut wire);
-    Frame::Data { stream: 1, fin: false, payload: Bytes::from(vec![1; 50_000]) }.encode(&mut wire);
-    raw.write_all(&wire).await.unwrap();
-    let mut s = incoming.accept().await.unwrap();
-    let mut buf = vec![0; 1000];
-    for _ in 0..50 {
-        s.read_exact(&mut buf).await.unwrap();
-    }
-    let mut got = BytesMut::new();
-    let mut frames = Vec::new();
-    while frames.len() < 2 {
-        raw.read_buf(&mut got).await.unwrap();
-        while let Some(f) = Frame::decode(&mut got).unwrap() {
-            frames.push(f);
+    within(async {
+        let (mut raw, b): (DuplexStream, DuplexStream) = tokio::io::duplex(1 << 20);
+        let (_h, mut incoming, conn) = new(b, Side::Agent, SMALL);
+        let _conn = tokio::spawn(conn);
+        let mut wire = BytesMut::new();
+        Frame::Ping { ack: false, opaque: 42 }.encode(&mut wire);
+        Frame::Open { stream: 1, header: Bytes::new() }.encode(&mut wire);
+        Frame::Data { stream: 1, fin: false, payload: Bytes::from(vec![1; 50_000]) }.encode(&mut wire);
+        raw.write_all(&wire).await.unwrap();
+        let mut s = incoming.accept().await.unwrap();
+        let mut buf = vec![0; 1000];
+        for _ in 0..50 {
+            s.read_exact(&mut buf).await.unwrap();
         }
-    }
-    assert_eq!(
-        frames,
-        vec![Frame::Ping { ack: true, opaque: 42 }, Frame::Credit { stream: 1, bytes: 33_000 }],
-        "one credit frame once half the window was read"
-    );
-    assert!(stalls(raw.read_buf(&mut got)).await, "and no other frame");
-    let _ = frame::HEADER;
+        let mut got = BytesMut::new();
+        let mut frames = Vec::new();
+        while frames.len() < 2 {
+            raw.read_buf(&mut got).await.unwrap();
+            while let Some(f) = Frame::decode(&mut got).unwrap() {
+                frames.push(f);
+            }
+        }
+        assert_eq!(
+            frames,
+            vec![Frame::Ping { ack: true, opaque: 42 }, Frame::Credit { stream: 1, bytes: 33_000 }],
+            "one credit frame once half the window was read"
+        );
+        assert!(stalls(raw.read_buf(&mut got)).await, "and no other frame");
+        let _ = frame::HEADER;
+    })
+    .await;
 }
