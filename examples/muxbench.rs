@@ -34,11 +34,16 @@ async fn run_mux() {
     tokio::spawn(c1);
     tokio::spawn(c2);
     let mut s = edge.open(Bytes::new()).unwrap();
+    let copy = std::env::args().any(|a| a == "--copy");
     let w = tokio::spawn(async move {
-        let buf = vec![1u8; CHUNK];
+        let buf = Bytes::from(vec![1u8; CHUNK]);
         let mut sent = 0;
         while sent < TOTAL {
-            s.write_all(&buf).await.unwrap();
+            if copy {
+                s.write_all(&buf).await.unwrap();
+            } else {
+                s.send(buf.clone()).await.unwrap();
+            }
             sent += CHUNK;
         }
         s.shutdown().await.unwrap();

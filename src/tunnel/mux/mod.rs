@@ -384,8 +384,43 @@ impl Stream {
         &self.header
     }
 
+    /// Sends `data` as it lies, without a copy: a frame per 64 KiB, as the
+    /// stream's credit allows (waits for more when it is spent).
+    pub async fn send(&mut self, mut data: Bytes) -> io::Result<()> {
+        while !data.is_empty() {
+            std::future::poll_fn(|cx| {
+                let d = &mut data;
+                self.poll_data(cx, d.len(), |n| d.split_to(n))
+            })
+            .await?;
+        }
+        Ok(())
+    }
+
     fn write_slices(&self, cx: &mut Context<'_>, bufs: &[IoSlice<'_>]) -> Poll<io::Result<usize>> {
         let total: usize = bufs.iter().map(|b| b.len()).sum();
+        self.poll_data(cx, total, |n| {
+            let mut payload = BytesMut::with_capacity(n);
+            for b in bufs {
+                let take = b.len().min(n - payload.len());
+                payload.extend_from_slice(&b[..take]);
+                if payload.len() == n {
+                    break;
+                }
+            }
+            payload.freeze()
+        })
+    }
+
+    /// Queues a `Data` frame of the first bytes of `total` (as many as the
+    /// credit and a frame allow; `payload(n)` makes them) or waits for
+    /// credit.
+    fn poll_data(
+        &self,
+        cx: &mut Context<'_>,
+        total: usize,
+        payload: impl FnOnce(usize) -> Bytes,
+    ) -> Poll<io::Result<usize>> {
         if total == 0 {
             return Poll::Ready(Ok(0));
         }
@@ -409,15 +444,7 @@ impl Stream {
         }
         let n = total.min(slot.send_credit as usize).min(MAX_PAYLOAD);
         slot.send_credit -= n as u32;
-        let mut payload = BytesMut::with_capacity(n);
-        for b in bufs {
-            let take = b.len().min(n - payload.len());
-            payload.extend_from_slice(&b[..take]);
-            if payload.len() == n {
-                break;
-            }
-        }
-        s.queue(Frame::Data { stream: self.id, fin: false, payload: payload.freeze() });
+        s.queue(Frame::Data { stream: self.id, fin: false, payload: payload(n) });
         Poll::Ready(Ok(n))
     }
 }
@@ -433,6 +460,50 @@ fn reset_error(code: u32) -> io::Error {
 
 impl AsyncRead for Stream {
     fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        self.poll_take(cx, |recv| {
+            let mut read = 0;
+            while buf.remaining() > 0
+                && let Some(front) = recv.front_mut()
+            {
+                let n = front.len().min(buf.remaining());
+                buf.put_slice(&front[..n]);
+                front.advance(n);
+                read += n;
+                if front.is_empty() {
+                    recv.pop_front();
+                }
+            }
+            read
+        })
+        .map_ok(|_| ())
+    }
+}
+
+impl Stream {
+    /// The next bytes the peer sent, as they arrived (no copy); `None` at
+    /// the end of the stream.
+    pub async fn recv(&mut self) -> io::Result<Option<Bytes>> {
+        let mut chunk = None;
+        std::future::poll_fn(|cx| {
+            self.poll_take(cx, |recv| {
+                let front = recv.pop_front().expect("taken only when there is data");
+                let n = front.len();
+                chunk = Some(front);
+                n
+            })
+        })
+        .await?;
+        Ok(chunk)
+    }
+
+    /// Takes received bytes with `take` (which says how many it took) and
+    /// grants them back as credit; `Ready(Ok(false))` at the end of the
+    /// stream, without calling `take`.
+    fn poll_take(
+        &self,
+        cx: &mut Context<'_>,
+        take: impl FnOnce(&mut VecDeque<Bytes>) -> usize,
+    ) -> Poll<io::Result<bool>> {
         let id = self.id;
         let mut s = lock(&self.shared);
         let s = &mut *s;
@@ -444,7 +515,7 @@ impl AsyncRead for Stream {
         }
         if slot.recv.is_empty() {
             if slot.recv_fin {
-                return Poll::Ready(Ok(()));
+                return Poll::Ready(Ok(false));
             }
             if s.closed.is_some() {
                 return Poll::Ready(Err(s.closed_error(io::ErrorKind::UnexpectedEof)));
@@ -452,25 +523,13 @@ impl AsyncRead for Stream {
             slot.reader = Some(cx.waker().clone());
             return Poll::Pending;
         }
-        let mut read = 0;
-        while buf.remaining() > 0
-            && let Some(front) = slot.recv.front_mut()
-        {
-            let n = front.len().min(buf.remaining());
-            buf.put_slice(&front[..n]);
-            front.advance(n);
-            read += n;
-            if front.is_empty() {
-                slot.recv.pop_front();
-            }
-        }
-        slot.consumed += read as u32;
+        slot.consumed += take(&mut slot.recv) as u32;
         if !slot.recv_fin && slot.consumed >= s.config.window / 2 {
             let bytes = std::mem::take(&mut slot.consumed);
             slot.recv_window += bytes;
             s.queue(Frame::Credit { stream: id, bytes });
         }
-        Poll::Ready(Ok(()))
+        Poll::Ready(Ok(true))
     }
 }
 

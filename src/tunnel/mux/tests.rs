@@ -85,6 +85,41 @@ async fn a_stream_carries_bytes_both_ways_and_half_closes() {
     .await;
 }
 
+/// `send` and `recv` carry buffers as they lie, cut into frames by credit:
+/// the same bytes arrive as through `write_all` and `read`, and a spent
+/// credit waits.
+#[tokio::test(start_paused = true)]
+async fn send_carries_buffers_without_a_copy() {
+    within(async {
+        let mut p = pair(SMALL);
+        let mut s = p.edge.open(Bytes::new()).unwrap();
+        let mut inc = p.agent.accept().await.unwrap();
+        let data = Bytes::from(pattern(3 << 20, 9));
+        let (sent, got) = tokio::join!(
+            async {
+                s.send(data.slice(..1000)).await.unwrap();
+                s.send(data.slice(1000..)).await.unwrap();
+                s.shutdown().await.unwrap();
+            },
+            async {
+                let mut got = Vec::new();
+                while let Some(chunk) = inc.recv().await.unwrap() {
+                    assert!(chunk.len() <= frame::MAX_PAYLOAD);
+                    got.extend_from_slice(&chunk);
+                }
+                got
+            }
+        );
+        let () = sent;
+        assert!(got == data, "the bytes arrived whole and in order");
+        let mut held = p.edge.open(Bytes::new()).unwrap();
+        let _unread = p.agent.accept().await.unwrap();
+        held.send(Bytes::from(vec![0; SMALL.window as usize])).await.unwrap();
+        assert!(stalls(held.send(Bytes::from_static(b"x"))).await, "no more than the credit");
+    })
+    .await;
+}
+
 /// Many streams at once, written in small pieces that interleave on the
 /// wire: each arrives whole, in its own order.
 #[tokio::test(start_paused = true)]
