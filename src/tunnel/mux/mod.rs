@@ -324,6 +324,18 @@ impl Handle {
         Ok(Stream { id, header: Bytes::new(), shared: self.shared.clone() })
     }
 
+    /// Takes no more streams from the peer (they are refused, to be opened
+    /// on another connection) and tells it so; the streams open go on. For a
+    /// drain: the connection ends once they are done and nothing uses it.
+    pub fn go_away(&self) {
+        let mut s = lock(&self.shared);
+        if s.accepting && s.closed.is_none() {
+            s.accepting = false;
+            let last = s.last_peer_id;
+            s.queue(Frame::GoAway { last });
+        }
+    }
+
     /// Streams open now, both sides'.
     pub fn streams(&self) -> usize {
         lock(&self.shared).streams.len()

@@ -256,6 +256,37 @@ async fn streams_nobody_takes_are_refused() {
     .await;
 }
 
+/// A drain: after `go_away` the streams open go on, the peer can open no
+/// more (its open fails at once; one already on the wire is refused).
+#[tokio::test(start_paused = true)]
+async fn going_away_finishes_what_is_open_and_takes_nothing_new() {
+    within(async {
+        let mut p = pair(Config::default());
+        let mut open = p._agent_handle.open(Bytes::new()).unwrap();
+        let mut edge_incoming = p.edge_incoming.take().unwrap();
+        let mut taken = edge_incoming.accept().await.unwrap();
+        p.edge.go_away();
+        // Sent before the GoAway arrived: refused, not lost silently.
+        let mut raced = p._agent_handle.open(Bytes::new()).unwrap();
+        let e = raced.read(&mut [0; 1]).await.unwrap_err();
+        assert!(e.to_string().contains("refused"), "{e}");
+        let e = p._agent_handle.open(Bytes::new()).err().expect("no new stream after GoAway");
+        assert_eq!(e.kind(), io::ErrorKind::ConnectionRefused);
+        // The stream open before goes on, both ways.
+        open.write_all(b"still here").await.unwrap();
+        open.shutdown().await.unwrap();
+        let mut got = Vec::new();
+        taken.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got, b"still here");
+        taken.write_all(b"and answered").await.unwrap();
+        taken.shutdown().await.unwrap();
+        let mut back = Vec::new();
+        open.read_to_end(&mut back).await.unwrap();
+        assert_eq!(back, b"and answered");
+    })
+    .await;
+}
+
 /// The connection ending fails what waits on it, with why; nothing hangs.
 #[tokio::test(start_paused = true)]
 async fn the_connection_ending_fails_its_streams() {
