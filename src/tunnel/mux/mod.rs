@@ -190,6 +190,10 @@ fn violation(why: String) -> io::Error {
 
 impl Shared {
     fn queue(&mut self, frame: Frame) {
+        // Frame heads are cut from one allocation, not one each.
+        if self.scratch.capacity() < frame::HEADER + 8 {
+            self.scratch.reserve(4096);
+        }
         frame.encode_head(&mut self.scratch);
         self.out.push_back(self.scratch.split().freeze());
         if let Some(p) = frame.payload().filter(|p| !p.is_empty()) {
@@ -613,9 +617,9 @@ impl<T: AsyncRead + AsyncWrite + Unpin> Connection<T> {
     fn poll_write_out(&mut self, cx: &mut Context<'_>) -> io::Result<bool> {
         let mut wrote = false;
         while !self.writing.is_empty() {
-            let slices: Vec<IoSlice<'_>> =
-                self.writing.iter().take(MAX_SLICES).map(|b| IoSlice::new(b)).collect();
-            match Pin::new(&mut self.io).poll_write_vectored(cx, &slices) {
+            let mut slices = [IoSlice::new(&[]); MAX_SLICES];
+            let n = slices.iter_mut().zip(&self.writing).map(|(slice, b)| *slice = IoSlice::new(b)).count();
+            match Pin::new(&mut self.io).poll_write_vectored(cx, &slices[..n]) {
                 Poll::Ready(Ok(0)) => return Err(io::ErrorKind::WriteZero.into()),
                 Poll::Ready(Ok(mut n)) => {
                     wrote = true;
