@@ -1,9 +1,27 @@
-//! Ad hoc: CPU per GB of one stream over loopback TCP, mux against h2.
+//! `tunnel::mux` against the tunnel's HTTP/2 ends (`tunnel::client`,
+//! `tunnel::server`), both ends in this process over a loopback TCP
+//! connection (no TLS, no WebSocket: the multiplexers alone). Prints the
+//! CPU of the whole process per GB or per request, three runs each:
+//!
+//! ```sh
+//! cargo run -j2 --release --example muxbench -- mux     # one bulk stream, 2 GiB, `send`/`recv`
+//! cargo run -j2 --release --example muxbench -- mux --copy  # the same through `write_all`/`read`
+//! cargo run -j2 --release --example muxbench -- h2
+//! cargo run -j2 --release --example muxbench -- rr-mux  # a stream per request, 50 at once
+//! cargo run -j2 --release --example muxbench -- rr-h2
+//! ```
+
 use bytes::Bytes;
-use culvert::tunnel::mux;
+use culvert::tunnel::stream::RecvBody;
+use culvert::tunnel::{client, mux, server};
+use http::{Request, Response};
+use http_body_util::{BodyExt, Full, StreamBody, combinators::UnsyncBoxBody};
+use hyper::body::Frame;
 use std::time::Instant;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+
+type Body = UnsyncBoxBody<Bytes, culvert::BoxError>;
 
 const TOTAL: usize = 2 << 30;
 const CHUNK: usize = 256 * 1024;
@@ -63,50 +81,44 @@ async fn run_mux() {
     drop(w.await.unwrap());
 }
 
-async fn run_h2() {
+/// The tunnel's own HTTP/2 ends, the edge's (`tunnel::client`) and the
+/// agent's (`tunnel::server`, answering with `service`), over `sockets()`.
+async fn h2_ends<S, F>(service: S) -> client::Sender
+where
+    S: FnMut(Request<RecvBody>) -> F + Send + 'static,
+    F: Future<Output = Response<Body>> + Send + 'static,
+{
     let (a, b) = sockets().await;
-    let server = tokio::spawn(async move {
-        let mut conn = h2::server::Builder::new()
-            .initial_window_size(256 * 1024)
-            .initial_connection_window_size(1 << 30)
-            .max_frame_size(64 * 1024 - 1)
-            .handshake::<_, Bytes>(b)
-            .await
-            .unwrap();
-        let (req, mut respond) = conn.accept().await.unwrap().unwrap();
-        tokio::spawn(async move { while conn.accept().await.is_some() {} });
-        let mut body = req.into_body();
-        let mut got = 0;
-        while let Some(d) = body.data().await {
-            let d = d.unwrap();
-            got += d.len();
-            body.flow_control().release_capacity(d.len()).unwrap();
-        }
-        assert_eq!(got, TOTAL);
-        respond.send_response(http::Response::new(()), true).unwrap();
-    });
-    let (mut client, conn) = h2::client::Builder::new()
-        .initial_window_size(256 * 1024)
-        .initial_connection_window_size(1 << 30)
-        .max_frame_size(64 * 1024 - 1)
-        .handshake::<_, Bytes>(a)
-        .await
-        .unwrap();
+    tokio::spawn(async move { server::serve(b, service, std::future::pending()).await.unwrap() });
+    let (sender, conn) = client::handshake(a).await.unwrap();
     tokio::spawn(conn);
-    let (resp, mut send) =
-        client.send_request(http::Request::post("http://x/").body(()).unwrap(), false).unwrap();
-    let chunk = Bytes::from(vec![1u8; CHUNK]);
-    let mut sent = 0;
-    while sent < TOTAL {
-        send.reserve_capacity(CHUNK);
-        std::future::poll_fn(|cx| send.poll_capacity(cx)).await.unwrap().unwrap();
-        let cap = send.capacity().min(CHUNK).min(TOTAL - sent);
-        send.send_data(chunk.slice(..cap), false).unwrap();
-        sent += cap;
+    sender
+}
+
+/// The data bytes of a body, read to its end.
+async fn drain(mut body: impl hyper::body::Body<Data = Bytes, Error: std::fmt::Debug> + Unpin) -> usize {
+    let mut n = 0;
+    while let Some(frame) = body.frame().await {
+        n += frame.unwrap().into_data().map_or(0, |d| d.len());
     }
-    send.send_data(Bytes::new(), true).unwrap();
-    resp.await.unwrap();
-    server.await.unwrap();
+    n
+}
+
+fn full(data: &'static [u8]) -> Body {
+    Full::new(Bytes::from_static(data)).map_err(|never| match never {}).boxed_unsync()
+}
+
+async fn run_h2() {
+    let sender = h2_ends(|req: Request<RecvBody>| async move {
+        assert_eq!(drain(req.into_body()).await, TOTAL);
+        Response::new(full(b""))
+    })
+    .await;
+    let chunk = Bytes::from(vec![1u8; CHUNK]);
+    let chunks = futures_util::stream::iter((0..TOTAL / CHUNK).map(move |_| Ok(Frame::data(chunk.clone()))));
+    let body = StreamBody::new(chunks).boxed_unsync();
+    let resp = sender.send(Request::post("https://app.example.com/").body(body).unwrap()).await.unwrap();
+    drain(resp.into_body()).await;
 }
 
 const RR: usize = 100_000;
@@ -149,70 +161,36 @@ async fn rr_mux() {
     }
 }
 
-/// The same over h2 as the tunnel uses it: a head of a few fields, the
+/// The same through the tunnel's HTTP/2 ends: a head of a few fields, the
 /// body as DATA.
 async fn rr_h2() {
-    let (a, b) = sockets().await;
-    tokio::spawn(async move {
-        let mut conn = h2::server::Builder::new()
-            .initial_window_size(256 * 1024)
-            .initial_connection_window_size(1 << 30)
-            .max_concurrent_streams(4096)
-            .handshake::<_, Bytes>(b)
-            .await
-            .unwrap();
-        while let Some(r) = conn.accept().await {
-            let (req, mut respond) = r.unwrap();
-            tokio::spawn(async move {
-                let mut body = req.into_body();
-                while let Some(d) = body.data().await {
-                    let d = d.unwrap();
-                    body.flow_control().release_capacity(d.len()).unwrap();
-                }
-                let resp = http::Response::builder()
-                    .status(200)
-                    .header("content-type", "text/html")
-                    .header("content-length", "500")
-                    .header("server", "nginx")
-                    .header("date", "Sat, 05 Dec 2026 22:00:00 GMT")
-                    .body(())
-                    .unwrap();
-                let mut send = respond.send_response(resp, false).unwrap();
-                send.send_data(Bytes::from_static(&[b'r'; 500]), true).unwrap();
-            });
-        }
-    });
-    let (client, conn) = h2::client::Builder::new()
-        .initial_window_size(256 * 1024)
-        .initial_connection_window_size(1 << 30)
-        .handshake::<_, Bytes>(a)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
+    static ANSWER: [u8; 500] = [b'r'; 500];
+    let sender = h2_ends(|req: Request<RecvBody>| async move {
+        drain(req.into_body()).await;
+        Response::builder()
+            .header("content-type", "text/html")
+            .header("server", "nginx")
+            .header("date", "Sat, 05 Dec 2026 22:00:00 GMT")
+            .body(full(&ANSWER))
+            .unwrap()
+    })
+    .await;
+    let sender = std::sync::Arc::new(sender);
     let mut tasks = Vec::new();
     for _ in 0..CONC {
-        let mut client = client.clone();
+        let sender = sender.clone();
         tasks.push(tokio::spawn(async move {
             for _ in 0..RR / CONC {
-                client = client.ready().await.unwrap();
-                let req = http::Request::get("https://app.example.com/index.html")
+                let req = Request::post("https://app.example.com/index.html")
                     .header("user-agent", "wrk")
                     .header("x-forwarded-for", "127.0.0.1")
                     .header("x-forwarded-proto", "https")
                     .header("x-forwarded-host", "app.example.com")
                     .header("culvert-stream", "http")
-                    .body(())
+                    .body(full(&[b'q'; 100]))
                     .unwrap();
-                let (resp, mut send) = client.send_request(req, false).unwrap();
-                send.send_data(Bytes::from_static(&[b'q'; 100]), true).unwrap();
-                let mut body = resp.await.unwrap().into_body();
-                let mut n = 0;
-                while let Some(d) = body.data().await {
-                    let d = d.unwrap();
-                    n += d.len();
-                    body.flow_control().release_capacity(d.len()).unwrap();
-                }
-                assert_eq!(n, 500);
+                let resp = sender.send(req).await.unwrap();
+                assert_eq!(drain(resp.into_body()).await, 500);
             }
         }));
     }
