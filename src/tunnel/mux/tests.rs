@@ -19,7 +19,7 @@ struct Pair {
     edge_incoming: Option<Incoming>,
     edge_conn: JoinHandle<io::Result<()>>,
     agent_conn: JoinHandle<io::Result<()>>,
-    _agent_handle: Handle,
+    agent_handle: Handle,
 }
 
 fn pair(config: Config) -> Pair {
@@ -32,7 +32,7 @@ fn pair(config: Config) -> Pair {
         edge_incoming: Some(edge_incoming),
         edge_conn: tokio::spawn(edge_conn),
         agent_conn: tokio::spawn(agent_conn),
-        _agent_handle: agent_handle,
+        agent_handle,
     }
 }
 
@@ -238,7 +238,7 @@ async fn streams_nobody_takes_are_refused() {
         let mut p = pair(SMALL);
         // The agent opens a stream to the edge, whose incoming side is gone.
         drop(p.edge_incoming.take());
-        let mut s = p._agent_handle.open(Bytes::new()).unwrap();
+        let mut s = p.agent_handle.open(Bytes::new()).unwrap();
         assert_eq!(s.id() % 2, 0, "the agent opens even streams");
         let e = s.read(&mut [0; 1]).await.unwrap_err();
         assert!(e.to_string().contains("refused"), "{e}");
@@ -262,15 +262,15 @@ async fn streams_nobody_takes_are_refused() {
 async fn going_away_finishes_what_is_open_and_takes_nothing_new() {
     within(async {
         let mut p = pair(Config::default());
-        let mut open = p._agent_handle.open(Bytes::new()).unwrap();
+        let mut open = p.agent_handle.open(Bytes::new()).unwrap();
         let mut edge_incoming = p.edge_incoming.take().unwrap();
         let mut taken = edge_incoming.accept().await.unwrap();
         p.edge.go_away();
         // Sent before the GoAway arrived: refused, not lost silently.
-        let mut raced = p._agent_handle.open(Bytes::new()).unwrap();
+        let mut raced = p.agent_handle.open(Bytes::new()).unwrap();
         let e = raced.read(&mut [0; 1]).await.unwrap_err();
         assert!(e.to_string().contains("refused"), "{e}");
-        let e = p._agent_handle.open(Bytes::new()).err().expect("no new stream after GoAway");
+        let e = p.agent_handle.open(Bytes::new()).err().expect("no new stream after GoAway");
         assert_eq!(e.kind(), io::ErrorKind::ConnectionRefused);
         // The stream open before goes on, both ways.
         open.write_all(b"still here").await.unwrap();
@@ -309,7 +309,7 @@ async fn the_connection_ending_fails_its_streams() {
 #[tokio::test(start_paused = true)]
 async fn a_connection_nothing_uses_ends() {
     within(async {
-        let Pair { edge, agent, edge_incoming, edge_conn, agent_conn, _agent_handle } =
+        let Pair { edge, agent, edge_incoming, edge_conn, agent_conn, agent_handle } =
             pair(Config::default());
         let mut s = edge.open(Bytes::new()).unwrap();
         s.write_all(b"last words").await.unwrap();
@@ -321,7 +321,7 @@ async fn a_connection_nothing_uses_ends() {
         inc.read_to_end(&mut got).await.unwrap();
         assert_eq!(got, b"last words");
         assert!(edge_conn.await.unwrap().is_ok());
-        drop((inc, agent, _agent_handle));
+        drop((inc, agent, agent_handle));
         assert!(agent_conn.await.unwrap().is_ok());
     })
     .await;
