@@ -9,6 +9,8 @@
 //! cargo run -j2 --release --example muxbench -- h2
 //! cargo run -j2 --release --example muxbench -- rr-mux  # a stream per request, 50 at once
 //! cargo run -j2 --release --example muxbench -- rr-h2
+//! cargo run -j2 --release --example muxbench -- rr-h1   # HTTP/1.1 by hyper on a mux stream per connection
+//! cargo run -j2 --release --example muxbench -- rr-head # a stream per request, heads as HTTP/1.1 text (httparse)
 //! ```
 
 use bytes::Bytes;
@@ -204,6 +206,171 @@ async fn rr_h2() {
     }
 }
 
+/// HTTP/1.1 on the mux: a stream per connection (50), hyper's HTTP/1
+/// client on the edge's end and its server on the agent's, the requests and
+/// answers of `rr_h2`: what carrying HTTP as bytes would cost on the streams,
+/// before any hand-written parsing.
+async fn rr_h1() {
+    use hyper_util::rt::TokioIo;
+    static ANSWER: [u8; 500] = [b'r'; 500];
+    let (a, b) = sockets().await;
+    let (edge, _ei, c1) = mux::new(a, mux::Side::Edge, mux::Config::default());
+    let (_ah, mut agent, c2) = mux::new(b, mux::Side::Agent, mux::Config::default());
+    tokio::spawn(c1);
+    tokio::spawn(c2);
+    tokio::spawn(async move {
+        while let Some(s) = agent.accept().await {
+            let service = hyper::service::service_fn(|req: Request<hyper::body::Incoming>| async move {
+                drain(req.into_body()).await;
+                Response::builder()
+                    .header("content-type", "text/html")
+                    .header("server", "nginx")
+                    .header("date", "Sat, 05 Dec 2026 22:00:00 GMT")
+                    .body(full(&ANSWER))
+            });
+            tokio::spawn(hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(s), service));
+        }
+    });
+    let mut tasks = Vec::new();
+    for _ in 0..CONC {
+        let s = edge.open(Bytes::from_static(b"http")).unwrap();
+        tasks.push(tokio::spawn(async move {
+            let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(s)).await.unwrap();
+            tokio::spawn(conn);
+            for _ in 0..RR / CONC {
+                let req = Request::post("/index.html")
+                    .header("host", "app.example.com")
+                    .header("user-agent", "wrk")
+                    .header("x-forwarded-for", "127.0.0.1")
+                    .header("x-forwarded-proto", "https")
+                    .header("x-forwarded-host", "app.example.com")
+                    .body(full(&[b'q'; 100]))
+                    .unwrap();
+                sender.ready().await.unwrap();
+                let resp = sender.send_request(req).await.unwrap();
+                assert_eq!(drain(resp.into_body()).await, 500);
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+}
+
+/// HTTP on the mux the way h2 carries it now, a stream per request: the
+/// request head as HTTP/1.1 text in the stream's `Open` (parsed into an
+/// `http::Request` by httparse at the agent), the response head as the first
+/// bytes back (parsed at the edge), the bodies as the stream's bytes.
+async fn rr_head() {
+    static ANSWER: [u8; 500] = [b'r'; 500];
+    let (a, b) = sockets().await;
+    let (edge, _ei, c1) = mux::new(a, mux::Side::Edge, mux::Config::default());
+    let (_ah, mut agent, c2) = mux::new(b, mux::Side::Agent, mux::Config::default());
+    tokio::spawn(c1);
+    tokio::spawn(c2);
+    tokio::spawn(async move {
+        while let Some(mut s) = agent.accept().await {
+            tokio::spawn(async move {
+                let req = parse_request(s.header());
+                assert_eq!(req.uri().path(), "/index.html");
+                let mut n = 0;
+                while let Some(b) = s.recv().await.unwrap() {
+                    n += b.len();
+                }
+                assert_eq!(n, 100);
+                let resp = Response::builder()
+                    .header("content-type", "text/html")
+                    .header("server", "nginx")
+                    .header("date", "Sat, 05 Dec 2026 22:00:00 GMT")
+                    .header("content-length", "500")
+                    .body(())
+                    .unwrap();
+                s.send(encode_response(&resp)).await.unwrap();
+                s.send(Bytes::from_static(&ANSWER)).await.unwrap();
+                s.shutdown().await.unwrap();
+            });
+        }
+    });
+    let mut tasks = Vec::new();
+    for _ in 0..CONC {
+        let edge = edge.clone();
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..RR / CONC {
+                let req = Request::post("/index.html")
+                    .header("host", "app.example.com")
+                    .header("user-agent", "wrk")
+                    .header("x-forwarded-for", "127.0.0.1")
+                    .header("x-forwarded-proto", "https")
+                    .header("x-forwarded-host", "app.example.com")
+                    .header("content-length", "100")
+                    .body(())
+                    .unwrap();
+                let mut s = edge.open(encode_request(&req)).unwrap();
+                s.send(Bytes::from_static(&[b'q'; 100])).await.unwrap();
+                s.shutdown().await.unwrap();
+                let head = s.recv().await.unwrap().unwrap();
+                let mut headers = [httparse::EMPTY_HEADER; 32];
+                let mut r = httparse::Response::new(&mut headers);
+                let httparse::Status::Complete(len) = r.parse(&head).unwrap() else { panic!("partial head") };
+                let mut resp = Response::builder().status(r.code.unwrap());
+                for h in r.headers.iter() {
+                    resp = resp.header(h.name, h.value);
+                }
+                let resp = resp.body(()).unwrap();
+                assert_eq!(resp.headers().len(), 4);
+                let mut n = head.len() - len;
+                while let Some(b) = s.recv().await.unwrap() {
+                    n += b.len();
+                }
+                assert_eq!(n, 500);
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+}
+
+fn encode_request(req: &Request<()>) -> Bytes {
+    let mut b = Vec::with_capacity(256);
+    b.extend_from_slice(req.method().as_str().as_bytes());
+    b.push(b' ');
+    b.extend_from_slice(req.uri().to_string().as_bytes());
+    b.extend_from_slice(b" HTTP/1.1\r\n");
+    encode_headers(&mut b, req.headers());
+    b.into()
+}
+
+fn encode_response(resp: &Response<()>) -> Bytes {
+    let mut b = Vec::with_capacity(256);
+    b.extend_from_slice(b"HTTP/1.1 ");
+    b.extend_from_slice(resp.status().as_str().as_bytes());
+    b.extend_from_slice(b" \r\n");
+    encode_headers(&mut b, resp.headers());
+    b.into()
+}
+
+fn encode_headers(b: &mut Vec<u8>, headers: &http::HeaderMap) {
+    for (name, value) in headers {
+        b.extend_from_slice(name.as_str().as_bytes());
+        b.extend_from_slice(b": ");
+        b.extend_from_slice(value.as_bytes());
+        b.extend_from_slice(b"\r\n");
+    }
+    b.extend_from_slice(b"\r\n");
+}
+
+fn parse_request(head: &Bytes) -> Request<()> {
+    let mut headers = [httparse::EMPTY_HEADER; 64];
+    let mut r = httparse::Request::new(&mut headers);
+    assert!(r.parse(head).unwrap().is_complete());
+    let mut req = Request::builder().method(r.method.unwrap()).uri(r.path.unwrap());
+    for h in r.headers.iter() {
+        req = req.header(h.name, h.value);
+    }
+    req.body(()).unwrap()
+}
+
 fn main() {
     let which = std::env::args().nth(1).unwrap_or("mux".into());
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
@@ -218,6 +385,8 @@ fn main() {
                     "h2" => run_h2().await,
                     "mux" => run_mux().await,
                     "rr-h2" => rr_h2().await,
+                    "rr-h1" => rr_h1().await,
+                    "rr-head" => rr_head().await,
                     _ => rr_mux().await,
                 }
             })
