@@ -228,7 +228,9 @@ async fn rr_h1() {
                     .header("date", "Sat, 05 Dec 2026 22:00:00 GMT")
                     .body(full(&ANSWER))
             });
-            tokio::spawn(hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(s), service));
+            tokio::spawn(
+                hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(s), service),
+            );
         }
     });
     let mut tasks = Vec::new();

@@ -6,7 +6,8 @@
 //! | stream | type | flags | length | payload (length bytes) |
 //! ```
 //!
-//! All integers are big-endian. Stream 0 is the connection's own
+//! Types: 0 `Open`, 1 `Data`, 2 `Credit`, 3 `Reset`, 4 `Ping`, 5 `GoAway`,
+//! 6 `Head`. All integers are big-endian. Stream 0 is the connection's own
 //! (`Ping`, `GoAway`); every other frame names a stream.
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
@@ -29,6 +30,9 @@ pub enum Frame {
     Open { stream: u32, header: Bytes },
     /// Bytes of a stream; `fin`: the sender sends no more.
     Data { stream: u32, fin: bool, payload: Bytes },
+    /// A header block of a stream (an HTTP response head, trailers),
+    /// whole in one frame; `fin` as for `Data`.
+    Head { stream: u32, fin: bool, block: Bytes },
     /// The receiver has room for this many more bytes of the stream.
     Credit { stream: u32, bytes: u32 },
     /// The stream is abandoned, both ways.
@@ -46,6 +50,7 @@ const CREDIT: u8 = 2;
 const RESET: u8 = 3;
 const PING: u8 = 4;
 const GOAWAY: u8 = 5;
+const HEAD: u8 = 6;
 
 /// A frame that cannot be: the peer does not speak this protocol, or
 /// breaks it. The connection ends.
@@ -80,6 +85,9 @@ impl Frame {
             Frame::Data { stream, fin, payload } => {
                 header(buf, *stream, DATA, if *fin { FIN } else { 0 }, payload.len())
             }
+            Frame::Head { stream, fin, block } => {
+                header(buf, *stream, HEAD, if *fin { FIN } else { 0 }, block.len())
+            }
             Frame::Credit { stream, bytes } => {
                 header(buf, *stream, CREDIT, 0, 4);
                 buf.put_u32(*bytes);
@@ -104,6 +112,7 @@ impl Frame {
         match self {
             Frame::Open { header, .. } => Some(header),
             Frame::Data { payload, .. } => Some(payload),
+            Frame::Head { block, .. } => Some(block),
             _ => None,
         }
     }
@@ -126,7 +135,7 @@ impl Frame {
         let (stream, kind, flags, len) = (h.get_u32(), h.get_u8(), h.get_u8(), h.get_u16() as usize);
         let (fixed, known_flags) = match kind {
             OPEN => (None, 0),
-            DATA => (None, FIN),
+            DATA | HEAD => (None, FIN),
             CREDIT | RESET | GOAWAY => (Some(4), 0),
             PING => (Some(8), ACK),
             other => return Err(FrameError::UnknownType(other)),
@@ -150,6 +159,7 @@ impl Frame {
         Ok(Some(match kind {
             OPEN => Frame::Open { stream, header: payload.freeze() },
             DATA => Frame::Data { stream, fin: flags & FIN != 0, payload: payload.freeze() },
+            HEAD => Frame::Head { stream, fin: flags & FIN != 0, block: payload.freeze() },
             CREDIT => Frame::Credit { stream, bytes: payload.get_u32() },
             RESET => Frame::Reset { stream, code: payload.get_u32() },
             PING => Frame::Ping { ack: flags & ACK != 0, opaque: payload.get_u64() },
@@ -168,6 +178,8 @@ mod tests {
             Frame::Open { stream: 3, header: Bytes::new() },
             Frame::Data { stream: 1, fin: false, payload: Bytes::from(vec![7; MAX_PAYLOAD]) },
             Frame::Data { stream: 1, fin: true, payload: Bytes::new() },
+            Frame::Head { stream: 2, fin: false, block: Bytes::from_static(b"HTTP/1.1 200 \r\n\r\n") },
+            Frame::Head { stream: 2, fin: true, block: Bytes::from_static(b"grpc-status: 0\r\n\r\n") },
             Frame::Credit { stream: 2, bytes: u32::MAX },
             Frame::Reset { stream: 5, code: 8 },
             Frame::Ping { ack: true, opaque: 0x0102030405060708 },

@@ -30,6 +30,10 @@ use frame::{Frame, MAX_PAYLOAD};
 
 /// `Reset` codes.
 pub mod code {
+    /// The sender is done with the stream and needs none of the peer's
+    /// remaining bytes; what the sender sent before stands (an answer sent
+    /// whole before the request's body was read).
+    pub const NO_ERROR: u32 = 0;
     /// The stream's owner dropped it before it finished.
     pub const CANCEL: u32 = 1;
     /// The receiver did not take the stream (no acceptor, too many
@@ -142,8 +146,24 @@ struct Shared {
     peer_streams: usize,
 }
 
+/// What a stream carries: bytes, or a header block sent whole
+/// ([`Stream::send_head`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Chunk {
+    Data(Bytes),
+    Head(Bytes),
+}
+
+impl Chunk {
+    fn len(&self) -> usize {
+        match self {
+            Chunk::Data(b) | Chunk::Head(b) => b.len(),
+        }
+    }
+}
+
 struct Slot {
-    recv: VecDeque<Bytes>,
+    recv: VecDeque<Chunk>,
     recv_fin: bool,
     /// Bytes the peer may still send.
     recv_window: u32,
@@ -154,6 +174,8 @@ struct Slot {
     reset: Option<u32>,
     reader: Option<Waker>,
     writer: Option<Waker>,
+    /// [`Stream`]s of this stream alive ([`Stream::split`]).
+    handles: u8,
 }
 
 impl Slot {
@@ -168,6 +190,7 @@ impl Slot {
             reset: None,
             reader: None,
             writer: None,
+            handles: 1,
         }
     }
 
@@ -251,23 +274,8 @@ impl Shared {
                 self.accepted.push_back((stream, header));
                 wake(&mut self.acceptor);
             }
-            Frame::Data { stream, fin, payload } => {
-                // A stream dropped here: what was in flight is discarded.
-                let Some(slot) = self.streams.get_mut(&stream) else { return Ok(()) };
-                if slot.recv_fin {
-                    return Err(violation(format!("data on stream {stream} after its end")));
-                }
-                let len = payload.len() as u32;
-                if len > slot.recv_window {
-                    return Err(violation(format!("stream {stream} sent {len} bytes over its credit")));
-                }
-                slot.recv_window -= len;
-                if len > 0 && slot.reset.is_none() {
-                    slot.recv.push_back(payload);
-                }
-                slot.recv_fin = fin;
-                wake(&mut slot.reader);
-            }
+            Frame::Data { stream, fin, payload } => self.receive_chunk(stream, fin, Chunk::Data(payload))?,
+            Frame::Head { stream, fin, block } => self.receive_chunk(stream, fin, Chunk::Head(block))?,
             Frame::Credit { stream, bytes } => {
                 let Some(slot) = self.streams.get_mut(&stream) else { return Ok(()) };
                 slot.send_credit = slot
@@ -279,7 +287,10 @@ impl Shared {
             Frame::Reset { stream, code } => {
                 if let Some(slot) = self.streams.get_mut(&stream) {
                     slot.reset = Some(code);
-                    slot.recv.clear();
+                    // `NO_ERROR`: what arrived is still read; otherwise the stream is gone.
+                    if code != code::NO_ERROR {
+                        slot.recv.clear();
+                    }
                     slot.wake();
                 }
             }
@@ -297,6 +308,25 @@ impl Shared {
                 }
             }
         }
+        Ok(())
+    }
+
+    fn receive_chunk(&mut self, stream: u32, fin: bool, chunk: Chunk) -> io::Result<()> {
+        // A stream dropped here: what was in flight is discarded.
+        let Some(slot) = self.streams.get_mut(&stream) else { return Ok(()) };
+        if slot.recv_fin {
+            return Err(violation(format!("data on stream {stream} after its end")));
+        }
+        let len = chunk.len() as u32;
+        if len > slot.recv_window {
+            return Err(violation(format!("stream {stream} sent {len} bytes over its credit")));
+        }
+        slot.recv_window -= len;
+        if (len > 0 || matches!(chunk, Chunk::Head(_))) && slot.reset.is_none() {
+            slot.recv.push_back(chunk);
+        }
+        slot.recv_fin = fin;
+        wake(&mut slot.reader);
         Ok(())
     }
 }
@@ -343,6 +373,12 @@ impl Handle {
     /// Streams open now, both sides'.
     pub fn streams(&self) -> usize {
         lock(&self.shared).streams.len()
+    }
+
+    /// The connection has ended (or is ending): no stream can be opened.
+    pub fn is_closed(&self) -> bool {
+        let s = lock(&self.shared);
+        s.closed.is_some() || s.going_away
     }
 }
 
@@ -442,18 +478,10 @@ impl Stream {
         }
         let mut s = lock(&self.shared);
         let s = &mut *s;
-        let Some(slot) = s.streams.get_mut(&self.id) else {
-            return Poll::Ready(Err(io::ErrorKind::NotConnected.into()));
+        let slot = match writable(s, self.id) {
+            Ok(slot) => slot,
+            Err(e) => return Poll::Ready(Err(e)),
         };
-        if let Some(code) = slot.reset {
-            return Poll::Ready(Err(reset_error(code)));
-        }
-        if slot.send_fin {
-            return Poll::Ready(Err(io::Error::new(io::ErrorKind::BrokenPipe, "write after shutdown")));
-        }
-        if s.closed.is_some() {
-            return Poll::Ready(Err(s.closed_error(io::ErrorKind::BrokenPipe)));
-        }
         if slot.send_credit == 0 {
             slot.writer = Some(cx.waker().clone());
             return Poll::Pending;
@@ -465,8 +493,29 @@ impl Stream {
     }
 }
 
+/// The slot of stream `id` if it may still be written.
+fn writable(s: &mut Shared, id: u32) -> io::Result<&mut Slot> {
+    if s.closed.is_some() {
+        return Err(s.closed_error(io::ErrorKind::BrokenPipe));
+    }
+    let slot = s.streams.get_mut(&id).ok_or(io::ErrorKind::NotConnected)?;
+    if let Some(code) = slot.reset {
+        return Err(reset_error(code));
+    }
+    if slot.send_fin {
+        return Err(io::Error::new(io::ErrorKind::BrokenPipe, "write after shutdown"));
+    }
+    Ok(slot)
+}
+
+/// A header block where bytes were expected.
+fn head_error() -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, "a header block where the stream's bytes were expected")
+}
+
 fn reset_error(code: u32) -> io::Error {
     let why = match code {
+        code::NO_ERROR => "the other end needs no more of the stream".to_string(),
         code::CANCEL => "the stream was reset by the other end (cancelled)".to_string(),
         code::REFUSED => "the stream was refused by the other end".to_string(),
         other => format!("the stream was reset by the other end (code {other})"),
@@ -479,7 +528,7 @@ impl AsyncRead for Stream {
         self.poll_take(cx, |recv| {
             let mut read = 0;
             while buf.remaining() > 0
-                && let Some(front) = recv.front_mut()
+                && let Some(Chunk::Data(front)) = recv.front_mut()
             {
                 let n = front.len().min(buf.remaining());
                 buf.put_slice(&front[..n]);
@@ -489,7 +538,10 @@ impl AsyncRead for Stream {
                     recv.pop_front();
                 }
             }
-            read
+            if read == 0 && buf.remaining() > 0 {
+                return Err(head_error());
+            }
+            Ok(read)
         })
         .map_ok(|_| ())
     }
@@ -499,17 +551,91 @@ impl Stream {
     /// The next bytes the peer sent, as they arrived (no copy); `None` at
     /// the end of the stream.
     pub async fn recv(&mut self) -> io::Result<Option<Bytes>> {
+        match self.recv_chunk().await? {
+            Some(Chunk::Data(b)) => Ok(Some(b)),
+            Some(Chunk::Head(_)) => Err(head_error()),
+            None => Ok(None),
+        }
+    }
+
+    /// The next bytes or header block the peer sent; `None` at the end of
+    /// the stream.
+    pub async fn recv_chunk(&mut self) -> io::Result<Option<Chunk>> {
+        std::future::poll_fn(|cx| self.poll_chunk(cx)).await
+    }
+
+    /// [`Stream::recv_chunk`], polled.
+    pub fn poll_chunk(&self, cx: &mut Context<'_>) -> Poll<io::Result<Option<Chunk>>> {
         let mut chunk = None;
+        let more = std::task::ready!(self.poll_take(cx, |recv| {
+            let front = recv.pop_front().expect("taken only when there is data");
+            let n = front.len();
+            chunk = Some(front);
+            Ok(n)
+        }))?;
+        Poll::Ready(Ok(chunk.filter(|_| more)))
+    }
+
+    /// Sends a header block whole, in one frame (so at most 64 KiB), once
+    /// the stream's credit takes it; `fin`: the last thing sent.
+    pub async fn send_head(&mut self, block: Bytes, fin: bool) -> io::Result<()> {
+        if block.len() > MAX_PAYLOAD {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "header block over 64 KiB"));
+        }
+        let mut block = Some(block);
         std::future::poll_fn(|cx| {
-            self.poll_take(cx, |recv| {
-                let front = recv.pop_front().expect("taken only when there is data");
-                let n = front.len();
-                chunk = Some(front);
-                n
-            })
+            let mut s = lock(&self.shared);
+            let s = &mut *s;
+            let slot = match writable(s, self.id) {
+                Ok(slot) => slot,
+                Err(e) => return Poll::Ready(Err(e)),
+            };
+            let len = block.as_ref().map_or(0, Bytes::len);
+            if (slot.send_credit as usize) < len {
+                slot.writer = Some(cx.waker().clone());
+                return Poll::Pending;
+            }
+            slot.send_credit -= len as u32;
+            slot.send_fin = fin;
+            let block = block.take().expect("sent once");
+            s.queue(Frame::Head { stream: self.id, fin, block });
+            Poll::Ready(Ok(()))
         })
-        .await?;
-        Ok(chunk)
+        .await
+    }
+
+    /// Ready with the reset code once the peer reset the stream (or the
+    /// connection ended: [`code::CANCEL`]). Shares its wake-up with the
+    /// writes: for the task that writes the stream, or nothing.
+    pub fn poll_reset(&self, cx: &mut Context<'_>) -> Poll<u32> {
+        let mut s = lock(&self.shared);
+        let closed = s.closed.is_some();
+        match s.streams.get_mut(&self.id) {
+            Some(slot) if slot.reset.is_some() => Poll::Ready(slot.reset.unwrap_or(code::CANCEL)),
+            Some(_) if closed => Poll::Ready(code::CANCEL),
+            Some(slot) => {
+                slot.writer = Some(cx.waker().clone());
+                Poll::Pending
+            }
+            None => Poll::Ready(code::CANCEL),
+        }
+    }
+
+    /// Two handles of this stream, for a reader and a writer in different
+    /// tasks; the stream ends (see [`Drop`]) when both are dropped.
+    pub fn split(self) -> (Stream, Stream) {
+        let mut s = lock(&self.shared);
+        let Some(slot) = s.streams.get_mut(&self.id) else {
+            drop(s);
+            let other = Stream { id: self.id, header: Bytes::new(), shared: self.shared.clone() };
+            lock(&self.shared).users += 1;
+            return (self, other);
+        };
+        slot.handles += 1;
+        s.users += 1;
+        drop(s);
+        let other = Stream { id: self.id, header: Bytes::new(), shared: self.shared.clone() };
+        (self, other)
     }
 
     /// Takes received bytes with `take` (which says how many it took) and
@@ -518,7 +644,7 @@ impl Stream {
     fn poll_take(
         &self,
         cx: &mut Context<'_>,
-        take: impl FnOnce(&mut VecDeque<Bytes>) -> usize,
+        take: impl FnOnce(&mut VecDeque<Chunk>) -> io::Result<usize>,
     ) -> Poll<io::Result<bool>> {
         let id = self.id;
         let mut s = lock(&self.shared);
@@ -526,11 +652,11 @@ impl Stream {
         let Some(slot) = s.streams.get_mut(&id) else {
             return Poll::Ready(Err(io::ErrorKind::NotConnected.into()));
         };
-        if let Some(code) = slot.reset {
+        if let Some(code) = slot.reset.filter(|&c| c != code::NO_ERROR) {
             return Poll::Ready(Err(reset_error(code)));
         }
         if slot.recv.is_empty() {
-            if slot.recv_fin {
+            if slot.recv_fin || slot.reset.is_some() {
                 return Poll::Ready(Ok(false));
             }
             if s.closed.is_some() {
@@ -539,8 +665,8 @@ impl Stream {
             slot.reader = Some(cx.waker().clone());
             return Poll::Pending;
         }
-        slot.consumed += take(&mut slot.recv) as u32;
-        if !slot.recv_fin && slot.consumed >= s.config.window / 2 {
+        slot.consumed += take(&mut slot.recv)? as u32;
+        if !slot.recv_fin && slot.reset.is_none() && slot.consumed >= s.config.window / 2 {
             let bytes = std::mem::take(&mut slot.consumed);
             slot.recv_window += bytes;
             s.queue(Frame::Credit { stream: id, bytes });
@@ -586,14 +712,23 @@ impl AsyncWrite for Stream {
 }
 
 impl Drop for Stream {
+    /// The last handle of a stream that did not finish both ways resets it:
+    /// [`code::NO_ERROR`] when this side sent all it had (the peer's rest is
+    /// not needed; what was sent stands), else [`code::CANCEL`].
     fn drop(&mut self) {
         let mut s = lock(&self.shared);
-        if let Some(slot) = s.remove(self.id)
+        let last = s.streams.get_mut(&self.id).is_none_or(|slot| {
+            slot.handles -= 1;
+            slot.handles == 0
+        });
+        if last
+            && let Some(slot) = s.remove(self.id)
             && !(slot.send_fin && slot.recv_fin)
             && slot.reset.is_none()
             && s.closed.is_none()
         {
-            s.queue(Frame::Reset { stream: self.id, code: code::CANCEL });
+            let code = if slot.send_fin { code::NO_ERROR } else { code::CANCEL };
+            s.queue(Frame::Reset { stream: self.id, code });
         }
         s.release();
     }

@@ -191,7 +191,7 @@ async fn a_reader_that_stops_holds_back_only_its_stream() {
         // What the stuck streams hold is their window each, no more.
         let held: usize = {
             let shared = lock(&p.agent.shared);
-            shared.streams.values().map(|slot| slot.recv.iter().map(Bytes::len).sum::<usize>()).sum()
+            shared.streams.values().map(|slot| slot.recv.iter().map(Chunk::len).sum::<usize>()).sum()
         };
         assert_eq!(held, 5 * SMALL.window as usize);
         // The held streams still work once read.
@@ -412,6 +412,68 @@ async fn pings_are_answered_and_credit_comes_in_halves() {
         );
         assert!(stalls(raw.read_buf(&mut got)).await, "and no other frame");
         let _ = frame::HEADER;
+    })
+    .await;
+}
+
+/// Header blocks arrive whole and in their place among the bytes; a
+/// stream split in two ends when both halves are dropped.
+#[tokio::test(start_paused = true)]
+async fn header_blocks_and_halves() {
+    within(async {
+        let mut p = pair(Config::default());
+        let (mut r, mut w) = p.edge.open(Bytes::from_static(b"GET / HTTP/1.1\r\n\r\n")).unwrap().split();
+        w.send(Bytes::from_static(b"request body")).await.unwrap();
+        w.shutdown().await.unwrap();
+        drop(w);
+        let mut inc = p.agent.accept().await.unwrap();
+        assert_eq!(inc.recv().await.unwrap().unwrap(), Bytes::from_static(b"request body"));
+        assert_eq!(inc.recv().await.unwrap(), None);
+        inc.send_head(Bytes::from_static(b"HTTP/1.1 200 \r\n\r\n"), false).await.unwrap();
+        inc.send(Bytes::from_static(b"answer")).await.unwrap();
+        inc.send_head(Bytes::from_static(b"grpc-status: 0\r\n\r\n"), true).await.unwrap();
+        assert_eq!(
+            r.recv_chunk().await.unwrap(),
+            Some(Chunk::Head(Bytes::from_static(b"HTTP/1.1 200 \r\n\r\n")))
+        );
+        assert_eq!(r.recv_chunk().await.unwrap(), Some(Chunk::Data(Bytes::from_static(b"answer"))));
+        // Bytes are what `recv` and `read` take; a header block is not.
+        assert_eq!(r.recv().await.unwrap_err().kind(), io::ErrorKind::InvalidData);
+        assert_eq!(r.recv_chunk().await.unwrap(), None);
+        drop((r, inc));
+        while p.edge.streams() > 0 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+}
+
+/// A side that sent all it had and drops the stream before reading the
+/// peer's end resets it with `NO_ERROR`: the peer still reads what was
+/// sent, to its end, and its writes stop.
+#[tokio::test(start_paused = true)]
+async fn an_answer_sent_whole_stands_when_the_rest_is_not_needed() {
+    within(async {
+        let mut p = pair(Config::default());
+        let (mut r, mut w) = p.edge.open(Bytes::new()).unwrap().split();
+        w.send(Bytes::from(vec![1; 1000])).await.unwrap();
+        let mut inc = p.agent.accept().await.unwrap();
+        inc.send_head(Bytes::from_static(b"HTTP/1.1 413 \r\n\r\n"), false).await.unwrap();
+        inc.send(Bytes::from_static(b"too large")).await.unwrap();
+        inc.shutdown().await.unwrap();
+        drop(inc);
+        assert!(matches!(r.recv_chunk().await.unwrap(), Some(Chunk::Head(_))));
+        assert_eq!(r.recv().await.unwrap().unwrap(), Bytes::from_static(b"too large"));
+        assert_eq!(r.recv().await.unwrap(), None);
+        let refused = loop {
+            match w.send(Bytes::from(vec![1; 1000])).await {
+                Ok(()) => tokio::task::yield_now().await,
+                Err(e) => break e,
+            }
+        };
+        assert_eq!(refused.kind(), io::ErrorKind::ConnectionReset);
+        assert!(refused.to_string().contains("needs no more"), "{refused}");
+        assert_eq!(std::future::poll_fn(|cx| r.poll_reset(cx)).await, code::NO_ERROR);
     })
     .await;
 }
