@@ -272,9 +272,13 @@ pub fn mux_frames(data: &[u8]) {
             let mut streams = Vec::new();
             while let Some(mut s) = incoming.accept().await {
                 streams.push(tokio::spawn(async move {
-                    let mut got = Vec::new();
-                    let _ = s.read_to_end(&mut got).await;
-                    got.len()
+                    let mut got = 0;
+                    while let Ok(Some(chunk)) = s.recv_chunk().await {
+                        got += match chunk {
+                            mux::Chunk::Data(b) | mux::Chunk::Head(b) => b.len(),
+                        };
+                    }
+                    got
                 }));
             }
             let mut total = 0;

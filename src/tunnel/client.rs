@@ -24,7 +24,8 @@ use tokio::sync::oneshot;
 use tracing::{Instrument, debug};
 
 use super::body::BoxBody;
-use super::stream::{Pipe, RecvBody};
+use super::mux;
+use super::stream::{Pipe, RecvBody, StreamError};
 use crate::constants::{H2_CONN_WINDOW, H2_MAX_FRAME, H2_STREAM_WINDOW};
 
 /// The largest response head the edge takes from an agent (what hyper's
@@ -55,21 +56,55 @@ where
         .enable_push(false);
     let (send, conn) = b.handshake::<T, Bytes>(io).await?;
     let closed = Arc::new(AtomicBool::new(false));
-    Ok((Sender { send, closed: closed.clone() }, Connection { conn, closed }))
+    Ok((Sender { link: Link::H2(send), closed: closed.clone() }, Connection { conn: Conn::H2(conn), closed }))
 }
 
-/// Drives a tunnel connection's HTTP/2 until it ends; then (or when dropped)
-/// its [`Sender`] reports closed.
+/// Starts a tunnel connection's wire, the edge's end: [`handshake`] or
+/// [`multiplex`].
+pub async fn start<T>(io: T, wire: super::Wire) -> Result<(Sender, Connection<T>), StreamError>
+where
+    T: AsyncRead + AsyncWrite + Unpin,
+{
+    match wire {
+        super::Wire::H2 => Ok(handshake(io).await?),
+        super::Wire::Mux => Ok(multiplex(io)),
+    }
+}
+
+/// Starts the multiplexer ([`super::mux`], protocol version 2) on a tunnel
+/// connection, the edge's end: the same [`Sender`], each request a stream
+/// whose `Open` carries its head ([`super::head`]).
+pub fn multiplex<T>(io: T) -> (Sender, Connection<T>)
+where
+    T: AsyncRead + AsyncWrite + Unpin,
+{
+    let (handle, incoming, conn) = mux::new(io, mux::Side::Edge, super::server::mux_config());
+    // The agent opens no streams.
+    drop(incoming);
+    let closed = Arc::new(AtomicBool::new(false));
+    (Sender { link: Link::Mux(handle), closed: closed.clone() }, Connection { conn: Conn::Mux(conn), closed })
+}
+
+/// Drives a tunnel connection's HTTP/2 (or multiplexer) until it ends; then
+/// (or when dropped) its [`Sender`] reports closed.
 pub struct Connection<T> {
-    conn: h2::client::Connection<T, Bytes>,
+    conn: Conn<T>,
     closed: Arc<AtomicBool>,
 }
 
+enum Conn<T> {
+    H2(h2::client::Connection<T, Bytes>),
+    Mux(mux::Connection<T>),
+}
+
 impl<T: AsyncRead + AsyncWrite + Unpin> Future for Connection<T> {
-    type Output = Result<(), h2::Error>;
+    type Output = Result<(), StreamError>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let done = ready!(Pin::new(&mut self.conn).poll(cx));
+        let done = match &mut self.conn {
+            Conn::H2(conn) => ready!(Pin::new(conn).poll(cx)).map_err(StreamError::from),
+            Conn::Mux(conn) => ready!(Pin::new(conn).poll(cx)).map_err(StreamError::from),
+        };
         self.closed.store(true, Ordering::Relaxed);
         Poll::Ready(done)
     }
@@ -84,20 +119,26 @@ impl<T> Drop for Connection<T> {
 /// Opens streams on one tunnel connection; cheap to clone.
 #[derive(Clone)]
 pub struct Sender {
-    send: h2::client::SendRequest<Bytes>,
+    link: Link,
     closed: Arc<AtomicBool>,
+}
+
+#[derive(Clone)]
+enum Link {
+    H2(h2::client::SendRequest<Bytes>),
+    Mux(mux::Handle),
 }
 
 /// A request that failed, and the request itself when the connection never
 /// took it (it was closing): it can be placed on another connection.
 #[derive(Debug)]
 pub struct SendError {
-    error: h2::Error,
+    error: StreamError,
     request: Option<Request<BoxBody>>,
 }
 
 impl SendError {
-    pub fn error(&self) -> &h2::Error {
+    pub fn error(&self) -> &StreamError {
         &self.error
     }
 
@@ -110,7 +151,7 @@ impl SendError {
 impl Sender {
     /// The connection has ended: nothing sent on it can get anywhere.
     pub fn is_closed(&self) -> bool {
-        self.closed.load(Ordering::Relaxed)
+        self.closed.load(Ordering::Relaxed) || matches!(&self.link, Link::Mux(h) if h.is_closed())
     }
 
     /// Opens a stream for `req` and waits for the response head. The body,
@@ -118,7 +159,6 @@ impl Sender {
     /// own, which ends with it (or resets the stream when this future is
     /// dropped before the response came).
     pub async fn send(&self, req: Request<BoxBody>) -> Result<Response<RecvBody>, SendError> {
-        let mut send = self.send.clone();
         let (mut head, body) = req.into_parts();
         if let Some(len) = body.size_hint().exact()
             && (len != 0 || has_payload_semantics(&head.method))
@@ -126,14 +166,18 @@ impl Sender {
         {
             head.headers.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
         }
+        let mut send = match &self.link {
+            Link::H2(send) => send.clone(),
+            Link::Mux(handle) => return send_mux(handle, head, body).await,
+        };
         // Fails only when the connection is closing; the request goes back.
         if let Err(error) = std::future::poll_fn(|cx| send.poll_ready(cx)).await {
-            return Err(SendError { error, request: Some(Request::from_parts(head, body)) });
+            return Err(SendError { error: error.into(), request: Some(Request::from_parts(head, body)) });
         }
         let eos = body.is_end_stream();
         let (response, body_tx) = send
             .send_request(Request::from_parts(head, ()), eos)
-            .map_err(|error| SendError { error, request: None })?;
+            .map_err(|error| SendError { error: error.into(), request: None })?;
         let mut cancel = None;
         if !eos {
             let mut pipe = Pipe::new(body, body_tx);
@@ -148,10 +192,70 @@ impl Sender {
         if let Some(mut c) = cancel {
             c.0 = None;
         }
-        let (head, recv) = response.map_err(|error| SendError { error, request: None })?.into_parts();
+        let (head, recv) =
+            response.map_err(|error| SendError { error: error.into(), request: None })?.into_parts();
         let body = RecvBody::new(recv, &head.headers);
         Ok(Response::from_parts(head, body))
     }
+}
+
+/// [`Sender::send`] on the multiplexer: the head in the stream's `Open`
+/// (the stream half-closed with it when there is no body), the body fed by
+/// a task of its own unless it is already complete, the response head the
+/// first header block back.
+async fn send_mux(
+    handle: &mux::Handle,
+    head: http::request::Parts,
+    body: BoxBody,
+) -> Result<Response<RecvBody>, SendError> {
+    let eos = body.is_end_stream();
+    let stream = match handle.open_with(super::head::encode_request(&head), eos) {
+        Ok(stream) => stream,
+        Err(e) => {
+            // A head too large goes nowhere else either.
+            let request =
+                (e.kind() != std::io::ErrorKind::InvalidInput).then(|| Request::from_parts(head, body));
+            return Err(SendError { error: e.into(), request });
+        }
+    };
+    let (mut recv, send) = stream.split();
+    let mut cancel = None;
+    if !eos {
+        let (send, canceller) = send.split();
+        let mut pipe = Box::pin(super::stream::pipe_mux(body, send));
+        // Most small bodies are already there: no task for them.
+        if let Poll::Pending = std::future::poll_fn(|cx| Poll::Ready(pipe.as_mut().poll(cx))).await {
+            let (tx, rx) = oneshot::channel::<()>();
+            cancel = Some(CancelOnDrop(Some(tx)));
+            tokio::spawn(
+                async move {
+                    tokio::select! {
+                        r = pipe => if let Err(e) = r {
+                            debug!(error = %e, "request body to the tunnel ended");
+                        },
+                        Ok(()) = rx => canceller.reset(mux::code::CANCEL),
+                    }
+                }
+                .in_current_span(),
+            );
+        }
+    }
+    let failed = |error| SendError { error, request: None };
+    let block = match recv.recv_chunk().await {
+        Ok(Some(mux::Chunk::Head(block))) => block,
+        Ok(_) => {
+            let e = std::io::Error::new(std::io::ErrorKind::InvalidData, "the agent answered without a head");
+            return Err(failed(e.into()));
+        }
+        Err(e) => return Err(failed(super::stream::mux_error(&recv, e))),
+    };
+    if let Some(mut c) = cancel {
+        c.0 = None;
+    }
+    let head = super::head::decode_response(&block)
+        .map_err(|e| failed(std::io::Error::new(std::io::ErrorKind::InvalidData, e).into()))?;
+    let body = RecvBody::mux(recv, &head.headers);
+    Ok(Response::from_parts(head, body))
 }
 
 /// Methods whose request body means something even when empty (an empty
@@ -212,7 +316,7 @@ mod tests {
 
     use super::*;
     use crate::BoxError;
-    use crate::tunnel::body;
+    use crate::tunnel::{Wire, body};
 
     /// What the agent's end saw of one request: its head, its body or the
     /// error it ended in (a reset), its trailers.
@@ -221,7 +325,7 @@ mod tests {
     /// A tunnel connection whose agent end ([`crate::tunnel::server`]) reports
     /// each request and answers with `respond`'s body once it has read the
     /// request's body.
-    async fn tunnel(respond: fn() -> BoxBody) -> (Sender, mpsc::UnboundedReceiver<Seen>) {
+    async fn tunnel(wire: Wire, respond: fn() -> BoxBody) -> (Sender, mpsc::UnboundedReceiver<Seen>) {
         let (client, server) = tokio::io::duplex(64 * 1024);
         let (seen_tx, seen) = mpsc::unbounded_channel();
         tokio::spawn(async move {
@@ -240,9 +344,9 @@ mod tests {
                     Response::new(respond())
                 }
             };
-            let _ = crate::tunnel::server::serve(server, svc, std::future::pending()).await;
+            let _ = crate::tunnel::server::serve_wire(server, wire, svc, std::future::pending()).await;
         });
-        let (send, conn) = handshake(client).await.unwrap();
+        let (send, conn) = start(client, wire).await.unwrap();
         tokio::spawn(conn);
         (send, seen)
     }
@@ -256,99 +360,117 @@ mod tests {
 
     #[tokio::test]
     async fn bodies_cross_both_ways_beyond_the_windows() {
-        // 1 MiB each way: four times a stream's window, so both ends must
-        // hand the window back as they read.
-        fn big() -> BoxBody {
-            body::full(vec![7u8; 1 << 20])
-        }
-        let (send, mut seen) = tunnel(big).await;
-        let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, BoxError>>(1);
-        let upload = body::boxed(http_body_util::StreamBody::new(tokio_stream_of(rx)));
-        let feed = tokio::spawn(async move {
-            for _ in 0..16 {
-                tx.send(Ok(Frame::data(Bytes::from(vec![1u8; 64 * 1024])))).await.unwrap();
+        for wire in Wire::ALL {
+            eprintln!("wire: {wire:?}");
+            // 1 MiB each way: four times a stream's window, so both ends must
+            // hand the window back as they read.
+            fn big() -> BoxBody {
+                body::full(vec![7u8; 1 << 20])
             }
-        });
-        let resp = send.send(request(Method::POST, upload)).await.unwrap();
-        feed.await.unwrap();
-        let (_, got, _) = seen.recv().await.unwrap();
-        assert_eq!(got.unwrap().len(), 1 << 20);
-        assert_eq!(resp.body().size_hint().exact(), Some(1 << 20), "content-length carried");
-        let down = resp.into_body().collect().await.unwrap().to_bytes();
-        assert_eq!(down.len(), 1 << 20);
-        assert!(down.iter().all(|b| *b == 7));
+            let (send, mut seen) = tunnel(wire, big).await;
+            let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, BoxError>>(1);
+            let upload = body::boxed(http_body_util::StreamBody::new(tokio_stream_of(rx)));
+            let feed = tokio::spawn(async move {
+                for _ in 0..16 {
+                    tx.send(Ok(Frame::data(Bytes::from(vec![1u8; 64 * 1024])))).await.unwrap();
+                }
+            });
+            let resp = send.send(request(Method::POST, upload)).await.unwrap();
+            feed.await.unwrap();
+            let (_, got, _) = seen.recv().await.unwrap();
+            assert_eq!(got.unwrap().len(), 1 << 20);
+            assert_eq!(resp.body().size_hint().exact(), Some(1 << 20), "content-length carried");
+            let down = resp.into_body().collect().await.unwrap().to_bytes();
+            assert_eq!(down.len(), 1 << 20);
+            assert!(down.iter().all(|b| *b == 7));
+        }
     }
 
     #[tokio::test]
     async fn trailers_cross_both_ways() {
-        // gRPC's way: data, then trailers, in each direction.
-        fn with_trailers() -> BoxBody {
+        for wire in Wire::ALL {
+            eprintln!("wire: {wire:?}");
+            // gRPC's way: data, then trailers, in each direction.
+            fn with_trailers() -> BoxBody {
+                let mut t = http::HeaderMap::new();
+                t.insert("grpc-status", HeaderValue::from_static("0"));
+                let frames: Vec<Result<_, BoxError>> =
+                    vec![Ok(Frame::data(Bytes::from_static(b"reply"))), Ok(Frame::trailers(t))];
+                body::boxed(http_body_util::StreamBody::new(futures_util::stream::iter(frames)))
+            }
+            let (send, mut seen) = tunnel(wire, with_trailers).await;
+            let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, BoxError>>(2);
             let mut t = http::HeaderMap::new();
-            t.insert("grpc-status", HeaderValue::from_static("0"));
-            let frames: Vec<Result<_, BoxError>> =
-                vec![Ok(Frame::data(Bytes::from_static(b"reply"))), Ok(Frame::trailers(t))];
-            body::boxed(http_body_util::StreamBody::new(futures_util::stream::iter(frames)))
+            t.insert("x-checksum", HeaderValue::from_static("abc"));
+            tx.send(Ok(Frame::data(Bytes::from_static(b"ask")))).await.unwrap();
+            tx.send(Ok(Frame::trailers(t))).await.unwrap();
+            drop(tx);
+            let upload = body::boxed(http_body_util::StreamBody::new(tokio_stream_of(rx)));
+            let resp = send.send(request(Method::POST, upload)).await.unwrap();
+            let (_, body, trailers) = seen.recv().await.unwrap();
+            assert_eq!(body.unwrap(), "ask");
+            assert_eq!(trailers.expect("request trailers").get("x-checksum").unwrap(), "abc");
+            let got = resp.into_body().collect().await.unwrap();
+            assert_eq!(got.trailers().unwrap().get("grpc-status").unwrap(), "0");
+            assert_eq!(got.to_bytes(), "reply");
         }
-        let (send, mut seen) = tunnel(with_trailers).await;
-        let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, BoxError>>(2);
-        let mut t = http::HeaderMap::new();
-        t.insert("x-checksum", HeaderValue::from_static("abc"));
-        tx.send(Ok(Frame::data(Bytes::from_static(b"ask")))).await.unwrap();
-        tx.send(Ok(Frame::trailers(t))).await.unwrap();
-        drop(tx);
-        let upload = body::boxed(http_body_util::StreamBody::new(tokio_stream_of(rx)));
-        let resp = send.send(request(Method::POST, upload)).await.unwrap();
-        let (_, body, trailers) = seen.recv().await.unwrap();
-        assert_eq!(body.unwrap(), "ask");
-        assert_eq!(trailers.expect("request trailers").get("x-checksum").unwrap(), "abc");
-        let got = resp.into_body().collect().await.unwrap();
-        assert_eq!(got.trailers().unwrap().get("grpc-status").unwrap(), "0");
-        assert_eq!(got.to_bytes(), "reply");
     }
 
     #[tokio::test]
     async fn an_empty_post_says_content_length_0_and_a_get_says_nothing() {
-        let (send, mut seen) = tunnel(body::empty).await;
-        send.send(request(Method::POST, body::empty())).await.unwrap();
-        let (parts, _, _) = seen.recv().await.unwrap();
-        assert_eq!(parts.headers.get(header::CONTENT_LENGTH).unwrap(), "0");
-        send.send(request(Method::GET, body::empty())).await.unwrap();
-        let (parts, _, _) = seen.recv().await.unwrap();
-        assert!(parts.headers.get(header::CONTENT_LENGTH).is_none());
+        for wire in Wire::ALL {
+            eprintln!("wire: {wire:?}");
+            let (send, mut seen) = tunnel(wire, body::empty).await;
+            send.send(request(Method::POST, body::empty())).await.unwrap();
+            let (parts, _, _) = seen.recv().await.unwrap();
+            assert_eq!(parts.headers.get(header::CONTENT_LENGTH).unwrap(), "0");
+            send.send(request(Method::GET, body::empty())).await.unwrap();
+            let (parts, _, _) = seen.recv().await.unwrap();
+            assert!(parts.headers.get(header::CONTENT_LENGTH).is_none());
+        }
     }
 
     #[tokio::test]
     async fn a_request_given_up_before_its_response_resets_its_stream() {
-        let (send, mut seen) = tunnel(body::empty).await;
-        // A body that never ends: the agent's end waits for it, the response never comes.
-        let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, BoxError>>(1);
-        tx.send(Ok(Frame::data(Bytes::from_static(b"part")))).await.unwrap();
-        let upload = body::boxed(http_body_util::StreamBody::new(tokio_stream_of(rx)));
-        let pending = send.send(request(Method::POST, upload));
-        assert!(tokio::time::timeout(Duration::from_millis(100), pending).await.is_err(), "no response yet");
-        // Given up (the future dropped): the agent's end sees its body fail.
-        let seen = tokio::time::timeout(Duration::from_secs(10), seen.recv());
-        let (_, got, _) = seen.await.expect("the agent's end saw the body end").unwrap();
-        assert!(got.is_err(), "the stream was reset, not ended: {got:?}");
-        drop(tx);
+        for wire in Wire::ALL {
+            eprintln!("wire: {wire:?}");
+            let (send, mut seen) = tunnel(wire, body::empty).await;
+            // A body that never ends: the agent's end waits for it, the response never comes.
+            let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, BoxError>>(1);
+            tx.send(Ok(Frame::data(Bytes::from_static(b"part")))).await.unwrap();
+            let upload = body::boxed(http_body_util::StreamBody::new(tokio_stream_of(rx)));
+            let pending = send.send(request(Method::POST, upload));
+            assert!(
+                tokio::time::timeout(Duration::from_millis(100), pending).await.is_err(),
+                "no response yet"
+            );
+            // Given up (the future dropped): the agent's end sees its body fail.
+            let seen = tokio::time::timeout(Duration::from_secs(10), seen.recv());
+            let (_, got, _) = seen.await.expect("the agent's end saw the body end").unwrap();
+            assert!(got.is_err(), "the stream was reset, not ended: {got:?}");
+            drop(tx);
+        }
     }
 
     #[tokio::test]
     async fn a_request_on_a_closed_connection_comes_back() {
-        let (client, server) = tokio::io::duplex(64 * 1024);
-        // An agent end that stops at once: GOAWAY before any stream.
-        let agent = tokio::spawn(async move {
-            let svc = |_req| async { Response::new(body::empty()) };
-            let _ = crate::tunnel::server::serve(server, svc, std::future::ready(())).await;
-        });
-        let (send, conn) = handshake(client).await.unwrap();
-        let _ = conn.await;
-        agent.await.unwrap();
-        assert!(send.is_closed());
-        let mut err = send.send(request(Method::GET, body::full("again"))).await.unwrap_err();
-        let back = err.take_message().expect("the request comes back");
-        assert_eq!(back.uri(), "https://app.test/x");
-        assert_eq!(back.into_body().collect().await.unwrap().to_bytes(), "again");
+        for wire in Wire::ALL {
+            eprintln!("wire: {wire:?}");
+            let (client, server) = tokio::io::duplex(64 * 1024);
+            // An agent end that stops at once: GOAWAY before any stream.
+            let agent = tokio::spawn(async move {
+                let svc = |_req| async { Response::new(body::empty()) };
+                let _ = crate::tunnel::server::serve_wire(server, wire, svc, std::future::ready(())).await;
+            });
+            let (send, conn) = start(client, wire).await.unwrap();
+            let _ = conn.await;
+            agent.await.unwrap();
+            assert!(send.is_closed());
+            let mut err = send.send(request(Method::GET, body::full("again"))).await.unwrap_err();
+            let back = err.take_message().expect("the request comes back");
+            assert_eq!(back.uri(), "https://app.test/x");
+            assert_eq!(back.into_body().collect().await.unwrap().to_bytes(), "again");
+        }
     }
 
     /// A stream of body frames from a channel.

@@ -63,12 +63,31 @@ pub mod client;
 pub mod connect;
 pub mod datagram;
 pub(crate) mod handshake;
+pub mod head;
 pub mod mux;
 pub(crate) mod proxy;
 pub mod server;
 pub mod stream;
 pub mod tls;
 pub(crate) mod ws;
+
+/// What carries a tunnel connection's streams, chosen by the protocol
+/// version of its handshake: h2 (version 1) or the multiplexer (version 2,
+/// [`mux`], with [`head`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wire {
+    H2,
+    Mux,
+}
+
+impl Wire {
+    /// Both, for tests that hold for either.
+    pub const ALL: [Wire; 2] = [Wire::H2, Wire::Mux];
+
+    pub fn of_version(version: u32) -> Wire {
+        if version >= 2 { Wire::Mux } else { Wire::H2 }
+    }
+}
 
 /// What a tunnelled stream is, from the `culvert-stream` header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -24,7 +24,8 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tracing::debug;
 
 use super::body::BoxBody;
-use super::stream::{Pipe, RecvBody};
+use super::mux;
+use super::stream::{Pipe, RecvBody, StreamError};
 use crate::constants::{H2_CONN_WINDOW, H2_MAX_FRAME, H2_MAX_STREAMS, H2_STREAM_WINDOW};
 
 /// The largest request head the agent takes from the edge (hyper's server's
@@ -146,6 +147,123 @@ where
     }
 }
 
+/// Serves a tunnel connection's wire, the agent's end: [`serve`] or
+/// [`serve_mux`].
+pub async fn serve_wire<T, S, F>(
+    io: T,
+    wire: super::Wire,
+    service: S,
+    stop: impl Future<Output = ()>,
+) -> Result<(), StreamError>
+where
+    T: AsyncRead + AsyncWrite + Unpin,
+    S: FnMut(Request<RecvBody>) -> F,
+    F: Future<Output = Response<BoxBody>> + Send + 'static,
+{
+    match wire {
+        super::Wire::H2 => Ok(serve(io, service, stop).await?),
+        super::Wire::Mux => serve_mux(io, service, stop).await,
+    }
+}
+
+/// The multiplexer's settings on a tunnel connection (protocol version 2),
+/// both ends: h2's stream window, and as many streams.
+pub(crate) fn mux_config() -> mux::Config {
+    mux::Config { window: H2_STREAM_WINDOW, max_streams: H2_MAX_STREAMS as usize }
+}
+
+/// [`serve`] on the multiplexer ([`super::mux`], protocol version 2): each
+/// stream the edge opens is a request whose head is the stream's `Open`
+/// ([`super::head`]), answered by `service` in a task of its own. When `stop`
+/// completes, new streams are refused (the edge opens them elsewhere), the
+/// ones open finish, and this returns once they have.
+pub async fn serve_mux<T, S, F>(
+    io: T,
+    mut service: S,
+    stop: impl Future<Output = ()>,
+) -> Result<(), StreamError>
+where
+    T: AsyncRead + AsyncWrite + Unpin,
+    S: FnMut(Request<RecvBody>) -> F,
+    F: Future<Output = Response<BoxBody>> + Send + 'static,
+{
+    let (handle, incoming, conn) = mux::new(io, mux::Side::Agent, mux_config());
+    let mut conn = pin!(conn);
+    let mut stop = pin!(stop);
+    let (mut handle, mut incoming) = (Some(handle), Some(incoming));
+    let accept = async |incoming: &mut Option<mux::Incoming>| match incoming {
+        Some(incoming) => incoming.accept().await,
+        None => std::future::pending().await,
+    };
+    loop {
+        tokio::select! {
+            r = &mut conn => return r.map_err(StreamError::from),
+            () = stop.as_mut(), if handle.is_some() => {
+                if let Some(handle) = handle.take() {
+                    handle.go_away();
+                }
+            }
+            stream = accept(&mut incoming) => match stream {
+                Some(stream) => {
+                    let parts = match super::head::decode_request(stream.header()) {
+                        Ok(parts) => parts,
+                        Err(e) => {
+                            debug!(error = %e, "a stream's request head does not parse; refused");
+                            stream.reset(u32::from(Reason::PROTOCOL_ERROR));
+                            continue;
+                        }
+                    };
+                    let (recv, send) = stream.split();
+                    let body = RecvBody::mux(recv, &parts.headers);
+                    // Boxed, as in `serve`.
+                    let response = Box::pin(service(Request::from_parts(parts, body)));
+                    tokio::spawn(answer_mux(response, send));
+                }
+                // Ended, or going away and every stream taken: the
+                // connection ends once they are done.
+                None => incoming = None,
+            },
+        }
+    }
+}
+
+/// [`answer`] on the multiplexer: the response head as a header block (with
+/// the end when there is no body), then the body.
+async fn answer_mux<F>(response: F, mut stream: mux::Stream)
+where
+    F: Future<Output = Response<BoxBody>>,
+{
+    let mut response = pin!(response);
+    let response = std::future::poll_fn(|cx| {
+        if let Poll::Ready(r) = response.as_mut().poll(cx) {
+            return Poll::Ready(Some(r));
+        }
+        stream.poll_reset(cx).map(|_| None)
+    })
+    .await;
+    let Some(response) = response else {
+        return debug!("stream reset before its response");
+    };
+    let (mut head, body) = response.into_parts();
+    // As on h2: the heads do not differ by the wire they crossed.
+    crate::http::strip_hop_by_hop(&mut head.headers);
+    let eos = body.is_end_stream();
+    if !eos
+        && let Some(len) = body.size_hint().exact()
+        && !head.headers.contains_key(header::CONTENT_LENGTH)
+    {
+        head.headers.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
+    }
+    let block = super::head::encode_response(&head);
+    if let Err(e) = stream.send_head(block, eos).await {
+        debug!(error = %e, "sending a response head failed");
+        return stream.reset(u32::from(Reason::INTERNAL_ERROR));
+    }
+    if !eos && let Err(e) = super::stream::pipe_mux(body, stream).await {
+        debug!(error = %e, "response body to the tunnel ended");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
@@ -158,24 +276,25 @@ mod tests {
 
     use super::*;
     use crate::BoxError;
-    use crate::tunnel::body;
     use crate::tunnel::client::{self, Sender};
+    use crate::tunnel::{Wire, body};
 
     /// A tunnel connection (in memory) served by `service`; `stop` shuts it
     /// down gracefully.
     async fn tunnel<S, F>(
+        wire: Wire,
         service: S,
-    ) -> (Sender, oneshot::Sender<()>, tokio::task::JoinHandle<Result<(), h2::Error>>)
+    ) -> (Sender, oneshot::Sender<()>, tokio::task::JoinHandle<Result<(), StreamError>>)
     where
         S: FnMut(Request<RecvBody>) -> F + Send + 'static,
         F: Future<Output = Response<BoxBody>> + Send + 'static,
     {
         let (edge, agent) = tokio::io::duplex(64 * 1024);
         let (stop_tx, stop_rx) = oneshot::channel::<()>();
-        let served = tokio::spawn(serve(agent, service, async {
+        let served = tokio::spawn(serve_wire(agent, wire, service, async {
             let _ = stop_rx.await;
         }));
-        let (send, conn) = client::handshake(edge).await.unwrap();
+        let (send, conn) = client::start(edge, wire).await.unwrap();
         tokio::spawn(conn);
         (send, stop_tx, served)
     }
@@ -186,104 +305,120 @@ mod tests {
 
     #[tokio::test]
     async fn a_head_is_made_fit_for_http2_and_a_known_length_is_said() {
-        let (send, _stop, _) = tunnel(|_req| async {
-            let mut r = Response::new(body::full("hello"));
-            // What a response filter could add; HTTP/2 forbids them.
-            r.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close, x-hop"));
-            r.headers_mut().insert("x-hop", HeaderValue::from_static("1"));
-            r.headers_mut().insert("x-kept", HeaderValue::from_static("2"));
-            r.headers_mut().insert(header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
-            r
-        })
-        .await;
-        let resp = send.send(get("/")).await.unwrap();
-        assert_eq!(resp.status(), StatusCode::OK);
-        let h = resp.headers();
-        assert!(h.get(header::CONNECTION).is_none() && h.get(header::TRANSFER_ENCODING).is_none());
-        assert!(h.get("x-hop").is_none(), "a header the Connection header named");
-        assert_eq!(h.get("x-kept").unwrap(), "2");
-        assert_eq!(h.get(header::CONTENT_LENGTH).unwrap(), "5");
-        assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), "hello");
+        for wire in Wire::ALL {
+            eprintln!("wire: {wire:?}");
+            let (send, _stop, _) = tunnel(wire, |_req| async {
+                let mut r = Response::new(body::full("hello"));
+                // What a response filter could add; HTTP/2 forbids them.
+                r.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close, x-hop"));
+                r.headers_mut().insert("x-hop", HeaderValue::from_static("1"));
+                r.headers_mut().insert("x-kept", HeaderValue::from_static("2"));
+                r.headers_mut().insert(header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
+                r
+            })
+            .await;
+            let resp = send.send(get("/")).await.unwrap();
+            assert_eq!(resp.status(), StatusCode::OK);
+            let h = resp.headers();
+            assert!(h.get(header::CONNECTION).is_none() && h.get(header::TRANSFER_ENCODING).is_none());
+            assert!(h.get("x-hop").is_none(), "a header the Connection header named");
+            assert_eq!(h.get("x-kept").unwrap(), "2");
+            assert_eq!(h.get(header::CONTENT_LENGTH).unwrap(), "5");
+            assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), "hello");
+        }
     }
 
     #[tokio::test]
     async fn an_empty_response_ends_with_its_head_and_keeps_its_content_length() {
-        // A HEAD's answer: the length of what a GET would get, no body.
-        let (send, _stop, _) = tunnel(|_req| async {
-            let mut r = Response::new(body::empty());
-            r.headers_mut().insert(header::CONTENT_LENGTH, HeaderValue::from_static("1234"));
-            r
-        })
-        .await;
-        let mut head = get("/");
-        *head.method_mut() = Method::HEAD;
-        let resp = send.send(head).await.unwrap();
-        assert_eq!(resp.headers().get(header::CONTENT_LENGTH).unwrap(), "1234");
-        assert!(resp.body().is_end_stream(), "the head ended the stream");
+        for wire in Wire::ALL {
+            eprintln!("wire: {wire:?}");
+            // A HEAD's answer: the length of what a GET would get, no body.
+            let (send, _stop, _) = tunnel(wire, |_req| async {
+                let mut r = Response::new(body::empty());
+                r.headers_mut().insert(header::CONTENT_LENGTH, HeaderValue::from_static("1234"));
+                r
+            })
+            .await;
+            let mut head = get("/");
+            *head.method_mut() = Method::HEAD;
+            let resp = send.send(head).await.unwrap();
+            assert_eq!(resp.headers().get(header::CONTENT_LENGTH).unwrap(), "1234");
+            assert!(resp.body().is_end_stream(), "the head ended the stream");
+        }
     }
 
     #[tokio::test]
     async fn request_bodies_and_their_trailers_reach_the_service() {
-        let (send, _stop, _) = tunnel(|req: Request<RecvBody>| async move {
-            assert_eq!(req.body().size_hint().exact(), Some(1 << 20), "its content-length");
-            let got = req.into_body().collect().await.unwrap();
-            let trailers = got.trailers().cloned();
-            let n = got.to_bytes().len();
-            let mut r = Response::new(body::full(format!("{n}")));
-            if let Some(t) = trailers.and_then(|t| t.get("x-sum").cloned()) {
-                r.headers_mut().insert("x-sum", t);
-            }
-            r
-        })
-        .await;
-        let upload = Request::builder()
-            .method(Method::POST)
-            .uri("https://app.test/up")
-            .body(body::full(vec![1u8; 1 << 20]))
-            .unwrap();
-        let resp = send.send(upload).await.unwrap();
-        assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), "1048576");
+        for wire in Wire::ALL {
+            eprintln!("wire: {wire:?}");
+            let (send, _stop, _) = tunnel(wire, |req: Request<RecvBody>| async move {
+                assert_eq!(req.body().size_hint().exact(), Some(1 << 20), "its content-length");
+                let got = req.into_body().collect().await.unwrap();
+                let trailers = got.trailers().cloned();
+                let n = got.to_bytes().len();
+                let mut r = Response::new(body::full(format!("{n}")));
+                if let Some(t) = trailers.and_then(|t| t.get("x-sum").cloned()) {
+                    r.headers_mut().insert("x-sum", t);
+                }
+                r
+            })
+            .await;
+            let upload = Request::builder()
+                .method(Method::POST)
+                .uri("https://app.test/up")
+                .body(body::full(vec![1u8; 1 << 20]))
+                .unwrap();
+            let resp = send.send(upload).await.unwrap();
+            assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), "1048576");
 
-        let mut t = http::HeaderMap::new();
-        t.insert("x-sum", HeaderValue::from_static("abc"));
-        let frames: Vec<Result<_, BoxError>> =
-            vec![Ok(Frame::data(Bytes::from_static(b"ask"))), Ok(Frame::trailers(t))];
-        let with_trailers = body::boxed(http_body_util::StreamBody::new(futures_util::stream::iter(frames)));
-        let req =
-            Request::builder().method(Method::POST).uri("https://app.test/t").body(with_trailers).unwrap();
-        let (send2, _stop2, _) = tunnel(|req: Request<RecvBody>| async move {
-            let got = req.into_body().collect().await.unwrap();
-            let sum = got.trailers().and_then(|t| t.get("x-sum").cloned()).unwrap();
-            let mut r = Response::new(body::full(got.to_bytes()));
-            r.headers_mut().insert("x-sum", sum);
-            r
-        })
-        .await;
-        let resp = send2.send(req).await.unwrap();
-        assert_eq!(resp.headers().get("x-sum").unwrap(), "abc");
-        assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), "ask");
-        drop(send);
+            let mut t = http::HeaderMap::new();
+            t.insert("x-sum", HeaderValue::from_static("abc"));
+            let frames: Vec<Result<_, BoxError>> =
+                vec![Ok(Frame::data(Bytes::from_static(b"ask"))), Ok(Frame::trailers(t))];
+            let with_trailers =
+                body::boxed(http_body_util::StreamBody::new(futures_util::stream::iter(frames)));
+            let req = Request::builder()
+                .method(Method::POST)
+                .uri("https://app.test/t")
+                .body(with_trailers)
+                .unwrap();
+            let (send2, _stop2, _) = tunnel(wire, |req: Request<RecvBody>| async move {
+                let got = req.into_body().collect().await.unwrap();
+                let sum = got.trailers().and_then(|t| t.get("x-sum").cloned()).unwrap();
+                let mut r = Response::new(body::full(got.to_bytes()));
+                r.headers_mut().insert("x-sum", sum);
+                r
+            })
+            .await;
+            let resp = send2.send(req).await.unwrap();
+            assert_eq!(resp.headers().get("x-sum").unwrap(), "abc");
+            assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), "ask");
+            drop(send);
+        }
     }
 
     #[tokio::test]
     async fn a_reset_from_the_edge_drops_the_pending_response() {
-        // The service never answers; it tells when its future is dropped.
-        let (dropped_tx, mut dropped) = mpsc::unbounded_channel::<()>();
-        let (send, _stop, _) = tunnel(move |_req| {
-            let guard = DropSignal(dropped_tx.clone());
-            async move {
-                let _guard = guard;
-                std::future::pending::<Response<BoxBody>>().await
-            }
-        })
-        .await;
-        let pending = send.send(get("/slow"));
-        assert!(tokio::time::timeout(Duration::from_millis(50), pending).await.is_err());
-        // The edge gave the request up (its future dropped: a reset).
-        tokio::time::timeout(Duration::from_secs(10), dropped.recv())
-            .await
-            .expect("the service's future was dropped")
-            .unwrap();
+        for wire in Wire::ALL {
+            eprintln!("wire: {wire:?}");
+            // The service never answers; it tells when its future is dropped.
+            let (dropped_tx, mut dropped) = mpsc::unbounded_channel::<()>();
+            let (send, _stop, _) = tunnel(wire, move |_req| {
+                let guard = DropSignal(dropped_tx.clone());
+                async move {
+                    let _guard = guard;
+                    std::future::pending::<Response<BoxBody>>().await
+                }
+            })
+            .await;
+            let pending = send.send(get("/slow"));
+            assert!(tokio::time::timeout(Duration::from_millis(50), pending).await.is_err());
+            // The edge gave the request up (its future dropped: a reset).
+            tokio::time::timeout(Duration::from_secs(10), dropped.recv())
+                .await
+                .expect("the service's future was dropped")
+                .unwrap();
+        }
     }
 
     struct DropSignal(mpsc::UnboundedSender<()>);
@@ -296,35 +431,38 @@ mod tests {
 
     #[tokio::test]
     async fn stopping_lets_open_streams_finish_and_takes_no_new_one() {
-        let (arrived_tx, mut arrived) = mpsc::unbounded_channel::<()>();
-        let (release_tx, release_rx) = oneshot::channel::<()>();
-        let release = Arc::new(std::sync::Mutex::new(Some(release_rx)));
-        let (send, stop, served) = tunnel(move |_req| {
-            let release = release.lock().unwrap().take();
-            let _ = arrived_tx.send(());
-            async move {
-                if let Some(rx) = release {
-                    let _ = rx.await;
+        for wire in Wire::ALL {
+            eprintln!("wire: {wire:?}");
+            let (arrived_tx, mut arrived) = mpsc::unbounded_channel::<()>();
+            let (release_tx, release_rx) = oneshot::channel::<()>();
+            let release = Arc::new(std::sync::Mutex::new(Some(release_rx)));
+            let (send, stop, served) = tunnel(wire, move |_req| {
+                let release = release.lock().unwrap().take();
+                let _ = arrived_tx.send(());
+                async move {
+                    if let Some(rx) = release {
+                        let _ = rx.await;
+                    }
+                    Response::new(body::full("done"))
                 }
-                Response::new(body::full("done"))
-            }
-        })
-        .await;
-        let in_flight = tokio::spawn({
-            let send = send.clone();
-            async move { send.send(get("/long")).await }
-        });
-        // The stream is open at the agent, then the stop comes.
-        arrived.recv().await.unwrap();
-        stop.send(()).unwrap();
-        release_tx.send(()).unwrap();
-        let resp = in_flight.await.unwrap().expect("the open stream was answered");
-        assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), "done");
-        tokio::time::timeout(Duration::from_secs(10), served)
-            .await
-            .expect("the connection closed once its streams were done")
-            .unwrap()
-            .unwrap();
-        assert!(send.send(get("/after")).await.is_err(), "no stream after the GOAWAY");
+            })
+            .await;
+            let in_flight = tokio::spawn({
+                let send = send.clone();
+                async move { send.send(get("/long")).await }
+            });
+            // The stream is open at the agent, then the stop comes.
+            arrived.recv().await.unwrap();
+            stop.send(()).unwrap();
+            release_tx.send(()).unwrap();
+            let resp = in_flight.await.unwrap().expect("the open stream was answered");
+            assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), "done");
+            tokio::time::timeout(Duration::from_secs(10), served)
+                .await
+                .expect("the connection closed once its streams were done")
+                .unwrap()
+                .unwrap();
+            assert!(send.send(get("/after")).await.is_err(), "no stream after the GOAWAY");
+        }
     }
 }

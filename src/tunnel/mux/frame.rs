@@ -26,8 +26,8 @@ pub const ACK: u8 = 0x1;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Frame {
     /// A new stream, with what it is for (opaque here, at most
-    /// [`MAX_PAYLOAD`] bytes).
-    Open { stream: u32, header: Bytes },
+    /// [`MAX_PAYLOAD`] bytes); `fin`: nothing more comes from the opener.
+    Open { stream: u32, fin: bool, header: Bytes },
     /// Bytes of a stream; `fin`: the sender sends no more.
     Data { stream: u32, fin: bool, payload: Bytes },
     /// A header block of a stream (an HTTP response head, trailers),
@@ -81,7 +81,9 @@ impl Frame {
     /// `Data`, its payload; those two carry theirs in [`Frame::payload`].
     pub fn encode_head(&self, buf: &mut BytesMut) {
         match self {
-            Frame::Open { stream, header: h } => header(buf, *stream, OPEN, 0, h.len()),
+            Frame::Open { stream, fin, header: h } => {
+                header(buf, *stream, OPEN, if *fin { FIN } else { 0 }, h.len())
+            }
             Frame::Data { stream, fin, payload } => {
                 header(buf, *stream, DATA, if *fin { FIN } else { 0 }, payload.len())
             }
@@ -134,8 +136,7 @@ impl Frame {
         let mut h = &buf[..HEADER];
         let (stream, kind, flags, len) = (h.get_u32(), h.get_u8(), h.get_u8(), h.get_u16() as usize);
         let (fixed, known_flags) = match kind {
-            OPEN => (None, 0),
-            DATA | HEAD => (None, FIN),
+            OPEN | DATA | HEAD => (None, FIN),
             CREDIT | RESET | GOAWAY => (Some(4), 0),
             PING => (Some(8), ACK),
             other => return Err(FrameError::UnknownType(other)),
@@ -157,7 +158,7 @@ impl Frame {
         buf.advance(HEADER);
         let mut payload = buf.split_to(len);
         Ok(Some(match kind {
-            OPEN => Frame::Open { stream, header: payload.freeze() },
+            OPEN => Frame::Open { stream, fin: flags & FIN != 0, header: payload.freeze() },
             DATA => Frame::Data { stream, fin: flags & FIN != 0, payload: payload.freeze() },
             HEAD => Frame::Head { stream, fin: flags & FIN != 0, block: payload.freeze() },
             CREDIT => Frame::Credit { stream, bytes: payload.get_u32() },
@@ -174,8 +175,8 @@ mod tests {
 
     fn all() -> Vec<Frame> {
         vec![
-            Frame::Open { stream: 1, header: Bytes::from_static(b"tcp") },
-            Frame::Open { stream: 3, header: Bytes::new() },
+            Frame::Open { stream: 1, fin: false, header: Bytes::from_static(b"tcp") },
+            Frame::Open { stream: 3, fin: true, header: Bytes::new() },
             Frame::Data { stream: 1, fin: false, payload: Bytes::from(vec![7; MAX_PAYLOAD]) },
             Frame::Data { stream: 1, fin: true, payload: Bytes::new() },
             Frame::Head { stream: 2, fin: false, block: Bytes::from_static(b"HTTP/1.1 200 \r\n\r\n") },
@@ -226,7 +227,7 @@ mod tests {
             decode(&[0, 0, 0, 2, PING, 0, 0, 8, 0, 0, 0, 0, 0, 0, 0, 0]),
             Err(FrameError::Stream { kind: PING, stream: 2 })
         );
-        assert_eq!(decode(&[0, 0, 0, 1, OPEN, FIN, 0, 0]), Err(FrameError::Flags { kind: OPEN, flags: FIN }));
+        assert_eq!(decode(&[0, 0, 0, 1, OPEN, 2, 0, 0]), Err(FrameError::Flags { kind: OPEN, flags: 2 }));
         assert_eq!(
             decode(&[0, 0, 0, 1, DATA, 0x80, 0, 0]),
             Err(FrameError::Flags { kind: DATA, flags: 0x80 })

@@ -28,17 +28,20 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use frame::{Frame, MAX_PAYLOAD};
 
-/// `Reset` codes.
+/// `Reset` codes: HTTP/2's error codes, so that a reason passes through
+/// both unchanged.
 pub mod code {
     /// The sender is done with the stream and needs none of the peer's
     /// remaining bytes; what the sender sent before stands (an answer sent
     /// whole before the request's body was read).
     pub const NO_ERROR: u32 = 0;
-    /// The stream's owner dropped it before it finished.
-    pub const CANCEL: u32 = 1;
+    /// The sender failed (a body that broke off).
+    pub const INTERNAL: u32 = 2;
     /// The receiver did not take the stream (no acceptor, too many
     /// streams, or the peer is going away); it may be opened again elsewhere.
-    pub const REFUSED: u32 = 2;
+    pub const REFUSED: u32 = 7;
+    /// The stream's owner dropped it before it finished.
+    pub const CANCEL: u32 = 8;
 }
 
 /// Which stream ids a side opens: the edge's are odd, the agent's even.
@@ -260,7 +263,7 @@ impl Shared {
 
     fn receive(&mut self, frame: Frame) -> io::Result<()> {
         match frame {
-            Frame::Open { stream, header } => {
+            Frame::Open { stream, fin, header } => {
                 if !self.peer_opens(stream) || stream <= self.last_peer_id {
                     return Err(violation(format!("stream {stream} opened out of order")));
                 }
@@ -269,7 +272,9 @@ impl Shared {
                     self.queue(Frame::Reset { stream, code: code::REFUSED });
                     return Ok(());
                 }
-                self.streams.insert(stream, Slot::new(self.config.window));
+                let mut slot = Slot::new(self.config.window);
+                slot.recv_fin = fin;
+                self.streams.insert(stream, slot);
                 self.peer_streams += 1;
                 self.accepted.push_back((stream, header));
                 wake(&mut self.acceptor);
@@ -339,6 +344,12 @@ impl Handle {
     /// Opens a stream that carries `header` (what it is for) to the peer.
     /// No round trip: bytes may be written at once.
     pub fn open(&self, header: Bytes) -> io::Result<Stream> {
+        self.open_with(header, false)
+    }
+
+    /// [`Handle::open`]; `fin`: nothing follows the header from this side
+    /// (the stream is half-closed as it opens).
+    pub fn open_with(&self, header: Bytes, fin: bool) -> io::Result<Stream> {
         if header.len() > MAX_PAYLOAD {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "stream header over 64 KiB"));
         }
@@ -352,8 +363,10 @@ impl Handle {
         let id = s.next_id;
         s.next_id = id.checked_add(2).ok_or_else(|| io::Error::other("stream ids exhausted; reconnect"))?;
         let window = s.config.window;
-        s.streams.insert(id, Slot::new(window));
-        s.queue(Frame::Open { stream: id, header: header.clone() });
+        let mut slot = Slot::new(window);
+        slot.send_fin = fin;
+        s.streams.insert(id, slot);
+        s.queue(Frame::Open { stream: id, fin, header });
         s.users += 1;
         Ok(Stream { id, header: Bytes::new(), shared: self.shared.clone() })
     }
@@ -396,7 +409,9 @@ impl Drop for Handle {
 }
 
 impl Incoming {
-    /// The next stream the peer opens; `None` once the connection ended.
+    /// The next stream the peer opens; `None` once the connection ended,
+    /// or once [`Handle::go_away`] was called and the streams opened before
+    /// it were taken.
     pub async fn accept(&mut self) -> Option<Stream> {
         std::future::poll_fn(|cx| {
             let mut s = lock(&self.shared);
@@ -404,7 +419,7 @@ impl Incoming {
                 s.users += 1;
                 return Poll::Ready(Some(Stream { id, header, shared: self.shared.clone() }));
             }
-            if s.closed.is_some() {
+            if s.closed.is_some() || !s.accepting {
                 return Poll::Ready(None);
             }
             s.acceptor = Some(cx.waker().clone());
@@ -434,6 +449,19 @@ impl Stream {
     /// What the peer opened the stream for (empty for the streams opened here).
     pub fn header(&self) -> &Bytes {
         &self.header
+    }
+
+    /// Everything the peer sent was read, to its end.
+    pub fn is_end(&self) -> bool {
+        let s = lock(&self.shared);
+        s.streams
+            .get(&self.id)
+            .is_none_or(|slot| slot.recv.is_empty() && (slot.recv_fin || slot.reset.is_some()))
+    }
+
+    /// The code the peer reset the stream with, if it did.
+    pub fn reset_code(&self) -> Option<u32> {
+        lock(&self.shared).streams.get(&self.id).and_then(|slot| slot.reset)
     }
 
     /// Sends `data` as it lies, without a copy: a frame per 64 KiB, as the
@@ -618,6 +646,22 @@ impl Stream {
                 Poll::Pending
             }
             None => Poll::Ready(code::CANCEL),
+        }
+    }
+
+    /// Abandons the stream both ways, telling the peer `code`.
+    pub fn reset(&self, code: u32) {
+        let mut s = lock(&self.shared);
+        let closed = s.closed.is_some();
+        if let Some(slot) = s.streams.get_mut(&self.id)
+            && slot.reset.is_none()
+        {
+            slot.reset = Some(code);
+            slot.recv.clear();
+            slot.wake();
+            if !closed {
+                s.queue(Frame::Reset { stream: self.id, code });
+            }
         }
     }
 

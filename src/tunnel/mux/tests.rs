@@ -334,23 +334,23 @@ async fn a_peer_that_breaks_the_protocol_is_dropped() {
         let cases: Vec<(Vec<Frame>, &str)> = vec![
             (
                 vec![
-                    Frame::Open { stream: 1, header: Bytes::new() },
+                    Frame::Open { stream: 1, fin: false, header: Bytes::new() },
                     Frame::Data { stream: 1, fin: false, payload: Bytes::from(vec![0; 40_000]) },
                     Frame::Data { stream: 1, fin: false, payload: Bytes::from(vec![0; 30_000]) },
                 ],
                 "over its credit",
             ),
-            (vec![Frame::Open { stream: 2, header: Bytes::new() }], "out of order"),
+            (vec![Frame::Open { stream: 2, fin: false, header: Bytes::new() }], "out of order"),
             (
                 vec![
-                    Frame::Open { stream: 3, header: Bytes::new() },
-                    Frame::Open { stream: 1, header: Bytes::new() },
+                    Frame::Open { stream: 3, fin: false, header: Bytes::new() },
+                    Frame::Open { stream: 1, fin: false, header: Bytes::new() },
                 ],
                 "out of order",
             ),
             (
                 vec![
-                    Frame::Open { stream: 1, header: Bytes::new() },
+                    Frame::Open { stream: 1, fin: false, header: Bytes::new() },
                     Frame::Data { stream: 1, fin: true, payload: Bytes::new() },
                     Frame::Data { stream: 1, fin: false, payload: Bytes::from_static(b"x") },
                 ],
@@ -389,7 +389,7 @@ async fn pings_are_answered_and_credit_comes_in_halves() {
         let _conn = tokio::spawn(conn);
         let mut wire = BytesMut::new();
         Frame::Ping { ack: false, opaque: 42 }.encode(&mut wire);
-        Frame::Open { stream: 1, header: Bytes::new() }.encode(&mut wire);
+        Frame::Open { stream: 1, fin: false, header: Bytes::new() }.encode(&mut wire);
         Frame::Data { stream: 1, fin: false, payload: Bytes::from(vec![1; 50_000]) }.encode(&mut wire);
         raw.write_all(&wire).await.unwrap();
         let mut s = incoming.accept().await.unwrap();

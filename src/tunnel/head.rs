@@ -1,0 +1,186 @@
+//! Heads on the multiplexer ([`super::mux`], protocol version 2): a request
+//! head, a response head and trailers as HTTP/1.1 text, parsed back by
+//! httparse. A request's head is its stream's `Open` header, the response's
+//! head and trailers are `Head` frames around the body's bytes.
+//!
+//! ```text
+//! POST https://app.example.com/x HTTP/1.1\r\n    HTTP/1.1 200 \r\n    grpc-status: 0\r\n
+//! content-type: text/plain\r\n                  server: app\r\n      \r\n
+//! \r\n                                          \r\n
+//! ```
+//!
+//! The request line carries the whole URI (scheme and authority too, as
+//! h2's pseudo-headers did). Both ends see `HTTP/2.0` as the version, as
+//! they did when h2 carried the heads: the forwarding code does not tell
+//! the two apart.
+
+use bytes::{BufMut, Bytes, BytesMut};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri, Version, request, response};
+
+/// A head that does not parse: the peer is broken or hostile. The stream
+/// is refused; the connection goes on.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum HeadError {
+    #[error("the head does not parse: {0}")]
+    Parse(String),
+    #[error("the head is incomplete")]
+    Incomplete,
+    #[error("the head has bytes after its end")]
+    Trailing,
+    #[error("the head's {0} is not valid")]
+    Invalid(&'static str),
+}
+
+impl HeadError {
+    pub fn category(&self) -> &'static str {
+        "tunnel_head"
+    }
+}
+
+fn put_headers(b: &mut BytesMut, headers: &HeaderMap) {
+    for (name, value) in headers {
+        b.put_slice(name.as_str().as_bytes());
+        b.put_slice(b": ");
+        b.put_slice(value.as_bytes());
+        b.put_slice(b"\r\n");
+    }
+    b.put_slice(b"\r\n");
+}
+
+fn headers_len(headers: &HeaderMap) -> usize {
+    headers.iter().map(|(n, v)| n.as_str().len() + v.len() + 4).sum::<usize>() + 2
+}
+
+pub fn encode_request(head: &request::Parts) -> Bytes {
+    let uri = head.uri.to_string();
+    let mut b =
+        BytesMut::with_capacity(head.method.as_str().len() + uri.len() + 12 + headers_len(&head.headers));
+    b.put_slice(head.method.as_str().as_bytes());
+    b.put_u8(b' ');
+    b.put_slice(uri.as_bytes());
+    b.put_slice(b" HTTP/1.1\r\n");
+    put_headers(&mut b, &head.headers);
+    b.freeze()
+}
+
+pub fn encode_response(head: &response::Parts) -> Bytes {
+    let mut b = BytesMut::with_capacity(15 + headers_len(&head.headers));
+    b.put_slice(b"HTTP/1.1 ");
+    b.put_slice(head.status.as_str().as_bytes());
+    b.put_slice(b" \r\n");
+    put_headers(&mut b, &head.headers);
+    b.freeze()
+}
+
+pub fn encode_trailers(trailers: &HeaderMap) -> Bytes {
+    let mut b = BytesMut::with_capacity(headers_len(trailers));
+    put_headers(&mut b, trailers);
+    b.freeze()
+}
+
+/// Room for every field line the block can hold.
+fn slots(block: &[u8]) -> Vec<httparse::Header<'_>> {
+    vec![httparse::EMPTY_HEADER; block.iter().filter(|&&c| c == b'\n').count()]
+}
+
+fn complete(status: httparse::Result<usize>, block: &[u8]) -> Result<(), HeadError> {
+    match status {
+        Ok(httparse::Status::Complete(n)) if n == block.len() => Ok(()),
+        Ok(httparse::Status::Complete(_)) => Err(HeadError::Trailing),
+        Ok(httparse::Status::Partial) => Err(HeadError::Incomplete),
+        Err(e) => Err(HeadError::Parse(e.to_string())),
+    }
+}
+
+fn header_map(fields: &[httparse::Header<'_>]) -> Result<HeaderMap, HeadError> {
+    let mut headers = HeaderMap::with_capacity(fields.len());
+    for f in fields {
+        let name = HeaderName::from_bytes(f.name.as_bytes()).map_err(|_| HeadError::Invalid("field name"))?;
+        let value = HeaderValue::from_bytes(f.value).map_err(|_| HeadError::Invalid("field value"))?;
+        headers.append(name, value);
+    }
+    Ok(headers)
+}
+
+pub fn decode_request(block: &[u8]) -> Result<request::Parts, HeadError> {
+    let mut fields = slots(block);
+    let mut req = httparse::Request::new(&mut fields);
+    complete(req.parse(block), block)?;
+    let method = Method::from_bytes(req.method.unwrap_or_default().as_bytes())
+        .map_err(|_| HeadError::Invalid("method"))?;
+    let uri: Uri = req.path.unwrap_or_default().parse().map_err(|_| HeadError::Invalid("URI"))?;
+    let headers = header_map(req.headers)?;
+    let (mut parts, ()) = http::Request::new(()).into_parts();
+    (parts.method, parts.uri, parts.version, parts.headers) = (method, uri, Version::HTTP_2, headers);
+    Ok(parts)
+}
+
+pub fn decode_response(block: &[u8]) -> Result<response::Parts, HeadError> {
+    let mut fields = slots(block);
+    let mut resp = httparse::Response::new(&mut fields);
+    complete(resp.parse(block), block)?;
+    let status =
+        StatusCode::from_u16(resp.code.unwrap_or_default()).map_err(|_| HeadError::Invalid("status"))?;
+    let headers = header_map(resp.headers)?;
+    let (mut parts, ()) = http::Response::new(()).into_parts();
+    (parts.status, parts.version, parts.headers) = (status, Version::HTTP_2, headers);
+    Ok(parts)
+}
+
+pub fn decode_trailers(block: &[u8]) -> Result<HeaderMap, HeadError> {
+    let mut fields = slots(block);
+    match httparse::parse_headers(block, &mut fields) {
+        Ok(httparse::Status::Complete((n, fields))) if n == block.len() => header_map(fields),
+        Ok(httparse::Status::Complete(_)) => Err(HeadError::Trailing),
+        Ok(httparse::Status::Partial) => Err(HeadError::Incomplete),
+        Err(e) => Err(HeadError::Parse(e.to_string())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn heads_round_trip() {
+        let req = http::Request::post("https://app.example.com/a/b?c=d%20e")
+            .header("content-type", "text/plain")
+            .header("x-many", "1")
+            .header("x-many", "2")
+            .header("x-odd", HeaderValue::from_bytes(b"caf\xc3\xa9 \t tab").unwrap())
+            .body(())
+            .unwrap();
+        let (parts, ()) = req.into_parts();
+        let back = decode_request(&encode_request(&parts)).unwrap();
+        assert_eq!((back.method, &back.uri, back.version), (Method::POST, &parts.uri, Version::HTTP_2));
+        assert_eq!(back.headers, parts.headers);
+
+        let (parts, ()) = http::Response::builder()
+            .status(StatusCode::SWITCHING_PROTOCOLS)
+            .header("upgrade", "websocket")
+            .body(())
+            .unwrap()
+            .into_parts();
+        let back = decode_response(&encode_response(&parts)).unwrap();
+        assert_eq!((back.status, back.headers), (parts.status, parts.headers));
+
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", HeaderValue::from_static("0"));
+        assert_eq!(decode_trailers(&encode_trailers(&trailers)).unwrap(), trailers);
+        assert_eq!(decode_trailers(&encode_trailers(&HeaderMap::new())).unwrap(), HeaderMap::new());
+
+        let (parts, ()) = http::Request::get("/").body(()).unwrap().into_parts();
+        assert_eq!(decode_request(&encode_request(&parts)).unwrap().uri, "/");
+    }
+
+    #[test]
+    fn heads_that_cannot_be_are_refused() {
+        assert_eq!(decode_request(b"GET / HTTP/1.1\r\n").unwrap_err(), HeadError::Incomplete);
+        assert_eq!(decode_request(b"GET / HTTP/1.1\r\n\r\nbody").unwrap_err(), HeadError::Trailing);
+        assert!(matches!(decode_request(b"GET / HTTP/1.1\r\nbad name: x\r\n\r\n"), Err(HeadError::Parse(_))));
+        assert!(matches!(decode_request(b"GET \x01 HTTP/1.1\r\n\r\n"), Err(HeadError::Parse(_))));
+        assert!(decode_response(b"HTTP/1.1 099 \r\n\r\n").is_err());
+        assert_eq!(decode_trailers(b"x: 1\r\n"), Err(HeadError::Incomplete));
+        assert!(decode_request(b"").is_err());
+    }
+}
