@@ -6,8 +6,10 @@
 use std::time::Duration;
 
 /// Version of the tunnel wire protocol. The agent sends it in [`VERSION_HEADER`];
-/// the edge refuses versions it does not speak with 426.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// the edge refuses versions it does not speak with 426, and says the one it
+/// took in the 101. 1: HTTP/2 carries the streams; 2: the multiplexer
+/// (`tunnel::mux`, `tunnel::Wire`).
+pub const PROTOCOL_VERSION: u32 = 2;
 /// Oldest agent protocol version the edge still accepts.
 pub const MIN_PROTOCOL_VERSION: u32 = 1;
 

@@ -158,6 +158,7 @@ async fn agent_is_back_within_300ms_of_the_edge() {
         agent_id: agent::agent_id(),
         tls: culvert::tls::tunnel_client_config(Some(&edge.ca())).unwrap(),
         protocol: None,
+        version: culvert::tunnel::connect::PROTOCOL_VERSION,
     };
     let shutdown = CancellationToken::new();
     let options = TunnelOptions { stop_on_permanent_error: true, on_ready: Some(on_ready), on_lost: None };

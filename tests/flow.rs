@@ -256,6 +256,8 @@ async fn an_agent_that_stops_reading_cannot_make_the_edge_buffer_uploads_without
         agent_id: "greedy".into(),
         tls: culvert::tls::tunnel_client_config(Some(&edge.ca_file)).unwrap(),
         protocol: None,
+        // This agent speaks HTTP/2 (protocol version 1), whose windows it sets.
+        version: 1,
     };
     let connected = dialer.connect().await.expect("tunnel handshake");
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));

@@ -94,6 +94,7 @@ async fn agent_reaches_the_edge_only_through_an_http_proxy() {
         agent_id: "t".into(),
         tls: culvert::tls::tunnel_client_config(Some(&edge.ca_file)).unwrap(),
         protocol: None,
+        version: culvert::tunnel::connect::PROTOCOL_VERSION,
     };
     let err = dialer.connect().await.err().expect("refused by the proxy");
     assert!(err.to_string().contains("proxy"), "{err}");

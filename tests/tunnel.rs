@@ -612,6 +612,7 @@ async fn an_agent_of_the_wrong_protocol_and_agents_over_the_limit_are_refused() 
         agent_id: "t".into(),
         tls: culvert::tls::tunnel_client_config(Some(&edge.ca_file)).unwrap(),
         protocol: Some(culvert::api::Protocol::Tcp),
+        version: culvert::tunnel::connect::PROTOCOL_VERSION,
     };
     let err = dialer.connect().await.err().expect("refused");
     assert!(err.is_permanent() && err.to_string().contains("culvert http"), "{err}");

@@ -34,6 +34,13 @@ pub struct AgentArgs {
     #[arg(long, env = "CULVERT_CA_FILE")]
     pub ca_file: Option<PathBuf>,
 
+    /// The tunnel protocol version to offer: 2 (the multiplexer) or 1
+    /// (HTTP/2 carries the streams). An edge that speaks only 1 is asked
+    /// again with 1 by itself; set 1 only to rule the multiplexer out.
+    #[arg(long, env = "CULVERT_PROTOCOL_VERSION", default_value_t = crate::constants::PROTOCOL_VERSION,
+          value_parser = clap::value_parser!(u32).range(crate::constants::MIN_PROTOCOL_VERSION as i64..=crate::constants::PROTOCOL_VERSION as i64))]
+    pub protocol_version: u32,
+
     /// Serve `/metrics` (plain HTTP; what the agent drops) on this address,
     /// e.g. 127.0.0.1:9091. Off by default.
     #[arg(long, env = "CULVERT_METRICS_ADDR")]

@@ -144,12 +144,12 @@ async fn serve_connection(
     options: &TunnelOptions,
     shutdown: &CancellationToken,
 ) -> String {
-    let Connected { stream, control, info } = c;
+    let Connected { stream, control, info, wire } = c;
     // Calls `on_lost` on every way out, once the connection was ready.
     let lost = LostGuard { info: info.clone(), on_lost: options.on_lost.clone(), ready: Default::default() };
     let service = |req| serve::answer(&resolver, req);
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let conn = crate::tunnel::server::serve(stream, service, async {
+    let conn = crate::tunnel::server::serve_wire(stream, wire, service, async {
         let _ = stopped.await;
     });
     tokio::pin!(conn);
@@ -203,7 +203,7 @@ impl Drop for LostGuard {
     }
 }
 
-fn describe_end(r: Result<(), h2::Error>) -> String {
+fn describe_end(r: Result<(), crate::tunnel::stream::StreamError>) -> String {
     match r {
         Ok(()) => "closed by the edge".into(),
         Err(e) => crate::http::error_chain(&e),
@@ -246,6 +246,7 @@ pub async fn run_standalone(args: AgentArgs, protocol: Protocol) -> Result<(), A
         agent_id: agent_id(),
         tls: tls::tunnel_client_config(args.ca_file.as_deref())?,
         protocol: Some(protocol),
+        version: args.protocol_version,
     };
     let shutdown = CancellationToken::new();
     if let Some(addr) = args.metrics_addr {

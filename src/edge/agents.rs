@@ -138,9 +138,10 @@ pub async fn accept(edge: Arc<Edge>, mut req: Request<Incoming>, peer: SocketAdd
             let budget = edge.registry.tunnel_budget();
             let stream = WsStream::new(TokioIo::new(upgraded), ws::Role::Server, control.clone())
                 .with_budget(budget.clone());
-            let (sender, conn) = match crate::tunnel::client::handshake(stream).await {
+            let wire = crate::tunnel::Wire::of_version(protocol_version);
+            let (sender, conn) = match crate::tunnel::client::start(stream, wire).await {
                 Ok(x) => x,
-                Err(e) => return warn!(error = %e, "HTTP/2 handshake with the agent failed"),
+                Err(e) => return warn!(error = %e, ?wire, "starting the tunnel's wire with the agent failed"),
             };
             let registered = edge.registry.add(
                 grant.key_id.clone(),
@@ -190,6 +191,7 @@ pub async fn accept(edge: Arc<Edge>, mut req: Request<Incoming>, peer: SocketAdd
             .expect("base64 is ascii"),
     );
     h.insert(TUNNEL_PROTOCOL_HEADER, HeaderValue::from_static(protocol.as_str()));
+    h.insert(VERSION_HEADER, HeaderValue::from(protocol_version));
     if let Ok(v) = HeaderValue::from_str(&public_url) {
         h.insert(PUBLIC_URL_HEADER, v);
     }

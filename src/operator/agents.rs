@@ -344,6 +344,7 @@ pub async fn run(client: Client, args: OperatorArgs, metrics: Metrics, shutdown:
                 agent_id: agent::agent_id(),
                 tls: tls.clone(),
                 protocol: Some(protocol),
+                version: crate::constants::PROTOCOL_VERSION,
             };
             let name = d.name.clone();
             let (up, down) = (metrics.edge_connections.clone(), metrics.edge_connections.clone());

@@ -254,6 +254,11 @@ async fn send_mux(
     }
     let head = super::head::decode_response(&block)
         .map_err(|e| failed(std::io::Error::new(std::io::ErrorKind::InvalidData, e).into()))?;
+    // Held to h2's limit here too.
+    if super::head::response_list_size(&head) > MAX_HEADER_LIST as usize {
+        let e = std::io::Error::new(std::io::ErrorKind::InvalidData, "the response head is over 16 KiB");
+        return Err(failed(e.into()));
+    }
     let body = RecvBody::mux(recv, &head.headers);
     Ok(Response::from_parts(head, body))
 }

@@ -14,10 +14,13 @@ use hyper_util::rt::TokioIo;
 use super::proxy::{self, Proxy};
 use super::ws::{self, Control, WsStream};
 use crate::api::{ErrorBody, Protocol};
+/// The protocol version an agent offers unless told otherwise.
+pub use crate::constants::PROTOCOL_VERSION;
 use crate::constants::{
-    AGENT_ID_HEADER, CONNECT_PATH, EDGE_CONNECT_TIMEOUT, HANDSHAKE_TIMEOUT, PROTOCOL_VERSION,
+    AGENT_ID_HEADER, CONNECT_PATH, EDGE_CONNECT_TIMEOUT, HANDSHAKE_TIMEOUT, MIN_PROTOCOL_VERSION,
     PUBLIC_URL_HEADER, TUNNEL_PROTOCOL_HEADER, VERSION_HEADER,
 };
+use tracing::info;
 
 /// Where the edge is: parsed from `--edge https://host[:port]`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -182,11 +185,13 @@ pub struct TunnelInfo {
     pub edge: String,
 }
 
-/// An open tunnel connection, before HTTP/2 starts.
+/// An open tunnel connection, before its streams' wire starts.
 pub struct Connected {
     pub stream: WsStream<TokioIo<Upgraded>>,
     pub control: Arc<Control>,
     pub info: TunnelInfo,
+    /// What the edge took: h2 or the multiplexer.
+    pub wire: super::Wire,
 }
 
 /// Settings of an agent's connections.
@@ -198,18 +203,32 @@ pub struct Dialer {
     pub tls: Arc<rustls::ClientConfig>,
     /// What the agent serves; the edge refuses a key made for another protocol.
     pub protocol: Option<Protocol>,
+    /// The protocol version offered ([`PROTOCOL_VERSION`] but to rule the
+    /// multiplexer out).
+    pub version: u32,
 }
 
 impl Dialer {
     /// Dials the edge and performs the handshake, within [`HANDSHAKE_TIMEOUT`].
     #[tracing::instrument(skip(self), fields(edge = %self.edge))]
     pub async fn connect(&self) -> Result<Connected, ConnectError> {
-        tokio::time::timeout(HANDSHAKE_TIMEOUT, self.connect_inner())
-            .await
-            .map_err(|_| ConnectError::Timeout(HANDSHAKE_TIMEOUT))?
+        tokio::time::timeout(HANDSHAKE_TIMEOUT, async {
+            match self.connect_inner(self.version).await {
+                // An edge older than this agent: ask again with the version it speaks.
+                Err(ConnectError::Refused { status: 426, code, .. })
+                    if code == "version_too_new" && self.version > MIN_PROTOCOL_VERSION =>
+                {
+                    info!(offered = self.version, "the edge speaks protocol version 1 only; connecting with 1 (upgrade the edge for the multiplexer)");
+                    self.connect_inner(MIN_PROTOCOL_VERSION).await
+                }
+                r => r,
+            }
+        })
+        .await
+        .map_err(|_| ConnectError::Timeout(HANDSHAKE_TIMEOUT))?
     }
 
-    async fn connect_inner(&self) -> Result<Connected, ConnectError> {
+    async fn connect_inner(&self, version: u32) -> Result<Connected, ConnectError> {
         let addr = self.edge.authority();
         let dialed = match self.edge.addr {
             // A resolved address of the name: no proxy (the set was resolved here).
@@ -257,7 +276,7 @@ impl Dialer {
             .header(header::SEC_WEBSOCKET_VERSION, "13")
             .header(header::SEC_WEBSOCKET_KEY, &ws_key)
             .header(header::AUTHORIZATION, bearer)
-            .header(VERSION_HEADER, HeaderValue::from(PROTOCOL_VERSION))
+            .header(VERSION_HEADER, HeaderValue::from(version))
             .body(Empty::<bytes::Bytes>::new())
             .map_err(|e| ConnectError::WebSocket(e.into()))?;
         let headers = req.headers_mut();
@@ -278,6 +297,15 @@ impl Dialer {
             ));
         }
         let header = |name: &str| resp.headers().get(name).and_then(|v| v.to_str().ok());
+        // An edge that does not say took the version offered (edges of
+        // version 1 only did not say).
+        let took = header(VERSION_HEADER).and_then(|v| v.parse().ok()).unwrap_or(version);
+        if !(MIN_PROTOCOL_VERSION..=version).contains(&took) {
+            return Err(ConnectError::WebSocket(
+                format!("the edge took protocol version {took}, not offered").into(),
+            ));
+        }
+        let wire = super::Wire::of_version(took);
         let info = TunnelInfo {
             protocol: header(TUNNEL_PROTOCOL_HEADER).and_then(Protocol::parse),
             public_url: header(PUBLIC_URL_HEADER).map(str::to_string),
@@ -286,7 +314,7 @@ impl Dialer {
         let upgraded = hyper::upgrade::on(resp).await.map_err(|e| ConnectError::WebSocket(e.into()))?;
         let control = Arc::new(Control::default());
         let stream = WsStream::new(TokioIo::new(upgraded), ws::Role::Client, control.clone());
-        Ok(Connected { stream, control, info })
+        Ok(Connected { stream, control, info, wire })
     }
 }
 
@@ -375,6 +403,7 @@ mod tests {
             agent_id: "test".into(),
             tls: crate::tls::tunnel_client_config(None).unwrap(),
             protocol: None,
+            version: PROTOCOL_VERSION,
         };
         let t0 = std::time::Instant::now();
         let err = dialer.connect().await.err().expect("no connection");

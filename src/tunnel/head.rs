@@ -78,6 +78,29 @@ pub fn encode_trailers(trailers: &HeaderMap) -> Bytes {
     b.freeze()
 }
 
+/// A head's size counted as HTTP/2 counts a header list (RFC 9113, section
+/// 6.5.2: name, value and 32 bytes per field, pseudo-fields included): the
+/// tunnel holds heads to the same limit on either wire.
+fn list_size<'a>(pseudo: impl IntoIterator<Item = (&'a str, usize)>, headers: &HeaderMap) -> usize {
+    let fields = headers.iter().map(|(n, v)| n.as_str().len() + v.len() + 32).sum::<usize>();
+    pseudo.into_iter().map(|(n, v)| n.len() + v + 32).sum::<usize>() + fields
+}
+
+pub fn request_list_size(head: &request::Parts) -> usize {
+    let uri = &head.uri;
+    let pseudo = [
+        (":method", head.method.as_str().len()),
+        (":scheme", uri.scheme_str().map_or(0, str::len)),
+        (":authority", uri.authority().map_or(0, |a| a.as_str().len())),
+        (":path", uri.path_and_query().map_or(1, |p| p.as_str().len())),
+    ];
+    list_size(pseudo, &head.headers)
+}
+
+pub fn response_list_size(head: &response::Parts) -> usize {
+    list_size([(":status", 3)], &head.headers)
+}
+
 /// Room for every field line the block can hold.
 fn slots(block: &[u8]) -> Vec<httparse::Header<'_>> {
     vec![httparse::EMPTY_HEADER; block.iter().filter(|&&c| c == b'\n').count()]

@@ -214,6 +214,14 @@ where
                         }
                     };
                     let (recv, send) = stream.split();
+                    // Held to h2's limit here too (h2 answers 431 itself).
+                    if super::head::request_list_size(&parts) > MAX_HEADER_LIST as usize {
+                        drop(recv);
+                        let mut too_large = Response::new(super::body::empty());
+                        *too_large.status_mut() = http::StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE;
+                        tokio::spawn(answer_mux(std::future::ready(too_large), send));
+                        continue;
+                    }
                     let body = RecvBody::mux(recv, &parts.headers);
                     // Boxed, as in `serve`.
                     let response = Box::pin(service(Request::from_parts(parts, body)));

@@ -347,6 +347,7 @@ impl TestAgent {
             agent_id: agent::agent_id(),
             tls: culvert::tls::tunnel_client_config(Some(ca_file)).unwrap(),
             protocol: None,
+            version: culvert::tunnel::connect::PROTOCOL_VERSION,
         };
         let ready = Arc::new(tokio::sync::Notify::new());
         let r = ready.clone();
