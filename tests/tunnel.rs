@@ -165,6 +165,55 @@ async fn tcp_reservation_echoes() {
     assert!(rest.is_empty());
 }
 
+/// Protocol version 1 (HTTP/2 carries the streams) is still served, for
+/// agents older than the multiplexer: HTTP/1 and HTTP/2 requests, a
+/// WebSocket upgrade, a TCP reservation with its half-close. The edge says
+/// which version it took.
+#[tokio::test]
+async fn an_agent_of_protocol_version_1_is_still_served() {
+    use culvert::tunnel::Wire;
+    let edge = TestEdge::start().await;
+    let (host, key) = edge.http_tunnel_key("old").await;
+    for (version, wire) in [(1, Wire::H2), (2, Wire::Mux)] {
+        let dialer = culvert::tunnel::connect::Dialer {
+            edge: culvert::tunnel::connect::EdgeUrl::parse(&edge.url()).unwrap(),
+            key: key.clone(),
+            agent_id: "t".into(),
+            tls: culvert::tls::tunnel_client_config(Some(&edge.ca_file)).unwrap(),
+            protocol: None,
+            version,
+        };
+        assert_eq!(dialer.connect().await.unwrap().wire, wire, "version {version}");
+    }
+    let backend = net::http_backend().await;
+    let _agent = TestAgent::start_version(&edge, &key, http_target(backend), 1).await;
+    let client = edge.client();
+    for h2 in [false, true] {
+        let req = Request::post("/echo").body(Full::new(Bytes::from_static(b"hello"))).unwrap();
+        let resp = client.send(&host, req, h2).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::OK, "h2={h2}");
+        let body: Value =
+            serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+        assert_eq!(body["bodyLength"], 5);
+    }
+    let tls = edge.client().connect(&host, false).await;
+    let (mut ws, _) = tokio_tungstenite::client_async(format!("wss://{host}/ws"), tls).await.unwrap();
+    ws.send(Message::text("over h2")).await.unwrap();
+    assert_eq!(ws.next().await.unwrap().unwrap().into_text().unwrap().as_str(), "over h2");
+
+    let echo = net::tcp_echo().await;
+    let (port, key) = edge.tcp_tunnel_key().await;
+    let _tcp =
+        TestAgent::start_version(&edge, &key, Target::Tcp { addr: echo.to_string(), proxy: None }, 1).await;
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    let msg = "over h2 ".repeat(50_000);
+    s.write_all(msg.as_bytes()).await.unwrap();
+    s.shutdown().await.unwrap();
+    let mut got = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut got)).await.unwrap().unwrap();
+    assert!(got == msg.as_bytes(), "the echo came back whole, then the end");
+}
+
 /// A port of the edge's range that another program listens on is refused
 /// when asked for (with what to do) and skipped when any port will do.
 #[tokio::test]

@@ -333,6 +333,13 @@ impl TestAgent {
         agent.0
     }
 
+    /// [`TestAgent::start`] offering tunnel protocol `version`.
+    pub async fn start_version(edge: &TestEdge, key: &str, target: Target, version: u32) -> TestAgent {
+        let agent = Self::spawn_version(&edge.url(), &edge.ca_file, key, target, false, version);
+        agent.1.notified().await;
+        agent.0
+    }
+
     /// Starts without waiting; the Notify fires on every ready connection.
     pub fn spawn(
         url: &str,
@@ -341,13 +348,25 @@ impl TestAgent {
         target: Target,
         stop_on_permanent: bool,
     ) -> (TestAgent, Arc<tokio::sync::Notify>) {
+        let version = culvert::tunnel::connect::PROTOCOL_VERSION;
+        Self::spawn_version(url, ca_file, key, target, stop_on_permanent, version)
+    }
+
+    fn spawn_version(
+        url: &str,
+        ca_file: &Path,
+        key: &str,
+        target: Target,
+        stop_on_permanent: bool,
+        version: u32,
+    ) -> (TestAgent, Arc<tokio::sync::Notify>) {
         let dialer = Dialer {
             edge: EdgeUrl::parse(url).unwrap(),
             key: key.into(),
             agent_id: agent::agent_id(),
             tls: culvert::tls::tunnel_client_config(Some(ca_file)).unwrap(),
             protocol: None,
-            version: culvert::tunnel::connect::PROTOCOL_VERSION,
+            version,
         };
         let ready = Arc::new(tokio::sync::Notify::new());
         let r = ready.clone();
