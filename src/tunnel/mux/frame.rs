@@ -76,6 +76,15 @@ pub fn header(buf: &mut impl BufMut, stream: u32, kind: u8, flags: u8, len: usiz
     buf.put_u16(len as u16);
 }
 
+/// The bytes `buf` lacks of the frame it begins with (0 before its header
+/// is whole).
+pub fn missing(buf: &[u8]) -> usize {
+    match buf.get(6..8) {
+        Some(len) => (HEADER + u16::from_be_bytes([len[0], len[1]]) as usize).saturating_sub(buf.len()),
+        None => 0,
+    }
+}
+
 impl Frame {
     /// The frame's header and, for the frames that are not `Open` or
     /// `Data`, its payload; those two carry theirs in [`Frame::payload`].
@@ -152,7 +161,6 @@ impl Frame {
             return Err(FrameError::Stream { kind, stream });
         }
         if buf.len() < HEADER + len {
-            buf.reserve(HEADER + len - buf.len());
             return Ok(None);
         }
         buf.advance(HEADER);
