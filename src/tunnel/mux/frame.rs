@@ -76,6 +76,14 @@ pub fn header(buf: &mut impl BufMut, stream: u32, kind: u8, flags: u8, len: usiz
     buf.put_u16(len as u16);
 }
 
+/// The stream, payload length and `FIN` of the `Data` frame `buf` begins
+/// with, once its header is whole (checked by [`Frame::decode`] first).
+pub fn data_begun(buf: &[u8]) -> Option<(u32, usize, bool)> {
+    let mut h = buf.get(..HEADER)?;
+    let (stream, kind, flags, len) = (h.get_u32(), h.get_u8(), h.get_u8(), h.get_u16() as usize);
+    (kind == DATA).then_some((stream, len, flags & FIN != 0))
+}
+
 /// The bytes `buf` lacks of the frame it begins with (0 before its header
 /// is whole).
 pub fn missing(buf: &[u8]) -> usize {
