@@ -380,9 +380,9 @@ async fn a_peer_that_breaks_the_protocol_is_dropped() {
 }
 
 /// Pings are answered; credit is granted as the reader consumes, in
-/// frames of half the window, not one per read.
+/// frames of a quarter of the window, not one per read.
 #[tokio::test(start_paused = true)]
-async fn pings_are_answered_and_credit_comes_in_halves() {
+async fn pings_are_answered_and_credit_comes_in_quarters() {
     within(async {
         let (mut raw, b): (DuplexStream, DuplexStream) = tokio::io::duplex(1 << 20);
         let (_h, mut incoming, conn) = new(b, Side::Agent, SMALL);
@@ -399,7 +399,7 @@ async fn pings_are_answered_and_credit_comes_in_halves() {
         }
         let mut got = BytesMut::new();
         let mut frames = Vec::new();
-        while frames.len() < 2 {
+        while frames.len() < 3 {
             raw.read_buf(&mut got).await.unwrap();
             while let Some(f) = Frame::decode(&mut got).unwrap() {
                 frames.push(f);
@@ -407,8 +407,12 @@ async fn pings_are_answered_and_credit_comes_in_halves() {
         }
         assert_eq!(
             frames,
-            vec![Frame::Ping { ack: true, opaque: 42 }, Frame::Credit { stream: 1, bytes: 33_000 }],
-            "one credit frame once half the window was read"
+            vec![
+                Frame::Ping { ack: true, opaque: 42 },
+                Frame::Credit { stream: 1, bytes: 17_000 },
+                Frame::Credit { stream: 1, bytes: 17_000 }
+            ],
+            "a credit frame each time a quarter of the window was read"
         );
         assert!(stalls(raw.read_buf(&mut got)).await, "and no other frame");
         let _ = frame::HEADER;
