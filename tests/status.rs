@@ -127,7 +127,7 @@ async fn the_admin_port_serves_the_document_the_page_and_live_events() {
     assert_eq!(alpha["agentsConnected"], 1);
     let agent = &alpha["agents"][0];
     assert!(agent["address"].as_str().unwrap().starts_with("127.0.0.1:"), "{agent}");
-    assert_eq!(agent["protocolVersion"], 1);
+    assert_eq!(agent["protocolVersion"], 2, "the multiplexer");
     assert_eq!(agent["protocol"], "http");
     assert!(agent["keyId"].as_str().unwrap().starts_with("tk_"));
     assert_eq!(alpha["totals"]["requests"], 3);
