@@ -214,6 +214,71 @@ async fn an_agent_of_protocol_version_1_is_still_served() {
     assert!(got == msg.as_bytes(), "the echo came back whole, then the end");
 }
 
+/// An agent meets an edge older than itself, one that speaks protocol
+/// version 1 only (a stand-in here, answering as such an edge does): it is
+/// refused with `426 version_too_new` and asks again with version 1.
+#[tokio::test]
+async fn an_agent_asks_an_older_edge_again_with_version_1() {
+    use hyper_util::rt::TokioIo;
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let pki = culvert::tls::generate_pki(&["127.0.0.1".to_string()]).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let ca_file = dir.path().join("ca.pem");
+    std::fs::write(&ca_file, &pki.ca_pem).unwrap();
+    use rustls_pki_types::pem::PemObject;
+    let certs = rustls_pki_types::CertificateDer::pem_slice_iter(pki.cert_pem.as_bytes())
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap();
+    let key = rustls_pki_types::PrivateKeyDer::from_pem_slice(pki.key_pem.as_bytes()).unwrap();
+    let tls = rustls::ServerConfig::builder().with_no_client_auth().with_single_cert(certs, key).unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(tls));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let offered = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    tokio::spawn({
+        let offered = offered.clone();
+        async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                let (acceptor, offered) = (acceptor.clone(), offered.clone());
+                tokio::spawn(async move {
+                    let Ok(tls) = acceptor.accept(tcp).await else { return };
+                    let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+                        let version = req.headers().get("culvert-protocol-version").cloned();
+                        let version = version.map(|v| v.to_str().unwrap().to_string()).unwrap_or_default();
+                        offered.lock().unwrap().push(version.clone());
+                        // What an edge of version 1 says; to version 1 itself, a key it does not know.
+                        let (status, code) =
+                            if version == "1" { (401, "unknown_key") } else { (426, "version_too_new") };
+                        let body = json!({"error": {"code": code, "message": "stand-in edge of version 1"}});
+                        async move {
+                            Ok::<_, std::convert::Infallible>(
+                                http::Response::builder()
+                                    .status(status)
+                                    .body(Full::new(Bytes::from(body.to_string())))
+                                    .unwrap(),
+                            )
+                        }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(tls), service)
+                        .await;
+                });
+            }
+        }
+    });
+    let dialer = culvert::tunnel::connect::Dialer {
+        edge: culvert::tunnel::connect::EdgeUrl::parse(&format!("https://{addr}")).unwrap(),
+        key: "culvert_t_x".into(),
+        agent_id: "t".into(),
+        tls: culvert::tls::tunnel_client_config(Some(&ca_file)).unwrap(),
+        protocol: None,
+        version: culvert::tunnel::connect::PROTOCOL_VERSION,
+    };
+    let err = dialer.connect().await.err().expect("refused");
+    assert!(err.to_string().contains("unknown_key"), "the answer to version 1 is the one kept: {err}");
+    assert_eq!(*offered.lock().unwrap(), ["2", "1"]);
+}
+
 /// A port of the edge's range that another program listens on is refused
 /// when asked for (with what to do) and skipped when any port will do.
 #[tokio::test]
