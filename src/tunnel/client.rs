@@ -81,7 +81,7 @@ pub fn multiplex<T>(io: T) -> (Sender, Connection<T>)
 where
     T: AsyncRead + AsyncWrite + Unpin,
 {
-    let (handle, incoming, conn) = mux::new(io, mux::Side::Edge, super::server::mux_config());
+    let (handle, incoming, conn) = mux::new(io, mux::Side::Edge, super::mux_config());
     // The agent opens no streams.
     drop(incoming);
     let closed = Arc::new(AtomicBool::new(false));

@@ -89,6 +89,13 @@ impl Wire {
     }
 }
 
+/// The multiplexer's settings on a tunnel connection (protocol version 2),
+/// both ends: h2's stream window, and as many streams.
+pub(crate) fn mux_config() -> mux::Config {
+    use crate::constants::{H2_MAX_STREAMS, H2_STREAM_WINDOW};
+    mux::Config { window: H2_STREAM_WINDOW, max_streams: H2_MAX_STREAMS as usize }
+}
+
 /// What a tunnelled stream is, from the `culvert-stream` header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StreamKind {

@@ -109,32 +109,11 @@ async fn answer<F>(response: F, mut respond: SendResponse<Bytes>)
 where
     F: Future<Output = Response<BoxBody>>,
 {
-    let mut response = pin!(response);
-    let response = std::future::poll_fn(|cx| {
-        if let Poll::Ready(r) = response.as_mut().poll(cx) {
-            return Poll::Ready(Some(r));
-        }
-        match respond.poll_reset(cx) {
-            Poll::Ready(_) => Poll::Ready(None),
-            Poll::Pending => Poll::Pending,
-        }
-    })
-    .await;
-    let Some(response) = response else {
+    let Some(response) = response_or_reset(response, |cx| respond.poll_reset(cx).map(|_| ())).await else {
         return debug!("stream reset before its response");
     };
     let (mut head, body) = response.into_parts();
-    // What HTTP/2 forbids in a head (h2 refuses to send one with a
-    // connection-specific header): one pass over the names finds nothing in
-    // the heads the forwarding path cleaned already.
-    crate::http::strip_hop_by_hop(&mut head.headers);
-    let eos = body.is_end_stream();
-    if !eos
-        && let Some(len) = body.size_hint().exact()
-        && !head.headers.contains_key(header::CONTENT_LENGTH)
-    {
-        head.headers.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
-    }
+    let eos = ready_head(&mut head, &body);
     let tx = match respond.send_response(Response::from_parts(head, ()), eos) {
         Ok(tx) => tx,
         Err(e) => {
@@ -145,6 +124,43 @@ where
     if !eos && let Err(e) = Pipe::new(body, tx).await {
         debug!(error = %e, "response body to the tunnel ended");
     }
+}
+
+/// The stream's response, or `None` when the edge resets the stream first
+/// (its public client went away): the response's future is dropped then,
+/// whatever it was waiting for.
+async fn response_or_reset<F>(
+    response: F,
+    mut reset: impl FnMut(&mut std::task::Context<'_>) -> Poll<()>,
+) -> Option<Response<BoxBody>>
+where
+    F: Future<Output = Response<BoxBody>>,
+{
+    let mut response = pin!(response);
+    std::future::poll_fn(|cx| {
+        if let Poll::Ready(r) = response.as_mut().poll(cx) {
+            return Poll::Ready(Some(r));
+        }
+        reset(cx).map(|()| None)
+    })
+    .await
+}
+
+/// Makes a response head ready to send on either wire and says whether the
+/// body is already over: what HTTP/2 forbids in a head is stripped (h2
+/// refuses to send one with a connection-specific header; one pass over the
+/// names finds nothing in the heads the forwarding path cleaned already; the
+/// multiplexer's heads are the same), a body of known length says it.
+fn ready_head(head: &mut http::response::Parts, body: &BoxBody) -> bool {
+    crate::http::strip_hop_by_hop(&mut head.headers);
+    let eos = body.is_end_stream();
+    if !eos
+        && let Some(len) = body.size_hint().exact()
+        && !head.headers.contains_key(header::CONTENT_LENGTH)
+    {
+        head.headers.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
+    }
+    eos
 }
 
 /// Serves a tunnel connection's wire, the agent's end: [`serve`] or
@@ -166,12 +182,6 @@ where
     }
 }
 
-/// The multiplexer's settings on a tunnel connection (protocol version 2),
-/// both ends: h2's stream window, and as many streams.
-pub(crate) fn mux_config() -> mux::Config {
-    mux::Config { window: H2_STREAM_WINDOW, max_streams: H2_MAX_STREAMS as usize }
-}
-
 /// [`serve`] on the multiplexer ([`super::mux`], protocol version 2): each
 /// stream the edge opens is a request whose head is the stream's `Open`
 /// ([`super::head`]), answered by `service` in a task of its own. When `stop`
@@ -187,7 +197,7 @@ where
     S: FnMut(Request<RecvBody>) -> F,
     F: Future<Output = Response<BoxBody>> + Send + 'static,
 {
-    let (handle, incoming, conn) = mux::new(io, mux::Side::Agent, mux_config());
+    let (handle, incoming, conn) = mux::new(io, mux::Side::Agent, super::mux_config());
     let mut conn = pin!(conn);
     let mut stop = pin!(stop);
     let (mut handle, mut incoming) = (Some(handle), Some(incoming));
@@ -241,27 +251,11 @@ async fn answer_mux<F>(response: F, mut stream: mux::Stream)
 where
     F: Future<Output = Response<BoxBody>>,
 {
-    let mut response = pin!(response);
-    let response = std::future::poll_fn(|cx| {
-        if let Poll::Ready(r) = response.as_mut().poll(cx) {
-            return Poll::Ready(Some(r));
-        }
-        stream.poll_reset(cx).map(|_| None)
-    })
-    .await;
-    let Some(response) = response else {
+    let Some(response) = response_or_reset(response, |cx| stream.poll_reset(cx).map(|_| ())).await else {
         return debug!("stream reset before its response");
     };
     let (mut head, body) = response.into_parts();
-    // As on h2: the heads do not differ by the wire they crossed.
-    crate::http::strip_hop_by_hop(&mut head.headers);
-    let eos = body.is_end_stream();
-    if !eos
-        && let Some(len) = body.size_hint().exact()
-        && !head.headers.contains_key(header::CONTENT_LENGTH)
-    {
-        head.headers.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
-    }
+    let eos = ready_head(&mut head, &body);
     let block = super::head::encode_response(&head);
     if let Err(e) = stream.send_head(block, eos).await {
         debug!(error = %e, "sending a response head failed");

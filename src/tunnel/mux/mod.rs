@@ -734,13 +734,10 @@ impl Stream {
     /// tasks; the stream ends (see [`Drop`]) when both are dropped.
     pub fn split(self) -> (Stream, Stream) {
         let mut s = lock(&self.shared);
-        let Some(slot) = s.streams.get_mut(&self.id) else {
-            drop(s);
-            let other = Stream { id: self.id, header: Bytes::new(), shared: self.shared.clone() };
-            lock(&self.shared).users += 1;
-            return (self, other);
-        };
-        slot.handles += 1;
+        // A stream already gone stays gone for both (its `Drop` counts no handle).
+        if let Some(slot) = s.streams.get_mut(&self.id) {
+            slot.handles += 1;
+        }
         s.users += 1;
         drop(s);
         let other = Stream { id: self.id, header: Bytes::new(), shared: self.shared.clone() };
