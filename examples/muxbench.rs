@@ -47,12 +47,43 @@ async fn sockets() -> (TcpStream, TcpStream) {
     (a, b)
 }
 
-async fn run_mux() {
+/// Both ends of a multiplexed connection over `sockets()`, driven: the
+/// edge's handle and the agent's incoming streams.
+async fn mux_ends() -> (mux::Handle, mux::Incoming) {
     let (a, b) = sockets().await;
-    let (edge, _ei, c1) = mux::new(a, mux::Side::Edge, mux::Config::default());
-    let (_ah, mut agent, c2) = mux::new(b, mux::Side::Agent, mux::Config::default());
+    let (edge, _, c1) = mux::new(a, mux::Side::Edge, mux::Config::default());
+    let (_, agent, c2) = mux::new(b, mux::Side::Agent, mux::Config::default());
     tokio::spawn(c1);
     tokio::spawn(c2);
+    (edge, agent)
+}
+
+/// The request of the request/response modes (`with_host`: as HTTP/1 sends
+/// it, the authority in `host`).
+fn request(with_host: bool) -> http::request::Builder {
+    let b = if with_host {
+        Request::post("/index.html").header("host", "app.example.com")
+    } else {
+        Request::post("https://app.example.com/index.html")
+    };
+    b.header("user-agent", "wrk")
+        .header("x-forwarded-for", "127.0.0.1")
+        .header("x-forwarded-proto", "https")
+        .header("x-forwarded-host", "app.example.com")
+}
+
+/// The answer of the request/response modes: 500 bytes after this head.
+fn answer() -> http::response::Builder {
+    Response::builder()
+        .header("content-type", "text/html")
+        .header("server", "nginx")
+        .header("date", "Sat, 05 Dec 2026 22:00:00 GMT")
+}
+
+static ANSWER: [u8; 500] = [b'r'; 500];
+
+async fn run_mux() {
+    let (edge, mut agent) = mux_ends().await;
     let mut s = edge.open(Bytes::new()).unwrap();
     let copy = std::env::args().any(|a| a == "--copy");
     let w = tokio::spawn(async move {
@@ -134,11 +165,7 @@ const CONC: usize = 50;
 /// Request/response: a stream per request, 50 at once; the request a
 /// 300-byte head, the response a 500-byte one (HTTP/1.1 bytes).
 async fn rr_mux() {
-    let (a, b) = sockets().await;
-    let (edge, _ei, c1) = mux::new(a, mux::Side::Edge, mux::Config::default());
-    let (_ah, mut agent, c2) = mux::new(b, mux::Side::Agent, mux::Config::default());
-    tokio::spawn(c1);
-    tokio::spawn(c2);
+    let (edge, mut agent) = mux_ends().await;
     tokio::spawn(async move {
         while let Some(mut s) = agent.accept().await {
             tokio::spawn(async move {
@@ -171,15 +198,9 @@ async fn rr_mux() {
 /// The same through the tunnel's HTTP/2 ends: a head of a few fields, the
 /// body as DATA.
 async fn rr_h2() {
-    static ANSWER: [u8; 500] = [b'r'; 500];
     let sender = h2_ends(|req: Request<RecvBody>| async move {
         drain(req.into_body()).await;
-        Response::builder()
-            .header("content-type", "text/html")
-            .header("server", "nginx")
-            .header("date", "Sat, 05 Dec 2026 22:00:00 GMT")
-            .body(full(&ANSWER))
-            .unwrap()
+        answer().body(full(&ANSWER)).unwrap()
     })
     .await;
     let sender = std::sync::Arc::new(sender);
@@ -188,14 +209,7 @@ async fn rr_h2() {
         let sender = sender.clone();
         tasks.push(tokio::spawn(async move {
             for _ in 0..RR / CONC {
-                let req = Request::post("https://app.example.com/index.html")
-                    .header("user-agent", "wrk")
-                    .header("x-forwarded-for", "127.0.0.1")
-                    .header("x-forwarded-proto", "https")
-                    .header("x-forwarded-host", "app.example.com")
-                    .header("culvert-stream", "http")
-                    .body(full(&[b'q'; 100]))
-                    .unwrap();
+                let req = request(false).header("culvert-stream", "http").body(full(&[b'q'; 100])).unwrap();
                 let resp = sender.send(req).await.unwrap();
                 assert_eq!(drain(resp.into_body()).await, 500);
             }
@@ -212,21 +226,12 @@ async fn rr_h2() {
 /// before any hand-written parsing.
 async fn rr_h1() {
     use hyper_util::rt::TokioIo;
-    static ANSWER: [u8; 500] = [b'r'; 500];
-    let (a, b) = sockets().await;
-    let (edge, _ei, c1) = mux::new(a, mux::Side::Edge, mux::Config::default());
-    let (_ah, mut agent, c2) = mux::new(b, mux::Side::Agent, mux::Config::default());
-    tokio::spawn(c1);
-    tokio::spawn(c2);
+    let (edge, mut agent) = mux_ends().await;
     tokio::spawn(async move {
         while let Some(s) = agent.accept().await {
             let service = hyper::service::service_fn(|req: Request<hyper::body::Incoming>| async move {
                 drain(req.into_body()).await;
-                Response::builder()
-                    .header("content-type", "text/html")
-                    .header("server", "nginx")
-                    .header("date", "Sat, 05 Dec 2026 22:00:00 GMT")
-                    .body(full(&ANSWER))
+                answer().body(full(&ANSWER))
             });
             tokio::spawn(
                 hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(s), service),
@@ -240,14 +245,7 @@ async fn rr_h1() {
             let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(s)).await.unwrap();
             tokio::spawn(conn);
             for _ in 0..RR / CONC {
-                let req = Request::post("/index.html")
-                    .header("host", "app.example.com")
-                    .header("user-agent", "wrk")
-                    .header("x-forwarded-for", "127.0.0.1")
-                    .header("x-forwarded-proto", "https")
-                    .header("x-forwarded-host", "app.example.com")
-                    .body(full(&[b'q'; 100]))
-                    .unwrap();
+                let req = request(true).body(full(&[b'q'; 100])).unwrap();
                 sender.ready().await.unwrap();
                 let resp = sender.send_request(req).await.unwrap();
                 assert_eq!(drain(resp.into_body()).await, 500);
@@ -259,35 +257,25 @@ async fn rr_h1() {
     }
 }
 
-/// HTTP on the mux the way h2 carries it now, a stream per request: the
-/// request head as HTTP/1.1 text in the stream's `Open` (parsed into an
-/// `http::Request` by httparse at the agent), the response head as the first
-/// bytes back (parsed at the edge), the bodies as the stream's bytes.
+/// HTTP on the mux as protocol version 2 carries it, a stream per request:
+/// the request head as HTTP/1.1 text in the stream's `Open`, the response
+/// head in a `Head` frame (both by `tunnel::head`, parsed into `http` parts
+/// by httparse), the bodies as the stream's bytes.
 async fn rr_head() {
-    static ANSWER: [u8; 500] = [b'r'; 500];
-    let (a, b) = sockets().await;
-    let (edge, _ei, c1) = mux::new(a, mux::Side::Edge, mux::Config::default());
-    let (_ah, mut agent, c2) = mux::new(b, mux::Side::Agent, mux::Config::default());
-    tokio::spawn(c1);
-    tokio::spawn(c2);
+    use culvert::tunnel::head;
+    let (edge, mut agent) = mux_ends().await;
     tokio::spawn(async move {
         while let Some(mut s) = agent.accept().await {
             tokio::spawn(async move {
-                let req = parse_request(s.header());
-                assert_eq!(req.uri().path(), "/index.html");
+                let req = head::decode_request(s.header()).unwrap();
+                assert_eq!(req.uri.path(), "/index.html");
                 let mut n = 0;
                 while let Some(b) = s.recv().await.unwrap() {
                     n += b.len();
                 }
                 assert_eq!(n, 100);
-                let resp = Response::builder()
-                    .header("content-type", "text/html")
-                    .header("server", "nginx")
-                    .header("date", "Sat, 05 Dec 2026 22:00:00 GMT")
-                    .header("content-length", "500")
-                    .body(())
-                    .unwrap();
-                s.send(encode_response(&resp)).await.unwrap();
+                let (resp, ()) = answer().header("content-length", "500").body(()).unwrap().into_parts();
+                s.send_head(head::encode_response(&resp), false).await.unwrap();
                 s.send(Bytes::from_static(&ANSWER)).await.unwrap();
                 s.shutdown().await.unwrap();
             });
@@ -298,29 +286,13 @@ async fn rr_head() {
         let edge = edge.clone();
         tasks.push(tokio::spawn(async move {
             for _ in 0..RR / CONC {
-                let req = Request::post("/index.html")
-                    .header("host", "app.example.com")
-                    .header("user-agent", "wrk")
-                    .header("x-forwarded-for", "127.0.0.1")
-                    .header("x-forwarded-proto", "https")
-                    .header("x-forwarded-host", "app.example.com")
-                    .header("content-length", "100")
-                    .body(())
-                    .unwrap();
-                let mut s = edge.open(encode_request(&req)).unwrap();
+                let (req, ()) = request(false).header("content-length", "100").body(()).unwrap().into_parts();
+                let mut s = edge.open(head::encode_request(&req)).unwrap();
                 s.send(Bytes::from_static(&[b'q'; 100])).await.unwrap();
                 s.shutdown().await.unwrap();
-                let head = s.recv().await.unwrap().unwrap();
-                let mut headers = [httparse::EMPTY_HEADER; 32];
-                let mut r = httparse::Response::new(&mut headers);
-                let httparse::Status::Complete(len) = r.parse(&head).unwrap() else { panic!("partial head") };
-                let mut resp = Response::builder().status(r.code.unwrap());
-                for h in r.headers.iter() {
-                    resp = resp.header(h.name, h.value);
-                }
-                let resp = resp.body(()).unwrap();
-                assert_eq!(resp.headers().len(), 4);
-                let mut n = head.len() - len;
+                let Some(mux::Chunk::Head(block)) = s.recv_chunk().await.unwrap() else { panic!("no head") };
+                assert_eq!(head::decode_response(&block).unwrap().headers.len(), 4);
+                let mut n = 0;
                 while let Some(b) = s.recv().await.unwrap() {
                     n += b.len();
                 }
@@ -331,46 +303,6 @@ async fn rr_head() {
     for t in tasks {
         t.await.unwrap();
     }
-}
-
-fn encode_request(req: &Request<()>) -> Bytes {
-    let mut b = Vec::with_capacity(256);
-    b.extend_from_slice(req.method().as_str().as_bytes());
-    b.push(b' ');
-    b.extend_from_slice(req.uri().to_string().as_bytes());
-    b.extend_from_slice(b" HTTP/1.1\r\n");
-    encode_headers(&mut b, req.headers());
-    b.into()
-}
-
-fn encode_response(resp: &Response<()>) -> Bytes {
-    let mut b = Vec::with_capacity(256);
-    b.extend_from_slice(b"HTTP/1.1 ");
-    b.extend_from_slice(resp.status().as_str().as_bytes());
-    b.extend_from_slice(b" \r\n");
-    encode_headers(&mut b, resp.headers());
-    b.into()
-}
-
-fn encode_headers(b: &mut Vec<u8>, headers: &http::HeaderMap) {
-    for (name, value) in headers {
-        b.extend_from_slice(name.as_str().as_bytes());
-        b.extend_from_slice(b": ");
-        b.extend_from_slice(value.as_bytes());
-        b.extend_from_slice(b"\r\n");
-    }
-    b.extend_from_slice(b"\r\n");
-}
-
-fn parse_request(head: &Bytes) -> Request<()> {
-    let mut headers = [httparse::EMPTY_HEADER; 64];
-    let mut r = httparse::Request::new(&mut headers);
-    assert!(r.parse(head).unwrap().is_complete());
-    let mut req = Request::builder().method(r.method.unwrap()).uri(r.path.unwrap());
-    for h in r.headers.iter() {
-        req = req.header(h.name, h.value);
-    }
-    req.body(()).unwrap()
 }
 
 fn main() {
