@@ -250,15 +250,9 @@ async fn an_agent_that_stops_reading_cannot_make_the_edge_buffer_uploads_without
     // The agent: a real handshake, then an HTTP/2 server with the largest
     // windows that answers upgrades with 101 and stops reading once every
     // stream arrived.
-    let dialer = culvert::tunnel::connect::Dialer {
-        edge: culvert::tunnel::connect::EdgeUrl::parse(&edge.url()).unwrap(),
-        key: key.clone(),
-        agent_id: "greedy".into(),
-        tls: culvert::tls::tunnel_client_config(Some(&edge.ca_file)).unwrap(),
-        protocol: None,
-        // This agent speaks HTTP/2 (protocol version 1), whose windows it sets.
-        version: 1,
-    };
+    // This agent speaks HTTP/2 (protocol version 1), whose windows it sets.
+    let dialer =
+        culvert::tunnel::connect::Dialer { agent_id: "greedy".into(), version: 1, ..edge.dialer(&key) };
     let connected = dialer.connect().await.expect("tunnel handshake");
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let arrived = Arc::new(AtomicUsize::new(0));

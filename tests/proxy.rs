@@ -88,14 +88,7 @@ async fn agent_reaches_the_edge_only_through_an_http_proxy() {
     // Wrong credentials: the agent says the proxy wants authentication.
     // SAFETY: this test binary has one test; nothing else reads the environment concurrently.
     unsafe { std::env::set_var("HTTPS_PROXY", format!("http://culvert:wrong@127.0.0.1:{port}")) };
-    let dialer = culvert::tunnel::connect::Dialer {
-        edge: culvert::tunnel::connect::EdgeUrl::parse(&edge.url()).unwrap(),
-        key: key.clone(),
-        agent_id: "t".into(),
-        tls: culvert::tls::tunnel_client_config(Some(&edge.ca_file)).unwrap(),
-        protocol: None,
-        version: culvert::tunnel::connect::PROTOCOL_VERSION,
-    };
+    let dialer = edge.dialer(&key);
     let err = dialer.connect().await.err().expect("refused by the proxy");
     assert!(err.to_string().contains("proxy"), "{err}");
 

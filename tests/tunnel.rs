@@ -175,14 +175,7 @@ async fn an_agent_of_protocol_version_1_is_still_served() {
     let edge = TestEdge::start().await;
     let (host, key) = edge.http_tunnel_key("old").await;
     for (version, wire) in [(1, Wire::H2), (2, Wire::Mux)] {
-        let dialer = culvert::tunnel::connect::Dialer {
-            edge: culvert::tunnel::connect::EdgeUrl::parse(&edge.url()).unwrap(),
-            key: key.clone(),
-            agent_id: "t".into(),
-            tls: culvert::tls::tunnel_client_config(Some(&edge.ca_file)).unwrap(),
-            protocol: None,
-            version,
-        };
+        let dialer = culvert::tunnel::connect::Dialer { version, ..edge.dialer(&key) };
         assert_eq!(dialer.connect().await.unwrap().wire, wire, "version {version}");
     }
     let backend = net::http_backend().await;
@@ -266,14 +259,7 @@ async fn an_agent_asks_an_older_edge_again_with_version_1() {
             }
         }
     });
-    let dialer = culvert::tunnel::connect::Dialer {
-        edge: culvert::tunnel::connect::EdgeUrl::parse(&format!("https://{addr}")).unwrap(),
-        key: "culvert_t_x".into(),
-        agent_id: "t".into(),
-        tls: culvert::tls::tunnel_client_config(Some(&ca_file)).unwrap(),
-        protocol: None,
-        version: culvert::tunnel::connect::PROTOCOL_VERSION,
-    };
+    let dialer = net::dialer(&format!("https://{addr}"), &ca_file, "culvert_t_x");
     let err = dialer.connect().await.err().expect("refused");
     assert!(err.to_string().contains("unknown_key"), "the answer to version 1 is the one kept: {err}");
     assert_eq!(*offered.lock().unwrap(), ["2", "1"]);
@@ -720,14 +706,8 @@ async fn an_agent_of_the_wrong_protocol_and_agents_over_the_limit_are_refused() 
     let edge = TestEdge::start().await;
     let (_host, key) = edge.http_tunnel_key("limits").await;
     // `culvert tcp` with a key made for http.
-    let dialer = culvert::tunnel::connect::Dialer {
-        edge: culvert::tunnel::connect::EdgeUrl::parse(&edge.url()).unwrap(),
-        key: key.clone(),
-        agent_id: "t".into(),
-        tls: culvert::tls::tunnel_client_config(Some(&edge.ca_file)).unwrap(),
-        protocol: Some(culvert::api::Protocol::Tcp),
-        version: culvert::tunnel::connect::PROTOCOL_VERSION,
-    };
+    let dialer =
+        culvert::tunnel::connect::Dialer { protocol: Some(culvert::api::Protocol::Tcp), ..edge.dialer(&key) };
     let err = dialer.connect().await.err().expect("refused");
     assert!(err.is_permanent() && err.to_string().contains("culvert http"), "{err}");
 

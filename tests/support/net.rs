@@ -151,6 +151,11 @@ impl TestEdge {
         &self.handle.as_ref().unwrap().edge
     }
 
+    /// [`dialer`] to this edge.
+    pub fn dialer(&self, key: &str) -> Dialer {
+        dialer(&self.url(), &self.ca_file, key)
+    }
+
     pub fn url(&self) -> String {
         format!("https://127.0.0.1:{}", self.https.port())
     }
@@ -360,14 +365,7 @@ impl TestAgent {
         stop_on_permanent: bool,
         version: u32,
     ) -> (TestAgent, Arc<tokio::sync::Notify>) {
-        let dialer = Dialer {
-            edge: EdgeUrl::parse(url).unwrap(),
-            key: key.into(),
-            agent_id: agent::agent_id(),
-            tls: culvert::tls::tunnel_client_config(Some(ca_file)).unwrap(),
-            protocol: None,
-            version,
-        };
+        let dialer = Dialer { agent_id: agent::agent_id(), version, ..dialer(url, ca_file, key) };
         let ready = Arc::new(tokio::sync::Notify::new());
         let r = ready.clone();
         let on_ready: OnReady = Arc::new(move |_| r.notify_one());
@@ -385,6 +383,19 @@ impl TestAgent {
     pub async fn stop(self) {
         self.shutdown.cancel();
         let _ = self.task.await;
+    }
+}
+
+/// Settings of a tunnel connection to the edge at `url` trusting `ca_file`,
+/// with `key`: no protocol asked, the current protocol version.
+pub fn dialer(url: &str, ca_file: &Path, key: &str) -> Dialer {
+    Dialer {
+        edge: EdgeUrl::parse(url).unwrap(),
+        key: key.into(),
+        agent_id: "t".into(),
+        tls: culvert::tls::tunnel_client_config(Some(ca_file)).unwrap(),
+        protocol: None,
+        version: culvert::tunnel::connect::PROTOCOL_VERSION,
     }
 }
 
