@@ -1,6 +1,7 @@
 //! Streaming bodies between sockets and HTTP/2 streams, without buffering
 //! more than one chunk.
 
+use std::collections::VecDeque;
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
@@ -306,7 +307,9 @@ where
 }
 
 /// Writes every data frame of `body` to `writer`, then shuts the writer down
-/// (half-close). Returns the bytes written.
+/// (half-close). Returns the bytes written. The frames ready at once are
+/// written together, in one vectored write ([`COPY_BATCH`] at most): a
+/// stream that arrives in pieces leaves in writes as large as the backlog.
 pub async fn copy_body<B, W>(mut body: B, mut writer: W) -> io::Result<u64>
 where
     B: Body<Data = Bytes> + Unpin,
@@ -314,16 +317,63 @@ where
     W: AsyncWrite + Unpin,
 {
     let mut total = 0u64;
-    while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| io::Error::other(e.into()))?;
-        if let Ok(data) = frame.into_data() {
-            total += data.len() as u64;
-            writer.write_all(&data).await?;
-            writer.flush().await?;
+    let mut batch = VecDeque::new();
+    let mut end = false;
+    while !end {
+        // Wait for one frame, then take those already there.
+        let mut next = body.frame().await;
+        let mut len = 0;
+        loop {
+            match next {
+                None => end = true,
+                Some(frame) => {
+                    let frame = frame.map_err(|e| io::Error::other(e.into()))?;
+                    if let Ok(data) = frame.into_data()
+                        && !data.is_empty()
+                    {
+                        len += data.len();
+                        batch.push_back(data);
+                    }
+                    if len < COPY_BATCH && batch.len() < COPY_SLICES {
+                        let ready =
+                            std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut body).poll_frame(cx)));
+                        if let Poll::Ready(frame) = ready.await {
+                            next = frame;
+                            continue;
+                        }
+                    }
+                }
+            }
+            break;
         }
+        total += len as u64;
+        write_all_slices(&mut writer, &mut batch).await?;
+        writer.flush().await?;
     }
     writer.shutdown().await?;
     Ok(total)
+}
+
+/// Most bytes [`copy_body`] gathers into one write.
+const COPY_BATCH: usize = 256 * 1024;
+/// Most frames [`copy_body`] gathers into one write.
+const COPY_SLICES: usize = 64;
+
+/// Writes `bufs` whole, vectored, emptying it.
+async fn write_all_slices<W: AsyncWrite + Unpin>(
+    writer: &mut W,
+    bufs: &mut VecDeque<Bytes>,
+) -> io::Result<()> {
+    while !bufs.is_empty() {
+        let mut slices = [io::IoSlice::new(&[]); COPY_SLICES];
+        let n = super::io_slices(bufs, &mut slices);
+        let written = writer.write_vectored(&slices[..n]).await?;
+        if written == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        super::advance(bufs, written);
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -384,5 +434,73 @@ mod tests {
         assert_eq!(largest_chunk(&mut b, &mut wb).await, LARGE_READ);
         drop(b);
         assert_eq!(large.held.load(Ordering::Relaxed), 0);
+    }
+
+    /// Records the bytes of each write; takes at most `max` per write.
+    #[derive(Default)]
+    struct Writes {
+        sizes: Vec<usize>,
+        bytes: Vec<u8>,
+        max: usize,
+        shut: bool,
+    }
+
+    impl AsyncWrite for Writes {
+        fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+            self.poll_write_vectored(cx, &[io::IoSlice::new(buf)])
+        }
+
+        fn poll_write_vectored(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            bufs: &[io::IoSlice<'_>],
+        ) -> Poll<io::Result<usize>> {
+            let this = self.get_mut();
+            let mut n = 0;
+            for b in bufs {
+                let take = b.len().min(this.max - n);
+                this.bytes.extend_from_slice(&b[..take]);
+                n += take;
+            }
+            this.sizes.push(n);
+            Poll::Ready(Ok(n))
+        }
+
+        fn is_write_vectored(&self) -> bool {
+            true
+        }
+
+        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            self.get_mut().shut = true;
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    #[tokio::test]
+    async fn copy_body_writes_the_frames_ready_together() {
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, io::Error>>(16);
+        let body = http_body_util::StreamBody::new(tokio_stream_of(rx));
+        for i in 0..5u8 {
+            tx.send(Ok(Frame::data(Bytes::from(vec![i; 1000])))).await.unwrap();
+        }
+        drop(tx);
+        let mut writes = Writes { max: 2500, ..Writes::default() };
+        let n = copy_body(body, &mut writes).await.unwrap();
+        assert_eq!(n, 5000);
+        // The five frames there at once: one batch, in writes as large as
+        // the writer takes, not one write each.
+        assert_eq!(writes.sizes, [2500, 2500]);
+        let want: Vec<u8> = (0..5u8).flat_map(|i| vec![i; 1000]).collect();
+        assert_eq!(writes.bytes, want);
+        assert!(writes.shut);
+    }
+
+    /// A stream of what `rx` receives.
+    fn tokio_stream_of<T>(mut rx: tokio::sync::mpsc::Receiver<T>) -> impl futures_util::Stream<Item = T> {
+        futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx))
     }
 }

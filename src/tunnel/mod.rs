@@ -96,6 +96,29 @@ pub(crate) fn mux_config() -> mux::Config {
     mux::Config { window: H2_STREAM_WINDOW, max_streams: H2_MAX_STREAMS as usize }
 }
 
+/// Points `slices` at the first buffers of `bufs`, for a vectored write;
+/// how many it took.
+pub(crate) fn io_slices<'a>(
+    bufs: &'a std::collections::VecDeque<bytes::Bytes>,
+    slices: &mut [std::io::IoSlice<'a>],
+) -> usize {
+    slices.iter_mut().zip(bufs).map(|(slice, b)| *slice = std::io::IoSlice::new(b)).count()
+}
+
+/// Drops the first `n` bytes of `bufs`: what a vectored write took.
+pub(crate) fn advance(bufs: &mut std::collections::VecDeque<bytes::Bytes>, mut n: usize) {
+    use bytes::Buf;
+    while n > 0 {
+        let front = bufs.front_mut().expect("wrote what was there");
+        let k = front.len().min(n);
+        front.advance(k);
+        n -= k;
+        if front.is_empty() {
+            bufs.pop_front();
+        }
+    }
+}
+
 /// What a tunnelled stream is, from the `culvert-stream` header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StreamKind {
