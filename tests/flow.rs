@@ -240,6 +240,101 @@ impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for StopReading<S> 
 /// upgraded stream, with no overall limit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_that_stops_reading_cannot_make_the_edge_buffer_uploads_without_bound() {
+    greedy_agent_cannot_make_the_edge_buffer_uploads_without_bound(1).await;
+}
+
+/// The same on the multiplexer (protocol version 2): the agent grants each
+/// stream 2 GiB of `Credit` and stops reading.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_that_grants_huge_credit_and_stops_reading_cannot_make_the_edge_buffer_uploads() {
+    greedy_agent_cannot_make_the_edge_buffer_uploads_without_bound(2).await;
+}
+
+/// The largest credit a greedy agent grants: h2's largest window.
+const GREEDY: u32 = (1 << 31) - 1;
+
+/// Serves the streams of `io` as a greedy agent of protocol version 1: an
+/// HTTP/2 server with the largest windows that answers upgrades with 101
+/// and stops reading (sets `stop`) once `total` streams arrived (`all_in`).
+fn greedy_h2_agent<S>(io: StopReading<S>, total: usize, all_in: Arc<tokio::sync::Notify>)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+{
+    let (stop, arrived) = (io.stop.clone(), Arc::new(AtomicUsize::new(0)));
+    let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+        let upgrade = req.headers().get("culvert-stream").is_some_and(|v| v == "upgrade");
+        if arrived.fetch_add(1, Ordering::SeqCst) + 1 == total {
+            stop.store(true, Ordering::SeqCst);
+            all_in.notify_one();
+        }
+        async move {
+            let _body = req.into_body();
+            if !upgrade {
+                std::future::pending::<()>().await;
+            }
+            let never = http_body_util::StreamBody::new(futures_util::stream::pending::<
+                Result<hyper::body::Frame<Bytes>, std::convert::Infallible>,
+            >());
+            let resp = http::Response::builder().header("culvert-status", "101").body(never).unwrap();
+            Ok::<_, std::convert::Infallible>(resp)
+        }
+    });
+    tokio::spawn(
+        hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+            .initial_stream_window_size(GREEDY)
+            .initial_connection_window_size(GREEDY)
+            .max_concurrent_streams(10_000)
+            .serve_connection(TokioIo::new(io), service),
+    );
+}
+
+/// The same as [`greedy_h2_agent`] on the multiplexer (protocol version 2),
+/// in raw frames: each stream the edge opens gets [`GREEDY`] bytes of
+/// `Credit`, and an upgrade its 101 head.
+fn greedy_mux_agent<S>(io: StopReading<S>, total: usize, all_in: Arc<tokio::sync::Notify>)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+{
+    use culvert::tunnel::{head, mux::frame::Frame};
+    let stop = io.stop.clone();
+    let (mut rd, mut wr) = tokio::io::split(io);
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Frame>();
+    tokio::spawn(async move {
+        let (mut buf, mut arrived) = (bytes::BytesMut::new(), 0);
+        while rd.read_buf(&mut buf).await.is_ok_and(|n| n > 0) {
+            while let Some(frame) = Frame::decode(&mut buf).expect("the edge speaks the protocol") {
+                let Frame::Open { stream, header, .. } = frame else { continue };
+                let req = head::decode_request(&header).expect("a request head");
+                tx.send(Frame::Credit { stream, bytes: GREEDY }).unwrap();
+                if req.headers.get("culvert-stream").is_some_and(|v| v == "upgrade") {
+                    let (ok, ()) = http::Response::builder()
+                        .header("culvert-status", "101")
+                        .body(())
+                        .unwrap()
+                        .into_parts();
+                    tx.send(Frame::Head { stream, fin: false, block: head::encode_response(&ok) }).unwrap();
+                }
+                arrived += 1;
+                if arrived == total {
+                    stop.store(true, Ordering::SeqCst);
+                    all_in.notify_one();
+                }
+            }
+        }
+    });
+    tokio::spawn(async move {
+        let mut out = bytes::BytesMut::new();
+        while let Some(frame) = rx.recv().await {
+            frame.encode(&mut out);
+            if wr.write_all(&out.split()).await.is_err() {
+                return;
+            }
+        }
+        std::future::pending::<()>().await
+    });
+}
+
+async fn greedy_agent_cannot_make_the_edge_buffer_uploads_without_bound(version: u32) {
     let _serial = SERIAL.lock().await;
     const UPLOADS: usize = 100;
     const UPGRADES: usize = 300;
@@ -247,46 +342,19 @@ async fn an_agent_that_stops_reading_cannot_make_the_edge_buffer_uploads_without
     let (host, key) = edge.http_tunnel_key("app").await;
     let (bystander, _bystander) = watch::bystander(&edge, "bystander").await;
 
-    // The agent: a real handshake, then an HTTP/2 server with the largest
-    // windows that answers upgrades with 101 and stops reading once every
-    // stream arrived.
-    // This agent speaks HTTP/2 (protocol version 1), whose windows it sets.
-    let dialer =
-        culvert::tunnel::connect::Dialer { agent_id: "greedy".into(), version: 1, ..edge.dialer(&key) };
+    // The agent: a real handshake, then a server that grants the most it
+    // can, answers upgrades with 101 and stops reading once every stream
+    // arrived.
+    let dialer = culvert::tunnel::connect::Dialer { agent_id: "greedy".into(), version, ..edge.dialer(&key) };
     let connected = dialer.connect().await.expect("tunnel handshake");
+    assert_eq!(connected.wire, culvert::tunnel::Wire::of_version(version));
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let arrived = Arc::new(AtomicUsize::new(0));
     let all_in = Arc::new(tokio::sync::Notify::new());
-    let io = StopReading { inner: connected.stream, stop: stop.clone() };
-    let service = hyper::service::service_fn({
-        let (stop, arrived, all_in) = (stop.clone(), arrived.clone(), all_in.clone());
-        move |req: Request<hyper::body::Incoming>| {
-            let upgrade = req.headers().get("culvert-stream").is_some_and(|v| v == "upgrade");
-            if arrived.fetch_add(1, Ordering::SeqCst) + 1 == UPLOADS + UPGRADES {
-                stop.store(true, Ordering::SeqCst);
-                all_in.notify_one();
-            }
-            async move {
-                let _body = req.into_body();
-                if !upgrade {
-                    std::future::pending::<()>().await;
-                }
-                let never = http_body_util::StreamBody::new(futures_util::stream::pending::<
-                    Result<hyper::body::Frame<Bytes>, std::convert::Infallible>,
-                >());
-                let resp = http::Response::builder().header("culvert-status", "101").body(never).unwrap();
-                Ok::<_, std::convert::Infallible>(resp)
-            }
-        }
-    });
-    let max = (1u32 << 31) - 1;
-    tokio::spawn(
-        hyper::server::conn::http2::Builder::new(TokioExecutor::new())
-            .initial_stream_window_size(max)
-            .initial_connection_window_size(max)
-            .max_concurrent_streams(10_000)
-            .serve_connection(TokioIo::new(io), service),
-    );
+    let io = StopReading { inner: connected.stream, stop };
+    match version {
+        1 => greedy_h2_agent(io, UPLOADS + UPGRADES, all_in.clone()),
+        _ => greedy_mux_agent(io, UPLOADS + UPGRADES, all_in.clone()),
+    }
     connected.control.ready().await;
 
     // Every client connects and sends its head, then waits for `go`.
