@@ -84,7 +84,7 @@ static ANSWER: [u8; 500] = [b'r'; 500];
 
 async fn run_mux() {
     let (edge, mut agent) = mux_ends().await;
-    let mut s = edge.open(Bytes::new()).unwrap();
+    let mut s = edge.open(Bytes::new()).await.unwrap();
     let copy = std::env::args().any(|a| a == "--copy");
     let w = tokio::spawn(async move {
         let buf = Bytes::from(vec![1u8; CHUNK]);
@@ -181,7 +181,7 @@ async fn rr_mux() {
         let edge = edge.clone();
         tasks.push(tokio::spawn(async move {
             for _ in 0..RR / CONC {
-                let mut s = edge.open(Bytes::from_static(b"http")).unwrap();
+                let mut s = edge.open(Bytes::from_static(b"http")).await.unwrap();
                 s.write_all(&[b'q'; 300]).await.unwrap();
                 s.shutdown().await.unwrap();
                 let mut resp = Vec::with_capacity(512);
@@ -240,7 +240,7 @@ async fn rr_h1() {
     });
     let mut tasks = Vec::new();
     for _ in 0..CONC {
-        let s = edge.open(Bytes::from_static(b"http")).unwrap();
+        let s = edge.open(Bytes::from_static(b"http")).await.unwrap();
         tasks.push(tokio::spawn(async move {
             let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(s)).await.unwrap();
             tokio::spawn(conn);
@@ -287,7 +287,7 @@ async fn rr_head() {
         tasks.push(tokio::spawn(async move {
             for _ in 0..RR / CONC {
                 let (req, ()) = request(false).header("content-length", "100").body(()).unwrap().into_parts();
-                let mut s = edge.open(head::encode_request(&req)).unwrap();
+                let mut s = edge.open(head::encode_request(&req)).await.unwrap();
                 s.send(Bytes::from_static(&[b'q'; 100])).await.unwrap();
                 s.shutdown().await.unwrap();
                 let Some(mux::Chunk::Head(block)) = s.recv_chunk().await.unwrap() else { panic!("no head") };

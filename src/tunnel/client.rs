@@ -213,7 +213,7 @@ async fn send_mux(
     body: BoxBody,
 ) -> Result<Response<RecvBody>, SendError> {
     let eos = body.is_end_stream();
-    let stream = match handle.open_with(super::head::encode_request(&head), eos) {
+    let stream = match handle.open_with(super::head::encode_request(&head), eos).await {
         Ok(stream) => stream,
         Err(e) => {
             // A head too large goes nowhere else either.

@@ -119,6 +119,8 @@ where
         config,
         users: 2,
         peer_streams: 0,
+        own_streams: 0,
+        openers: Vec::new(),
         woken: Woken::default(),
     }));
     let connection = Connection {
@@ -153,6 +155,12 @@ struct Shared {
     users: usize,
     /// Streams the peer opened, held here.
     peer_streams: usize,
+    /// Streams opened here, held here: at most the peer's
+    /// [`Config::max_streams`] (both ends share one config), so that the
+    /// peer refuses none for being too many.
+    own_streams: usize,
+    /// [`Handle::open`]s waiting for one of those to end.
+    openers: Vec<Waker>,
     /// Woken when the lock is let go ([`Locked`]).
     woken: Woken,
 }
@@ -267,8 +275,17 @@ impl Shared {
         let slot = self.streams.remove(&id)?;
         if self.peer_opens(id) {
             self.peer_streams -= 1;
+        } else {
+            self.own_streams -= 1;
+            self.wake_openers();
         }
         Some(slot)
+    }
+
+    fn wake_openers(&mut self) {
+        for w in self.openers.drain(..) {
+            self.woken.push(w);
+        }
     }
 
     fn release(&mut self) {
@@ -284,11 +301,24 @@ impl Shared {
         }
         self.streams.values_mut().for_each(|slot| slot.wake(&mut self.woken));
         wake(&mut self.woken, &mut self.acceptor);
+        self.wake_openers();
     }
 
     fn closed_error(&self, kind: io::ErrorKind) -> io::Error {
         let why = self.closed.as_deref().unwrap_or("closed");
         io::Error::new(kind, format!("the tunnel connection ended: {why}"))
+    }
+
+    /// The peer's streams held here that the peer may still count as open:
+    /// not those it reset or that ended both ways, which the peer lets go of
+    /// as soon as its own handles drop, maybe before this side's do (the
+    /// peer then opens another one at its limit). Counted only at the limit.
+    fn peer_streams_live(&self) -> usize {
+        if self.peer_streams < self.config.max_streams {
+            return self.peer_streams;
+        }
+        let done = |slot: &Slot| slot.reset.is_some() || (slot.send_fin && slot.recv_fin);
+        self.streams.iter().filter(|&(&id, slot)| self.peer_opens(id) && !done(slot)).count()
     }
 
     /// Whether `id` is one the peer opens.
@@ -303,7 +333,7 @@ impl Shared {
                     return Err(violation(format!("stream {stream} opened out of order")));
                 }
                 self.last_peer_id = stream;
-                if !self.accepting || self.peer_streams >= self.config.max_streams {
+                if !self.accepting || self.peer_streams_live() >= self.config.max_streams {
                     self.queue(Frame::Reset { stream, code: code::REFUSED });
                     return Ok(());
                 }
@@ -338,6 +368,7 @@ impl Shared {
             Frame::Ping { ack: true, .. } => {}
             Frame::GoAway { last } => {
                 self.going_away = true;
+                self.wake_openers();
                 let side = self.side;
                 for (id, slot) in &mut self.streams {
                     // Ours that the peer did not take: refused, to be opened elsewhere.
@@ -406,33 +437,52 @@ fn lock(shared: &Mutex<Shared>) -> Locked<'_> {
 
 impl Handle {
     /// Opens a stream that carries `header` (what it is for) to the peer.
-    /// No round trip: bytes may be written at once.
-    pub fn open(&self, header: Bytes) -> io::Result<Stream> {
-        self.open_with(header, false)
+    /// No round trip: bytes may be written at once. While this side holds
+    /// [`Config::max_streams`] streams open, waits for one to end (as an
+    /// HTTP/2 client waits for the server's concurrency limit).
+    pub async fn open(&self, header: Bytes) -> io::Result<Stream> {
+        self.open_with(header, false).await
     }
 
     /// [`Handle::open`]; `fin`: nothing follows the header from this side
     /// (the stream is half-closed as it opens).
-    pub fn open_with(&self, header: Bytes, fin: bool) -> io::Result<Stream> {
+    pub async fn open_with(&self, header: Bytes, fin: bool) -> io::Result<Stream> {
         if header.len() > MAX_PAYLOAD {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "stream header over 64 KiB"));
         }
-        let mut s = lock(&self.shared);
-        if s.closed.is_some() {
-            return Err(s.closed_error(io::ErrorKind::NotConnected));
-        }
-        if s.going_away {
-            return Err(io::Error::new(io::ErrorKind::ConnectionRefused, "the peer is going away"));
-        }
-        let id = s.next_id;
-        s.next_id = id.checked_add(2).ok_or_else(|| io::Error::other("stream ids exhausted; reconnect"))?;
-        let window = s.config.window;
-        let mut slot = Slot::new(window);
-        slot.send_fin = fin;
-        s.streams.insert(id, slot);
-        s.queue(Frame::Open { stream: id, fin, header });
-        s.users += 1;
-        Ok(Stream { id, header: Bytes::new(), shared: self.shared.clone() })
+        let mut header = Some(header);
+        std::future::poll_fn(|cx| {
+            let mut s = lock(&self.shared);
+            if s.closed.is_some() {
+                return Poll::Ready(Err(s.closed_error(io::ErrorKind::NotConnected)));
+            }
+            if s.going_away {
+                return Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::ConnectionRefused,
+                    "the peer is going away",
+                )));
+            }
+            if s.own_streams >= s.config.max_streams {
+                if !s.openers.iter().any(|w| w.will_wake(cx.waker())) {
+                    s.openers.push(cx.waker().clone());
+                }
+                return Poll::Pending;
+            }
+            let id = s.next_id;
+            let Some(next) = id.checked_add(2) else {
+                return Poll::Ready(Err(io::Error::other("stream ids exhausted; reconnect")));
+            };
+            s.next_id = next;
+            let mut slot = Slot::new(s.config.window);
+            slot.send_fin = fin;
+            s.streams.insert(id, slot);
+            s.own_streams += 1;
+            let header = header.take().expect("opened once");
+            s.queue(Frame::Open { stream: id, fin, header });
+            s.users += 1;
+            Poll::Ready(Ok(Stream { id, header: Bytes::new(), shared: self.shared.clone() }))
+        })
+        .await
     }
 
     /// Takes no more streams from the peer (they are refused, to be opened

@@ -23,9 +23,14 @@ struct Pair {
 }
 
 fn pair(config: Config) -> Pair {
+    pair_of(config, config)
+}
+
+/// A pair whose ends do not agree.
+fn pair_of(edge_config: Config, agent_config: Config) -> Pair {
     let (a, b) = tokio::io::duplex(256 * 1024);
-    let (edge, edge_incoming, edge_conn) = new(a, Side::Edge, config);
-    let (agent_handle, agent, agent_conn) = new(b, Side::Agent, config);
+    let (edge, edge_incoming, edge_conn) = new(a, Side::Edge, edge_config);
+    let (agent_handle, agent, agent_conn) = new(b, Side::Agent, agent_config);
     Pair {
         edge,
         agent,
@@ -56,7 +61,7 @@ async fn stalls<F: Future>(f: F) -> bool {
 async fn a_stream_carries_bytes_both_ways_and_half_closes() {
     within(async {
         let mut p = pair(Config::default());
-        let mut out = p.edge.open(Bytes::from_static(b"tcp 127.0.0.1:80")).unwrap();
+        let mut out = p.edge.open(Bytes::from_static(b"tcp 127.0.0.1:80")).await.unwrap();
         let up = pattern(1 << 20, 1);
         let writer = tokio::spawn({
             let up = up.clone();
@@ -92,7 +97,7 @@ async fn a_stream_carries_bytes_both_ways_and_half_closes() {
 async fn send_carries_buffers_without_a_copy() {
     within(async {
         let mut p = pair(SMALL);
-        let mut s = p.edge.open(Bytes::new()).unwrap();
+        let mut s = p.edge.open(Bytes::new()).await.unwrap();
         let mut inc = p.agent.accept().await.unwrap();
         let data = Bytes::from(pattern(3 << 20, 9));
         let (sent, got) = tokio::join!(
@@ -112,7 +117,7 @@ async fn send_carries_buffers_without_a_copy() {
         );
         let () = sent;
         assert!(got == data, "the bytes arrived whole and in order");
-        let mut held = p.edge.open(Bytes::new()).unwrap();
+        let mut held = p.edge.open(Bytes::new()).await.unwrap();
         let _unread = p.agent.accept().await.unwrap();
         held.send(Bytes::from(vec![0; SMALL.window as usize])).await.unwrap();
         assert!(stalls(held.send(Bytes::from_static(b"x"))).await, "no more than the credit");
@@ -128,7 +133,7 @@ async fn interleaved_streams_keep_their_order() {
         let mut p = pair(Config::default());
         let mut writers = Vec::new();
         for i in 0..20u8 {
-            let mut s = p.edge.open(Bytes::from(vec![i])).unwrap();
+            let mut s = p.edge.open(Bytes::from(vec![i])).await.unwrap();
             writers.push(tokio::spawn(async move {
                 for chunk in pattern(200_000, i).chunks(1000 + i as usize * 37) {
                     s.write_all(chunk).await.unwrap();
@@ -165,14 +170,14 @@ async fn a_reader_that_stops_holds_back_only_its_stream() {
         let mut p = pair(SMALL);
         let mut stuck = Vec::new();
         for _ in 0..5 {
-            let mut s = p.edge.open(Bytes::new()).unwrap();
+            let mut s = p.edge.open(Bytes::new()).await.unwrap();
             let held = p.agent.accept().await.unwrap(); // never read
             // The stream's credit goes in, then its writes wait.
             s.write_all(&vec![0; SMALL.window as usize]).await.unwrap();
             assert!(stalls(s.write_all(b"one byte more")).await, "a stream writes no more than its credit");
             stuck.push((s, held));
         }
-        let mut s = p.edge.open(Bytes::new()).unwrap();
+        let mut s = p.edge.open(Bytes::new()).await.unwrap();
         let mut other = p.agent.accept().await.unwrap();
         let data = pattern(8 << 20, 3);
         let (sent, got) = tokio::join!(
@@ -212,7 +217,7 @@ async fn a_reader_that_stops_holds_back_only_its_stream() {
 async fn dropping_an_unfinished_stream_resets_it() {
     within(async {
         let mut p = pair(Config::default());
-        let mut s = p.edge.open(Bytes::new()).unwrap();
+        let mut s = p.edge.open(Bytes::new()).await.unwrap();
         s.write_all(b"part of a request").await.unwrap();
         let mut inc = p.agent.accept().await.unwrap();
         let mut buf = [0; 17];
@@ -231,14 +236,15 @@ async fn dropping_an_unfinished_stream_resets_it() {
 }
 
 /// A side that accepts nothing refuses the streams opened to it; more
-/// streams than the peer allows are refused too.
+/// streams than it allows (from a peer that allows itself more) are refused
+/// too.
 #[tokio::test(start_paused = true)]
 async fn streams_nobody_takes_are_refused() {
     within(async {
-        let mut p = pair(SMALL);
+        let mut p = pair_of(Config { max_streams: SMALL.max_streams + 1, ..SMALL }, SMALL);
         // The agent opens a stream to the edge, whose incoming side is gone.
         drop(p.edge_incoming.take());
-        let mut s = p.agent_handle.open(Bytes::new()).unwrap();
+        let mut s = p.agent_handle.open(Bytes::new()).await.unwrap();
         assert_eq!(s.id() % 2, 0, "the agent opens even streams");
         let e = s.read(&mut [0; 1]).await.unwrap_err();
         assert!(e.to_string().contains("refused"), "{e}");
@@ -246,12 +252,48 @@ async fn streams_nobody_takes_are_refused() {
 
         let mut open = Vec::new();
         for _ in 0..SMALL.max_streams {
-            open.push(p.edge.open(Bytes::new()).unwrap());
+            open.push(p.edge.open(Bytes::new()).await.unwrap());
         }
-        let mut over = p.edge.open(Bytes::new()).unwrap();
+        let mut over = p.edge.open(Bytes::new()).await.unwrap();
         let e = over.read(&mut [0; 1]).await.unwrap_err();
         assert!(e.to_string().contains("refused"), "{e}");
         assert_eq!(p.agent.accept().await.unwrap().id(), 1, "the ones within the limit are taken");
+    })
+    .await;
+}
+
+/// An opener waits while its side holds as many streams as the peer takes,
+/// and opens once one of them ends: the peer refuses none.
+#[tokio::test(start_paused = true)]
+async fn an_opener_waits_for_a_stream_to_end_at_the_limit() {
+    within(async {
+        let mut p = pair(SMALL);
+        let mut open = Vec::new();
+        for _ in 0..SMALL.max_streams {
+            open.push(p.edge.open(Bytes::new()).await.unwrap());
+        }
+        let mut next = std::pin::pin!(p.edge.open(Bytes::from_static(b"next")));
+        assert!(stalls(next.as_mut()).await, "a stream over the limit waits");
+        drop(open.remove(0));
+        let mut s = next.await.unwrap();
+        s.write_all(b"hello").await.unwrap();
+        let mut ids = Vec::new();
+        for _ in 0..=SMALL.max_streams {
+            ids.push(p.agent.accept().await.unwrap());
+        }
+        let last = ids.pop().unwrap();
+        assert_eq!((last.id(), &last.header()[..]), (17, &b"next"[..]));
+        let mut got = [0; 5];
+        let mut last = last;
+        last.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"hello", "taken, not refused");
+        // An opener waiting when the peer goes away is told so.
+        drop(ids);
+        let mut more = std::pin::pin!(p.edge.open(Bytes::new()));
+        assert!(stalls(more.as_mut()).await);
+        p.agent_handle.go_away();
+        let e = more.await.err().expect("no stream once the peer goes away");
+        assert_eq!(e.kind(), io::ErrorKind::ConnectionRefused);
     })
     .await;
 }
@@ -262,15 +304,15 @@ async fn streams_nobody_takes_are_refused() {
 async fn going_away_finishes_what_is_open_and_takes_nothing_new() {
     within(async {
         let mut p = pair(Config::default());
-        let mut open = p.agent_handle.open(Bytes::new()).unwrap();
+        let mut open = p.agent_handle.open(Bytes::new()).await.unwrap();
         let mut edge_incoming = p.edge_incoming.take().unwrap();
         let mut taken = edge_incoming.accept().await.unwrap();
         p.edge.go_away();
         // Sent before the GoAway arrived: refused, not lost silently.
-        let mut raced = p.agent_handle.open(Bytes::new()).unwrap();
+        let mut raced = p.agent_handle.open(Bytes::new()).await.unwrap();
         let e = raced.read(&mut [0; 1]).await.unwrap_err();
         assert!(e.to_string().contains("refused"), "{e}");
-        let e = p.agent_handle.open(Bytes::new()).err().expect("no new stream after GoAway");
+        let e = p.agent_handle.open(Bytes::new()).await.err().expect("no new stream after GoAway");
         assert_eq!(e.kind(), io::ErrorKind::ConnectionRefused);
         // The stream open before goes on, both ways.
         open.write_all(b"still here").await.unwrap();
@@ -292,14 +334,14 @@ async fn going_away_finishes_what_is_open_and_takes_nothing_new() {
 async fn the_connection_ending_fails_its_streams() {
     within(async {
         let mut p = pair(Config::default());
-        let mut s = p.edge.open(Bytes::new()).unwrap();
+        let mut s = p.edge.open(Bytes::new()).await.unwrap();
         let _inc = p.agent.accept().await.unwrap();
         p.agent_conn.abort();
         let _ = (&mut p.agent_conn).await;
         let e = s.read(&mut [0; 1]).await.unwrap_err();
         assert!(e.to_string().contains("the tunnel connection ended"), "{e}");
         assert!(p.edge_conn.await.unwrap().is_ok(), "the peer went away: the connection ends, cleanly");
-        assert!(p.edge.open(Bytes::new()).is_err());
+        assert!(p.edge.open(Bytes::new()).await.is_err());
         assert!(p.edge_incoming.as_mut().unwrap().accept().await.is_none());
     })
     .await;
@@ -311,7 +353,7 @@ async fn a_connection_nothing_uses_ends() {
     within(async {
         let Pair { edge, agent, edge_incoming, edge_conn, agent_conn, agent_handle } =
             pair(Config::default());
-        let mut s = edge.open(Bytes::new()).unwrap();
+        let mut s = edge.open(Bytes::new()).await.unwrap();
         s.write_all(b"last words").await.unwrap();
         s.shutdown().await.unwrap();
         let mut agent = agent;
@@ -426,7 +468,8 @@ async fn pings_are_answered_and_credit_comes_in_quarters() {
 async fn header_blocks_and_halves() {
     within(async {
         let mut p = pair(Config::default());
-        let (mut r, mut w) = p.edge.open(Bytes::from_static(b"GET / HTTP/1.1\r\n\r\n")).unwrap().split();
+        let (mut r, mut w) =
+            p.edge.open(Bytes::from_static(b"GET / HTTP/1.1\r\n\r\n")).await.unwrap().split();
         w.send(Bytes::from_static(b"request body")).await.unwrap();
         w.shutdown().await.unwrap();
         drop(w);
@@ -459,7 +502,7 @@ async fn header_blocks_and_halves() {
 async fn an_answer_sent_whole_stands_when_the_rest_is_not_needed() {
     within(async {
         let mut p = pair(Config::default());
-        let (mut r, mut w) = p.edge.open(Bytes::new()).unwrap().split();
+        let (mut r, mut w) = p.edge.open(Bytes::new()).await.unwrap().split();
         w.send(Bytes::from(vec![1; 1000])).await.unwrap();
         let mut inc = p.agent.accept().await.unwrap();
         inc.send_head(Bytes::from_static(b"HTTP/1.1 413 \r\n\r\n"), false).await.unwrap();
