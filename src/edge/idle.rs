@@ -72,12 +72,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for IdleTimeout<S> {
 
 impl<S: AsyncWrite + Unpin> AsyncWrite for IdleTimeout<S> {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        let this = self.get_mut();
-        let r = Pin::new(&mut this.inner).poll_write(cx, buf);
-        if matches!(r, Poll::Ready(Ok(n)) if n > 0) && this.last.is_some() {
-            this.touch();
-        }
-        r
+        self.poll_write_vectored(cx, &[io::IoSlice::new(buf)])
     }
 
     fn poll_write_vectored(
@@ -297,22 +292,9 @@ impl<S: AsyncRead + Unpin> AsyncRead for Tracked<S> {
     }
 }
 
-impl<S> Tracked<S> {
-    fn wrote(&self, r: &Poll<io::Result<usize>>) {
-        match r {
-            Poll::Ready(Ok(n)) if *n > 0 => self.activity.touch(),
-            Poll::Ready(Err(_)) => self.activity.half_close(FAILED),
-            _ => {}
-        }
-    }
-}
-
 impl<S: AsyncWrite + Unpin> AsyncWrite for Tracked<S> {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        let this = self.get_mut();
-        let r = Pin::new(&mut this.inner).poll_write(cx, buf);
-        this.wrote(&r);
-        r
+        self.poll_write_vectored(cx, &[io::IoSlice::new(buf)])
     }
 
     fn poll_write_vectored(
@@ -322,7 +304,11 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Tracked<S> {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         let r = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
-        this.wrote(&r);
+        match r {
+            Poll::Ready(Ok(n)) if n > 0 => this.activity.touch(),
+            Poll::Ready(Err(_)) => this.activity.half_close(FAILED),
+            _ => {}
+        }
         r
     }
 

@@ -321,30 +321,23 @@ where
     let mut end = false;
     while !end {
         // Wait for one frame, then take those already there.
-        let mut next = body.frame().await;
+        let mut polled = Poll::Ready(body.frame().await);
         let mut len = 0;
-        loop {
-            match next {
-                None => end = true,
-                Some(frame) => {
-                    let frame = frame.map_err(|e| io::Error::other(e.into()))?;
-                    if let Ok(data) = frame.into_data()
-                        && !data.is_empty()
-                    {
-                        len += data.len();
-                        batch.push_back(data);
-                    }
-                    if len < COPY_BATCH && batch.len() < COPY_SLICES {
-                        let ready =
-                            std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut body).poll_frame(cx)));
-                        if let Poll::Ready(frame) = ready.await {
-                            next = frame;
-                            continue;
-                        }
-                    }
-                }
+        while let Poll::Ready(frame) = polled {
+            let Some(frame) = frame else {
+                end = true;
+                break;
+            };
+            if let Ok(data) = frame.map_err(|e| io::Error::other(e.into()))?.into_data()
+                && !data.is_empty()
+            {
+                len += data.len();
+                batch.push_back(data);
             }
-            break;
+            if len >= COPY_BATCH || batch.len() >= COPY_SLICES {
+                break;
+            }
+            polled = std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut body).poll_frame(cx))).await;
         }
         total += len as u64;
         write_all_slices(&mut writer, &mut batch).await?;
