@@ -51,6 +51,22 @@ pub mod names {
     pub static STREAM: HeaderName = HeaderName::from_static(super::STREAM_HEADER);
     pub static STATUS: HeaderName = HeaderName::from_static(super::STATUS_HEADER);
     pub static ERROR: HeaderName = HeaderName::from_static(super::ERROR_HEADER);
+    pub static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+    pub static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+    pub static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+    pub static X_FORWARDED_PORT: HeaderName = HeaderName::from_static("x-forwarded-port");
+
+    /// The names the edge puts on every tunnelled request, and those of the
+    /// wire: parsed back from a head, they are these statics (no copy of
+    /// the name for each request, as a name outside the standard ones gets).
+    pub fn known(name: &[u8]) -> Option<&'static HeaderName> {
+        if !name.starts_with(b"x-forwarded-") && !name.starts_with(b"culvert-") {
+            return None;
+        }
+        [&X_FORWARDED_FOR, &X_FORWARDED_PROTO, &X_FORWARDED_HOST, &X_FORWARDED_PORT, &STREAM, &STATUS, &ERROR]
+            .into_iter()
+            .find(|known| known.as_str().as_bytes() == name)
+    }
 }
 
 /// WebSocket text message: the agent will take no new streams (draining).

@@ -17,6 +17,8 @@
 use bytes::{BufMut, Bytes, BytesMut};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri, Version, request, response};
 
+use crate::constants::names;
+
 /// A head that does not parse: the peer is broken or hostile. The stream
 /// is refused; the connection goes on.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -52,12 +54,26 @@ fn headers_len(headers: &HeaderMap) -> usize {
 }
 
 pub fn encode_request(head: &request::Parts) -> Bytes {
-    let uri = head.uri.to_string();
+    // The URI as its `Display` writes it, without the formatting machinery.
+    let uri = &head.uri;
+    let scheme = uri.scheme_str().unwrap_or_default();
+    let authority = uri.authority().map_or("", |a| a.as_str());
+    let (path, query) = (uri.path(), uri.query());
+    let uri_len = scheme.len() + 3 + authority.len() + path.len() + query.map_or(0, |q| q.len() + 1);
     let mut b =
-        BytesMut::with_capacity(head.method.as_str().len() + uri.len() + 12 + headers_len(&head.headers));
+        BytesMut::with_capacity(head.method.as_str().len() + uri_len + 12 + headers_len(&head.headers));
     b.put_slice(head.method.as_str().as_bytes());
     b.put_u8(b' ');
-    b.put_slice(uri.as_bytes());
+    if !scheme.is_empty() {
+        b.put_slice(scheme.as_bytes());
+        b.put_slice(b"://");
+    }
+    b.put_slice(authority.as_bytes());
+    b.put_slice(path.as_bytes());
+    if let Some(query) = query {
+        b.put_u8(b'?');
+        b.put_slice(query.as_bytes());
+    }
     b.put_slice(b" HTTP/1.1\r\n");
     put_headers(&mut b, &head.headers);
     b.freeze()
@@ -101,9 +117,18 @@ pub fn response_list_size(head: &response::Parts) -> usize {
     list_size([(":status", 3)], &head.headers)
 }
 
-/// Room for every field line the block can hold.
-fn slots(block: &[u8]) -> Vec<httparse::Header<'_>> {
-    vec![httparse::EMPTY_HEADER; block.iter().filter(|&&c| c == b'\n').count()]
+/// Field lines a head usually has at most: room for them on the stack.
+const STACK_FIELDS: usize = 32;
+
+/// Runs `parse` with room for every field line `block` can hold: on the
+/// stack for a usual head, on the heap past [`STACK_FIELDS`] lines.
+fn with_slots<'b, R>(block: &'b [u8], parse: impl FnOnce(&mut [httparse::Header<'b>]) -> R) -> R {
+    let lines = block.iter().filter(|&&c| c == b'\n').count();
+    if lines <= STACK_FIELDS {
+        parse(&mut [httparse::EMPTY_HEADER; STACK_FIELDS])
+    } else {
+        parse(&mut vec![httparse::EMPTY_HEADER; lines])
+    }
 }
 
 fn complete(status: httparse::Result<usize>, block: &[u8]) -> Result<(), HeadError> {
@@ -115,49 +140,60 @@ fn complete(status: httparse::Result<usize>, block: &[u8]) -> Result<(), HeadErr
     }
 }
 
-fn header_map(fields: &[httparse::Header<'_>]) -> Result<HeaderMap, HeadError> {
+/// The fields as a map whose values are slices of `block` (no copies), and
+/// whose names are the standard ones or culvert's own statics where they
+/// can be (a name outside both is copied).
+fn header_map(block: &Bytes, fields: &[httparse::Header<'_>]) -> Result<HeaderMap, HeadError> {
     let mut headers = HeaderMap::with_capacity(fields.len());
     for f in fields {
-        let name = HeaderName::from_bytes(f.name.as_bytes()).map_err(|_| HeadError::Invalid("field name"))?;
-        let value = HeaderValue::from_bytes(f.value).map_err(|_| HeadError::Invalid("field value"))?;
+        let name = match names::known(f.name.as_bytes()) {
+            Some(name) => name.clone(),
+            None => {
+                HeaderName::from_bytes(f.name.as_bytes()).map_err(|_| HeadError::Invalid("field name"))?
+            }
+        };
+        let value = HeaderValue::from_maybe_shared(block.slice_ref(f.value))
+            .map_err(|_| HeadError::Invalid("field value"))?;
         headers.append(name, value);
     }
     Ok(headers)
 }
 
-pub fn decode_request(block: &[u8]) -> Result<request::Parts, HeadError> {
-    let mut fields = slots(block);
-    let mut req = httparse::Request::new(&mut fields);
-    complete(req.parse(block), block)?;
-    let method = Method::from_bytes(req.method.unwrap_or_default().as_bytes())
-        .map_err(|_| HeadError::Invalid("method"))?;
-    let uri: Uri = req.path.unwrap_or_default().parse().map_err(|_| HeadError::Invalid("URI"))?;
-    let headers = header_map(req.headers)?;
-    let (mut parts, ()) = http::Request::new(()).into_parts();
-    (parts.method, parts.uri, parts.version, parts.headers) = (method, uri, Version::HTTP_2, headers);
-    Ok(parts)
+pub fn decode_request(block: &Bytes) -> Result<request::Parts, HeadError> {
+    with_slots(block, |fields| {
+        let mut req = httparse::Request::new(fields);
+        complete(req.parse(block), block)?;
+        let method = Method::from_bytes(req.method.unwrap_or_default().as_bytes())
+            .map_err(|_| HeadError::Invalid("method"))?;
+        let uri = Uri::from_maybe_shared(block.slice_ref(req.path.unwrap_or_default().as_bytes()))
+            .map_err(|_| HeadError::Invalid("URI"))?;
+        let headers = header_map(block, req.headers)?;
+        let (mut parts, ()) = http::Request::new(()).into_parts();
+        (parts.method, parts.uri, parts.version, parts.headers) = (method, uri, Version::HTTP_2, headers);
+        Ok(parts)
+    })
 }
 
-pub fn decode_response(block: &[u8]) -> Result<response::Parts, HeadError> {
-    let mut fields = slots(block);
-    let mut resp = httparse::Response::new(&mut fields);
-    complete(resp.parse(block), block)?;
-    let status =
-        StatusCode::from_u16(resp.code.unwrap_or_default()).map_err(|_| HeadError::Invalid("status"))?;
-    let headers = header_map(resp.headers)?;
-    let (mut parts, ()) = http::Response::new(()).into_parts();
-    (parts.status, parts.version, parts.headers) = (status, Version::HTTP_2, headers);
-    Ok(parts)
+pub fn decode_response(block: &Bytes) -> Result<response::Parts, HeadError> {
+    with_slots(block, |fields| {
+        let mut resp = httparse::Response::new(fields);
+        complete(resp.parse(block), block)?;
+        let status =
+            StatusCode::from_u16(resp.code.unwrap_or_default()).map_err(|_| HeadError::Invalid("status"))?;
+        let headers = header_map(block, resp.headers)?;
+        let (mut parts, ()) = http::Response::new(()).into_parts();
+        (parts.status, parts.version, parts.headers) = (status, Version::HTTP_2, headers);
+        Ok(parts)
+    })
 }
 
-pub fn decode_trailers(block: &[u8]) -> Result<HeaderMap, HeadError> {
-    let mut fields = slots(block);
-    match httparse::parse_headers(block, &mut fields) {
-        Ok(httparse::Status::Complete((n, fields))) if n == block.len() => header_map(fields),
+pub fn decode_trailers(block: &Bytes) -> Result<HeaderMap, HeadError> {
+    with_slots(block, |fields| match httparse::parse_headers(block, fields) {
+        Ok(httparse::Status::Complete((n, fields))) if n == block.len() => header_map(block, fields),
         Ok(httparse::Status::Complete(_)) => Err(HeadError::Trailing),
         Ok(httparse::Status::Partial) => Err(HeadError::Incomplete),
         Err(e) => Err(HeadError::Parse(e.to_string())),
-    }
+    })
 }
 
 #[cfg(test)]
@@ -196,14 +232,61 @@ mod tests {
         assert_eq!(decode_request(&encode_request(&parts)).unwrap().uri, "/");
     }
 
+    /// The request line's target is the URI as `Display` writes it.
+    #[test]
+    fn the_target_is_the_whole_uri() {
+        for uri in ["https://app.example.com/a/b?c=d%20e", "https://app.example.com", "/", "/p?", "/p?q", "*"]
+        {
+            let (parts, ()) = http::Request::get(uri).body(()).unwrap().into_parts();
+            let line = format!("GET {} HTTP/1.1\r\n", parts.uri);
+            assert!(encode_request(&parts).starts_with(line.as_bytes()), "{uri}");
+        }
+    }
+
+    /// Past the fields that fit on the stack, and with culvert's own names
+    /// (parsed back to the statics): the same head back, its values slices
+    /// of the block.
+    #[test]
+    fn heads_with_many_fields_and_culvert_names_round_trip() {
+        let mut req =
+            http::Request::get("https://app.example.com/p").header(&names::X_FORWARDED_FOR, "203.0.113.9");
+        for i in 0..STACK_FIELDS + 8 {
+            req = req.header(format!("x-field-{i}"), format!("value {i}"));
+        }
+        let (parts, ()) = req.header(&names::STREAM, "http").body(()).unwrap().into_parts();
+        let block = encode_request(&parts);
+        let back = decode_request(&block).unwrap();
+        assert_eq!((&back.uri, &back.headers), (&parts.uri, &parts.headers));
+        let value = back.headers[&names::X_FORWARDED_FOR].as_bytes().as_ptr_range();
+        assert!(block.as_ptr_range().contains(&value.start), "a value is a slice of the block");
+
+        let mut trailers = HeaderMap::new();
+        for i in 0..STACK_FIELDS * 2 {
+            trailers.append("x-many", HeaderValue::from(i));
+        }
+        assert_eq!(decode_trailers(&encode_trailers(&trailers)).unwrap(), trailers);
+    }
+
     #[test]
     fn heads_that_cannot_be_are_refused() {
-        assert_eq!(decode_request(b"GET / HTTP/1.1\r\n").unwrap_err(), HeadError::Incomplete);
-        assert_eq!(decode_request(b"GET / HTTP/1.1\r\n\r\nbody").unwrap_err(), HeadError::Trailing);
-        assert!(matches!(decode_request(b"GET / HTTP/1.1\r\nbad name: x\r\n\r\n"), Err(HeadError::Parse(_))));
-        assert!(matches!(decode_request(b"GET \x01 HTTP/1.1\r\n\r\n"), Err(HeadError::Parse(_))));
-        assert!(decode_response(b"HTTP/1.1 099 \r\n\r\n").is_err());
-        assert_eq!(decode_trailers(b"x: 1\r\n"), Err(HeadError::Incomplete));
-        assert!(decode_request(b"").is_err());
+        assert_eq!(
+            decode_request(&Bytes::from_static(b"GET / HTTP/1.1\r\n")).unwrap_err(),
+            HeadError::Incomplete
+        );
+        assert_eq!(
+            decode_request(&Bytes::from_static(b"GET / HTTP/1.1\r\n\r\nbody")).unwrap_err(),
+            HeadError::Trailing
+        );
+        assert!(matches!(
+            decode_request(&Bytes::from_static(b"GET / HTTP/1.1\r\nbad name: x\r\n\r\n")),
+            Err(HeadError::Parse(_))
+        ));
+        assert!(matches!(
+            decode_request(&Bytes::from_static(b"GET \x01 HTTP/1.1\r\n\r\n")),
+            Err(HeadError::Parse(_))
+        ));
+        assert!(decode_response(&Bytes::from_static(b"HTTP/1.1 099 \r\n\r\n")).is_err());
+        assert_eq!(decode_trailers(&Bytes::from_static(b"x: 1\r\n")), Err(HeadError::Incomplete));
+        assert!(decode_request(&Bytes::from_static(b"")).is_err());
     }
 }

@@ -44,11 +44,6 @@ fn is_client_address_header(name: &HeaderName) -> bool {
     )
 }
 
-static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
-static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
-static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
-static X_FORWARDED_PORT: HeaderName = HeaderName::from_static("x-forwarded-port");
-
 /// Why a public request head is refused before it goes anywhere: the status
 /// to answer (431 or 400) and the reason.
 pub(super) fn refuse_head<B: hyper::body::Body>(req: &Request<B>) -> Option<(StatusCode, &'static str)> {
@@ -120,11 +115,11 @@ pub(crate) fn rewrite_request(
     let h = &mut parts.headers;
     // Room for what is added below at once, not one growth per insert.
     h.reserve(6);
-    h.insert(X_FORWARDED_PORT.clone(), HeaderValue::from(port));
-    h.insert(X_FORWARDED_FOR.clone(), address_value(peer.ip()));
-    h.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static(scheme));
+    h.insert(names::X_FORWARDED_PORT.clone(), HeaderValue::from(port));
+    h.insert(names::X_FORWARDED_FOR.clone(), address_value(peer.ip()));
+    h.insert(names::X_FORWARDED_PROTO.clone(), HeaderValue::from_static(scheme));
     if let Ok(v) = HeaderValue::from_maybe_shared(host) {
-        h.insert(X_FORWARDED_HOST.clone(), v);
+        h.insert(names::X_FORWARDED_HOST.clone(), v);
     }
     let kind = if upgrade.is_some() { StreamKind::Upgrade } else { StreamKind::Http };
     h.insert(names::STREAM.clone(), HeaderValue::from_static(kind.header_value()));
