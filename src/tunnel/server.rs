@@ -21,7 +21,8 @@ use h2::server::SendResponse;
 use http::{HeaderValue, Request, Response, header};
 use hyper::body::Body;
 use tokio::io::{AsyncRead, AsyncWrite};
-use tracing::debug;
+use tokio_util::task::AbortOnDropHandle;
+use tracing::{Instrument, debug};
 
 use super::body::BoxBody;
 use super::mux;
@@ -172,7 +173,7 @@ pub async fn serve_wire<T, S, F>(
     stop: impl Future<Output = ()>,
 ) -> Result<(), StreamError>
 where
-    T: AsyncRead + AsyncWrite + Unpin,
+    T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     S: FnMut(Request<RecvBody>) -> F,
     F: Future<Output = Response<BoxBody>> + Send + 'static,
 {
@@ -193,12 +194,17 @@ pub async fn serve_mux<T, S, F>(
     stop: impl Future<Output = ()>,
 ) -> Result<(), StreamError>
 where
-    T: AsyncRead + AsyncWrite + Unpin,
+    T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     S: FnMut(Request<RecvBody>) -> F,
     F: Future<Output = Response<BoxBody>> + Send + 'static,
 {
     let (handle, incoming, conn) = mux::new(io, mux::Side::Agent, super::mux_config());
-    let mut conn = pin!(conn);
+    // The driver in a task of its own. Polled by this loop, a stream it
+    // accepted woke the task that was running it; tokio then hands that task
+    // to another worker (a futex wake and a thread switch), and the request's
+    // own task raced it there: two of those per request at one request at a
+    // time.
+    let mut conn = AbortOnDropHandle::new(tokio::spawn(conn.in_current_span()));
     let mut stop = pin!(stop);
     let (mut handle, mut incoming) = (Some(handle), Some(incoming));
     let accept = async |incoming: &mut Option<mux::Incoming>| match incoming {
@@ -207,7 +213,10 @@ where
     };
     loop {
         tokio::select! {
-            r = &mut conn => return r.map_err(StreamError::from),
+            r = &mut conn => return match r {
+                Ok(r) => r.map_err(StreamError::from),
+                Err(e) => Err(StreamError::Io(std::io::Error::other(e))),
+            },
             () = stop.as_mut(), if handle.is_some() => {
                 if let Some(handle) = handle.take() {
                     handle.go_away();
