@@ -29,18 +29,26 @@ pub fn remove_headers(headers: &mut HeaderMap, drop: impl Fn(&HeaderName) -> boo
 /// Whether a header belongs to one hop (it is never forwarded), whatever the
 /// `Connection` header lists besides.
 pub fn is_hop_by_hop(name: &HeaderName) -> bool {
-    matches!(
-        name.as_str(),
-        "connection"
-            | "transfer-encoding"
-            | "upgrade"
-            | "te"
-            | "trailer"
-            | "proxy-authorization"
-            | "proxy-authenticate"
-            | "keep-alive"
-            | "proxy-connection"
-    )
+    is_hop_by_hop_name(name.as_str().as_bytes())
+}
+
+/// [`is_hop_by_hop`] for a name as a head's text has it, in any case. One
+/// comparison at most: every head's every name goes through here.
+pub fn is_hop_by_hop_name(name: &[u8]) -> bool {
+    let first = name.first().map(u8::to_ascii_lowercase);
+    let hop: &[u8] = match (name.len(), first) {
+        (2, _) => b"te",
+        (7, Some(b't')) => b"trailer",
+        (7, _) => b"upgrade",
+        (10, Some(b'c')) => b"connection",
+        (10, _) => b"keep-alive",
+        (16, _) => b"proxy-connection",
+        (17, _) => b"transfer-encoding",
+        (18, _) => b"proxy-authenticate",
+        (19, _) => b"proxy-authorization",
+        _ => return false,
+    };
+    name.eq_ignore_ascii_case(hop)
 }
 
 /// Headers that belong to one hop and are never forwarded. A head with
@@ -52,16 +60,12 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
-/// Whether a `Connection` token names a header: `close` and `keep-alive`
-/// are the connection's options, not names.
-fn names_a_header(token: &str) -> bool {
-    !token.eq_ignore_ascii_case("close") && !token.eq_ignore_ascii_case("keep-alive")
-}
-
-/// Whether a `Connection` value names a header besides its options (one
-/// that is not text is taken to).
-pub fn connection_names_headers(value: &HeaderValue) -> bool {
-    value.to_str().map_or(true, |v| v.split(',').map(str::trim).any(names_a_header))
+/// The header names a `Connection` value lists (RFC 9110, section 7.6.1),
+/// without the connection's options, `close` and `keep-alive`.
+pub fn connection_listed(value: &[u8]) -> impl Iterator<Item = &[u8]> {
+    value.split(|&b| b == b',').map(<[u8]>::trim_ascii).filter(|t| {
+        !t.is_empty() && !t.eq_ignore_ascii_case(b"close") && !t.eq_ignore_ascii_case(b"keep-alive")
+    })
 }
 
 /// Removes the headers the `Connection` header names (the rest of
@@ -72,11 +76,8 @@ pub fn strip_connection_listed(headers: &mut HeaderMap) {
     let listed: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .map(str::trim)
-        .filter(|t| names_a_header(t))
-        .filter_map(|name| HeaderName::from_bytes(name.as_bytes()).ok())
+        .flat_map(|v| connection_listed(v.as_bytes()))
+        .filter_map(|name| HeaderName::from_bytes(name).ok())
         .filter(|name| !is_hop_by_hop(name))
         .collect();
     for name in listed {
@@ -183,6 +184,38 @@ mod tests {
         assert_eq!(percent_decode("%ff"), None);
         assert_eq!(percent_decode_lossy("us%65r%zz%4"), "user%zz%4");
         assert_eq!(percent_decode_lossy("p%40ss"), "p@ss");
+    }
+
+    #[test]
+    fn hop_by_hop_names_in_any_case() {
+        for name in [
+            "connection",
+            "transfer-encoding",
+            "upgrade",
+            "te",
+            "trailer",
+            "proxy-authorization",
+            "proxy-authenticate",
+            "keep-alive",
+            "proxy-connection",
+        ] {
+            assert!(is_hop_by_hop(&HeaderName::from_static(name)), "{name}");
+            assert!(is_hop_by_hop_name(name.to_ascii_uppercase().as_bytes()), "{name}");
+        }
+        for name in ["", "t", "tf", "trailers", "x-upgrade", "content-length", "keep-alivE2", "Upgrad3"] {
+            assert!(!is_hop_by_hop_name(name.as_bytes()), "{name}");
+        }
+        let listed = |v: &'static str| connection_listed(v.as_bytes()).collect::<Vec<_>>();
+        assert_eq!(listed("keep-alive, Close"), Vec::<&[u8]>::new());
+        assert_eq!(listed(" X-A ,, close,x-b"), [&b"X-A"[..], b"x-b"]);
+        let mut h = HeaderMap::new();
+        h.append(header::CONNECTION, HeaderValue::from_static("close, x-a"));
+        h.append(header::CONNECTION, HeaderValue::from_static("X-B"));
+        for name in ["x-a", "x-b", "x-c"] {
+            h.insert(name, HeaderValue::from_static("1"));
+        }
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h.keys().map(HeaderName::as_str).collect::<Vec<_>>(), ["x-c"]);
     }
 
     #[test]

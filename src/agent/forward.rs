@@ -182,6 +182,13 @@ pub async fn http(
     match answer {
         Ok(resp) => {
             let (mut parts, b) = resp.into_parts();
+            // The HTTP/1 client's head goes on as its text, unless the
+            // route's filters change it.
+            if options.filters.response_headers.is_some()
+                && let Err(e) = crate::tunnel::head::unwire(&mut parts)
+            {
+                return agent_error(StatusCode::BAD_GATEWAY, &format!("backend {authority}: {e}"));
+            }
             strip_hop_by_hop(&mut parts.headers);
             options.filters.edit_response(&mut parts.headers);
             let b = match options.read_timeout {

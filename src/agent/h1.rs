@@ -12,7 +12,9 @@
 //! otherwise, written while the response is read (a backend may answer
 //! before it has read the upload); the response framed by `content-length`,
 //! chunked (trailers kept) or the connection's end; no body for `HEAD`, 204
-//! and 304; interim 1xx answers skipped. A connection goes back to the pool
+//! and 304; interim 1xx answers skipped. The response head is handed on as
+//! text in the multiplexer's form ([`WireHead`], without its hop-by-hop
+//! fields), not as a `HeaderMap`. A connection goes back to the pool
 //! only after a whole response on a connection both ends keep alive, with
 //! nothing unread left on it.
 
@@ -20,7 +22,7 @@ use std::io::{self, IoSlice};
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Response, StatusCode, Version};
 use hyper::body::{Body, Frame, SizeHint};
@@ -31,9 +33,10 @@ use tokio_util::io::poll_read_buf;
 use tracing::{Instrument, debug};
 
 use crate::BoxError;
-use crate::http::{connection_names_headers, is_hop_by_hop};
+use crate::http::is_hop_by_hop_name;
 use crate::tunnel::body::BoxBody;
 use crate::tunnel::client::has_payload_semantics;
+use crate::tunnel::head::WireHead;
 
 /// The largest response head taken from a backend (the edge takes 16 KiB of
 /// it through the tunnel).
@@ -185,11 +188,11 @@ pub async fn exchange(
             return Err(Failed { error, request });
         }
     };
-    let Head { status, version, headers, body: decoder, keep_alive } = head;
+    let Head { status, version, block, body: decoder, keep_alive } = head;
     let mut resp = Response::new(());
     *resp.status_mut() = status;
     *resp.version_mut() = version;
-    *resp.headers_mut() = headers;
+    resp.extensions_mut().insert(WireHead(block));
     let reusable = keep_alive && write_failed.is_none() && decoder != Decoder::Eof;
     let reader = match upload {
         // The backend answered before the whole body was written: the
@@ -425,7 +428,8 @@ async fn finish_upload(mut up: Upload, mut wr: OwnedWriteHalf) {
 struct Head {
     status: StatusCode,
     version: Version,
-    headers: HeaderMap,
+    /// The head as the response carries it: [`WireHead`].
+    block: Bytes,
     body: Decoder,
     keep_alive: bool,
 }
@@ -496,42 +500,53 @@ fn parse_head(buf: &mut BytesMut, head_request: bool) -> Result<Option<Head>, Er
             }
             continue;
         }
-        // Where each name and value lies in the head (it is at most 64 KiB),
-        // so they can be taken as slices of it, no copies, once it is split
-        // off the buffer.
-        let base = buf.as_ptr() as usize;
-        let at = |s: &[u8]| ((s.as_ptr() as usize - base) as u16, s.len() as u16);
-        let mut spans = [((0u16, 0u16), (0u16, 0u16)); MAX_HEADERS];
-        let count = resp.headers.len();
-        for (span, h) in spans.iter_mut().zip(resp.headers.iter()) {
-            *span = (at(h.name.as_bytes()), at(h.value));
-        }
-        let head = buf.split_to(len).freeze();
-        let mut headers = HeaderMap::with_capacity(count);
         let mut framing = FramingHeaders::default();
-        for &((n, nl), (v, vl)) in &spans[..count] {
-            let (n, v) = (n as usize, v as usize);
-            let name = HeaderName::from_bytes(&head[n..n + nl as usize])
-                .map_err(|_| Error::Head("bad header name"))?;
-            let value = HeaderValue::from_maybe_shared(head.slice(v..v + vl as usize))
-                .map_err(|_| Error::Head("bad header value"))?;
-            framing.see(&name, &value)?;
-            // Hop-by-hop headers are never forwarded: not taken at all,
-            // except a `Connection` that names other headers (they go with
-            // it, in `strip_hop_by_hop`).
-            if is_hop_by_hop(&name) && !(name == header::CONNECTION && connection_names_headers(&value)) {
-                continue;
-            }
-            headers.append(name, value);
+        let mut lists_names = false;
+        for h in resp.headers.iter() {
+            framing.see(h.name.as_bytes(), h.value)?;
+            lists_names |= h.name.eq_ignore_ascii_case("connection")
+                && crate::http::connection_listed(h.value).next().is_some();
         }
+        let block = wire_head(status, resp.headers, lists_names);
+        buf.advance(len);
         let body = framing.decoder(status, head_request);
         // Both framings at once: the body is chunked, and the connection
         // closes after it (RFC 9112 6.3).
         let keep_alive = version == Version::HTTP_11
             && !framing.close
             && !(framing.transfer_encoding.is_some() && framing.length.is_some());
-        return Ok(Some(Head { status, version, headers, body, keep_alive }));
+        return Ok(Some(Head { status, version, block, body, keep_alive }));
     }
+}
+
+/// The head in the multiplexer's form ([`WireHead`]): the status line, then
+/// the fields as they came, without those of one hop (RFC 9110, section
+/// 7.6.1): the hop-by-hop ones, and those a `Connection` field lists
+/// (`lists_names`: whether one does).
+fn wire_head(status: StatusCode, fields: &[httparse::Header<'_>], lists_names: bool) -> Bytes {
+    let listed = |name: &[u8]| {
+        fields
+            .iter()
+            .filter(|h| h.name.eq_ignore_ascii_case("connection"))
+            .any(|h| crate::http::connection_listed(h.value).any(|listed| listed.eq_ignore_ascii_case(name)))
+    };
+    let size = fields.iter().map(|h| h.name.len() + h.value.len() + 4).sum::<usize>();
+    let mut block = BytesMut::with_capacity(17 + size);
+    block.put_slice(b"HTTP/1.1 ");
+    block.put_slice(status.as_str().as_bytes());
+    block.put_slice(b" \r\n");
+    for h in fields {
+        let name = h.name.as_bytes();
+        if is_hop_by_hop_name(name) || (lists_names && listed(name)) {
+            continue;
+        }
+        block.put_slice(name);
+        block.put_slice(b": ");
+        block.put_slice(h.value);
+        block.put_slice(b"\r\n");
+    }
+    block.put_slice(b"\r\n");
+    block.freeze()
 }
 
 /// What a response head says of its body's framing and its connection,
@@ -546,9 +561,9 @@ struct FramingHeaders {
 }
 
 impl FramingHeaders {
-    fn see(&mut self, name: &HeaderName, value: &HeaderValue) -> Result<(), Error> {
-        let text = || value.to_str().ok();
-        if name == header::CONTENT_LENGTH {
+    fn see(&mut self, name: &[u8], value: &[u8]) -> Result<(), Error> {
+        let text = || std::str::from_utf8(value).ok();
+        if name.eq_ignore_ascii_case(b"content-length") {
             for part in text().ok_or(Error::Head("bad content-length"))?.split(',') {
                 let n: u64 = part.trim().parse().map_err(|_| Error::Head("bad content-length"))?;
                 if self.length.is_some_and(|l| l != n) {
@@ -556,10 +571,10 @@ impl FramingHeaders {
                 }
                 self.length = Some(n);
             }
-        } else if name == header::TRANSFER_ENCODING {
+        } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
             let last = text().and_then(|v| v.rsplit(',').next());
             self.transfer_encoding = Some(last.is_some_and(|c| c.trim().eq_ignore_ascii_case("chunked")));
-        } else if name == header::CONNECTION {
+        } else if name.eq_ignore_ascii_case(b"connection") {
             self.close |=
                 text().is_some_and(|v| v.split(',').any(|t| t.trim().eq_ignore_ascii_case("close")));
         }
@@ -863,7 +878,9 @@ pub fn decode(stream: &[u8], sizes: &[u8], head_request: bool) -> Decoded {
         }
     };
     out.status = Some(head.status.as_u16());
-    out.headers = head.headers.len();
+    // What goes on the wire must be a head the edge takes.
+    let fields = crate::tunnel::head::decode_response(&head.block).expect("a wire head decodes").headers;
+    out.headers = fields.len();
     let mut decoder = head.body;
     loop {
         match decoder.next(&mut buf) {
@@ -897,13 +914,18 @@ mod tests {
         parse_head(&mut BytesMut::from(bytes), head_request)
     }
 
+    /// The fields the edge gets.
+    fn fields(h: &Head) -> HeaderMap {
+        crate::tunnel::head::decode_response(&h.block).unwrap().headers
+    }
+
     #[test]
     fn response_heads_and_their_framing() {
         let h = head(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX-A: 1\r\nX-A: 2\r\n\r\nhello", false)
             .unwrap()
             .unwrap();
         assert_eq!((h.status, h.body, h.keep_alive), (StatusCode::OK, Decoder::Length(5), true));
-        assert_eq!(h.headers.get_all("x-a").iter().collect::<Vec<_>>(), ["1", "2"]);
+        assert_eq!(fields(&h).get_all("x-a").iter().collect::<Vec<_>>(), ["1", "2"]);
         let h = head(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n", false).unwrap().unwrap();
         assert_eq!(h.body, Decoder::Chunked(Chunk::Size));
         let h = head(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n", false).unwrap().unwrap();
@@ -925,19 +947,19 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!((h.body, h.keep_alive), (Decoder::Done, false));
-        // Hop-by-hop headers are left out of the head, but a `Connection`
-        // naming another header stays for `strip_hop_by_hop` to drop both.
+        // Hop-by-hop headers are left out of the head, and so are those a
+        // `Connection` names; the rest keep their order and their case.
         let raw = b"HTTP/1.1 200 OK\r\nConnection: keep-alive\r\nKeep-Alive: timeout=5\r\n\
             Transfer-Encoding: chunked\r\nX-A: 1\r\n\r\n";
         let h = head(raw, false).unwrap().unwrap();
-        assert_eq!(h.headers.keys().map(|k| k.as_str()).collect::<Vec<_>>(), ["x-a"]);
+        assert_eq!(h.block, "HTTP/1.1 200 \r\nX-A: 1\r\n\r\n");
         assert_eq!((h.body, h.keep_alive), (Decoder::Chunked(Chunk::Size), true));
-        let raw =
-            b"HTTP/1.1 200 OK\r\nConnection: close, X-A\r\nX-A: 1\r\nX-B: 2\r\nContent-Length: 0\r\n\r\n";
-        let mut h = head(raw, false).unwrap().unwrap();
+        let raw = b"HTTP/1.1 200 OK\r\nConnection: close, X-A\r\nX-A: 1\r\nX-B:2\r\nContent-Length: 0\r\n\
+            connection: x-c,, Keep-Alive\r\nx-c: 3\r\nTE: x\r\n\r\n";
+        let h = head(raw, false).unwrap().unwrap();
         assert!(!h.keep_alive);
-        crate::http::strip_hop_by_hop(&mut h.headers);
-        assert_eq!(h.headers.keys().map(|k| k.as_str()).collect::<Vec<_>>(), ["x-b", "content-length"]);
+        assert_eq!(h.block, "HTTP/1.1 200 \r\nX-B: 2\r\nContent-Length: 0\r\n\r\n");
+        assert_eq!(fields(&h).keys().map(|k| k.as_str()).collect::<Vec<_>>(), ["x-b", "content-length"]);
         let h = head(b"HTTP/1.0 200 OK\r\nContent-Length: 1\r\n\r\n", false).unwrap().unwrap();
         assert!(!h.keep_alive);
         // Interim answers are skipped.

@@ -25,6 +25,7 @@ use tokio_util::task::AbortOnDropHandle;
 use tracing::{Instrument, debug};
 
 use super::body::BoxBody;
+use super::head::WireHead;
 use super::mux;
 use super::stream::{Pipe, RecvBody, StreamError};
 use crate::constants::{H2_CONN_WINDOW, H2_MAX_FRAME, H2_MAX_STREAMS, H2_STREAM_WINDOW};
@@ -114,6 +115,10 @@ where
         return debug!("stream reset before its response");
     };
     let (mut head, body) = response.into_parts();
+    if let Err(e) = super::head::unwire(&mut head) {
+        debug!(error = %e, "a response head made for the multiplexer does not parse");
+        return respond.send_reset(Reason::INTERNAL_ERROR);
+    }
     let eos = ready_head(&mut head, &body);
     let tx = match respond.send_response(Response::from_parts(head, ()), eos) {
         Ok(tx) => tx,
@@ -264,8 +269,14 @@ where
         return debug!("stream reset before its response");
     };
     let (mut head, body) = response.into_parts();
-    let eos = ready_head(&mut head, &body);
-    let block = super::head::encode_response(&head);
+    // A head read as text is sent as it came (its body's length is in it).
+    let (block, eos) = match head.extensions.remove::<WireHead>() {
+        Some(WireHead(block)) => (block, body.is_end_stream()),
+        None => {
+            let eos = ready_head(&mut head, &body);
+            (super::head::encode_response(&head), eos)
+        }
+    };
     if let Err(e) = stream.send_head(block, eos).await {
         debug!(error = %e, "sending a response head failed");
         return stream.reset(u32::from(Reason::INTERNAL_ERROR));
@@ -312,6 +323,31 @@ mod tests {
 
     fn get(path: &str) -> Request<BoxBody> {
         Request::builder().uri(format!("https://app.test{path}")).body(body::empty()).unwrap()
+    }
+
+    /// A head the agent's HTTP/1 client read goes out as it came on the
+    /// multiplexer, and as fields on h2.
+    #[tokio::test]
+    async fn a_head_made_for_the_wire_is_sent_on_either_wire() {
+        for wire in Wire::ALL {
+            eprintln!("wire: {wire:?}");
+            let (send, _stop, _) = tunnel(wire, |_req| async {
+                let mut r = Response::new(body::full("hello"));
+                *r.status_mut() = StatusCode::CREATED;
+                let block =
+                    b"HTTP/1.1 201 \r\nX-Kept: 2\r\nx-many: 1\r\nX-Many: 2\r\nContent-Length: 5\r\n\r\n";
+                r.extensions_mut().insert(WireHead(Bytes::from_static(block)));
+                r
+            })
+            .await;
+            let resp = send.send(get("/")).await.unwrap();
+            assert_eq!(resp.status(), StatusCode::CREATED);
+            let h = resp.headers();
+            assert_eq!(h.get("x-kept").unwrap(), "2");
+            assert_eq!(h.get_all("x-many").iter().collect::<Vec<_>>(), ["1", "2"]);
+            assert_eq!(h.get(header::CONTENT_LENGTH).unwrap(), "5");
+            assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), "hello");
+        }
     }
 
     #[tokio::test]
