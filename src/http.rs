@@ -32,20 +32,23 @@ pub fn is_hop_by_hop(name: &HeaderName) -> bool {
     is_hop_by_hop_name(name.as_str().as_bytes())
 }
 
-/// [`is_hop_by_hop`] for a name as a head's text has it, in any case. One
-/// comparison at most: every head's every name goes through here.
+/// [`is_hop_by_hop`] for a name as a head's text has it, in any case. Every
+/// head's every name goes through here: its length and first letter rule
+/// out all but one candidate, and most names at once.
 pub fn is_hop_by_hop_name(name: &[u8]) -> bool {
-    let first = name.first().map(u8::to_ascii_lowercase);
+    let Some(first) = name.first().map(u8::to_ascii_lowercase) else {
+        return false;
+    };
     let hop: &[u8] = match (name.len(), first) {
-        (2, _) => b"te",
-        (7, Some(b't')) => b"trailer",
-        (7, _) => b"upgrade",
-        (10, Some(b'c')) => b"connection",
-        (10, _) => b"keep-alive",
-        (16, _) => b"proxy-connection",
-        (17, _) => b"transfer-encoding",
-        (18, _) => b"proxy-authenticate",
-        (19, _) => b"proxy-authorization",
+        (2, b't') => b"te",
+        (7, b't') => b"trailer",
+        (7, b'u') => b"upgrade",
+        (10, b'c') => b"connection",
+        (10, b'k') => b"keep-alive",
+        (16, b'p') => b"proxy-connection",
+        (17, b't') => b"transfer-encoding",
+        (18, b'p') => b"proxy-authenticate",
+        (19, b'p') => b"proxy-authorization",
         _ => return false,
     };
     name.eq_ignore_ascii_case(hop)
