@@ -31,6 +31,10 @@ pub enum HeadError {
     Trailing,
     #[error("the head's {0} is not valid")]
     Invalid(&'static str),
+    /// More field lines than room was made for: only the first, stack-sized
+    /// try sees it (the second has room for every line).
+    #[error("the head has more fields than lines")]
+    TooManyFields,
 }
 
 impl HeadError {
@@ -141,14 +145,20 @@ pub fn response_list_size(head: &response::Parts) -> usize {
 /// Field lines a head usually has at most: room for them on the stack.
 const STACK_FIELDS: usize = 32;
 
-/// Runs `parse` with room for every field line `block` can hold: on the
-/// stack for a usual head, on the heap past [`STACK_FIELDS`] lines.
-fn with_slots<'b, R>(block: &'b [u8], parse: impl FnOnce(&mut [httparse::Header<'b>]) -> R) -> R {
-    let lines = block.iter().filter(|&&c| c == b'\n').count();
-    if lines <= STACK_FIELDS {
-        parse(&mut [httparse::EMPTY_HEADER; STACK_FIELDS])
-    } else {
-        parse(&mut vec![httparse::EMPTY_HEADER; lines])
+/// Runs `parse` with room for [`STACK_FIELDS`] field lines on the stack,
+/// and again with room on the heap for every line of `block` when that was
+/// not enough (counting the lines first cost every head a pass over its
+/// bytes).
+fn with_slots<'b, R>(
+    block: &'b [u8],
+    mut parse: impl FnMut(&mut [httparse::Header<'b>]) -> Result<R, HeadError>,
+) -> Result<R, HeadError> {
+    match parse(&mut [httparse::EMPTY_HEADER; STACK_FIELDS]) {
+        Err(HeadError::TooManyFields) => {
+            let lines = block.iter().filter(|&&c| c == b'\n').count();
+            parse(&mut vec![httparse::EMPTY_HEADER; lines])
+        }
+        done => done,
     }
 }
 
@@ -157,6 +167,7 @@ fn complete(status: httparse::Result<usize>, block: &[u8]) -> Result<(), HeadErr
         Ok(httparse::Status::Complete(n)) if n == block.len() => Ok(()),
         Ok(httparse::Status::Complete(_)) => Err(HeadError::Trailing),
         Ok(httparse::Status::Partial) => Err(HeadError::Incomplete),
+        Err(httparse::Error::TooManyHeaders) => Err(HeadError::TooManyFields),
         Err(e) => Err(HeadError::Parse(e.to_string())),
     }
 }
@@ -213,6 +224,7 @@ pub fn decode_trailers(block: &Bytes) -> Result<HeaderMap, HeadError> {
         Ok(httparse::Status::Complete((n, fields))) if n == block.len() => header_map(block, fields),
         Ok(httparse::Status::Complete(_)) => Err(HeadError::Trailing),
         Ok(httparse::Status::Partial) => Err(HeadError::Incomplete),
+        Err(httparse::Error::TooManyHeaders) => Err(HeadError::TooManyFields),
         Err(e) => Err(HeadError::Parse(e.to_string())),
     })
 }
