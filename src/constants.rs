@@ -59,14 +59,22 @@ pub mod names {
     /// The names the edge puts on every tunnelled request, and those of the
     /// wire: parsed back from a head, they are these statics (no copy of
     /// the name for each request, as a name outside the standard ones gets).
+    /// A `match`: its length switch rules most names out at once, where a
+    /// scan of the statics took ~100 instructions a field.
     pub fn known(name: &[u8]) -> Option<&'static HeaderName> {
-        // Most fields are neither: one look at the start, not a scan.
-        if !name.starts_with(b"x-forwarded-") && !name.starts_with(b"culvert-") {
-            return None;
-        }
-        KNOWN.into_iter().find(|known| known.as_str().as_bytes() == name)
+        Some(match name {
+            b"x-forwarded-for" => &X_FORWARDED_FOR,
+            b"x-forwarded-proto" => &X_FORWARDED_PROTO,
+            b"x-forwarded-host" => &X_FORWARDED_HOST,
+            b"x-forwarded-port" => &X_FORWARDED_PORT,
+            b"culvert-stream" => &STREAM,
+            b"culvert-status" => &STATUS,
+            b"culvert-error" => &ERROR,
+            _ => return None,
+        })
     }
 
+    #[cfg(test)]
     static KNOWN: [&HeaderName; 7] = [
         &X_FORWARDED_FOR,
         &X_FORWARDED_PROTO,
@@ -85,6 +93,7 @@ pub mod names {
         }
         assert_eq!(known(b"x-forwarded-other"), None);
         assert_eq!(known(b"content-type"), None);
+        assert_eq!(known(b"X-Forwarded-For"), None, "the wire's own names are lower case");
     }
 }
 
