@@ -134,14 +134,21 @@ enum Link {
 }
 
 /// A request that failed, and the request itself when the connection never
-/// took it (it was closing): it can be placed on another connection.
+/// took it (it was closing): it can be placed on another connection. A
+/// request without a body that was sent but got no answer leaves its head
+/// ([`SendError::take_replay`]), so that it can be placed again too.
 #[derive(Debug)]
 pub struct SendError {
     error: StreamError,
     request: Option<Request<BoxBody>>,
+    replay: Option<http::request::Parts>,
 }
 
 impl SendError {
+    fn new(error: StreamError) -> SendError {
+        SendError { error, request: None, replay: None }
+    }
+
     pub fn error(&self) -> &StreamError {
         &self.error
     }
@@ -149,6 +156,14 @@ impl SendError {
     /// The request, if it was never sent.
     pub fn take_message(&mut self) -> Option<Request<BoxBody>> {
         self.request.take()
+    }
+
+    /// The head of a request sent without a body that got no answer: the
+    /// caller decides whether it may go out again. The multiplexer's end
+    /// keeps the head it sent anyway; h2's send takes it, so it is copied
+    /// there, for bodiless requests only.
+    pub fn take_replay(&mut self) -> Option<http::request::Parts> {
+        self.replay.take()
     }
 }
 
@@ -176,12 +191,16 @@ impl Sender {
         };
         // Fails only when the connection is closing; the request goes back.
         if let Err(error) = std::future::poll_fn(|cx| send.poll_ready(cx)).await {
-            return Err(SendError { error: error.into(), request: Some(Request::from_parts(head, body)) });
+            let request = Some(Request::from_parts(head, body));
+            return Err(SendError { request, ..SendError::new(error.into()) });
         }
         let eos = body.is_end_stream();
-        let (response, body_tx) = send
-            .send_request(Request::from_parts(head, ()), eos)
-            .map_err(|error| SendError { error: error.into(), request: None })?;
+        let replay = eos.then(|| head.clone());
+        let unanswered = |error: h2::Error, replay| SendError { replay, ..SendError::new(error.into()) };
+        let (response, body_tx) = match send.send_request(Request::from_parts(head, ()), eos) {
+            Ok(sent) => sent,
+            Err(error) => return Err(unanswered(error, replay)),
+        };
         let mut cancel = None;
         if !eos {
             let mut pipe = Pipe::new(body, body_tx);
@@ -196,8 +215,10 @@ impl Sender {
         if let Some(mut c) = cancel {
             c.0 = None;
         }
-        let (head, recv) =
-            response.map_err(|error| SendError { error: error.into(), request: None })?.into_parts();
+        let (head, recv) = match response {
+            Ok(response) => response.into_parts(),
+            Err(error) => return Err(unanswered(error, replay)),
+        };
         let body = RecvBody::new(recv, &head.headers);
         Ok(Response::from_parts(head, body))
     }
@@ -219,10 +240,10 @@ async fn send_mux(
             // A head too large goes nowhere else either.
             let request =
                 (e.kind() != std::io::ErrorKind::InvalidInput).then(|| Request::from_parts(head, body));
-            return Err(SendError { error: e.into(), request });
+            return Err(SendError { request, ..SendError::new(e.into()) });
         }
     };
-    let (mut recv, send) = stream.split();
+    let (recv, send) = stream.split();
     let mut cancel = None;
     if !eos {
         let (send, canceller) = send.split();
@@ -244,24 +265,32 @@ async fn send_mux(
             );
         }
     }
-    let failed = |error| SendError { error, request: None };
+    // A bodiless request's head is still here: it can be placed again.
+    response_of(recv, cancel)
+        .await
+        .map_err(|error| SendError { replay: eos.then_some(head), ..SendError::new(error) })
+}
+
+/// The first header block back on a stream, as the response head; `cancel`
+/// (dropped armed when none comes) resets the stream's body task.
+async fn response_of(
+    mut recv: mux::Stream,
+    cancel: Option<CancelOnDrop>,
+) -> Result<Response<RecvBody>, StreamError> {
+    let invalid =
+        |e: crate::BoxError| StreamError::from(std::io::Error::new(std::io::ErrorKind::InvalidData, e));
     let block = match recv.recv_chunk().await {
         Ok(Some(mux::Chunk::Head(block))) => block,
-        Ok(_) => {
-            let e = std::io::Error::new(std::io::ErrorKind::InvalidData, "the agent answered without a head");
-            return Err(failed(e.into()));
-        }
-        Err(e) => return Err(failed(super::stream::mux_error(&recv, e))),
+        Ok(_) => return Err(invalid("the agent answered without a head".into())),
+        Err(e) => return Err(super::stream::mux_error(&recv, e)),
     };
     if let Some(mut c) = cancel {
         c.0 = None;
     }
-    let head = super::head::decode_response(&block)
-        .map_err(|e| failed(std::io::Error::new(std::io::ErrorKind::InvalidData, e).into()))?;
+    let head = super::head::decode_response(&block).map_err(|e| invalid(e.into()))?;
     // Held to h2's limit here too.
     if super::head::response_list_size(&head) > MAX_HEADER_LIST as usize {
-        let e = std::io::Error::new(std::io::ErrorKind::InvalidData, "the response head is over 16 KiB");
-        return Err(failed(e.into()));
+        return Err(invalid("the response head is over 16 KiB".into()));
     }
     let body = RecvBody::mux(recv, &head.headers);
     Ok(Response::from_parts(head, body))
@@ -458,6 +487,46 @@ mod tests {
             let (_, got, _) = seen.await.expect("the agent's end saw the body end").unwrap();
             assert!(got.is_err(), "the stream was reset, not ended: {got:?}");
             drop(tx);
+        }
+    }
+
+    /// A request the agent's end took, whose connection then went: one
+    /// without a body leaves its head, to be placed again on another
+    /// connection; one with a body does not (its bytes are gone).
+    #[tokio::test]
+    async fn a_bodiless_request_that_got_no_answer_leaves_its_head() {
+        for wire in Wire::ALL {
+            for with_body in [false, true] {
+                eprintln!("wire: {wire:?}, with a body: {with_body}");
+                let (client, server) = tokio::io::duplex(64 * 1024);
+                let (took_tx, mut took) = mpsc::unbounded_channel::<()>();
+                let agent = tokio::spawn(async move {
+                    let svc = move |_req| {
+                        let _ = took_tx.send(());
+                        std::future::pending::<Response<BoxBody>>()
+                    };
+                    let _ =
+                        crate::tunnel::server::serve_wire(server, wire, svc, std::future::pending()).await;
+                });
+                let (send, conn) = start(client, wire).await.unwrap();
+                tokio::spawn(conn);
+                let body = if with_body { body::full("upload") } else { body::empty() };
+                let sending = tokio::spawn(async move { send.send(request(Method::GET, body)).await });
+                took.recv().await.expect("the agent's end took the request");
+                agent.abort();
+                let mut err = sending.await.unwrap().expect_err("no answer came");
+                assert!(err.take_message().is_none(), "it was sent");
+                match err.take_replay() {
+                    Some(head) => {
+                        assert!(!with_body);
+                        assert_eq!(
+                            (head.method, head.uri.to_string()),
+                            (Method::GET, "https://app.test/x".into())
+                        );
+                    }
+                    None => assert!(with_body, "a bodiless request leaves its head"),
+                }
+            }
         }
     }
 

@@ -489,10 +489,9 @@ async fn proxy(
     tunnel.request();
     let (bytes_in, bytes_out) = (counters.inbound, counters.outbound);
     // A request without a body can be placed again on another connection if
-    // the first one refused it (an agent draining at that very moment); an
-    // upgrade gets its request back from a refusal (its body is fed later).
-    let replay = (upgrade.is_none() && incoming.is_end_stream())
-        .then(|| (parts.method.clone(), parts.uri.clone(), parts.headers.clone()));
+    // the first one refused it (an agent draining at that very moment): the
+    // tunnel's sender keeps its head (`retry::send`). An upgrade gets its
+    // request back from a refusal (its body is fed later).
     // What the client uploads is charged to the tunnel connection's budget.
     let slot = BudgetSlot::default();
     let (tunnel_body, upgrade_tx) = if upgrade.is_some() {
@@ -504,7 +503,7 @@ async fn proxy(
         (body::boxed(Budgeted::new(Counted::new(incoming, bytes_in), slot.clone())), None)
     };
     let request = Request::from_parts(parts, tunnel_body);
-    let (resp, guard) = match retry::send(&edge, reservation, host, request, replay, &tunnel, &slot).await {
+    let (resp, guard) = match retry::send(&edge, reservation, host, request, &tunnel, &slot).await {
         Ok(x) => x,
         Err(page) => return page,
     };

@@ -1,8 +1,7 @@
 //! Placing one request on a connection of the tunnel, and again on another
 //! connection when the first refused it.
 
-use http::header::HeaderMap;
-use http::{Method, Request, Response, StatusCode, Uri};
+use http::{Request, Response, StatusCode};
 use tracing::debug;
 
 use crate::api::{Protocol, Reservation};
@@ -17,22 +16,19 @@ use crate::tunnel::stream::RecvBody;
 /// Attempts to place one request on a connection before answering 502.
 const MAX_ATTEMPTS: usize = 3;
 
-/// The head of a request without a body, to build it again for another
-/// connection.
-pub(super) type Replay = (Method, Uri, HeaderMap);
-
 /// Sends `request` on the connection of `reservation`'s HTTP agents with the
 /// fewest open streams. A connection that refuses it (an agent draining at
 /// that very moment) is skipped and the request placed on another, up to
-/// [`MAX_ATTEMPTS`]: with the request the connection hands back, or else one built
-/// from `replay`. The request's body charges the `budget` of the connection
-/// it is placed on. Fails with the 502 page to answer (counted in `tunnel`).
+/// [`MAX_ATTEMPTS`]: with the request the connection hands back, or else, for
+/// a request without a body, one built again from the head it sent
+/// ([`SendError::take_replay`](crate::tunnel::client::SendError::take_replay)).
+/// The request's body charges the `budget` of the connection it is placed on.
+/// Fails with the 502 page to answer (counted in `tunnel`).
 pub(super) async fn send(
     edge: &Edge,
     reservation: &Reservation,
     host: &str,
     mut request: Request<BoxBody>,
-    replay: Option<Replay>,
     tunnel: &TunnelCounters,
     budget: &BudgetSlot,
 ) -> Result<(Response<RecvBody>, StreamGuard), Response<BoxBody>> {
@@ -60,16 +56,10 @@ pub(super) async fn send(
             Ok(resp) => return Ok((resp, guard.with_slot(slot.take().expect("taken once")))),
             Err(mut e) => {
                 debug!(error = %error_chain(e.error()), conn = guard.conn().id, "stream failed");
-                let again = match (e.take_message(), &replay) {
-                    (Some(r), _) => Some(r),
-                    (None, Some(head)) => {
-                        let mut r = Request::new(body::empty());
-                        (*r.method_mut(), *r.uri_mut(), *r.headers_mut()) = head.clone();
-                        *r.version_mut() = http::Version::HTTP_2;
-                        Some(r)
-                    }
-                    (None, None) => None,
-                };
+                let again = e.take_message().or_else(|| {
+                    let head = e.take_replay()?;
+                    Some(Request::from_parts(head, body::empty()))
+                });
                 match again {
                     Some(r) if tried.len() < MAX_ATTEMPTS => request = r,
                     _ => {
