@@ -38,10 +38,14 @@ pub(super) async fn send(
         return Err(error_page(StatusCode::SERVICE_UNAVAILABLE, host, reason));
     };
     let mut slot = Some(slot);
-    let mut tried = Vec::new();
+    // The connections tried, on the stack: a request is placed at most
+    // MAX_ATTEMPTS times.
+    let (mut tried, mut attempts) = ([0u64; MAX_ATTEMPTS], 0);
     loop {
-        let Some(guard) = edge.registry.pick_or_wait(&reservation.id, Protocol::Http, &tried).await else {
-            let reason = if tried.is_empty() {
+        let Some(guard) =
+            edge.registry.pick_or_wait(&reservation.id, Protocol::Http, &tried[..attempts]).await
+        else {
+            let reason = if attempts == 0 {
                 tunnel.offline();
                 "the tunnel is offline: no agent is connected for this host"
             } else {
@@ -50,7 +54,8 @@ pub(super) async fn send(
             };
             return Err(error_page(StatusCode::BAD_GATEWAY, host, reason));
         };
-        tried.push(guard.conn().id);
+        tried[attempts] = guard.conn().id;
+        attempts += 1;
         budget.set(guard.conn().budget.clone());
         match guard.conn().sender.send(request).await {
             Ok(resp) => return Ok((resp, guard.with_slot(slot.take().expect("taken once")))),
@@ -61,7 +66,7 @@ pub(super) async fn send(
                     Some(Request::from_parts(head, body::empty()))
                 });
                 match again {
-                    Some(r) if tried.len() < MAX_ATTEMPTS => request = r,
+                    Some(r) if attempts < MAX_ATTEMPTS => request = r,
                     _ => {
                         tunnel.answered(StatusCode::BAD_GATEWAY);
                         let reason = format!("the tunnel failed: {}", error_chain(e.error()));

@@ -27,6 +27,9 @@ use crate::tunnel::stream::RecvBody;
 /// the request goes on as a plain request, its `Upgrade` dropped with the
 /// other hop-by-hop headers.
 pub(crate) fn upgrade_of<B>(req: &Request<B>, allowed: &[String]) -> Option<HeaderValue> {
+    // `Upgrade` first: most requests have none, and need no other lookup.
+    let mut values = req.headers().get_all(header::UPGRADE).iter();
+    let (value, None) = (values.next()?, values.next()) else { return None };
     let connection_upgrade = req
         .headers()
         .get_all(header::CONNECTION)
@@ -34,8 +37,6 @@ pub(crate) fn upgrade_of<B>(req: &Request<B>, allowed: &[String]) -> Option<Head
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
         .any(|t| t.trim().eq_ignore_ascii_case("upgrade"));
-    let mut values = req.headers().get_all(header::UPGRADE).iter();
-    let (value, None) = (values.next()?, values.next()) else { return None };
     let all_allowed = value.to_str().ok()?.split(',').map(str::trim).all(|t| is_allowed(t, allowed));
     (connection_upgrade && all_allowed).then(|| value.clone())
 }
