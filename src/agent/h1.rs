@@ -22,7 +22,7 @@ use std::io::{self, IoSlice};
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
-use bytes::{Buf, BufMut, Bytes, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Response, StatusCode, Version};
 use hyper::body::{Body, Frame, SizeHint};
@@ -501,13 +501,10 @@ fn parse_head(buf: &mut BytesMut, head_request: bool) -> Result<Option<Head>, Er
             continue;
         }
         let mut framing = FramingHeaders::default();
-        let mut lists_names = false;
         for h in resp.headers.iter() {
             framing.see(h.name.as_bytes(), h.value)?;
-            lists_names |= h.name.eq_ignore_ascii_case("connection")
-                && crate::http::connection_listed(h.value).next().is_some();
         }
-        let block = wire_head(status, resp.headers, lists_names);
+        let block = wire_head(status, resp.headers, framing.lists_names);
         buf.advance(len);
         let body = framing.decoder(status, head_request);
         // Both framings at once: the body is chunked, and the connection
@@ -530,23 +527,12 @@ fn wire_head(status: StatusCode, fields: &[httparse::Header<'_>], lists_names: b
             .filter(|h| h.name.eq_ignore_ascii_case("connection"))
             .any(|h| crate::http::connection_listed(h.value).any(|listed| listed.eq_ignore_ascii_case(name)))
     };
-    let size = fields.iter().map(|h| h.name.len() + h.value.len() + 4).sum::<usize>();
-    let mut block = BytesMut::with_capacity(17 + size);
-    block.put_slice(b"HTTP/1.1 ");
-    block.put_slice(status.as_str().as_bytes());
-    block.put_slice(b" \r\n");
-    for h in fields {
-        let name = h.name.as_bytes();
-        if is_hop_by_hop_name(name) || (lists_names && listed(name)) {
-            continue;
-        }
-        block.put_slice(name);
-        block.put_slice(b": ");
-        block.put_slice(h.value);
-        block.put_slice(b"\r\n");
-    }
-    block.put_slice(b"\r\n");
-    block.freeze()
+    let len = fields.iter().map(|h| h.name.len() + h.value.len() + 4).sum::<usize>() + 2;
+    let kept = fields
+        .iter()
+        .map(|h| (h.name.as_bytes(), h.value))
+        .filter(|&(name, _)| !(is_hop_by_hop_name(name) || (lists_names && listed(name))));
+    crate::tunnel::head::response_text(status, len, kept)
 }
 
 /// What a response head says of its body's framing and its connection,
@@ -555,6 +541,8 @@ fn wire_head(status: StatusCode, fields: &[httparse::Header<'_>], lists_names: b
 struct FramingHeaders {
     /// `Connection: close`.
     close: bool,
+    /// A `Connection` that lists header names (they are not forwarded).
+    lists_names: bool,
     /// Whether the last transfer coding is `chunked`, when there is one.
     transfer_encoding: Option<bool>,
     length: Option<u64>,
@@ -577,6 +565,7 @@ impl FramingHeaders {
         } else if name.eq_ignore_ascii_case(b"connection") {
             self.close |=
                 text().is_some_and(|v| v.split(',').any(|t| t.trim().eq_ignore_ascii_case("close")));
+            self.lists_names |= crate::http::connection_listed(value).next().is_some();
         }
         Ok(())
     }

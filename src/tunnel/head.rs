@@ -44,10 +44,15 @@ impl HeadError {
 }
 
 fn put_headers(b: &mut BytesMut, headers: &HeaderMap) {
-    for (name, value) in headers {
-        b.put_slice(name.as_str().as_bytes());
+    put_fields(b, headers.iter().map(|(n, v)| (n.as_str().as_bytes(), v.as_bytes())));
+}
+
+/// Field lines, `name: value`, and the head's end.
+fn put_fields<'a>(b: &mut BytesMut, fields: impl IntoIterator<Item = (&'a [u8], &'a [u8])>) {
+    for (name, value) in fields {
+        b.put_slice(name);
         b.put_slice(b": ");
-        b.put_slice(value.as_bytes());
+        b.put_slice(value);
         b.put_slice(b"\r\n");
     }
     b.put_slice(b"\r\n");
@@ -84,11 +89,23 @@ pub fn encode_request(head: &request::Parts) -> Bytes {
 }
 
 pub fn encode_response(head: &response::Parts) -> Bytes {
-    let mut b = BytesMut::with_capacity(15 + headers_len(&head.headers));
+    let fields = head.headers.iter().map(|(n, v)| (n.as_str().as_bytes(), v.as_bytes()));
+    response_text(head.status, headers_len(&head.headers), fields)
+}
+
+/// A response head as the multiplexer carries it, from its status and its
+/// fields as text (`len`: their size, field lines and end, room made at once):
+/// [`encode_response`], and the [`WireHead`] of a head read as text.
+pub fn response_text<'a>(
+    status: StatusCode,
+    len: usize,
+    fields: impl IntoIterator<Item = (&'a [u8], &'a [u8])>,
+) -> Bytes {
+    let mut b = BytesMut::with_capacity(15 + len);
     b.put_slice(b"HTTP/1.1 ");
-    b.put_slice(head.status.as_str().as_bytes());
+    b.put_slice(status.as_str().as_bytes());
     b.put_slice(b" \r\n");
-    put_headers(&mut b, &head.headers);
+    put_fields(&mut b, fields);
     b.freeze()
 }
 
@@ -162,9 +179,15 @@ fn with_slots<'b, R>(
     }
 }
 
-fn complete(status: httparse::Result<usize>, block: &[u8]) -> Result<(), HeadError> {
+/// What httparse made of the whole `block`, whose length (`parsed`) must be
+/// the block's own.
+fn complete<T>(
+    status: httparse::Result<T>,
+    parsed: impl Fn(&T) -> usize,
+    block: &[u8],
+) -> Result<T, HeadError> {
     match status {
-        Ok(httparse::Status::Complete(n)) if n == block.len() => Ok(()),
+        Ok(httparse::Status::Complete(done)) if parsed(&done) == block.len() => Ok(done),
         Ok(httparse::Status::Complete(_)) => Err(HeadError::Trailing),
         Ok(httparse::Status::Partial) => Err(HeadError::Incomplete),
         Err(httparse::Error::TooManyHeaders) => Err(HeadError::TooManyFields),
@@ -194,7 +217,7 @@ fn header_map(block: &Bytes, fields: &[httparse::Header<'_>]) -> Result<HeaderMa
 pub fn decode_request(block: &Bytes) -> Result<request::Parts, HeadError> {
     with_slots(block, |fields| {
         let mut req = httparse::Request::new(fields);
-        complete(req.parse(block), block)?;
+        complete(req.parse(block), |&n| n, block)?;
         let method = Method::from_bytes(req.method.unwrap_or_default().as_bytes())
             .map_err(|_| HeadError::Invalid("method"))?;
         let uri = Uri::from_maybe_shared(block.slice_ref(req.path.unwrap_or_default().as_bytes()))
@@ -209,7 +232,7 @@ pub fn decode_request(block: &Bytes) -> Result<request::Parts, HeadError> {
 pub fn decode_response(block: &Bytes) -> Result<response::Parts, HeadError> {
     with_slots(block, |fields| {
         let mut resp = httparse::Response::new(fields);
-        complete(resp.parse(block), block)?;
+        complete(resp.parse(block), |&n| n, block)?;
         let status =
             StatusCode::from_u16(resp.code.unwrap_or_default()).map_err(|_| HeadError::Invalid("status"))?;
         let headers = header_map(block, resp.headers)?;
@@ -220,12 +243,9 @@ pub fn decode_response(block: &Bytes) -> Result<response::Parts, HeadError> {
 }
 
 pub fn decode_trailers(block: &Bytes) -> Result<HeaderMap, HeadError> {
-    with_slots(block, |fields| match httparse::parse_headers(block, fields) {
-        Ok(httparse::Status::Complete((n, fields))) if n == block.len() => header_map(block, fields),
-        Ok(httparse::Status::Complete(_)) => Err(HeadError::Trailing),
-        Ok(httparse::Status::Partial) => Err(HeadError::Incomplete),
-        Err(httparse::Error::TooManyHeaders) => Err(HeadError::TooManyFields),
-        Err(e) => Err(HeadError::Parse(e.to_string())),
+    with_slots(block, |fields| {
+        let (_, fields) = complete(httparse::parse_headers(block, fields), |&(n, _)| n, block)?;
+        header_map(block, fields)
     })
 }
 
