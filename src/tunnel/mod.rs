@@ -119,7 +119,8 @@ pub(crate) fn advance(bufs: &mut std::collections::VecDeque<bytes::Bytes>, mut n
     }
 }
 
-/// What a tunnelled stream is, from the `culvert-stream` header.
+/// What a tunnelled stream is, from the `culvert-stream` header: a stream
+/// without one is a plain HTTP request (the edge sends none for those).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StreamKind {
     /// A plain HTTP request.

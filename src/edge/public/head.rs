@@ -114,16 +114,17 @@ pub(crate) fn rewrite_request(
     });
     let h = &mut parts.headers;
     // Room for what is added below at once, not one growth per insert.
-    h.reserve(6);
+    h.reserve(if upgrade.is_some() { 6 } else { 4 });
     h.insert(names::X_FORWARDED_PORT.clone(), HeaderValue::from(port));
     h.insert(names::X_FORWARDED_FOR.clone(), address_value(peer.ip()));
     h.insert(names::X_FORWARDED_PROTO.clone(), HeaderValue::from_static(scheme));
     if let Ok(v) = HeaderValue::from_maybe_shared(host) {
         h.insert(names::X_FORWARDED_HOST.clone(), v);
     }
-    let kind = if upgrade.is_some() { StreamKind::Upgrade } else { StreamKind::Http };
-    h.insert(names::STREAM.clone(), HeaderValue::from_static(kind.header_value()));
+    // A plain request goes without `culvert-stream` (an HTTP stream is what
+    // a stream without one is): one field less to write, decode and strip.
     if let Some(u) = upgrade {
+        h.insert(names::STREAM.clone(), HeaderValue::from_static(StreamKind::Upgrade.header_value()));
         h.insert(UPGRADE_HEADER, u.clone());
     }
     parts.uri = uri;
