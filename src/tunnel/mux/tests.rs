@@ -524,3 +524,20 @@ async fn an_answer_sent_whole_stands_when_the_rest_is_not_needed() {
     })
     .await;
 }
+
+/// Ids an opener gives (ascending, every other) and ids a peer could aim
+/// (multiples of a large power of two) spread over a table's buckets, as
+/// random hashes would: ~632 of 1024 buckets for 1024 keys.
+#[test]
+fn stream_ids_spread_over_the_buckets() {
+    let hash = IdHash::new();
+    let ids = |f: fn(u32) -> u32| (0..1024_u32).map(f).collect::<Vec<u32>>();
+    for (what, ids) in
+        [("odd", ids(|k| 2 * k + 1)), ("even", ids(|k| 2 * k + 2)), ("sparse", ids(|k| k << 20))]
+    {
+        let buckets: std::collections::HashSet<u64> =
+            ids.iter().map(|&id| hash.hash_one(id) & 1023).collect();
+        let n = buckets.len();
+        assert!(n > 550, "{what} ids fill {n} of 1024 buckets");
+    }
+}
