@@ -504,7 +504,7 @@ fn parse_head(buf: &mut BytesMut, head_request: bool) -> Result<Option<Head>, Er
         for h in resp.headers.iter() {
             framing.see(h.name.as_bytes(), h.value)?;
         }
-        let block = wire_head(status, resp.headers, framing.lists_names);
+        let block = wire_head(status, &buf[..len], resp.headers, framing.lists_names);
         buf.advance(len);
         let body = framing.decoder(status, head_request);
         // Both framings at once: the body is chunked, and the connection
@@ -517,22 +517,46 @@ fn parse_head(buf: &mut BytesMut, head_request: bool) -> Result<Option<Head>, Er
 }
 
 /// The head in the multiplexer's form ([`WireHead`]): the status line, then
-/// the fields as they came, without those of one hop (RFC 9110, section
-/// 7.6.1): the hop-by-hop ones, and those a `Connection` field lists
-/// (`lists_names`: whether one does).
-fn wire_head(status: StatusCode, fields: &[httparse::Header<'_>], lists_names: bool) -> Bytes {
+/// the field lines as they came (copied whole from `head`, a run of lines at
+/// a time), without those of one hop (RFC 9110, section 7.6.1): the
+/// hop-by-hop ones, and those a `Connection` field lists (`lists_names`:
+/// whether one does). Writing each kept field anew, name, `: `, value and
+/// line end, was four copies a field.
+fn wire_head(status: StatusCode, head: &[u8], fields: &[httparse::Header<'_>], lists_names: bool) -> Bytes {
     let listed = |name: &[u8]| {
         fields
             .iter()
             .filter(|h| h.name.eq_ignore_ascii_case("connection"))
             .any(|h| crate::http::connection_listed(h.value).any(|listed| listed.eq_ignore_ascii_case(name)))
     };
-    let len = fields.iter().map(|h| h.name.len() + h.value.len() + 4).sum::<usize>() + 2;
-    let kept = fields
-        .iter()
-        .map(|h| (h.name.as_bytes(), h.value))
-        .filter(|&(name, _)| !(is_hop_by_hop_name(name) || (lists_names && listed(name))));
-    crate::tunnel::head::response_text(status, len, kept)
+    let kept = fields.iter().filter(|h| {
+        let name = h.name.as_bytes();
+        !(is_hop_by_hop_name(name) || (lists_names && listed(name)))
+    });
+    crate::tunnel::head::response_text(status, head.len(), |b| {
+        let mut run = 0..0;
+        for line in kept.map(|h| field_line(head, h)) {
+            if line.start != run.end {
+                b.extend_from_slice(&head[run]);
+                run = line.start..line.start;
+            }
+            run.end = line.end;
+        }
+        b.extend_from_slice(&head[run]);
+    })
+}
+
+/// Where a field's line lies in the `head` httparse read it from: its name
+/// to its line end, inclusive. The line feed is looked for after the value
+/// (httparse has trimmed its trailing blanks; a value holds no line feed),
+/// not over the whole line, which cost more than the copies it saves.
+fn field_line(head: &[u8], h: &httparse::Header<'_>) -> std::ops::Range<usize> {
+    let offset = |s: &[u8]| s.as_ptr().addr() - head.as_ptr().addr();
+    let start = offset(h.name.as_bytes());
+    // An empty value's slice may lie anywhere: from the name's end then.
+    let from = if h.value.is_empty() { start + h.name.len() } else { offset(h.value) + h.value.len() };
+    let end = head[from..].iter().position(|&c| c == b'\n').map_or(head.len(), |n| from + n + 1);
+    start..end
 }
 
 /// What a response head says of its body's framing and its connection,
@@ -947,8 +971,16 @@ mod tests {
             connection: x-c,, Keep-Alive\r\nx-c: 3\r\nTE: x\r\n\r\n";
         let h = head(raw, false).unwrap().unwrap();
         assert!(!h.keep_alive);
-        assert_eq!(h.block, "HTTP/1.1 200 \r\nX-B: 2\r\nContent-Length: 0\r\n\r\n");
+        assert_eq!(h.block, "HTTP/1.1 200 \r\nX-B:2\r\nContent-Length: 0\r\n\r\n");
         assert_eq!(fields(&h).keys().map(|k| k.as_str()).collect::<Vec<_>>(), ["x-b", "content-length"]);
+        // Lines go on as they came: bare line feeds, spaces around values,
+        // empty values; runs of kept lines around the ones left out.
+        let raw = b"HTTP/1.1 404 Not Found\nX-A:  1 \nTE: x\r\nX-B:\r\nX-C: 3\nKeep-Alive: 1\nX-D: \t4\r\n\n";
+        let h = head(raw, false).unwrap().unwrap();
+        assert_eq!(h.block, "HTTP/1.1 404 \r\nX-A:  1 \nX-B:\r\nX-C: 3\nX-D: \t4\r\n\r\n");
+        let got = fields(&h);
+        let got: Vec<_> = got.iter().map(|(n, v)| (n.as_str(), v.to_str().unwrap())).collect();
+        assert_eq!(got, [("x-a", "1"), ("x-b", ""), ("x-c", "3"), ("x-d", "4")]);
         let h = head(b"HTTP/1.0 200 OK\r\nContent-Length: 1\r\n\r\n", false).unwrap().unwrap();
         assert!(!h.keep_alive);
         // Interim answers are skipped.

@@ -43,19 +43,20 @@ impl HeadError {
     }
 }
 
+/// Field lines, `name: value`, and the head's end.
 fn put_headers(b: &mut BytesMut, headers: &HeaderMap) {
-    put_fields(b, headers.iter().map(|(n, v)| (n.as_str().as_bytes(), v.as_bytes())));
+    put_fields(b, headers);
+    b.put_slice(b"\r\n");
 }
 
-/// Field lines, `name: value`, and the head's end.
-fn put_fields<'a>(b: &mut BytesMut, fields: impl IntoIterator<Item = (&'a [u8], &'a [u8])>) {
-    for (name, value) in fields {
-        b.put_slice(name);
+/// Field lines, `name: value`.
+fn put_fields(b: &mut BytesMut, headers: &HeaderMap) {
+    for (name, value) in headers {
+        b.put_slice(name.as_str().as_bytes());
         b.put_slice(b": ");
-        b.put_slice(value);
+        b.put_slice(value.as_bytes());
         b.put_slice(b"\r\n");
     }
-    b.put_slice(b"\r\n");
 }
 
 fn headers_len(headers: &HeaderMap) -> usize {
@@ -89,23 +90,20 @@ pub fn encode_request(head: &request::Parts) -> Bytes {
 }
 
 pub fn encode_response(head: &response::Parts) -> Bytes {
-    let fields = head.headers.iter().map(|(n, v)| (n.as_str().as_bytes(), v.as_bytes()));
-    response_text(head.status, headers_len(&head.headers), fields)
+    response_text(head.status, headers_len(&head.headers), |b| put_fields(b, &head.headers))
 }
 
-/// A response head as the multiplexer carries it, from its status and its
-/// fields as text (`len`: their size, field lines and end, room made at once):
+/// A response head as the multiplexer carries it: the status line, the
+/// field lines `fields` writes (each `name: value` and its line end, taken
+/// as they are) and the head's end. `len`: their size, room made at once.
 /// [`encode_response`], and the [`WireHead`] of a head read as text.
-pub fn response_text<'a>(
-    status: StatusCode,
-    len: usize,
-    fields: impl IntoIterator<Item = (&'a [u8], &'a [u8])>,
-) -> Bytes {
+pub fn response_text(status: StatusCode, len: usize, fields: impl FnOnce(&mut BytesMut)) -> Bytes {
     let mut b = BytesMut::with_capacity(15 + len);
     b.put_slice(b"HTTP/1.1 ");
     b.put_slice(status.as_str().as_bytes());
     b.put_slice(b" \r\n");
-    put_fields(&mut b, fields);
+    fields(&mut b);
+    b.put_slice(b"\r\n");
     b.freeze()
 }
 
