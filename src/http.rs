@@ -74,6 +74,11 @@ pub fn connection_listed(value: &[u8]) -> impl Iterator<Item = &[u8]> {
 /// Removes the headers the `Connection` header names (the rest of
 /// [`strip_hop_by_hop`] is [`is_hop_by_hop`]).
 pub fn strip_connection_listed(headers: &mut HeaderMap) {
+    // One lookup when there is none: gathering the names of none cost
+    // twice that.
+    if !headers.contains_key(header::CONNECTION) {
+        return;
+    }
     // The common values (`keep-alive`, `close`, `Upgrade`) name no header
     // that stays anyway: no name is made for them.
     let listed: Vec<HeaderName> = headers
@@ -91,8 +96,13 @@ pub fn strip_connection_listed(headers: &mut HeaderMap) {
 /// Hop-by-hop and culvert's own headers, in one pass: what neither side
 /// passes on, whichever way a head goes.
 pub fn strip_hop_by_hop_and_culvert(headers: &mut HeaderMap) {
-    strip_connection_listed(headers);
-    remove_headers(headers, |k| is_hop_by_hop(k) || is_culvert_header(k));
+    let drop = |k: &HeaderName| is_hop_by_hop(k) || is_culvert_header(k);
+    // As in `strip_hop_by_hop`: a head with none of them has no
+    // `Connection` either, and its one pass is all it costs.
+    if headers.keys().any(drop) {
+        strip_connection_listed(headers);
+        remove_headers(headers, drop);
+    }
 }
 
 /// Whether a header is one of culvert's own wire headers.
@@ -258,5 +268,33 @@ mod tests {
         // Nothing to remove: the map is left alone.
         remove_headers(&mut h, is_culvert_header);
         assert_eq!(h.len(), 1);
+    }
+
+    /// Both kinds in one call, and the names a `Connection` lists; a head
+    /// with none of them keeps every field.
+    #[test]
+    fn hop_by_hop_and_culvert_headers_are_stripped_together() {
+        let mut h = HeaderMap::new();
+        h.insert("x-kept", HeaderValue::from_static("1"));
+        h.insert("culvert-error", HeaderValue::from_static("x"));
+        h.insert(header::SERVER, HeaderValue::from_static("app"));
+        let untouched = h.clone();
+        h.remove("culvert-error");
+        let mut plain = h.clone();
+        strip_hop_by_hop_and_culvert(&mut plain);
+        assert_eq!(plain, h);
+        let mut h = untouched;
+        h.insert(header::CONNECTION, HeaderValue::from_static("keep-alive, X-Secret"));
+        h.insert("x-secret", HeaderValue::from_static("1"));
+        h.insert(header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
+        strip_hop_by_hop_and_culvert(&mut h);
+        let mut left: Vec<&str> = h.keys().map(HeaderName::as_str).collect();
+        left.sort_unstable();
+        assert_eq!(left, ["server", "x-kept"]);
+        // Only a culvert header: it goes too.
+        let mut h = HeaderMap::new();
+        h.insert("culvert-stream", HeaderValue::from_static("tcp"));
+        strip_hop_by_hop_and_culvert(&mut h);
+        assert!(h.is_empty());
     }
 }
