@@ -17,6 +17,7 @@ use crate::constants::{
 };
 use crate::tunnel::body::{self, BoxBody};
 use crate::tunnel::handshake::Refusal;
+use crate::tunnel::tls::KeepBuffers;
 use crate::tunnel::ws::{self, Control, WsStream};
 
 /// Refused handshakes: counted per source address, and logged at most once
@@ -60,7 +61,12 @@ fn header<B>(req: &Request<B>, name: impl header::AsHeaderName) -> Option<&str> 
 }
 
 /// Answers `GET /_culvert/v1/connect`.
-pub async fn accept(edge: Arc<Edge>, mut req: Request<Incoming>, peer: SocketAddr) -> Response<BoxBody> {
+pub async fn accept(
+    edge: Arc<Edge>,
+    mut req: Request<Incoming>,
+    peer: SocketAddr,
+    keep: KeepBuffers,
+) -> Response<BoxBody> {
     if let Some(left) = edge.refusals.per_address.blocked(peer.ip()) {
         return refuse(&edge, Refusal::TooManyRefusals { retry_in_seconds: left.as_secs().max(1) }, peer);
     }
@@ -134,6 +140,7 @@ pub async fn accept(edge: Arc<Edge>, mut req: Request<Incoming>, peer: SocketAdd
                 Ok(u) => u,
                 Err(e) => return warn!(error = %e, "agent upgrade failed"),
             };
+            keep.keep();
             let control = Arc::new(Control::default());
             let budget = edge.registry.tunnel_budget();
             let stream = WsStream::new(TokioIo::new(upgraded), ws::Role::Server, control.clone())

@@ -32,6 +32,7 @@ use std::future::poll_fn;
 use std::io::{self, IoSlice};
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll, ready};
 
 use rustls::client::{ClientConnectionData, UnbufferedClientConnection};
@@ -133,7 +134,7 @@ pub async fn connect<IO: AsyncRead + AsyncWrite + Unpin>(
     let conn = UnbufferedClientConnection::new(config, name).map_err(tls_error)?;
     let mut tls = TlsStream::new(io, conn, &[], extract);
     // Only the agent connects: to an edge, for a tunnel connection.
-    tls.b.keep = true;
+    tls.b.keep.keep();
     poll_fn(|cx| tls.poll_handshake(cx)).await?;
     Ok(tls)
 }
@@ -216,6 +217,18 @@ impl TxBuf {
     }
 }
 
+/// Tells a connection to keep its small buffers while it waits
+/// ([`TlsStream::keep_buffers`]): it carries a tunnel. A handle, because the
+/// edge learns that only once the connection went into hyper (an upgrade).
+#[derive(Debug, Clone, Default)]
+pub struct KeepBuffers(Arc<AtomicBool>);
+
+impl KeepBuffers {
+    pub fn keep(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
 #[derive(Default)]
 struct Buffers {
     /// TLS bytes read: `rx[rx_start..]` are not discarded yet.
@@ -247,11 +260,11 @@ struct Buffers {
     tx_quiet: u8,
     /// Small slices coalesced into one record.
     stage: Vec<u8>,
-    /// The small buffers stay while the connection waits: it is busy (the
-    /// agent's end of a tunnel, one per edge), where releasing them after
+    /// The small buffers stay while the connection waits: it carries a
+    /// tunnel, which is never idle for long, where releasing them after
     /// every burst allocated them again at the next (~1.3 k instructions a
     /// proxied request with glibc's allocator).
-    keep: bool,
+    keep: KeepBuffers,
     close_queued: bool,
 }
 
@@ -267,11 +280,12 @@ enum Stop {
 impl Buffers {
     /// Releases the buffers of a connection waiting for input: small ones at
     /// once (thousands of idle keep-alive connections hold none) unless it
-    /// [`keep`s](Buffers::keep) them, large ones after [`QUIET`] waits
+    /// [keeps](KeepBuffers) them, large ones after [`QUIET`] waits
     /// without bulk data (bulk data that pauses keeps them rather than
     /// allocating and zero-filling them again).
     fn release_idle(&mut self) {
-        let goes = |big: bool, quiet: u8| if big { quiet >= QUIET } else { !self.keep };
+        let keep = self.keep.0.load(Ordering::Relaxed);
+        let goes = |big: bool, quiet: u8| if big { quiet >= QUIET } else { !keep };
         self.rx_quiet = self.rx_quiet.saturating_add(1);
         if goes(self.rx_big, self.rx_quiet) && self.rx_start == self.rx.len() && self.pt_start == self.pt_end
         {
@@ -488,6 +502,12 @@ impl<IO, C: Endpoint> TlsStream<IO, C> {
         b.rx.reserve(RX_SMALL.max(prefix.len()));
         b.rx.extend_from_slice(prefix);
         TlsStream { io, conn: Conn::Rustls(conn), b, alpn: None, version: None, extract }
+    }
+
+    /// A handle that makes this connection keep its small buffers while
+    /// it waits, from then on.
+    pub fn keep_buffers(&self) -> KeepBuffers {
+        self.b.keep.clone()
     }
 
     /// The protocol agreed by ALPN.
@@ -1459,6 +1479,15 @@ mod tests {
             }
             let now = (c.b.rx.as_ptr(), c.b.rx.capacity(), c.b.tx.buf.as_ptr(), c.b.tx.buf.capacity());
             assert_eq!(now, kept, "{mode:?}: the client's buffers are the same ones");
+            // A server told through its handle (the edge, once a connection
+            // turned out to carry a tunnel) keeps them from then on.
+            s.keep_buffers().keep();
+            s.write_all(b"a small response").await.unwrap();
+            s.flush().await.unwrap();
+            c.read_exact(&mut [0u8; 16]).await.unwrap();
+            let pending = tokio::time::timeout(Duration::from_millis(20), s.read(&mut one)).await;
+            assert!(pending.is_err());
+            assert!(s.b.tx.buf.capacity() > 0, "{mode:?}: the server keeps its send buffer");
 
             // Bulk data, then waits.
             let (mut c, mut s) = pair(&pki, mode).await;

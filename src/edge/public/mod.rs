@@ -40,6 +40,7 @@ use crate::constants::{
 use crate::http::{error_page, text};
 use crate::tunnel::body::{self, BoxBody, Counted};
 use crate::tunnel::budget::{BudgetSlot, Budgeted};
+use crate::tunnel::tls::KeepBuffers;
 use head::request_host;
 
 // hyper's own builders rather than hyper-util's `auto`: the protocol is
@@ -131,6 +132,8 @@ async fn serve_tls(
         return debug!("answered an ACME TLS-ALPN-01 validation");
     }
     let h2 = tls.alpn_protocol() == Some(crate::tls::ALPN_H2);
+    // For an agent's upgrade: a tunnel keeps its buffers while it waits.
+    let keep = tls.keep_buffers();
     let slot = Arc::new(std::sync::Mutex::new(Slot { handshake: Some(_permit), class: None }));
     let first = Arc::new(FirstRequest::default());
     let serve = {
@@ -139,11 +142,12 @@ async fn serve_tls(
             first.arrived();
             let edge = edge.clone();
             let slot = slot.clone();
+            let keep = keep.clone();
             async move {
                 if let Some(refused) = take_slot(&edge, &slot, &req) {
                     return Ok::<_, Infallible>(refused);
                 }
-                Ok::<_, Infallible>(handle(edge, req, peer).await)
+                Ok::<_, Infallible>(handle(edge, req, peer, keep).await)
             }
         }
     };
@@ -407,7 +411,12 @@ fn redirect(edge: &Edge, req: &Request<Incoming>) -> Response<BoxBody> {
     r
 }
 
-async fn handle(edge: Arc<Edge>, req: Request<Incoming>, peer: SocketAddr) -> Response<BoxBody> {
+async fn handle(
+    edge: Arc<Edge>,
+    req: Request<Incoming>,
+    peer: SocketAddr,
+    keep: KeepBuffers,
+) -> Response<BoxBody> {
     if let Some((status, why)) = head::refuse_head(&req) {
         return text(status, &format!("{why}\n"));
     }
@@ -420,7 +429,7 @@ async fn handle(edge: Arc<Edge>, req: Request<Incoming>, peer: SocketAddr) -> Re
     }
     let path = req.uri().path();
     if path == CONNECT_PATH {
-        return super::agents::accept(edge, req, peer).await;
+        return super::agents::accept(edge, req, peer, keep).await;
     }
     if path.starts_with(API_PREFIX) {
         let resp = super::api::handle(&edge.api, req).await;
