@@ -243,7 +243,13 @@ pub fn root_store(ca_file: Option<&Path>) -> Result<rustls::RootCertStore, TlsEr
 /// The tunnel client's configuration: TLS 1.3 only, ALPN http/1.1 (the
 /// WebSocket upgrade is an HTTP/1.1 request).
 pub fn tunnel_client_config(ca_file: Option<&Path>) -> Result<Arc<rustls::ClientConfig>, TlsError> {
-    let mut config = rustls::ClientConfig::builder_with_provider(Arc::new(provider::default_provider()))
+    let mut provider = provider::default_provider();
+    // AES-128-GCM first (the edge takes the agent's order): TLS 1.3's
+    // mandatory suite, as Go and BoringSSL prefer it, and 10 AES rounds to
+    // AES-256's 14 on every byte the tunnel moves, its largest user-space
+    // cost in bulk (~2.6 of ~3.9 instructions a byte on each side).
+    provider.cipher_suites.sort_by_key(|s| s.suite() != rustls::CipherSuite::TLS13_AES_128_GCM_SHA256);
+    let mut config = rustls::ClientConfig::builder_with_provider(Arc::new(provider))
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(TlsError::Config)?
         .with_root_certificates(root_store(ca_file)?)
@@ -362,5 +368,20 @@ impl rustls::client::danger::ServerCertVerifier for AnyCertificate {
 
     fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
         self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The agent offers AES-128-GCM first, and the other suites after it.
+    #[test]
+    fn the_tunnel_offers_aes_128_gcm_first() {
+        use rustls::CipherSuite::*;
+        let config = super::tunnel_client_config(None).unwrap();
+        let offered: Vec<_> = config.crypto_provider().cipher_suites.iter().map(|s| s.suite()).collect();
+        assert_eq!(offered[0], TLS13_AES_128_GCM_SHA256, "{offered:?}");
+        for suite in [TLS13_AES_256_GCM_SHA384, TLS13_CHACHA20_POLY1305_SHA256] {
+            assert!(offered.contains(&suite), "{offered:?}");
+        }
     }
 }
