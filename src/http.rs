@@ -19,7 +19,7 @@ fn full(data: impl Into<Bytes>) -> BoxBody {
 /// names: most heads carry none of them, and one lookup per candidate name
 /// (each hashed, many parsed from a string first) was a few per cent of a
 /// proxied request's instructions on either side.
-pub fn remove_headers(headers: &mut HeaderMap, drop: impl Fn(&HeaderName) -> bool) {
+fn remove_headers(headers: &mut HeaderMap, drop: impl Fn(&HeaderName) -> bool) {
     // One name at a time, no list: a head rarely has more than one.
     while let Some(name) = headers.keys().find(|k| drop(k)).cloned() {
         headers.remove(name);
@@ -28,7 +28,7 @@ pub fn remove_headers(headers: &mut HeaderMap, drop: impl Fn(&HeaderName) -> boo
 
 /// Whether a header belongs to one hop (it is never forwarded), whatever the
 /// `Connection` header lists besides.
-pub fn is_hop_by_hop(name: &HeaderName) -> bool {
+fn is_hop_by_hop(name: &HeaderName) -> bool {
     is_hop_by_hop_name(name.as_str().as_bytes())
 }
 
@@ -54,12 +54,19 @@ pub fn is_hop_by_hop_name(name: &[u8]) -> bool {
     name.eq_ignore_ascii_case(hop)
 }
 
-/// Headers that belong to one hop and are never forwarded. A head with
-/// none of them (so no `Connection` either) costs one pass over its names.
+/// Headers that belong to one hop and are never forwarded.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    if headers.keys().any(is_hop_by_hop) {
+    strip_hop_by_hop_and(headers, |_| false);
+}
+
+/// The hop-by-hop headers, those a `Connection` lists, and those `also`
+/// picks. A head with none of them (so no `Connection` either) costs one
+/// pass over its names.
+pub fn strip_hop_by_hop_and(headers: &mut HeaderMap, also: impl Fn(&HeaderName) -> bool) {
+    let drop = |k: &HeaderName| is_hop_by_hop(k) || also(k);
+    if headers.keys().any(drop) {
         strip_connection_listed(headers);
-        remove_headers(headers, is_hop_by_hop);
+        remove_headers(headers, drop);
     }
 }
 
@@ -73,7 +80,7 @@ pub fn connection_listed(value: &[u8]) -> impl Iterator<Item = &[u8]> {
 
 /// Removes the headers the `Connection` header names (the rest of
 /// [`strip_hop_by_hop`] is [`is_hop_by_hop`]).
-pub fn strip_connection_listed(headers: &mut HeaderMap) {
+fn strip_connection_listed(headers: &mut HeaderMap) {
     // One lookup when there is none: gathering the names of none cost
     // twice that.
     if !headers.contains_key(header::CONNECTION) {
@@ -96,13 +103,7 @@ pub fn strip_connection_listed(headers: &mut HeaderMap) {
 /// Hop-by-hop and culvert's own headers, in one pass: what neither side
 /// passes on, whichever way a head goes.
 pub fn strip_hop_by_hop_and_culvert(headers: &mut HeaderMap) {
-    let drop = |k: &HeaderName| is_hop_by_hop(k) || is_culvert_header(k);
-    // As in `strip_hop_by_hop`: a head with none of them has no
-    // `Connection` either, and its one pass is all it costs.
-    if headers.keys().any(drop) {
-        strip_connection_listed(headers);
-        remove_headers(headers, drop);
-    }
+    strip_hop_by_hop_and(headers, is_culvert_header);
 }
 
 /// Whether a header is one of culvert's own wire headers.

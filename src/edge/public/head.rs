@@ -13,9 +13,7 @@ use http::header::HeaderName;
 
 use crate::constants::{MAX_HEADER_BYTES, UPGRADE_HEADER, names};
 use crate::edge::routes::normalize_host;
-use crate::http::{
-    is_culvert_header, is_hop_by_hop, remove_headers, strip_connection_listed, strip_hop_by_hop_and_culvert,
-};
+use crate::http::{is_culvert_header, strip_hop_by_hop_and, strip_hop_by_hop_and_culvert};
 use crate::tunnel::StreamKind;
 
 /// The request's host: `:authority` (h2) or `Host` (HTTP/1.1).
@@ -108,9 +106,8 @@ pub(crate) fn rewrite_request(
     let uri = Uri::from_parts(uri).map_err(|_| BadTarget)?;
     // One pass drops hop-by-hop and culvert headers, the `Host` (the URI
     // carries it) and client-supplied forwarding headers: replaced, never trusted.
-    strip_connection_listed(&mut parts.headers);
-    remove_headers(&mut parts.headers, |k| {
-        is_hop_by_hop(k) || is_culvert_header(k) || k == header::HOST || is_client_address_header(k)
+    strip_hop_by_hop_and(&mut parts.headers, |k| {
+        is_culvert_header(k) || k == header::HOST || is_client_address_header(k)
     });
     let h = &mut parts.headers;
     // Room for what is added below at once, not one growth per insert.
