@@ -247,9 +247,12 @@ where
                         continue;
                     }
                     let body = RecvBody::mux(recv, &parts.headers);
-                    // Boxed, as in `serve`.
+                    // Boxed, as in `serve`; and the task's own future
+                    // too, about a kilobyte: spawning and finishing a task
+                    // moved it whole five times (~1.1 k instructions a
+                    // request, against one allocation and one move).
                     let response = Box::pin(service(Request::from_parts(parts, body)));
-                    tokio::spawn(answer_mux(response, send));
+                    tokio::spawn(Box::pin(answer_mux(response, send)));
                 }
                 // Ended, or going away and every stream taken: the
                 // connection ends once they are done.
