@@ -287,7 +287,7 @@ async fn rr_head() {
         tasks.push(tokio::spawn(async move {
             for _ in 0..RR / CONC {
                 let (req, ()) = request(false).header("content-length", "100").body(()).unwrap().into_parts();
-                let mut s = edge.open(head::encode_request(&req)).await.unwrap();
+                let mut s = edge.open(head::encode_request(&req, &head::Fields::default())).await.unwrap();
                 s.send(Bytes::from_static(&[b'q'; 100])).await.unwrap();
                 s.shutdown().await.unwrap();
                 let Some(mux::Chunk::Head(block)) = s.recv_chunk().await.unwrap() else { panic!("no head") };

@@ -378,9 +378,13 @@ fn check_public_head<B>(req: Request<B>) {
         .map(|t| t.trim().to_ascii_lowercase())
         .collect();
     let peer: SocketAddr = "203.0.113.9:40000".parse().expect("an address");
-    if head::rewrite_request(&mut parts, &host, peer, "https", 443, upgrade.as_ref()).is_err() {
+    let Ok(forwarding) = head::rewrite_request(&mut parts, &host, peer, "https", 443, upgrade.as_ref())
+    else {
         return; // answered 400
-    }
+    };
+    // What the agent gets: the head as the multiplexer carries it, read back.
+    let block = crate::tunnel::head::encode_request(&parts, &forwarding);
+    let parts = crate::tunnel::head::decode_request(&block).expect("the edge's head parses");
     assert_eq!(parts.uri.scheme_str(), Some("https"));
     assert_eq!(parts.uri.authority().map(|a| a.as_str()), Some(host.as_str()));
     assert_eq!(parts.uri.path_and_query().map(|p| p.as_str()), Some(pq.as_str()));

@@ -24,6 +24,7 @@ use tokio::sync::oneshot;
 use tracing::{Instrument, debug};
 
 use super::body::BoxBody;
+use super::head::Fields;
 use super::mux;
 use super::stream::{Pipe, RecvBody, StreamError};
 use crate::constants::{H2_CONN_WINDOW, H2_MAX_FRAME, H2_STREAM_WINDOW};
@@ -178,6 +179,16 @@ impl Sender {
     /// own, which ends with it (or resets the stream when this future is
     /// dropped before the response came).
     pub async fn send(&self, req: Request<BoxBody>) -> Result<Response<RecvBody>, SendError> {
+        self.send_with(req, &Fields::default()).await
+    }
+
+    /// [`send`](Self::send) with `extra` fields after the request's own. A
+    /// request or head handed back in an error is without them.
+    pub async fn send_with(
+        &self,
+        req: Request<BoxBody>,
+        extra: &Fields,
+    ) -> Result<Response<RecvBody>, SendError> {
         let (mut head, body) = req.into_parts();
         if let Some(len) = body.size_hint().exact()
             && (len != 0 || has_payload_semantics(&head.method))
@@ -187,7 +198,7 @@ impl Sender {
         }
         let mut send = match &self.link {
             Link::H2(send) => send.clone(),
-            Link::Mux(handle) => return send_mux(handle, head, body).await,
+            Link::Mux(handle) => return send_mux(handle, head, body, extra).await,
         };
         // Fails only when the connection is closing; the request goes back.
         if let Err(error) = std::future::poll_fn(|cx| send.poll_ready(cx)).await {
@@ -196,6 +207,7 @@ impl Sender {
         }
         let eos = body.is_end_stream();
         let replay = eos.then(|| head.clone());
+        extra.append_to(&mut head.headers);
         let unanswered = |error: h2::Error, replay| SendError { replay, ..SendError::new(error.into()) };
         let (response, body_tx) = match send.send_request(Request::from_parts(head, ()), eos) {
             Ok(sent) => sent,
@@ -232,9 +244,10 @@ async fn send_mux(
     handle: &mux::Handle,
     head: http::request::Parts,
     body: BoxBody,
+    extra: &Fields,
 ) -> Result<Response<RecvBody>, SendError> {
     let eos = body.is_end_stream();
-    let stream = match handle.open_with(super::head::encode_request(&head), eos).await {
+    let stream = match handle.open_with(super::head::encode_request(&head, extra), eos).await {
         Ok(stream) => stream,
         Err(e) => {
             // A head too large goes nowhere else either.
@@ -548,6 +561,43 @@ mod tests {
             let back = err.take_message().expect("the request comes back");
             assert_eq!(back.uri(), "https://app.test/x");
             assert_eq!(back.into_body().collect().await.unwrap().to_bytes(), "again");
+        }
+    }
+
+    /// The edge's forwarding fields reach the agent after the request's own,
+    /// on either wire; a request handed back is without them, as it came.
+    #[tokio::test]
+    async fn extra_fields_follow_the_requests_own() {
+        use crate::constants::names;
+        let mut extra = Fields::writer(64);
+        extra.field(&names::X_FORWARDED_FOR, b"203.0.113.9").field(&names::X_FORWARDED_PORT, b"443");
+        let extra = extra.finish();
+        for wire in Wire::ALL {
+            eprintln!("wire: {wire:?}");
+            let (send, mut seen) = tunnel(wire, body::empty).await;
+            let mut req = request(Method::GET, body::empty());
+            req.headers_mut().insert("x-own", HeaderValue::from_static("1"));
+            send.send_with(req, &extra).await.unwrap();
+            let (parts, _, _) = seen.recv().await.unwrap();
+            let fields: Vec<_> =
+                parts.headers.iter().map(|(n, v)| (n.as_str(), v.to_str().unwrap())).collect();
+            assert_eq!(
+                fields,
+                [("x-own", "1"), ("x-forwarded-for", "203.0.113.9"), ("x-forwarded-port", "443")]
+            );
+
+            let (client, server) = tokio::io::duplex(64 * 1024);
+            let agent = tokio::spawn(async move {
+                let svc = |_req| async { Response::new(body::empty()) };
+                let _ = crate::tunnel::server::serve_wire(server, wire, svc, std::future::ready(())).await;
+            });
+            let (send, conn) = start(client, wire).await.unwrap();
+            let _ = conn.await;
+            agent.await.unwrap();
+            let mut err = send.send_with(request(Method::POST, body::full("a")), &extra).await.unwrap_err();
+            let back = err.take_message().expect("the request comes back");
+            let names: Vec<_> = back.headers().keys().map(|n| n.as_str()).collect();
+            assert_eq!(names, ["content-length"], "{wire:?}");
         }
     }
 

@@ -63,15 +63,78 @@ fn headers_len(headers: &HeaderMap) -> usize {
     headers.iter().map(|(n, v)| n.as_str().len() + v.len() + 4).sum::<usize>() + 2
 }
 
-pub fn encode_request(head: &request::Parts) -> Bytes {
+/// Field lines a request's head carries after its own, as they are (`name:
+/// value` and the line end each): the edge's `X-Forwarded-*`, written as
+/// text once rather than inserted into the request's `HeaderMap` and written
+/// out of it again (four inserts, their values and their drops were ~2.5 k
+/// instructions of every proxied request). Empty for every other stream.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Fields(Bytes);
+
+impl Fields {
+    /// Fields written one by one, with room for `capacity` bytes made at once.
+    pub fn writer(capacity: usize) -> FieldsWriter {
+        FieldsWriter(BytesMut::with_capacity(capacity))
+    }
+
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Appends the fields to `headers`: for the h2 wire, which carries a map.
+    /// A writer's fields always parse (names are `HeaderName`s, values are
+    /// checked in debug builds).
+    pub fn append_to(&self, headers: &mut HeaderMap) {
+        if self.is_empty() {
+            return;
+        }
+        let mut block = BytesMut::with_capacity(self.0.len() + 2);
+        block.put_slice(&self.0);
+        block.put_slice(b"\r\n");
+        if let Ok(fields) = decode_trailers(&block.freeze()) {
+            for (name, value) in &fields {
+                headers.append(name.clone(), value.clone());
+            }
+        }
+    }
+}
+
+/// Writes [`Fields`].
+pub struct FieldsWriter(BytesMut);
+
+impl FieldsWriter {
+    /// One field line; `value` holds only what a field value may (checked in
+    /// debug builds, the fuzz targets' among them).
+    pub fn field(&mut self, name: &HeaderName, value: &[u8]) -> &mut Self {
+        debug_assert!(HeaderValue::from_bytes(value).is_ok(), "{name}: {value:?} is not a field value");
+        self.0.put_slice(name.as_str().as_bytes());
+        self.0.put_slice(b": ");
+        self.0.put_slice(value);
+        self.0.put_slice(b"\r\n");
+        self
+    }
+
+    pub fn finish(self) -> Fields {
+        Fields(self.0.freeze())
+    }
+}
+
+/// A request's head on the multiplexer: the request line, its fields, then
+/// `extra`'s.
+pub fn encode_request(head: &request::Parts, extra: &Fields) -> Bytes {
     // The URI as its `Display` writes it, without the formatting machinery.
     let uri = &head.uri;
     let scheme = uri.scheme_str().unwrap_or_default();
     let authority = uri.authority().map_or("", |a| a.as_str());
     let (path, query) = (uri.path(), uri.query());
     let uri_len = scheme.len() + 3 + authority.len() + path.len() + query.map_or(0, |q| q.len() + 1);
-    let mut b =
-        BytesMut::with_capacity(head.method.as_str().len() + uri_len + 12 + headers_len(&head.headers));
+    let mut b = BytesMut::with_capacity(
+        head.method.as_str().len() + uri_len + 12 + headers_len(&head.headers) + extra.0.len(),
+    );
     b.put_slice(head.method.as_str().as_bytes());
     b.put_u8(b' ');
     if !scheme.is_empty() {
@@ -85,7 +148,9 @@ pub fn encode_request(head: &request::Parts) -> Bytes {
         b.put_slice(query.as_bytes());
     }
     b.put_slice(b" HTTP/1.1\r\n");
-    put_headers(&mut b, &head.headers);
+    put_fields(&mut b, &head.headers);
+    b.put_slice(&extra.0);
+    b.put_slice(b"\r\n");
     b.freeze()
 }
 
@@ -266,7 +331,7 @@ mod tests {
             .body(())
             .unwrap();
         let (parts, ()) = req.into_parts();
-        let back = decode_request(&encode_request(&parts)).unwrap();
+        let back = decode_request(&encode_request(&parts, &Fields::default())).unwrap();
         assert_eq!((back.method, &back.uri, back.version), (Method::POST, &parts.uri, Version::HTTP_2));
         assert_eq!(back.headers, parts.headers);
 
@@ -285,7 +350,7 @@ mod tests {
         assert_eq!(decode_trailers(&encode_trailers(&HeaderMap::new())).unwrap(), HeaderMap::new());
 
         let (parts, ()) = http::Request::get("/").body(()).unwrap().into_parts();
-        assert_eq!(decode_request(&encode_request(&parts)).unwrap().uri, "/");
+        assert_eq!(decode_request(&encode_request(&parts, &Fields::default())).unwrap().uri, "/");
     }
 
     /// The request line's target is the URI as `Display` writes it.
@@ -295,7 +360,7 @@ mod tests {
         {
             let (parts, ()) = http::Request::get(uri).body(()).unwrap().into_parts();
             let line = format!("GET {} HTTP/1.1\r\n", parts.uri);
-            assert!(encode_request(&parts).starts_with(line.as_bytes()), "{uri}");
+            assert!(encode_request(&parts, &Fields::default()).starts_with(line.as_bytes()), "{uri}");
         }
     }
 
@@ -310,7 +375,7 @@ mod tests {
             req = req.header(format!("x-field-{i}"), format!("value {i}"));
         }
         let (parts, ()) = req.header(&names::STREAM, "http").body(()).unwrap().into_parts();
-        let block = encode_request(&parts);
+        let block = encode_request(&parts, &Fields::default());
         let back = decode_request(&block).unwrap();
         assert_eq!((&back.uri, &back.headers), (&parts.uri, &parts.headers));
         let value = back.headers[&names::X_FORWARDED_FOR].as_bytes().as_ptr_range();
@@ -321,6 +386,35 @@ mod tests {
             trailers.append("x-many", HeaderValue::from(i));
         }
         assert_eq!(decode_trailers(&encode_trailers(&trailers)).unwrap(), trailers);
+    }
+
+    /// Extra fields go after the request's own, as they were written, and
+    /// read back as the same fields into a map.
+    #[test]
+    fn extra_fields_follow_a_requests_own() {
+        let (parts, ()) = http::Request::get("https://app.example.com/")
+            .header("x-own", "1")
+            .body(())
+            .unwrap()
+            .into_parts();
+        let mut extra = Fields::writer(0);
+        extra.field(&names::X_FORWARDED_HOST, b"app.example.com").field(&names::X_FORWARDED_PROTO, b"https");
+        let extra = extra.finish();
+        assert_eq!(extra.as_bytes(), b"x-forwarded-host: app.example.com\r\nx-forwarded-proto: https\r\n");
+        let block = encode_request(&parts, &extra);
+        assert_eq!(
+            &block[..],
+            b"GET https://app.example.com/ HTTP/1.1\r\nx-own: 1\r\n\
+              x-forwarded-host: app.example.com\r\nx-forwarded-proto: https\r\n\r\n"
+        );
+        let mut headers = parts.headers.clone();
+        extra.append_to(&mut headers);
+        assert_eq!(decode_request(&block).unwrap().headers, headers);
+        assert_eq!(headers.len(), 3);
+        assert_eq!(
+            encode_request(&parts, &Fields::default()),
+            "GET https://app.example.com/ HTTP/1.1\r\nx-own: 1\r\n\r\n"
+        );
     }
 
     #[test]

@@ -15,6 +15,7 @@ use crate::constants::{MAX_HEADER_BYTES, UPGRADE_HEADER, names};
 use crate::edge::routes::normalize_host;
 use crate::http::{is_culvert_header, strip_hop_by_hop_and, strip_hop_by_hop_and_culvert};
 use crate::tunnel::StreamKind;
+use crate::tunnel::head::Fields;
 
 /// The request's host: `:authority` (h2) or `Host` (HTTP/1.1).
 pub(crate) fn request_host<B>(req: &Request<B>) -> Option<&str> {
@@ -76,11 +77,12 @@ fn head_len<B>(req: &Request<B>) -> usize {
     req.method().as_str().len() + target + " HTTP/1.1\r\n".len() + 1 + fields + 2
 }
 
-/// Rewrites a public request's head into the head of one h2 stream to an
-/// agent of `host`: the URI becomes `https://{host}{path and query}`,
-/// hop-by-hop and culvert headers are dropped, client-supplied forwarding
-/// headers are replaced by the edge's own, `Host` goes (the URI carries it),
-/// and the stream kind (and the upgrade asked for) is added. Fails when the
+/// Rewrites a public request's head into the head of one stream to an agent
+/// of `host`: the URI becomes `https://{host}{path and query}`, hop-by-hop
+/// and culvert headers are dropped, `Host` goes (the URI carries it), and the
+/// stream kind (and the upgrade asked for) is added. Client-supplied
+/// forwarding headers are dropped too: the edge's own are returned, as
+/// [`Fields`] the stream's head carries after the request's. Fails when the
 /// request target does not make a URI.
 pub(crate) fn rewrite_request(
     parts: &mut http::request::Parts,
@@ -89,7 +91,7 @@ pub(crate) fn rewrite_request(
     scheme: &'static str,
     port: u16,
     upgrade: Option<&HeaderValue>,
-) -> Result<(), BadTarget> {
+) -> Result<Fields, BadTarget> {
     let pq = parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
     // Origin form only: `OPTIONS *` (or `PRI *`) is about the edge, not a
     // tenant's backend, and `https://host*` would name another authority.
@@ -99,9 +101,9 @@ pub(crate) fn rewrite_request(
     // From its parts: the path is the request's own (parsed once, by hyper).
     let mut uri = http::uri::Parts::default();
     uri.scheme = Some(Scheme::HTTPS);
-    // One copy of the host for the URI and `X-Forwarded-Host`.
-    let host = bytes::Bytes::copy_from_slice(host.as_bytes());
-    uri.authority = Some(Authority::from_maybe_shared(host.clone()).map_err(|_| BadTarget)?);
+    let authority = Authority::from_maybe_shared(bytes::Bytes::copy_from_slice(host.as_bytes()))
+        .map_err(|_| BadTarget)?;
+    uri.authority = Some(authority);
     uri.path_and_query = Some(pq);
     let uri = Uri::from_parts(uri).map_err(|_| BadTarget)?;
     // One pass drops hop-by-hop and culvert headers, the `Host` (the URI
@@ -109,48 +111,62 @@ pub(crate) fn rewrite_request(
     strip_hop_by_hop_and(&mut parts.headers, |k| {
         is_culvert_header(k) || k == header::HOST || is_client_address_header(k)
     });
-    let h = &mut parts.headers;
-    // Room for what is added below at once, not one growth per insert.
-    h.reserve(if upgrade.is_some() { 6 } else { 4 });
-    h.insert(names::X_FORWARDED_PORT.clone(), HeaderValue::from(port));
-    h.insert(names::X_FORWARDED_FOR.clone(), address_value(peer.ip()));
-    h.insert(names::X_FORWARDED_PROTO.clone(), HeaderValue::from_static(scheme));
-    if let Ok(v) = HeaderValue::from_maybe_shared(host) {
-        h.insert(names::X_FORWARDED_HOST.clone(), v);
-    }
     // A plain request goes without `culvert-stream` (an HTTP stream is what
     // a stream without one is): one field less to write, decode and strip.
     if let Some(u) = upgrade {
+        let h = &mut parts.headers;
         h.insert(names::STREAM.clone(), HeaderValue::from_static(StreamKind::Upgrade.header_value()));
         h.insert(UPGRADE_HEADER, u.clone());
     }
     parts.uri = uri;
     parts.version = http::Version::HTTP_2;
-    Ok(())
+    // The host is a valid authority, so a valid field value.
+    let mut fields = Fields::writer(FORWARDING_LEN + host.len());
+    fields
+        .field(&names::X_FORWARDED_PORT, decimal(port, &mut [0; 5]))
+        .field(&names::X_FORWARDED_FOR, address_text(peer.ip(), &mut [0; 15]).as_ref())
+        .field(&names::X_FORWARDED_PROTO, scheme.as_bytes())
+        .field(&names::X_FORWARDED_HOST, host.as_bytes());
+    Ok(fields.finish())
 }
 
-/// An address as a header value; IPv4 written by hand (its `Display`, through
-/// the formatting machinery, was a fifth of `rewrite_request`).
-fn address_value(ip: IpAddr) -> HeaderValue {
+/// The bytes of the forwarding fields but the host's value, with room for
+/// an IPv6 address.
+const FORWARDING_LEN: usize = 4 * "x-forwarded-proto: \r\n".len() + 5 + 39 + 5;
+
+/// `n` in decimal, written into `buf`.
+fn decimal(mut n: u16, buf: &mut [u8; 5]) -> &[u8] {
+    let mut at = buf.len();
+    loop {
+        at -= 1;
+        buf[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            return &buf[at..];
+        }
+    }
+}
+
+/// An address as text; IPv4 written by hand into `buf` (its `Display`,
+/// through the formatting machinery, was a fifth of `rewrite_request`).
+fn address_text(ip: IpAddr, buf: &mut [u8; 15]) -> std::borrow::Cow<'_, [u8]> {
     let IpAddr::V4(v4) = ip else {
-        return HeaderValue::from_maybe_shared(bytes::Bytes::from(ip.to_string()))
-            .expect("an address is ascii");
+        return std::borrow::Cow::Owned(ip.to_string().into_bytes());
     };
-    let mut text = [0u8; 15];
     let mut len = 0;
     for (i, octet) in v4.octets().into_iter().enumerate() {
         if i > 0 {
-            text[len] = b'.';
+            buf[len] = b'.';
             len += 1;
         }
         for (place, digit) in [(100, octet / 100), (10, octet / 10 % 10), (1, octet % 10)] {
             if octet >= place || place == 1 {
-                text[len] = b'0' + digit;
+                buf[len] = b'0' + digit;
                 len += 1;
             }
         }
     }
-    HeaderValue::from_bytes(&text[..len]).expect("an address is ascii")
+    std::borrow::Cow::Borrowed(&buf[..len])
 }
 
 /// A request target the edge does not forward (answered `400`).
@@ -181,13 +197,17 @@ mod tests {
     }
 
     #[test]
-    fn addresses_as_header_values() {
+    fn addresses_and_ports_as_text() {
+        let text = |ip: std::net::IpAddr| super::address_text(ip, &mut [0; 15]).into_owned();
         for ip in ["0.0.0.0", "203.0.113.9", "10.100.1.255", "255.255.255.255", "1.20.100.0", "2001:db8::1"] {
-            assert_eq!(super::address_value(ip.parse().unwrap()), ip);
+            assert_eq!(text(ip.parse().unwrap()), ip.as_bytes());
         }
         for o in 0..=255u8 {
             let ip = std::net::Ipv4Addr::new(o, o / 3, 255 - o, o % 10);
-            assert_eq!(super::address_value(ip.into()), ip.to_string().as_str());
+            assert_eq!(text(ip.into()), ip.to_string().as_bytes());
+        }
+        for port in [0, 1, 9, 10, 80, 443, 8080, 9999, 10000, 65535] {
+            assert_eq!(super::decimal(port, &mut [0; 5]), port.to_string().as_bytes());
         }
     }
 

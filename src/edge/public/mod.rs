@@ -488,9 +488,9 @@ async fn proxy(
     let on_upgrade = upgrade.is_some().then(|| hyper::upgrade::on(&mut req));
     let (mut parts, incoming) = req.into_parts();
     let port = if scheme == "https" { edge.https_port } else { edge.http_port };
-    if head::rewrite_request(&mut parts, host, peer, scheme, port, upgrade.as_ref()).is_err() {
+    let Ok(forwarding) = head::rewrite_request(&mut parts, host, peer, scheme, port, upgrade.as_ref()) else {
         return error_page(StatusCode::BAD_REQUEST, host, "invalid request target");
-    }
+    };
 
     // Counted under the reservation's name (`*` for every host of the default host).
     let counters = edge.metrics.bytes(name);
@@ -512,10 +512,11 @@ async fn proxy(
         (body::boxed(Budgeted::new(Counted::new(incoming, bytes_in), slot.clone())), None)
     };
     let request = Request::from_parts(parts, tunnel_body);
-    let (resp, guard) = match retry::send(&edge, reservation, host, request, &tunnel, &slot).await {
-        Ok(x) => x,
-        Err(page) => return page,
-    };
+    let (resp, guard) =
+        match retry::send(&edge, reservation, host, request, &forwarding, &tunnel, &slot).await {
+            Ok(x) => x,
+            Err(page) => return page,
+        };
 
     let switched = resp.headers().get(&names::STATUS).is_some_and(|v| v == "101");
     let (mut rparts, rbody) = resp.into_parts();

@@ -11,6 +11,7 @@ use crate::edge::status::traffic::TunnelCounters;
 use crate::http::{error_chain, error_page};
 use crate::tunnel::body::{self, BoxBody};
 use crate::tunnel::budget::BudgetSlot;
+use crate::tunnel::head::Fields;
 use crate::tunnel::stream::RecvBody;
 
 /// Attempts to place one request on a connection before answering 502.
@@ -22,13 +23,15 @@ const MAX_ATTEMPTS: usize = 3;
 /// [`MAX_ATTEMPTS`]: with the request the connection hands back, or else, for
 /// a request without a body, one built again from the head it sent
 /// ([`SendError::take_replay`](crate::tunnel::client::SendError::take_replay)).
-/// The request's body charges the `budget` of the connection it is placed on.
+/// Its head carries the `forwarding` fields after its own. The request's body
+/// charges the `budget` of the connection it is placed on.
 /// Fails with the 502 page to answer (counted in `tunnel`).
 pub(super) async fn send(
     edge: &Edge,
     reservation: &Reservation,
     host: &str,
     mut request: Request<BoxBody>,
+    forwarding: &Fields,
     tunnel: &TunnelCounters,
     budget: &BudgetSlot,
 ) -> Result<(Response<RecvBody>, StreamGuard), Response<BoxBody>> {
@@ -57,7 +60,7 @@ pub(super) async fn send(
         tried[attempts] = guard.conn().id;
         attempts += 1;
         budget.set(guard.conn().budget.clone());
-        match guard.conn().sender.send(request).await {
+        match guard.conn().sender.send_with(request, forwarding).await {
             Ok(resp) => return Ok((resp, guard.with_slot(slot.take().expect("taken once")))),
             Err(mut e) => {
                 debug!(error = %error_chain(e.error()), conn = guard.conn().id, "stream failed");
