@@ -59,17 +59,45 @@ pub mod names {
     /// The names the edge puts on every tunnelled request, and those of the
     /// wire: parsed back from a head, they are these statics (no copy of
     /// the name for each request, as a name outside the standard ones gets).
-    /// A `match`: its length switch rules most names out at once, where a
-    /// scan of the statics took ~100 instructions a field.
-    pub fn known(name: &[u8]) -> Option<&'static HeaderName> {
+    /// And the standard names most heads carry, spelled as they come: lower
+    /// case (the edge writes names so) or as servers write them; any other
+    /// spelling goes through `HeaderName::from_bytes` (~160 instructions a
+    /// name, which lowers its case). A `match`: its length switch rules most
+    /// names out at once, where a scan of the statics took ~100 instructions
+    /// a field.
+    pub fn known(name: &[u8]) -> Option<HeaderName> {
+        use http::header as h;
         Some(match name {
-            b"x-forwarded-for" => &X_FORWARDED_FOR,
-            b"x-forwarded-proto" => &X_FORWARDED_PROTO,
-            b"x-forwarded-host" => &X_FORWARDED_HOST,
-            b"x-forwarded-port" => &X_FORWARDED_PORT,
-            b"culvert-stream" => &STREAM,
-            b"culvert-status" => &STATUS,
-            b"culvert-error" => &ERROR,
+            b"x-forwarded-for" => X_FORWARDED_FOR.clone(),
+            b"x-forwarded-proto" => X_FORWARDED_PROTO.clone(),
+            b"x-forwarded-host" => X_FORWARDED_HOST.clone(),
+            b"x-forwarded-port" => X_FORWARDED_PORT.clone(),
+            b"culvert-stream" => STREAM.clone(),
+            b"culvert-status" => STATUS.clone(),
+            b"culvert-error" => ERROR.clone(),
+            b"accept" | b"Accept" => h::ACCEPT,
+            b"accept-encoding" | b"Accept-Encoding" => h::ACCEPT_ENCODING,
+            b"accept-language" | b"Accept-Language" => h::ACCEPT_LANGUAGE,
+            b"accept-ranges" | b"Accept-Ranges" => h::ACCEPT_RANGES,
+            b"authorization" | b"Authorization" => h::AUTHORIZATION,
+            b"cache-control" | b"Cache-Control" => h::CACHE_CONTROL,
+            b"content-encoding" | b"Content-Encoding" => h::CONTENT_ENCODING,
+            b"content-length" | b"Content-Length" => h::CONTENT_LENGTH,
+            b"content-type" | b"Content-Type" => h::CONTENT_TYPE,
+            b"cookie" | b"Cookie" => h::COOKIE,
+            b"date" | b"Date" => h::DATE,
+            b"etag" | b"ETag" | b"Etag" => h::ETAG,
+            b"expires" | b"Expires" => h::EXPIRES,
+            b"if-modified-since" | b"If-Modified-Since" => h::IF_MODIFIED_SINCE,
+            b"if-none-match" | b"If-None-Match" => h::IF_NONE_MATCH,
+            b"last-modified" | b"Last-Modified" => h::LAST_MODIFIED,
+            b"location" | b"Location" => h::LOCATION,
+            b"origin" | b"Origin" => h::ORIGIN,
+            b"referer" | b"Referer" => h::REFERER,
+            b"server" | b"Server" => h::SERVER,
+            b"set-cookie" | b"Set-Cookie" => h::SET_COOKIE,
+            b"user-agent" | b"User-Agent" => h::USER_AGENT,
+            b"vary" | b"Vary" => h::VARY,
             _ => return None,
         })
     }
@@ -89,11 +117,64 @@ pub mod names {
     #[test]
     fn every_known_name_is_found() {
         for name in KNOWN {
-            assert_eq!(known(name.as_str().as_bytes()), Some(name), "{name}");
+            assert_eq!(known(name.as_str().as_bytes()).as_ref(), Some(name), "{name}");
         }
         assert_eq!(known(b"x-forwarded-other"), None);
-        assert_eq!(known(b"content-type"), None);
         assert_eq!(known(b"X-Forwarded-For"), None, "the wire's own names are lower case");
+        // Each standard spelling is the name `HeaderName::from_bytes` makes of it.
+        for spelling in [
+            "accept",
+            "Accept",
+            "accept-encoding",
+            "Accept-Encoding",
+            "accept-language",
+            "Accept-Language",
+            "accept-ranges",
+            "Accept-Ranges",
+            "authorization",
+            "Authorization",
+            "cache-control",
+            "Cache-Control",
+            "content-encoding",
+            "Content-Encoding",
+            "content-length",
+            "Content-Length",
+            "content-type",
+            "Content-Type",
+            "cookie",
+            "Cookie",
+            "date",
+            "Date",
+            "etag",
+            "ETag",
+            "Etag",
+            "expires",
+            "Expires",
+            "if-modified-since",
+            "If-Modified-Since",
+            "if-none-match",
+            "If-None-Match",
+            "last-modified",
+            "Last-Modified",
+            "location",
+            "Location",
+            "origin",
+            "Origin",
+            "referer",
+            "Referer",
+            "server",
+            "Server",
+            "set-cookie",
+            "Set-Cookie",
+            "user-agent",
+            "User-Agent",
+            "vary",
+            "Vary",
+        ] {
+            let parsed = HeaderName::from_bytes(spelling.as_bytes()).unwrap();
+            assert_eq!(known(spelling.as_bytes()), Some(parsed), "{spelling}");
+        }
+        assert_eq!(known(b"CONTENT-TYPE"), None, "other spellings are parsed");
     }
 }
 

@@ -265,7 +265,7 @@ fn header_map(block: &Bytes, fields: &[httparse::Header<'_>]) -> Result<HeaderMa
     let mut headers = HeaderMap::with_capacity(fields.len());
     for f in fields {
         let name = match names::known(f.name.as_bytes()) {
-            Some(name) => name.clone(),
+            Some(name) => name,
             None => {
                 HeaderName::from_bytes(f.name.as_bytes()).map_err(|_| HeadError::Invalid("field name"))?
             }
