@@ -35,7 +35,7 @@ lint: ## rustfmt check, clippy with warnings as errors, shellcheck, pyflakes, ac
 	$(CARGO) clippy -j2 --all-targets -- -D warnings
 	shellcheck -S warning $(filter-out scripts/check-readme scripts/check-deps scripts/lib,$(wildcard scripts/*)) scripts/lib/*.sh .ci/run
 	shellcheck -S warning deploy/install-edge.sh deploy/certbot-deploy-hook
-	pyflakes3 bench/run bench/counts scripts/check-readme scripts/check-deps tools/chart-readme.py
+	pyflakes3 bench/run bench/counts bench/pairs scripts/check-readme scripts/check-deps tools/chart-readme.py
 	scripts/actionlint
 	scripts/check-readme
 	scripts/check-deps
