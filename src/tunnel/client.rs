@@ -543,19 +543,25 @@ mod tests {
         }
     }
 
+    /// The sender of a tunnel connection that has ended: its agent end
+    /// stopped at once (GOAWAY before any stream).
+    async fn closed(wire: Wire) -> Sender {
+        let (client, server) = tokio::io::duplex(64 * 1024);
+        let agent = tokio::spawn(async move {
+            let svc = |_req| async { Response::new(body::empty()) };
+            let _ = crate::tunnel::server::serve_wire(server, wire, svc, std::future::ready(())).await;
+        });
+        let (send, conn) = start(client, wire).await.unwrap();
+        let _ = conn.await;
+        agent.await.unwrap();
+        send
+    }
+
     #[tokio::test]
     async fn a_request_on_a_closed_connection_comes_back() {
         for wire in Wire::ALL {
             eprintln!("wire: {wire:?}");
-            let (client, server) = tokio::io::duplex(64 * 1024);
-            // An agent end that stops at once: GOAWAY before any stream.
-            let agent = tokio::spawn(async move {
-                let svc = |_req| async { Response::new(body::empty()) };
-                let _ = crate::tunnel::server::serve_wire(server, wire, svc, std::future::ready(())).await;
-            });
-            let (send, conn) = start(client, wire).await.unwrap();
-            let _ = conn.await;
-            agent.await.unwrap();
+            let send = closed(wire).await;
             assert!(send.is_closed());
             let mut err = send.send(request(Method::GET, body::full("again"))).await.unwrap_err();
             let back = err.take_message().expect("the request comes back");
@@ -586,14 +592,7 @@ mod tests {
                 [("x-own", "1"), ("x-forwarded-for", "203.0.113.9"), ("x-forwarded-port", "443")]
             );
 
-            let (client, server) = tokio::io::duplex(64 * 1024);
-            let agent = tokio::spawn(async move {
-                let svc = |_req| async { Response::new(body::empty()) };
-                let _ = crate::tunnel::server::serve_wire(server, wire, svc, std::future::ready(())).await;
-            });
-            let (send, conn) = start(client, wire).await.unwrap();
-            let _ = conn.await;
-            agent.await.unwrap();
+            let send = closed(wire).await;
             let mut err = send.send_with(request(Method::POST, body::full("a")), &extra).await.unwrap_err();
             let back = err.take_message().expect("the request comes back");
             let names: Vec<_> = back.headers().keys().map(|n| n.as_str()).collect();
