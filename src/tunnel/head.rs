@@ -52,11 +52,16 @@ fn put_headers(b: &mut BytesMut, headers: &HeaderMap) {
 /// Field lines, `name: value`.
 fn put_fields(b: &mut BytesMut, headers: &HeaderMap) {
     for (name, value) in headers {
-        b.put_slice(name.as_str().as_bytes());
-        b.put_slice(b": ");
-        b.put_slice(value.as_bytes());
-        b.put_slice(b"\r\n");
+        put_field(b, name, value.as_bytes());
     }
+}
+
+/// One field line, `name: value` and its end.
+fn put_field(b: &mut BytesMut, name: &HeaderName, value: &[u8]) {
+    b.put_slice(name.as_str().as_bytes());
+    b.put_slice(b": ");
+    b.put_slice(value);
+    b.put_slice(b"\r\n");
 }
 
 fn headers_len(headers: &HeaderMap) -> usize {
@@ -111,10 +116,7 @@ impl FieldsWriter {
     /// debug builds, the fuzz targets' among them).
     pub fn field(&mut self, name: &HeaderName, value: &[u8]) -> &mut Self {
         debug_assert!(HeaderValue::from_bytes(value).is_ok(), "{name}: {value:?} is not a field value");
-        self.0.put_slice(name.as_str().as_bytes());
-        self.0.put_slice(b": ");
-        self.0.put_slice(value);
-        self.0.put_slice(b"\r\n");
+        put_field(&mut self.0, name, value);
         self
     }
 
