@@ -18,7 +18,8 @@
 //! only after a whole response on a connection both ends keep alive, with
 //! nothing unread left on it.
 
-use std::io::{self, IoSlice};
+use std::collections::VecDeque;
+use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
@@ -34,7 +35,7 @@ use tracing::{Instrument, debug};
 
 use crate::BoxError;
 use crate::http::is_hop_by_hop_name;
-use crate::tunnel::body::BoxBody;
+use crate::tunnel::body::{self, BoxBody};
 use crate::tunnel::client::has_payload_semantics;
 use crate::tunnel::head::WireHead;
 
@@ -144,9 +145,8 @@ pub async fn exchange(
     let mut head = Vec::with_capacity(256);
     encode_head(&parts, &mut head);
     let head_request = parts.method == Method::HEAD;
-    let out = Out { bytes: Some(Bytes::from(head)), ..Out::default() };
-    let mut upload =
-        Some(Upload { body, framing, out, ending: false, done: framing == Framing::None, trailers: None });
+    let out = VecDeque::from([Bytes::from(head)]);
+    let mut upload = Some(Upload { body, framing, out, done: framing == Framing::None });
     // Whether any of the request reached the socket, and a write that
     // failed after that (the backend may have answered early, a 413, and
     // closed its end: what it said is read all the same).
@@ -259,80 +259,18 @@ fn encode_head(parts: &http::request::Parts, out: &mut Vec<u8>) {
     out.extend_from_slice(b"\r\n");
 }
 
-/// The bytes of the request waiting to be written, in this order: a head
-/// or chunk-size line, a payload, the line end after a chunk, and the body's
-/// end (the last chunk and trailers).
-#[derive(Default)]
-struct Out {
-    bytes: Option<Bytes>,
-    data: Option<Bytes>,
-    crlf: bool,
-    tail: Option<Bytes>,
-}
-
-impl Out {
-    fn is_empty(&self) -> bool {
-        self.bytes.is_none() && self.data.is_none() && !self.crlf && self.tail.is_none()
-    }
-
-    fn poll_write<W: AsyncWrite + ?Sized>(
-        &mut self,
-        cx: &mut Context<'_>,
-        mut w: Pin<&mut W>,
-        wrote: &mut bool,
-    ) -> Poll<io::Result<()>> {
-        while !self.is_empty() {
-            let slices = [
-                IoSlice::new(self.bytes.as_deref().unwrap_or_default()),
-                IoSlice::new(self.data.as_deref().unwrap_or_default()),
-                IoSlice::new(if self.crlf { b"\r\n" } else { b"" }),
-                IoSlice::new(self.tail.as_deref().unwrap_or_default()),
-            ];
-            let n = ready!(w.as_mut().poll_write_vectored(cx, &slices))?;
-            if n == 0 {
-                return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
-            }
-            *wrote = true;
-            self.advance(n);
-        }
-        Poll::Ready(Ok(()))
-    }
-
-    fn advance(&mut self, mut n: usize) {
-        fn take(part: &mut Option<Bytes>, n: &mut usize) {
-            if let Some(b) = part {
-                let k = (*n).min(b.len());
-                b.advance(k);
-                *n -= k;
-                if b.is_empty() {
-                    *part = None;
-                }
-            }
-        }
-        take(&mut self.bytes, &mut n);
-        take(&mut self.data, &mut n);
-        if self.crlf && n > 0 {
-            // Half a line end left: it goes first, as `bytes` (empty by now).
-            if n == 1 {
-                self.bytes = Some(Bytes::from_static(b"\n"));
-            }
-            n -= n.min(2);
-            self.crlf = false;
-        }
-        take(&mut self.tail, &mut n);
-    }
-}
-
-/// The request body on its way, with its framing.
+/// The request body on its way, with its framing: the frames the body has
+/// ready are gathered and written together, in one vectored write, as a TCP
+/// stream's are ([`body::poll_gather`]); chunked, a batch is one chunk.
 struct Upload {
     body: BoxBody,
     framing: Framing,
-    out: Out,
-    /// The body has ended: its end goes in `out` once the rest is written.
-    ending: bool,
-    /// The body's end is in `out`.
+    /// What is to be written, in order: the head, then a batch of the body
+    /// with its framing (the chunk-size line, the data, the line end), then
+    /// the body's end (the last chunk and trailers).
+    out: VecDeque<Bytes>,
+    /// The body's end is in `out` (or it has none).
     done: bool,
-    trailers: Option<HeaderMap>,
 }
 
 enum UploadError {
@@ -350,65 +288,52 @@ impl Upload {
         wrote: &mut bool,
     ) -> Poll<Result<(), UploadError>> {
         loop {
-            ready!(self.out.poll_write(cx, w.as_mut(), wrote)).map_err(UploadError::Write)?;
+            ready!(body::poll_write_all(w.as_mut(), cx, &mut self.out, wrote)).map_err(UploadError::Write)?;
             if self.done {
                 return Poll::Ready(Ok(()));
             }
-            if self.ending {
-                self.end().map_err(UploadError::Body)?;
-                continue;
-            }
-            match ready!(Pin::new(&mut self.body).poll_frame(cx)) {
-                Some(Ok(frame)) => match frame.into_data() {
-                    Ok(data) => {
-                        self.data(data).map_err(UploadError::Body)?;
-                        self.ending = self.body.is_end_stream();
-                    }
-                    Err(frame) => {
-                        self.trailers = frame.into_trailers().ok();
-                        self.ending = true;
-                    }
-                },
-                Some(Err(e)) => return Poll::Ready(Err(UploadError::Body(Error::RequestBody(e)))),
-                None => self.ending = true,
+            let gathered = ready!(body::poll_gather(Pin::new(&mut self.body), cx, &mut self.out))
+                .map_err(|e| UploadError::Body(Error::RequestBody(e)))?;
+            self.frame(gathered.len).map_err(UploadError::Body)?;
+            if let Some(trailers) = gathered.end {
+                self.end(trailers).map_err(UploadError::Body)?;
             }
         }
     }
 
-    fn data(&mut self, data: Bytes) -> Result<(), Error> {
-        if data.is_empty() {
+    /// Frames the `len` bytes of data just gathered into `out`.
+    fn frame(&mut self, len: usize) -> Result<(), Error> {
+        if len == 0 {
             return Ok(());
         }
         match &mut self.framing {
             Framing::Length(left) => {
-                *left = left.checked_sub(data.len() as u64).ok_or(Error::RequestLength)?;
-                self.out.data = Some(data);
+                *left = left.checked_sub(len as u64).ok_or(Error::RequestLength)?;
             }
             Framing::Chunked => {
-                self.out.bytes = Some(Bytes::from(format!("{:x}\r\n", data.len())));
-                self.out.data = Some(data);
-                self.out.crlf = true;
+                self.out.push_front(Bytes::from(format!("{len:x}\r\n")));
+                self.out.push_back(Bytes::from_static(b"\r\n"));
             }
             Framing::None => return Err(Error::RequestLength),
         }
         Ok(())
     }
 
-    fn end(&mut self) -> Result<(), Error> {
+    fn end(&mut self, trailers: Option<HeaderMap>) -> Result<(), Error> {
         self.done = true;
         match self.framing {
             Framing::Length(0) | Framing::None => Ok(()),
             Framing::Length(_) => Err(Error::RequestLength),
             Framing::Chunked => {
                 let mut last = b"0\r\n".to_vec();
-                for (name, value) in self.trailers.iter().flatten() {
+                for (name, value) in trailers.iter().flatten() {
                     last.extend_from_slice(name.as_str().as_bytes());
                     last.extend_from_slice(b": ");
                     last.extend_from_slice(value.as_bytes());
                     last.extend_from_slice(b"\r\n");
                 }
                 last.extend_from_slice(b"\r\n");
-                self.out.tail = Some(Bytes::from(last));
+                self.out.push_back(Bytes::from(last));
                 Ok(())
             }
         }
@@ -1229,21 +1154,102 @@ mod tests {
         }
     }
 
+    fn upload(body: impl Body<Data = Bytes, Error = BoxError> + Send + 'static, framing: Framing) -> Upload {
+        let out = VecDeque::from([Bytes::from_static(b"HEAD\r\n\r\n")]);
+        Upload { body: crate::tunnel::body::boxed(body), framing, out, done: false }
+    }
+
     #[tokio::test]
     async fn a_chunked_upload_whose_last_chunk_ends_it_written_a_byte_at_a_time() {
         let body = LastEnds([Bytes::from_static(b"abc"), Bytes::from_static(b"de")].into());
-        let mut up = Upload {
-            body: crate::tunnel::body::boxed(body),
-            framing: Framing::Chunked,
-            out: Out { bytes: Some(Bytes::from_static(b"HEAD\r\n\r\n")), ..Out::default() },
-            ending: false,
-            done: false,
-            trailers: None,
-        };
+        let mut up = upload(body, Framing::Chunked);
         let mut w = OneByte(Vec::new());
         let mut wrote = false;
         let done = std::future::poll_fn(|cx| up.poll_write(cx, Pin::new(&mut w), &mut wrote)).await;
         assert!(done.is_ok() && wrote);
-        assert_eq!(String::from_utf8(w.0).unwrap(), "HEAD\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n");
+        // The two frames were there at once: one chunk.
+        assert_eq!(String::from_utf8(w.0).unwrap(), "HEAD\r\n\r\n5\r\nabcde\r\n0\r\n\r\n");
+    }
+
+    /// A socket that records each write it is given, whole.
+    #[derive(Default)]
+    struct Writes(Vec<Vec<u8>>);
+
+    impl AsyncWrite for Writes {
+        fn poll_write(self: Pin<&mut Self>, _: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+            self.get_mut().0.push(buf.to_vec());
+            Poll::Ready(Ok(buf.len()))
+        }
+
+        fn poll_write_vectored(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            bufs: &[io::IoSlice<'_>],
+        ) -> Poll<io::Result<usize>> {
+            let all: Vec<u8> = bufs.iter().flat_map(|b| b.iter().copied()).collect();
+            let n = all.len();
+            self.get_mut().0.push(all);
+            Poll::Ready(Ok(n))
+        }
+
+        fn is_write_vectored(&self) -> bool {
+            true
+        }
+
+        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    /// The writes an upload makes of `batches`: each batch's frames are
+    /// sent once the upload waits for its body, then the body ends.
+    async fn writes_of(framing: Framing, batches: &[&[&'static [u8]]]) -> (Vec<String>, Result<(), String>) {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Result<Frame<Bytes>, BoxError>>();
+        let frames = futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx));
+        let mut up = upload(http_body_util::StreamBody::new(frames), framing);
+        let (mut w, mut wrote, mut tx, mut batches) = (Writes::default(), false, Some(tx), batches.iter());
+        let result = std::future::poll_fn(|cx| {
+            loop {
+                if let Poll::Ready(r) = up.poll_write(cx, Pin::new(&mut w), &mut wrote) {
+                    return Poll::Ready(r);
+                }
+                match (batches.next(), &tx) {
+                    (Some(frames), Some(tx)) => {
+                        for f in *frames {
+                            tx.send(Ok(Frame::data(Bytes::from_static(f)))).unwrap();
+                        }
+                    }
+                    _ => tx = None,
+                }
+            }
+        })
+        .await;
+        let result = result.map_err(|e| match e {
+            UploadError::Write(e) => e.to_string(),
+            UploadError::Body(e) => e.to_string(),
+        });
+        (w.0.into_iter().map(|b| String::from_utf8(b).unwrap()).collect(), result)
+    }
+
+    #[tokio::test]
+    async fn frames_ready_together_go_out_in_one_write() {
+        // Chunked: a batch is one chunk, its size line and line end in the same write.
+        let (writes, result) = writes_of(Framing::Chunked, &[&[b"ab", b"cd", b"e"], &[b"fg"]]).await;
+        assert_eq!(result, Ok(()));
+        assert_eq!(writes, ["HEAD\r\n\r\n", "5\r\nabcde\r\n", "2\r\nfg\r\n", "0\r\n\r\n"]);
+        // With a length: the data alone, a write per batch.
+        let (writes, result) = writes_of(Framing::Length(7), &[&[b"ab", b"cd", b"e"], &[b"fg"]]).await;
+        assert_eq!(result, Ok(()));
+        assert_eq!(writes, ["HEAD\r\n\r\n", "abcde", "fg"]);
+        // More than the length said: an error, not a longer request.
+        let (_, result) = writes_of(Framing::Length(4), &[&[b"ab", b"cd", b"e"]]).await;
+        assert_eq!(result, Err(Error::RequestLength.to_string()));
+        // Less than it said.
+        let (_, result) = writes_of(Framing::Length(9), &[&[b"ab"]]).await;
+        assert_eq!(result, Err(Error::RequestLength.to_string()));
     }
 }

@@ -308,8 +308,8 @@ where
 
 /// Writes every data frame of `body` to `writer`, then shuts the writer down
 /// (half-close). Returns the bytes written. The frames ready at once are
-/// written together, in one vectored write ([`COPY_BATCH`] at most): a
-/// stream that arrives in pieces leaves in writes as large as the backlog.
+/// written together, in one vectored write ([`poll_gather`]): a stream that
+/// arrives in pieces leaves in writes as large as the backlog.
 pub async fn copy_body<B, W>(mut body: B, mut writer: W) -> io::Result<u64>
 where
     B: Body<Data = Bytes> + Unpin,
@@ -318,55 +318,95 @@ where
 {
     let mut total = 0u64;
     let mut batch = VecDeque::new();
-    let mut end = false;
-    while !end {
-        // Wait for one frame, then take those already there.
-        let mut polled = Poll::Ready(body.frame().await);
-        let mut len = 0;
-        while let Poll::Ready(frame) = polled {
-            let Some(frame) = frame else {
-                end = true;
-                break;
-            };
-            if let Ok(data) = frame.map_err(|e| io::Error::other(e.into()))?.into_data()
-                && !data.is_empty()
-            {
-                len += data.len();
-                batch.push_back(data);
-            }
-            if len >= COPY_BATCH || batch.len() >= COPY_SLICES {
-                break;
-            }
-            polled = std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut body).poll_frame(cx))).await;
-        }
-        total += len as u64;
-        write_all_slices(&mut writer, &mut batch).await?;
+    loop {
+        let gathered = std::future::poll_fn(|cx| poll_gather(Pin::new(&mut body), cx, &mut batch))
+            .await
+            .map_err(io::Error::other)?;
+        total += gathered.len as u64;
+        std::future::poll_fn(|cx| poll_write_all(Pin::new(&mut writer), cx, &mut batch, &mut false)).await?;
         writer.flush().await?;
+        if gathered.end.is_some() {
+            break;
+        }
     }
     writer.shutdown().await?;
     Ok(total)
 }
 
-/// Most bytes [`copy_body`] gathers into one write.
+/// Most bytes [`poll_gather`] takes for one write.
 const COPY_BATCH: usize = 256 * 1024;
-/// Most frames [`copy_body`] gathers into one write.
+/// Most frames [`poll_gather`] takes for one write.
 const COPY_SLICES: usize = 64;
 
-/// Writes `bufs` whole, vectored, emptying it.
-async fn write_all_slices<W: AsyncWrite + Unpin>(
-    writer: &mut W,
+/// What [`poll_gather`] took.
+#[derive(Debug, Default)]
+pub struct Gathered {
+    /// The data bytes appended.
+    pub len: usize,
+    /// `Some` when the body has ended, with its trailers if it had any.
+    pub end: Option<Option<http::HeaderMap>>,
+}
+
+/// Appends to `batch` the data frames of `body` that are ready: it waits for
+/// one (`Pending` until then), then takes those already there, up to 256 KiB
+/// or 64 frames, or until the body ends. Every byte path that ends in a
+/// socket writes what this gathers in one vectored write ([`copy_body`] for
+/// TCP streams and upgrades, `agent::h1` for HTTP request bodies), so a body
+/// whose frames pile up leaves in few large writes whatever carries it.
+pub fn poll_gather<B>(
+    mut body: Pin<&mut B>,
+    cx: &mut Context<'_>,
+    batch: &mut VecDeque<Bytes>,
+) -> Poll<Result<Gathered, BoxError>>
+where
+    B: Body<Data = Bytes> + ?Sized,
+    B::Error: Into<BoxError>,
+{
+    let mut taken = Gathered::default();
+    while taken.len < COPY_BATCH && batch.len() < COPY_SLICES {
+        match body.as_mut().poll_frame(cx) {
+            Poll::Pending if taken.len == 0 => return Poll::Pending,
+            Poll::Pending => break,
+            Poll::Ready(None) => {
+                taken.end = Some(None);
+                break;
+            }
+            Poll::Ready(Some(Err(e))) => return Poll::Ready(Err(e.into())),
+            Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                Ok(data) if data.is_empty() => {}
+                Ok(data) => {
+                    taken.len += data.len();
+                    batch.push_back(data);
+                }
+                Err(frame) => {
+                    taken.end = Some(frame.into_trailers().ok());
+                    break;
+                }
+            },
+        }
+    }
+    Poll::Ready(Ok(taken))
+}
+
+/// Writes `bufs` whole, vectored, emptying it; `wrote` is set once a write
+/// took any of it.
+pub fn poll_write_all<W: AsyncWrite + ?Sized>(
+    mut writer: Pin<&mut W>,
+    cx: &mut Context<'_>,
     bufs: &mut VecDeque<Bytes>,
-) -> io::Result<()> {
+    wrote: &mut bool,
+) -> Poll<io::Result<()>> {
     while !bufs.is_empty() {
         let mut slices = [io::IoSlice::new(&[]); COPY_SLICES];
         let n = super::io_slices(bufs, &mut slices);
-        let written = writer.write_vectored(&slices[..n]).await?;
+        let written = std::task::ready!(writer.as_mut().poll_write_vectored(cx, &slices[..n]))?;
         if written == 0 {
-            return Err(io::ErrorKind::WriteZero.into());
+            return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
         }
+        *wrote = true;
         super::advance(bufs, written);
     }
-    Ok(())
+    Poll::Ready(Ok(()))
 }
 
 #[cfg(test)]
