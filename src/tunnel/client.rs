@@ -237,9 +237,11 @@ impl Sender {
 }
 
 /// [`Sender::send`] on the multiplexer: the head in the stream's `Open`
-/// (the stream half-closed with it when there is no body), the body fed by
-/// a task of its own unless it is already complete, the response head the
-/// first header block back.
+/// (the stream half-closed with it when there is no body), the body fed
+/// from the request's own task while the response head is awaited (a body
+/// hyper reads from the public connection in that same task goes on with no
+/// hand-off to another task per chunk), and by a task of its own after that
+/// if it has not ended; the response head is the first header block back.
 async fn send_mux(
     handle: &mux::Handle,
     head: http::request::Parts,
@@ -257,39 +259,44 @@ async fn send_mux(
         }
     };
     let (recv, send) = stream.split();
-    let mut cancel = None;
-    if !eos {
-        let (send, canceller) = send.split();
-        let mut pipe = Box::pin(super::stream::pipe_mux(body, send));
-        // Most small bodies are already there: no task for them.
-        if std::future::poll_fn(|cx| Poll::Ready(pipe.as_mut().poll(cx))).await.is_pending() {
-            let (tx, rx) = oneshot::channel::<()>();
-            cancel = Some(CancelOnDrop(Some(tx)));
-            tokio::spawn(
-                async move {
-                    tokio::select! {
-                        r = pipe => if let Err(e) = r {
-                            debug!(error = %e, "request body to the tunnel ended");
-                        },
-                        Ok(()) = rx => canceller.reset(mux::code::CANCEL),
-                    }
-                }
-                .in_current_span(),
-            );
-        }
+    if eos {
+        // A bodiless request's head is still here: it can be placed again.
+        return response_of(recv)
+            .await
+            .map_err(|error| SendError { replay: Some(head), ..SendError::new(error) });
     }
-    // A bodiless request's head is still here: it can be placed again.
-    response_of(recv, cancel)
-        .await
-        .map_err(|error| SendError { replay: eos.then_some(head), ..SendError::new(error) })
+    // Given up before the response head (dropped, or failed), the body's
+    // half goes with the rest of the stream, which is then reset.
+    let mut pipe = Some(Box::pin(super::stream::pipe_mux(body, send)));
+    let mut response = std::pin::pin!(response_of(recv));
+    let response = std::future::poll_fn(|cx| {
+        if let Some(feed) = &mut pipe
+            && let Poll::Ready(fed) = feed.as_mut().poll(cx)
+        {
+            if let Err(e) = fed {
+                debug!(error = %e, "request body to the tunnel ended");
+            }
+            pipe = None;
+        }
+        response.as_mut().poll(cx)
+    })
+    .await
+    .map_err(SendError::new)?;
+    if let Some(feed) = pipe {
+        tokio::spawn(
+            async move {
+                if let Err(e) = feed.await {
+                    debug!(error = %e, "request body to the tunnel ended");
+                }
+            }
+            .in_current_span(),
+        );
+    }
+    Ok(response)
 }
 
-/// The first header block back on a stream, as the response head; `cancel`
-/// (dropped armed when none comes) resets the stream's body task.
-async fn response_of(
-    mut recv: mux::Stream,
-    cancel: Option<CancelOnDrop>,
-) -> Result<Response<RecvBody>, StreamError> {
+/// The first header block back on a stream, as the response head.
+async fn response_of(mut recv: mux::Stream) -> Result<Response<RecvBody>, StreamError> {
     let invalid =
         |e: crate::BoxError| StreamError::from(std::io::Error::new(std::io::ErrorKind::InvalidData, e));
     let block = match recv.recv_chunk().await {
@@ -297,9 +304,6 @@ async fn response_of(
         Ok(_) => return Err(invalid("the agent answered without a head".into())),
         Err(e) => return Err(super::stream::mux_error(&recv, e)),
     };
-    if let Some(mut c) = cancel {
-        c.0 = None;
-    }
     let head = super::head::decode_response(&block).map_err(|e| invalid(e.into()))?;
     // Held to h2's limit here too.
     if super::head::response_list_size(&head) > MAX_HEADER_LIST as usize {
