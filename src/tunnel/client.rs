@@ -471,6 +471,36 @@ mod tests {
         }
     }
 
+    /// An agent's end that answers at once, echoing the request's body as it
+    /// comes (as a WebSocket or gRPC bidirectional stream would).
+    #[tokio::test]
+    async fn a_body_goes_on_after_an_early_answer() {
+        for wire in Wire::ALL {
+            eprintln!("wire: {wire:?}");
+            let (client, server) = tokio::io::duplex(64 * 1024);
+            tokio::spawn(async move {
+                let echo = |req: Request<RecvBody>| async move { Response::new(body::boxed(req.into_body())) };
+                let _ = crate::tunnel::server::serve_wire(server, wire, echo, std::future::pending()).await;
+            });
+            let (send, conn) = start(client, wire).await.unwrap();
+            tokio::spawn(conn);
+            let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, BoxError>>(1);
+            let upload = body::boxed(http_body_util::StreamBody::new(tokio_stream_of(rx)));
+            // The answer's head comes before any of the body was sent.
+            let resp = send.send(request(Method::POST, upload)).await.unwrap();
+            let mut echoed = resp.into_body();
+            for part in [&b"one"[..], b"two", b"three"] {
+                tx.send(Ok(Frame::data(Bytes::from_static(part)))).await.unwrap();
+                let frame = tokio::time::timeout(Duration::from_secs(10), echoed.frame()).await.unwrap();
+                assert_eq!(frame.unwrap().unwrap().into_data().unwrap(), part);
+            }
+            drop(tx);
+            // The body's end crossed too (h2 may carry it in an empty DATA frame).
+            let rest = tokio::time::timeout(Duration::from_secs(10), echoed.collect()).await.unwrap();
+            assert_eq!(rest.unwrap().to_bytes(), "");
+        }
+    }
+
     #[tokio::test]
     async fn an_empty_post_says_content_length_0_and_a_get_says_nothing() {
         for wire in Wire::ALL {
