@@ -23,7 +23,7 @@ use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Response, StatusCode, Version};
 use hyper::body::{Body, Frame, SizeHint};
@@ -35,7 +35,7 @@ use tracing::{Instrument, debug};
 
 use crate::BoxError;
 use crate::http::is_hop_by_hop_name;
-use crate::tunnel::body::{self, BoxBody};
+use crate::tunnel::body::{self, BoxBody, ReadSize};
 use crate::tunnel::client::has_payload_semantics;
 use crate::tunnel::head::WireHead;
 
@@ -47,8 +47,9 @@ const MAX_HEADERS: usize = 100;
 /// What a connection's buffer starts with: room for a typical response head
 /// and a small body, read in one go.
 const INITIAL_BUFFER: usize = 8 * 1024;
-/// The largest read of a response body.
-const MAX_READ: usize = 64 * 1024;
+/// The first read of a response body (later ones grow as a TCP stream's
+/// do: [`ReadSize`]).
+const FIRST_READ: usize = 64 * 1024;
 /// The longest chunk-size line (with extensions) taken.
 const MAX_CHUNK_LINE: usize = 4096;
 
@@ -205,8 +206,15 @@ pub async fn exchange(
         }
         _ => Reader::Whole(io),
     };
-    let body =
-        ResponseBody { reader: Some(reader), buf, decoder, reusable, large: false, checkin: Some(checkin) };
+    let body = ResponseBody {
+        reader: Some(reader),
+        buf,
+        size: ReadSize::new(FIRST_READ),
+        decoder,
+        reusable,
+        large: false,
+        checkin: Some(checkin),
+    };
     Ok(resp.map(|()| body.finish_if_done()))
 }
 
@@ -580,6 +588,7 @@ pub type Checkin = Box<dyn FnOnce(Conn) + Send>;
 pub struct ResponseBody {
     reader: Option<Reader>,
     buf: BytesMut,
+    size: ReadSize,
     decoder: Decoder,
     reusable: bool,
     /// The body was read in reads larger than a connection's first buffer:
@@ -608,16 +617,25 @@ impl ResponseBody {
         }
     }
 
-    /// Reads more of the body into `buf`: `false` at the connection's end.
-    fn poll_fill(&mut self, cx: &mut Context<'_>, want: usize) -> Poll<Result<bool, Error>> {
+    /// Reads more of the body into `buf`, up to what the body still `needs`:
+    /// `false` at the connection's end.
+    fn poll_fill(&mut self, cx: &mut Context<'_>, needs: usize) -> Poll<Result<bool, Error>> {
         let Some(reader) = &mut self.reader else { return Poll::Ready(Ok(false)) };
-        let want = want.clamp(1, MAX_READ);
+        let want = self.size.next().min(needs).max(1);
         self.large |= want > INITIAL_BUFFER;
         self.buf.reserve(want);
-        match ready!(poll_read_buf(Pin::new(reader), cx, &mut self.buf)) {
-            Ok(0) => Poll::Ready(Ok(false)),
-            Ok(_) => Poll::Ready(Ok(true)),
-            Err(e) => Poll::Ready(Err(Error::Read(e))),
+        match poll_read_buf(Pin::new(reader), cx, &mut (&mut self.buf).limit(want)) {
+            Poll::Ready(Ok(n)) if n > 0 => {
+                self.size.read(want, n);
+                Poll::Ready(Ok(true))
+            }
+            read => {
+                self.size.give_back();
+                Poll::Ready(match ready!(read) {
+                    Ok(_) => Ok(false),
+                    Err(e) => Err(Error::Read(e)),
+                })
+            }
         }
     }
 }
@@ -683,7 +701,7 @@ impl Decoder {
             match *self {
                 Decoder::Done => return Ok(Next::End),
                 Decoder::Length(left) if buf.is_empty() => {
-                    return Ok(Next::More(left.min(MAX_READ as u64) as usize));
+                    return Ok(Next::More(usize::try_from(left).unwrap_or(usize::MAX)));
                 }
                 Decoder::Length(left) => {
                     let data = take(buf, left);
@@ -691,7 +709,7 @@ impl Decoder {
                     *self = if left == 0 { Decoder::Done } else { Decoder::Length(left) };
                     return Ok(Next::Frame(Frame::data(data)));
                 }
-                Decoder::Eof if buf.is_empty() => return Ok(Next::More(MAX_READ)),
+                Decoder::Eof if buf.is_empty() => return Ok(Next::More(usize::MAX)),
                 Decoder::Eof => return Ok(Next::Frame(Frame::data(take(buf, u64::MAX)))),
                 Decoder::Chunked(Chunk::Size) => match httparse::parse_chunk_size(buf) {
                     Ok(httparse::Status::Complete((len, _))) if len > MAX_CHUNK_LINE => {
@@ -707,9 +725,9 @@ impl Decoder {
                     Ok(httparse::Status::Partial) => return Ok(Next::More(INITIAL_BUFFER)),
                     Err(_) => return Err(Error::Chunked),
                 },
-                Decoder::Chunked(Chunk::Data(left)) if buf.is_empty() => {
-                    return Ok(Next::More(left.min(MAX_READ as u64) as usize));
-                }
+                // Past the chunk too: the next chunks' sizes and data come in
+                // the same read, not in reads cut at each chunk's end.
+                Decoder::Chunked(Chunk::Data(_)) if buf.is_empty() => return Ok(Next::More(usize::MAX)),
                 Decoder::Chunked(Chunk::Data(left)) => {
                     let data = take(buf, left);
                     let left = left - data.len() as u64;

@@ -88,43 +88,66 @@ where
 /// reads fill it.
 const FIRST_READ: usize = 4 * 1024;
 
-/// A body that reads a socket (or any `AsyncRead`) until EOF.
-///
-/// It holds no buffer while it waits for the socket (a thousand idle TCP
-/// streams cost a thousand sockets, not a thousand 64 KiB buffers), and reads
-/// in chunks that grow while data keeps coming: to [`READ_CHUNK`], then to
-/// [`LARGE_READ`] while the process holds fewer than [`LARGE_READS`] large
-/// chunks, or always for a body whose chunks an upload budget bounds
-/// ([`ReadBody::charged`]).
-pub struct ReadBody<R> {
-    reader: R,
-    buf: BytesMut,
+/// How much a body's next read of a socket takes, as data keeps coming:
+/// doubled while reads fill it, to [`READ_CHUNK`], then to [`LARGE_READ`]
+/// while the process holds fewer than [`LARGE_READS`] large chunks, or
+/// always for a body whose chunks an upload budget bounds. Every byte path
+/// that reads a socket into the tunnel sizes its reads with it: [`ReadBody`]
+/// (TCP streams, upgrades) and `agent::h1` (a backend's response bodies).
+pub struct ReadSize {
     chunk: usize,
     /// Where large reads are counted; `None`: charged to a budget instead.
     large: Option<&'static LargeReads>,
     /// The last chunk was a large one, counted in `large`: it is on its way
-    /// until the body is polled again (HTTP/2 polls once it has room).
+    /// until the body is polled again (the tunnel polls once it has room).
     holds_large: bool,
-    done: bool,
 }
 
-impl<R> ReadBody<R> {
-    pub fn new(reader: R) -> Self {
-        Self::counted_in(reader, Some(&LARGE))
+impl ReadSize {
+    /// Reads from `first` bytes, large ones counted against the process's.
+    pub fn new(first: usize) -> Self {
+        ReadSize { chunk: first.clamp(1, READ_CHUNK), large: Some(&LARGE), holds_large: false }
     }
 
-    /// A body whose chunks are charged to an upload budget
+    /// Reads of a body whose chunks are charged to an upload budget
     /// ([`super::budget::Budgeted`]): the budget bounds what they hold, so its
     /// large reads are not counted.
-    pub fn charged(reader: R) -> Self {
-        Self::counted_in(reader, None)
+    pub fn charged(first: usize) -> Self {
+        ReadSize { large: None, ..ReadSize::new(first) }
     }
 
-    fn counted_in(reader: R, large: Option<&'static LargeReads>) -> Self {
-        ReadBody { reader, buf: BytesMut::new(), chunk: FIRST_READ, large, holds_large: false, done: false }
+    /// The size of the next read; the chunk read before is on its way by now.
+    /// A large read takes one of the process's large chunks, or is not large.
+    pub fn next(&mut self) -> usize {
+        self.give_back();
+        let mut want = self.chunk;
+        if want > READ_CHUNK
+            && let Some(large) = self.large
+        {
+            if large.try_take() {
+                self.holds_large = true;
+            } else {
+                want = READ_CHUNK;
+            }
+        }
+        want
     }
 
-    fn give_back_large(&mut self) {
+    /// A read of `want` (at most [`next`](Self::next)'s) gave `n` bytes: the
+    /// next one is larger if this one was filled (never smaller); a large
+    /// chunk is held until the next.
+    pub fn read(&mut self, want: usize, n: usize) {
+        if n <= READ_CHUNK {
+            self.give_back();
+        }
+        if n >= want {
+            let max = if want < READ_CHUNK { READ_CHUNK } else { LARGE_READ };
+            self.chunk = self.chunk.max((want * 2).min(max));
+        }
+    }
+
+    /// The read found nothing, failed or ended: no chunk is held.
+    pub fn give_back(&mut self) {
         if std::mem::take(&mut self.holds_large)
             && let Some(large) = self.large
         {
@@ -133,9 +156,38 @@ impl<R> ReadBody<R> {
     }
 }
 
-impl<R> Drop for ReadBody<R> {
+impl Drop for ReadSize {
     fn drop(&mut self) {
-        self.give_back_large();
+        self.give_back();
+    }
+}
+
+/// A body that reads a socket (or any `AsyncRead`) until EOF.
+///
+/// It holds no buffer while it waits for the socket (a thousand idle TCP
+/// streams cost a thousand sockets, not a thousand 64 KiB buffers), and reads
+/// in chunks that grow while data keeps coming ([`ReadSize`]).
+pub struct ReadBody<R> {
+    reader: R,
+    buf: BytesMut,
+    size: ReadSize,
+    done: bool,
+}
+
+impl<R> ReadBody<R> {
+    pub fn new(reader: R) -> Self {
+        ReadBody { reader, buf: BytesMut::new(), size: ReadSize::new(FIRST_READ), done: false }
+    }
+
+    /// A body whose chunks are charged to an upload budget
+    /// ([`super::budget::Budgeted`]): see [`ReadSize::charged`].
+    pub fn charged(reader: R) -> Self {
+        ReadBody { size: ReadSize::charged(FIRST_READ), ..ReadBody::new(reader) }
+    }
+
+    #[cfg(test)]
+    fn counted_in(reader: R, large: Option<&'static LargeReads>) -> Self {
+        ReadBody { size: ReadSize { large, ..ReadSize::new(FIRST_READ) }, ..ReadBody::new(reader) }
     }
 }
 
@@ -148,46 +200,32 @@ impl<R: AsyncRead + Unpin> Body for ReadBody<R> {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = self.get_mut();
-        // Polled again: the last chunk went on.
-        this.give_back_large();
         if this.done {
+            this.size.give_back();
             return Poll::Ready(None);
         }
-        let mut want = this.chunk;
-        if want > READ_CHUNK
-            && let Some(large) = this.large
-        {
-            if large.try_take() {
-                this.holds_large = true;
-            } else {
-                want = READ_CHUNK;
-            }
-        }
+        let want = this.size.next();
         if this.buf.capacity() < want {
             this.buf.reserve(want);
         }
         // At most `want`: the buffer may have more room than it was asked for.
-        let read = poll_read_buf(Pin::new(&mut this.reader), cx, &mut (&mut this.buf).limit(want));
-        if !matches!(read, Poll::Ready(Ok(n)) if n > READ_CHUNK) {
-            this.give_back_large();
-        }
-        match read {
+        match poll_read_buf(Pin::new(&mut this.reader), cx, &mut (&mut this.buf).limit(want)) {
             Poll::Ready(Ok(0)) => {
+                this.size.give_back();
                 this.done = true;
                 Poll::Ready(None)
             }
             Poll::Ready(Ok(n)) => {
-                if n >= want {
-                    let max = if want < READ_CHUNK { READ_CHUNK } else { LARGE_READ };
-                    this.chunk = (want * 2).min(max);
-                }
+                this.size.read(want, n);
                 Poll::Ready(Some(Ok(Frame::data(this.buf.split().freeze()))))
             }
             Poll::Ready(Err(e)) => {
+                this.size.give_back();
                 this.done = true;
                 Poll::Ready(Some(Err(e.into())))
             }
             Poll::Pending => {
+                this.size.give_back();
                 // Idle: give the buffer back rather than hold it while waiting.
                 this.buf = BytesMut::new();
                 Poll::Pending

@@ -479,7 +479,8 @@ mod tests {
             eprintln!("wire: {wire:?}");
             let (client, server) = tokio::io::duplex(64 * 1024);
             tokio::spawn(async move {
-                let echo = |req: Request<RecvBody>| async move { Response::new(body::boxed(req.into_body())) };
+                let echo =
+                    |req: Request<RecvBody>| async move { Response::new(body::boxed(req.into_body())) };
                 let _ = crate::tunnel::server::serve_wire(server, wire, echo, std::future::pending()).await;
             });
             let (send, conn) = start(client, wire).await.unwrap();
