@@ -434,10 +434,15 @@ pub fn poll_write_all<W: AsyncWrite + ?Sized>(
     bufs: &mut VecDeque<Bytes>,
     wrote: &mut bool,
 ) -> Poll<io::Result<()>> {
-    while !bufs.is_empty() {
-        let mut slices = [io::IoSlice::new(&[]); COPY_SLICES];
-        let n = super::io_slices(bufs, &mut slices);
-        let written = std::task::ready!(writer.as_mut().poll_write_vectored(cx, &slices[..n]))?;
+    while let Some(first) = bufs.front() {
+        let written = if bufs.len() == 1 {
+            // One buffer (a request head alone): no slices to lay out.
+            std::task::ready!(writer.as_mut().poll_write(cx, first))?
+        } else {
+            let mut slices = [io::IoSlice::new(&[]); COPY_SLICES];
+            let n = super::io_slices(bufs, &mut slices);
+            std::task::ready!(writer.as_mut().poll_write_vectored(cx, &slices[..n]))?
+        };
         if written == 0 {
             return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
         }
