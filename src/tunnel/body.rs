@@ -488,6 +488,29 @@ mod tests {
         assert_eq!(largest_chunk(&mut ReadBody::charged(r), &mut w).await, LARGE_READ);
     }
 
+    #[test]
+    fn reads_grow_when_filled_and_never_shrink_for_a_small_need() {
+        let large: &'static LargeReads = Box::leak(Box::new(LargeReads::new(1)));
+        let mut size = ReadSize { large: Some(large), ..ReadSize::new(64 * 1024) };
+        let want = size.next();
+        assert_eq!(want, READ_CHUNK, "from the first size, at most a chunk");
+        size.read(want, want);
+        let want = size.next();
+        assert_eq!((want, large.held.load(Ordering::Relaxed)), (2 * READ_CHUNK, 1), "large, with the token");
+        size.read(want, want);
+        // The next read is cut to what a body still needs (a line end): it is
+        // filled, but the reads after it stay large, and the token is back.
+        assert_eq!(size.next(), 4 * READ_CHUNK);
+        size.read(2, 2);
+        assert_eq!(large.held.load(Ordering::Relaxed), 0);
+        assert_eq!(size.next(), 4 * READ_CHUNK);
+        // Another body finds the only token taken: its large read is a chunk.
+        let mut other = ReadSize { large: Some(large), chunk: LARGE_READ, holds_large: false };
+        assert_eq!(other.next(), READ_CHUNK);
+        drop(size);
+        assert_eq!(other.next(), LARGE_READ, "the token came back when the first was dropped");
+    }
+
     #[tokio::test]
     async fn large_chunks_held_are_bounded_and_reads_go_on_in_small_ones() {
         let large: &'static LargeReads = Box::leak(Box::new(LargeReads::new(1)));
