@@ -146,8 +146,9 @@ pub async fn exchange(
     let mut head = Vec::with_capacity(256);
     encode_head(&parts, &mut head);
     let head_request = parts.method == Method::HEAD;
-    let out = VecDeque::from([Bytes::from(head)]);
-    let mut upload = Some(Upload { body, framing, out, done: framing == Framing::None });
+    let head = Bytes::from(head);
+    let mut upload =
+        Some(Upload { head, body, framing, out: VecDeque::new(), done: framing == Framing::None });
     // Whether any of the request reached the socket, and a write that
     // failed after that (the backend may have answered early, a 413, and
     // closed its end: what it said is read all the same).
@@ -271,9 +272,12 @@ fn encode_head(parts: &http::request::Parts, out: &mut Vec<u8>) {
 /// ready are gathered and written together, in one vectored write, as a TCP
 /// stream's are ([`body::poll_gather`]); chunked, a batch is one chunk.
 struct Upload {
+    /// The request head, written first and alone (before the body is
+    /// waited for); empty once written.
+    head: Bytes,
     body: BoxBody,
     framing: Framing,
-    /// What is to be written, in order: the head, then a batch of the body
+    /// What is to be written after the head, in order: a batch of the body
     /// with its framing (the chunk-size line, the data, the line end), then
     /// the body's end (the last chunk and trailers).
     out: VecDeque<Bytes>,
@@ -295,6 +299,7 @@ impl Upload {
         mut w: Pin<&mut W>,
         wrote: &mut bool,
     ) -> Poll<Result<(), UploadError>> {
+        ready!(body::poll_write_one(w.as_mut(), cx, &mut self.head, wrote)).map_err(UploadError::Write)?;
         loop {
             ready!(body::poll_write_all(w.as_mut(), cx, &mut self.out, wrote)).map_err(UploadError::Write)?;
             if self.done {
@@ -1173,8 +1178,8 @@ mod tests {
     }
 
     fn upload(body: impl Body<Data = Bytes, Error = BoxError> + Send + 'static, framing: Framing) -> Upload {
-        let out = VecDeque::from([Bytes::from_static(b"HEAD\r\n\r\n")]);
-        Upload { body: crate::tunnel::body::boxed(body), framing, out, done: false }
+        let head = Bytes::from_static(b"HEAD\r\n\r\n");
+        Upload { head, body: crate::tunnel::body::boxed(body), framing, out: VecDeque::new(), done: false }
     }
 
     #[tokio::test]

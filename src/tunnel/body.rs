@@ -434,20 +434,43 @@ pub fn poll_write_all<W: AsyncWrite + ?Sized>(
     bufs: &mut VecDeque<Bytes>,
     wrote: &mut bool,
 ) -> Poll<io::Result<()>> {
-    while let Some(first) = bufs.front() {
-        let written = if bufs.len() == 1 {
-            // One buffer (a request head alone): no slices to lay out.
-            std::task::ready!(writer.as_mut().poll_write(cx, first))?
-        } else {
-            let mut slices = [io::IoSlice::new(&[]); COPY_SLICES];
-            let n = super::io_slices(bufs, &mut slices);
-            std::task::ready!(writer.as_mut().poll_write_vectored(cx, &slices[..n]))?
-        };
+    while !bufs.is_empty() {
+        if bufs.len() == 1
+            && let Some(one) = bufs.front_mut()
+        {
+            // One buffer: no slices to lay out.
+            std::task::ready!(poll_write_one(writer.as_mut(), cx, one, wrote))?;
+            bufs.clear();
+            break;
+        }
+        let mut slices = [io::IoSlice::new(&[]); COPY_SLICES];
+        let n = super::io_slices(bufs, &mut slices);
+        let written = std::task::ready!(writer.as_mut().poll_write_vectored(cx, &slices[..n]))?;
         if written == 0 {
             return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
         }
         *wrote = true;
         super::advance(bufs, written);
+    }
+    Poll::Ready(Ok(()))
+}
+
+/// Writes `buf` whole, emptying it; `wrote` is set once a write took any
+/// of it.
+pub fn poll_write_one<W: AsyncWrite + ?Sized>(
+    mut writer: Pin<&mut W>,
+    cx: &mut Context<'_>,
+    buf: &mut Bytes,
+    wrote: &mut bool,
+) -> Poll<io::Result<()>> {
+    use bytes::Buf;
+    while !buf.is_empty() {
+        let written = std::task::ready!(writer.as_mut().poll_write(cx, buf))?;
+        if written == 0 {
+            return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+        }
+        *wrote = true;
+        buf.advance(written);
     }
     Poll::Ready(Ok(()))
 }
