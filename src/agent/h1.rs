@@ -870,6 +870,7 @@ pub fn decode(stream: &[u8], sizes: &[u8], head_request: bool) -> Decoded {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tunnel::body::testing::Writes;
 
     fn head(bytes: &[u8], head_request: bool) -> Result<Option<Head>, Error> {
         parse_head(&mut BytesMut::from(bytes), head_request)
@@ -1159,24 +1160,6 @@ mod tests {
         }
     }
 
-    /// A socket that takes one byte per write.
-    struct OneByte(Vec<u8>);
-
-    impl AsyncWrite for OneByte {
-        fn poll_write(self: Pin<&mut Self>, _: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-            self.get_mut().0.extend_from_slice(&buf[..1]);
-            Poll::Ready(Ok(1))
-        }
-
-        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
-            Poll::Ready(Ok(()))
-        }
-
-        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
-            Poll::Ready(Ok(()))
-        }
-    }
-
     fn upload(body: impl Body<Data = Bytes, Error = BoxError> + Send + 'static, framing: Framing) -> Upload {
         let head = Bytes::from_static(b"HEAD\r\n\r\n");
         Upload { head, body: crate::tunnel::body::boxed(body), framing, out: VecDeque::new(), done: false }
@@ -1186,55 +1169,21 @@ mod tests {
     async fn a_chunked_upload_whose_last_chunk_ends_it_written_a_byte_at_a_time() {
         let body = LastEnds([Bytes::from_static(b"abc"), Bytes::from_static(b"de")].into());
         let mut up = upload(body, Framing::Chunked);
-        let mut w = OneByte(Vec::new());
+        let mut w = Writes::taking(1);
         let mut wrote = false;
         let done = std::future::poll_fn(|cx| up.poll_write(cx, Pin::new(&mut w), &mut wrote)).await;
         assert!(done.is_ok() && wrote);
         // The two frames were there at once: one chunk.
-        assert_eq!(String::from_utf8(w.0).unwrap(), "HEAD\r\n\r\n5\r\nabcde\r\n0\r\n\r\n");
-    }
-
-    /// A socket that records each write it is given, whole.
-    #[derive(Default)]
-    struct Writes(Vec<Vec<u8>>);
-
-    impl AsyncWrite for Writes {
-        fn poll_write(self: Pin<&mut Self>, _: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-            self.get_mut().0.push(buf.to_vec());
-            Poll::Ready(Ok(buf.len()))
-        }
-
-        fn poll_write_vectored(
-            self: Pin<&mut Self>,
-            _: &mut Context<'_>,
-            bufs: &[io::IoSlice<'_>],
-        ) -> Poll<io::Result<usize>> {
-            let all: Vec<u8> = bufs.iter().flat_map(|b| b.iter().copied()).collect();
-            let n = all.len();
-            self.get_mut().0.push(all);
-            Poll::Ready(Ok(n))
-        }
-
-        fn is_write_vectored(&self) -> bool {
-            true
-        }
-
-        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
-            Poll::Ready(Ok(()))
-        }
-
-        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
-            Poll::Ready(Ok(()))
-        }
+        assert_eq!(String::from_utf8(w.bytes).unwrap(), "HEAD\r\n\r\n5\r\nabcde\r\n0\r\n\r\n");
     }
 
     /// The writes an upload makes of `batches`: each batch's frames are
     /// sent once the upload waits for its body, then the body ends.
     async fn writes_of(framing: Framing, batches: &[&[&'static [u8]]]) -> (Vec<String>, Result<(), String>) {
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Result<Frame<Bytes>, BoxError>>();
-        let frames = futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx));
-        let mut up = upload(http_body_util::StreamBody::new(frames), framing);
-        let (mut w, mut wrote, mut tx, mut batches) = (Writes::default(), false, Some(tx), batches.iter());
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(64);
+        let mut up = upload(http_body_util::StreamBody::new(tokio_stream_from(rx)), framing);
+        let (mut w, mut wrote, mut tx, mut batches) =
+            (Writes::taking(usize::MAX), false, Some(tx), batches.iter());
         let result = std::future::poll_fn(|cx| {
             loop {
                 if let Poll::Ready(r) = up.poll_write(cx, Pin::new(&mut w), &mut wrote) {
@@ -1243,7 +1192,7 @@ mod tests {
                 match (batches.next(), &tx) {
                     (Some(frames), Some(tx)) => {
                         for f in *frames {
-                            tx.send(Ok(Frame::data(Bytes::from_static(f)))).unwrap();
+                            tx.try_send(Ok(Frame::data(Bytes::from_static(f)))).unwrap();
                         }
                     }
                     _ => tx = None,
@@ -1255,7 +1204,7 @@ mod tests {
             UploadError::Write(e) => e.to_string(),
             UploadError::Body(e) => e.to_string(),
         });
-        (w.0.into_iter().map(|b| String::from_utf8(b).unwrap()).collect(), result)
+        (w.each().into_iter().map(|b| String::from_utf8(b.to_vec()).unwrap()).collect(), result)
     }
 
     #[tokio::test]

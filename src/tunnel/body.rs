@@ -475,6 +475,79 @@ pub fn poll_write_one<W: AsyncWrite + ?Sized>(
     Poll::Ready(Ok(()))
 }
 
+/// Test helpers of the byte paths that end in a socket.
+#[cfg(test)]
+pub(crate) mod testing {
+    use std::io;
+    use std::pin::Pin;
+    use std::task::{Context, Poll};
+
+    use tokio::io::AsyncWrite;
+
+    /// Records the bytes of each write; takes at most `max` per write.
+    #[derive(Default)]
+    pub struct Writes {
+        pub sizes: Vec<usize>,
+        pub bytes: Vec<u8>,
+        pub max: usize,
+        pub shut: bool,
+    }
+
+    impl Writes {
+        /// A writer that takes at most `max` bytes per write.
+        pub fn taking(max: usize) -> Self {
+            Writes { max, ..Writes::default() }
+        }
+
+        /// The bytes of each write, in order.
+        pub fn each(&self) -> Vec<&[u8]> {
+            let mut at = 0;
+            self.sizes
+                .iter()
+                .map(|n| {
+                    at += n;
+                    &self.bytes[at - n..at]
+                })
+                .collect()
+        }
+    }
+
+    impl AsyncWrite for Writes {
+        fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+            self.poll_write_vectored(cx, &[io::IoSlice::new(buf)])
+        }
+
+        fn poll_write_vectored(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            bufs: &[io::IoSlice<'_>],
+        ) -> Poll<io::Result<usize>> {
+            let this = self.get_mut();
+            let mut n = 0;
+            for b in bufs {
+                let take = b.len().min(this.max - n);
+                this.bytes.extend_from_slice(&b[..take]);
+                n += take;
+            }
+            this.sizes.push(n);
+            Poll::Ready(Ok(n))
+        }
+
+        fn is_write_vectored(&self) -> bool {
+            true
+        }
+
+        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            self.get_mut().shut = true;
+            Poll::Ready(Ok(()))
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -558,50 +631,6 @@ mod tests {
         assert_eq!(large.held.load(Ordering::Relaxed), 0);
     }
 
-    /// Records the bytes of each write; takes at most `max` per write.
-    #[derive(Default)]
-    struct Writes {
-        sizes: Vec<usize>,
-        bytes: Vec<u8>,
-        max: usize,
-        shut: bool,
-    }
-
-    impl AsyncWrite for Writes {
-        fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-            self.poll_write_vectored(cx, &[io::IoSlice::new(buf)])
-        }
-
-        fn poll_write_vectored(
-            self: Pin<&mut Self>,
-            _: &mut Context<'_>,
-            bufs: &[io::IoSlice<'_>],
-        ) -> Poll<io::Result<usize>> {
-            let this = self.get_mut();
-            let mut n = 0;
-            for b in bufs {
-                let take = b.len().min(this.max - n);
-                this.bytes.extend_from_slice(&b[..take]);
-                n += take;
-            }
-            this.sizes.push(n);
-            Poll::Ready(Ok(n))
-        }
-
-        fn is_write_vectored(&self) -> bool {
-            true
-        }
-
-        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
-            Poll::Ready(Ok(()))
-        }
-
-        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
-            self.get_mut().shut = true;
-            Poll::Ready(Ok(()))
-        }
-    }
-
     #[tokio::test]
     async fn copy_body_writes_the_frames_ready_together() {
         let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, io::Error>>(16);
@@ -610,7 +639,7 @@ mod tests {
             tx.send(Ok(Frame::data(Bytes::from(vec![i; 1000])))).await.unwrap();
         }
         drop(tx);
-        let mut writes = Writes { max: 2500, ..Writes::default() };
+        let mut writes = testing::Writes::taking(2500);
         let n = copy_body(body, &mut writes).await.unwrap();
         assert_eq!(n, 5000);
         // The five frames there at once: one batch, in writes as large as
