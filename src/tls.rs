@@ -204,11 +204,26 @@ impl ResolvesServerCert for CertResolver {
 /// The edge's TLS server configuration: TLS 1.2 and 1.3, ALPN h2 and
 /// http/1.1 (and `acme-tls/1`, which only ACME validation offers).
 pub fn server_config(resolver: Arc<CertResolver>) -> Result<Arc<rustls::ServerConfig>, TlsError> {
-    let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(provider::default_provider()))
+    server_config_on(resolver, aes_hardware())
+}
+
+/// [`server_config`] on a CPU with (`aes_hardware`) or without AES
+/// instructions. With them the client's order decides, so an agent or a
+/// phone without them gets the ChaCha20-Poly1305 it asks for; without
+/// them the edge's own order decides, ChaCha20-Poly1305 first, for what
+/// the edge pays per byte (Go's rule).
+fn server_config_on(
+    resolver: Arc<CertResolver>,
+    aes_hardware: bool,
+) -> Result<Arc<rustls::ServerConfig>, TlsError> {
+    let mut provider = provider::default_provider();
+    prefer(&mut provider, aes_hardware);
+    let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(provider))
         .with_safe_default_protocol_versions()
         .map_err(TlsError::Config)?
         .with_no_client_auth()
         .with_cert_resolver(resolver);
+    config.ignore_client_order = !aes_hardware;
     config.alpn_protocols = vec![ALPN_H2.to_vec(), ALPN_HTTP11.to_vec(), ALPN_ACME_TLS.to_vec()];
     // TLS 1.3 records after the handshake are ours (`tunnel::tls`).
     config.enable_secret_extraction = true;
@@ -240,15 +255,81 @@ pub fn root_store(ca_file: Option<&Path>) -> Result<rustls::RootCertStore, TlsEr
     Ok(roots)
 }
 
+/// The AEAD a tunnel's records are sealed with: what the agent offers
+/// first (`--tunnel-cipher`); the edge takes the agent's order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum TunnelCipher {
+    /// AES-128-GCM on a CPU with AES instructions (x86 AES-NI with
+    /// PCLMULQDQ, the ARMv8 Cryptography Extension), ChaCha20-Poly1305
+    /// on one without (a Raspberry Pi 4, any 32-bit ARM build).
+    #[default]
+    Auto,
+    #[value(name = "aes-128-gcm")]
+    Aes128Gcm,
+    #[value(name = "chacha20-poly1305")]
+    Chacha20Poly1305,
+}
+
+impl TunnelCipher {
+    /// Whether AES-GCM comes first: the choice `Auto` makes by this CPU.
+    pub fn aes_first(self) -> bool {
+        match self {
+            TunnelCipher::Auto => aes_hardware(),
+            TunnelCipher::Aes128Gcm => true,
+            TunnelCipher::Chacha20Poly1305 => false,
+        }
+    }
+}
+
+/// Whether ring seals AES-GCM with instructions made for it on this CPU.
+/// Without them AES runs in constant-time software, several times the
+/// cost of ChaCha20-Poly1305 per byte; Go, BoringSSL and s2n pick
+/// ChaCha20 there for the same reason. ring uses AES instructions on
+/// x86_64 and aarch64 only (its 32-bit ARM AES is NEON software).
+pub fn aes_hardware() -> bool {
+    #[cfg(any(target_arch = "x86_64", target_arch = "x86"))]
+    {
+        std::arch::is_x86_feature_detected!("aes") && std::arch::is_x86_feature_detected!("pclmulqdq")
+    }
+    // Rust's `aes` on aarch64 is FEAT_AES with FEAT_PMULL (GHASH).
+    #[cfg(target_arch = "aarch64")]
+    {
+        std::arch::is_aarch64_feature_detected!("aes")
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "x86", target_arch = "aarch64")))]
+    {
+        false
+    }
+}
+
+/// Puts AES-128-GCM first (`aes_first`: TLS 1.3's mandatory suite, as Go
+/// and BoringSSL prefer it, and 10 AES rounds to AES-256's 14 on every
+/// byte the tunnel moves, its largest user-space cost in bulk: ~2.6 of
+/// ~3.9 instructions a byte on each side) or the ChaCha20-Poly1305 suites
+/// first; the order of the rest is kept.
+fn prefer(provider: &mut rustls::crypto::CryptoProvider, aes_first: bool) {
+    use rustls::CipherSuite::*;
+    provider.cipher_suites.sort_by_key(|s| match (s.suite(), aes_first) {
+        (TLS13_AES_128_GCM_SHA256, true) => 0,
+        (TLS13_CHACHA20_POLY1305_SHA256, false) => 0,
+        (
+            TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256 | TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256,
+            false,
+        ) => 1,
+        _ => 2,
+    });
+}
+
 /// The tunnel client's configuration: TLS 1.3 only, ALPN http/1.1 (the
-/// WebSocket upgrade is an HTTP/1.1 request).
-pub fn tunnel_client_config(ca_file: Option<&Path>) -> Result<Arc<rustls::ClientConfig>, TlsError> {
+/// WebSocket upgrade is an HTTP/1.1 request), `cipher` offered first.
+pub fn tunnel_client_config(
+    ca_file: Option<&Path>,
+    cipher: TunnelCipher,
+) -> Result<Arc<rustls::ClientConfig>, TlsError> {
     let mut provider = provider::default_provider();
-    // AES-128-GCM first (the edge takes the agent's order): TLS 1.3's
-    // mandatory suite, as Go and BoringSSL prefer it, and 10 AES rounds to
-    // AES-256's 14 on every byte the tunnel moves, its largest user-space
-    // cost in bulk (~2.6 of ~3.9 instructions a byte on each side).
-    provider.cipher_suites.sort_by_key(|s| s.suite() != rustls::CipherSuite::TLS13_AES_128_GCM_SHA256);
+    // The edge takes the agent's order: the agent's CPU decides, the side
+    // of the tunnel most likely to be short of it.
+    prefer(&mut provider, cipher.aes_first());
     let mut config = rustls::ClientConfig::builder_with_provider(Arc::new(provider))
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(TlsError::Config)?
@@ -373,15 +454,108 @@ impl rustls::client::danger::ServerCertVerifier for AnyCertificate {
 
 #[cfg(test)]
 mod tests {
-    /// The agent offers AES-128-GCM first, and the other suites after it.
+    use super::*;
+    use rustls::CipherSuite::{self, *};
+
+    fn offered(config: &rustls::ClientConfig) -> Vec<CipherSuite> {
+        config.crypto_provider().cipher_suites.iter().map(|s| s.suite()).collect()
+    }
+
+    /// The agent offers the cipher asked for first and every other suite
+    /// after it; `auto` follows this CPU.
     #[test]
-    fn the_tunnel_offers_aes_128_gcm_first() {
-        use rustls::CipherSuite::*;
-        let config = super::tunnel_client_config(None).unwrap();
-        let offered: Vec<_> = config.crypto_provider().cipher_suites.iter().map(|s| s.suite()).collect();
-        assert_eq!(offered[0], TLS13_AES_128_GCM_SHA256, "{offered:?}");
-        for suite in [TLS13_AES_256_GCM_SHA384, TLS13_CHACHA20_POLY1305_SHA256] {
-            assert!(offered.contains(&suite), "{offered:?}");
+    fn the_tunnel_offers_its_cipher_first_and_the_rest_after_it() {
+        for (cipher, first) in [
+            (TunnelCipher::Aes128Gcm, TLS13_AES_128_GCM_SHA256),
+            (TunnelCipher::Chacha20Poly1305, TLS13_CHACHA20_POLY1305_SHA256),
+            (
+                TunnelCipher::Auto,
+                if aes_hardware() { TLS13_AES_128_GCM_SHA256 } else { TLS13_CHACHA20_POLY1305_SHA256 },
+            ),
+        ] {
+            let offered = offered(&tunnel_client_config(None, cipher).unwrap());
+            assert_eq!(offered[0], first, "{cipher:?}: {offered:?}");
+            for suite in [TLS13_AES_128_GCM_SHA256, TLS13_AES_256_GCM_SHA384, TLS13_CHACHA20_POLY1305_SHA256]
+            {
+                assert!(offered.contains(&suite), "{cipher:?}: {offered:?}");
+            }
+        }
+    }
+
+    /// This machine's CPU, as std sees it, is what `auto` goes by.
+    #[test]
+    fn aes_hardware_is_what_the_cpu_says() {
+        #[cfg(target_arch = "x86_64")]
+        assert_eq!(
+            aes_hardware(),
+            std::fs::read_to_string("/proc/cpuinfo")
+                .map(|c| c.split_whitespace().any(|f| f == "aes")
+                    && c.split_whitespace().any(|f| f == "pclmulqdq"))
+                .unwrap_or(aes_hardware())
+        );
+    }
+
+    /// Which suite a handshake of a client offering `cipher` first with
+    /// an edge (`aes_hardware` or not) agrees on, in memory.
+    fn agreed(cipher: TunnelCipher, edge_has_aes: bool, tls12: bool) -> CipherSuite {
+        let pki = generate_pki(&["edge.test".to_string()]).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("ca.pem");
+        std::fs::write(&ca, &pki.ca_pem).unwrap();
+        let key = certified_key_from_pem(&pki.cert_pem, &pki.key_pem).unwrap();
+        let server = server_config_on(Arc::new(CertResolver::new(key)), edge_has_aes).unwrap();
+        let client = if tls12 {
+            // A TLS 1.2 public client with this preference.
+            let mut provider = provider::default_provider();
+            prefer(&mut provider, cipher.aes_first());
+            Arc::new(
+                rustls::ClientConfig::builder_with_provider(Arc::new(provider))
+                    .with_protocol_versions(&[&rustls::version::TLS12])
+                    .unwrap()
+                    .with_root_certificates(root_store(Some(&ca)).unwrap())
+                    .with_no_client_auth(),
+            )
+        } else {
+            tunnel_client_config(Some(&ca), cipher).unwrap()
+        };
+        let mut c = rustls::ClientConnection::new(client, "edge.test".try_into().unwrap()).unwrap();
+        let mut s = rustls::ServerConnection::new(server).unwrap();
+        while c.is_handshaking() || s.is_handshaking() {
+            let mut wire = Vec::new();
+            c.write_tls(&mut wire).unwrap();
+            s.read_tls(&mut wire.as_slice()).unwrap();
+            s.process_new_packets().unwrap();
+            wire.clear();
+            s.write_tls(&mut wire).unwrap();
+            c.read_tls(&mut wire.as_slice()).unwrap();
+            c.process_new_packets().unwrap();
+        }
+        let (cs, ss) =
+            (c.negotiated_cipher_suite().unwrap().suite(), s.negotiated_cipher_suite().unwrap().suite());
+        assert_eq!(cs, ss);
+        cs
+    }
+
+    /// An edge with AES instructions gives each client the suite it asks
+    /// for first (a Raspberry Pi's agent gets ChaCha20-Poly1305); an edge
+    /// without them prefers ChaCha20-Poly1305 whatever the client's order,
+    /// in TLS 1.3 and 1.2.
+    #[test]
+    fn the_edge_takes_the_clients_order_unless_it_lacks_aes_instructions() {
+        use TunnelCipher::*;
+        for (cipher, edge_has_aes, tls12, want) in [
+            (Aes128Gcm, true, false, TLS13_AES_128_GCM_SHA256),
+            (Chacha20Poly1305, true, false, TLS13_CHACHA20_POLY1305_SHA256),
+            (Aes128Gcm, false, false, TLS13_CHACHA20_POLY1305_SHA256),
+            (Chacha20Poly1305, false, false, TLS13_CHACHA20_POLY1305_SHA256),
+            (Chacha20Poly1305, true, true, TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256),
+            (Aes128Gcm, false, true, TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256),
+        ] {
+            assert_eq!(
+                agreed(cipher, edge_has_aes, tls12),
+                want,
+                "{cipher:?}, edge AES {edge_has_aes}, TLS 1.2 {tls12}"
+            );
         }
     }
 }

@@ -129,8 +129,19 @@ async fn quickstart_with_real_processes_survives_kill_9() {
     assert_eq!(curl(&ca, "blog.edge.test", port).await, "hello from backend");
 
     let echo = net::tcp_echo().await.port().to_string();
-    let mut tcp_agent =
-        Proc::spawn(&["tcp", &echo, "--edge", &url, "--key", &tcp_secret, "--ca-file", ca.to_str().unwrap()]);
+    // As on a CPU without AES instructions (a Raspberry Pi 4).
+    let mut tcp_agent = Proc::spawn(&[
+        "tcp",
+        &echo,
+        "--edge",
+        &url,
+        "--key",
+        &tcp_secret,
+        "--ca-file",
+        ca.to_str().unwrap(),
+        "--tunnel-cipher",
+        "chacha20-poly1305",
+    ]);
     tcp_agent.line("Forwarding tcp://").await;
     let mut s =
         tokio::net::TcpStream::connect(("127.0.0.1", tcp_port.parse::<u16>().unwrap())).await.unwrap();

@@ -156,7 +156,7 @@ async fn agent_is_back_within_300ms_of_the_edge() {
         edge: edges.first().clone(),
         key,
         agent_id: agent::agent_id(),
-        tls: culvert::tls::tunnel_client_config(Some(&edge.ca())).unwrap(),
+        tls: culvert::tls::tunnel_client_config(Some(&edge.ca()), culvert::tls::TunnelCipher::Auto).unwrap(),
         protocol: None,
         version: culvert::tunnel::connect::PROTOCOL_VERSION,
     };

@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use culvert::agent::Target;
+use culvert::tls::TunnelCipher;
 use futures_util::StreamExt;
 use http::{HeaderMap, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
@@ -59,10 +60,11 @@ fn tunnel<'a>(doc: &'a Value, name: &str) -> &'a Value {
 async fn two_tunnels(configure: impl FnOnce(&mut culvert::edge::EdgeArgs)) -> (TestEdge, Vec<TestAgent>) {
     let edge = TestEdge::start_with(configure).await;
     let mut agents = Vec::new();
-    for name in ["alpha", "beta"] {
+    // beta's agent as on a CPU without AES instructions.
+    for (name, cipher) in [("alpha", TunnelCipher::Aes128Gcm), ("beta", TunnelCipher::Chacha20Poly1305)] {
         let backend = net::http_backend().await;
         let (_, key) = edge.http_tunnel_key(name).await;
-        agents.push(TestAgent::start(&edge, &key, Target::http(backend.to_string())).await);
+        agents.push(TestAgent::start_cipher(&edge, &key, Target::http(backend.to_string()), cipher).await);
     }
     let (s, r) = edge.api("POST", "domains", Some(json!({"name": "gamma"}))).await;
     assert!(s.is_success(), "{r}");
@@ -128,6 +130,9 @@ async fn the_admin_port_serves_the_document_the_page_and_live_events() {
     let agent = &alpha["agents"][0];
     assert!(agent["address"].as_str().unwrap().starts_with("127.0.0.1:"), "{agent}");
     assert_eq!(agent["protocolVersion"], 2, "the multiplexer");
+    assert_eq!(agent["cipher"], "TLS13_AES_128_GCM_SHA256");
+    let beta_agent = &tunnel(&doc, "beta.edge.test")["agents"][0];
+    assert_eq!(beta_agent["cipher"], "TLS13_CHACHA20_POLY1305_SHA256", "{beta_agent}");
     assert_eq!(agent["protocol"], "http");
     assert!(agent["keyId"].as_str().unwrap().starts_with("tk_"));
     assert_eq!(alpha["totals"]["requests"], 3);
@@ -144,9 +149,14 @@ async fn the_admin_port_serves_the_document_the_page_and_live_events() {
     assert_eq!(s, StatusCode::OK);
     assert!(h["content-type"].to_str().unwrap().starts_with("text/html"));
     assert!(h["content-security-policy"].to_str().unwrap().contains("frame-ancestors 'none'"));
-    for want in
-        ["alpha.edge.test", "beta.edge.test", "data-count=\"1\"", "<svg class=\"chart\"", "/status/page.js"]
-    {
+    for want in [
+        "alpha.edge.test",
+        "beta.edge.test",
+        "· CHACHA20-POLY1305 ·",
+        "data-count=\"1\"",
+        "<svg class=\"chart\"",
+        "/status/page.js",
+    ] {
         assert!(page.contains(want), "page lacks {want}");
     }
     let (s, h, js) = admin_get(admin, "/status/page.js").await;

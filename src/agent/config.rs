@@ -34,6 +34,12 @@ pub struct AgentArgs {
     #[arg(long, env = "CULVERT_CA_FILE")]
     pub ca_file: Option<PathBuf>,
 
+    /// The cipher the tunnel's TLS offers first: `auto` (AES-128-GCM on a
+    /// CPU with AES instructions, ChaCha20-Poly1305 on one without, such
+    /// as a Raspberry Pi 4), `aes-128-gcm` or `chacha20-poly1305`.
+    #[arg(long, env = "CULVERT_TUNNEL_CIPHER", value_enum, default_value_t)]
+    pub tunnel_cipher: crate::tls::TunnelCipher,
+
     /// The tunnel protocol version to offer: 2 (the multiplexer) or 1
     /// (HTTP/2 carries the streams). An edge that speaks only 1 is asked
     /// again with 1 by itself; set 1 only to rule the multiplexer out.

@@ -156,7 +156,7 @@ async fn serve_connection(
 
     let ready = async {
         control.ready().await;
-        info!(edge = %info.edge, "tunnel connection ready");
+        info!(edge = %info.edge, cipher = info.cipher, "tunnel connection ready");
         lost.ready.store(true, std::sync::atomic::Ordering::Relaxed);
         if let Some(f) = &options.on_ready {
             f(&info);
@@ -244,7 +244,7 @@ pub async fn run_standalone(args: AgentArgs, protocol: Protocol) -> Result<(), A
         key: crate::secret::key_from(args.key.as_deref(), args.key_file.as_deref(), "--key-file")?
             .ok_or(AgentError::NoKey)?,
         agent_id: agent_id(),
-        tls: tls::tunnel_client_config(args.ca_file.as_deref())?,
+        tls: tls::tunnel_client_config(args.ca_file.as_deref(), args.tunnel_cipher)?,
         protocol: Some(protocol),
         version: args.protocol_version,
     };

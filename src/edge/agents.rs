@@ -20,6 +20,15 @@ use crate::tunnel::handshake::Refusal;
 use crate::tunnel::tls::KeepBuffers;
 use crate::tunnel::ws::{self, Control, WsStream};
 
+/// What an agent's tunnel connection takes from the public TLS connection
+/// its upgrade came on.
+pub struct AgentTls {
+    /// Makes the connection keep its small buffers while it waits.
+    pub keep: KeepBuffers,
+    /// The cipher suite agreed (the agent's choice, `--tunnel-cipher`).
+    pub cipher: &'static str,
+}
+
 /// Refused handshakes: counted per source address, and logged at most once
 /// per [`LOG_EVERY`](super::limits::LOG_EVERY) (with how many went unlogged).
 pub struct Refusals {
@@ -65,7 +74,7 @@ pub async fn accept(
     edge: Arc<Edge>,
     mut req: Request<Incoming>,
     peer: SocketAddr,
-    keep: KeepBuffers,
+    tls: AgentTls,
 ) -> Response<BoxBody> {
     if let Some(left) = edge.refusals.per_address.blocked(peer.ip()) {
         return refuse(&edge, Refusal::TooManyRefusals { retry_in_seconds: left.as_secs().max(1) }, peer);
@@ -140,7 +149,7 @@ pub async fn accept(
                 Ok(u) => u,
                 Err(e) => return warn!(error = %e, "agent upgrade failed"),
             };
-            keep.keep();
+            tls.keep.keep();
             let control = Arc::new(Control::default());
             let budget = edge.registry.tunnel_budget();
             let stream = WsStream::new(TokioIo::new(upgraded), ws::Role::Server, control.clone())
@@ -153,7 +162,13 @@ pub async fn accept(
             let registered = edge.registry.add(
                 grant.key_id.clone(),
                 grant.reservation.id.clone(),
-                super::registry::Origin { agent_id, peer, protocol_version, since: super::store::unix_now() },
+                super::registry::Origin {
+                    agent_id,
+                    peer,
+                    protocol_version,
+                    cipher: tls.cipher,
+                    since: super::store::unix_now(),
+                },
                 grant.protocol,
                 super::registry::Link { sender, control: control.clone(), budget },
             );
@@ -165,7 +180,7 @@ pub async fn accept(
                 registered.cancel.cancel();
             }
             control.send(MSG_READY);
-            info!(url = %url, "agent connected");
+            info!(url = %url, cipher = tls.cipher, "agent connected");
             let reason = tokio::select! {
                 r = conn => match r {
                     Ok(()) => "closed".to_string(),

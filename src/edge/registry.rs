@@ -34,6 +34,8 @@ pub struct Origin {
     pub peer: SocketAddr,
     /// The tunnel protocol version it spoke.
     pub protocol_version: u32,
+    /// The TLS cipher suite agreed (`TLS13_AES_128_GCM_SHA256`, …).
+    pub cipher: &'static str,
     /// Unix seconds of the connection.
     pub since: u64,
 }
@@ -367,6 +369,7 @@ mod tests {
             agent_id: "agent".into(),
             peer: "127.0.0.1:1".parse().unwrap(),
             protocol_version: 1,
+            cipher: "TLS13_AES_128_GCM_SHA256",
             since: 0,
         };
         let link = Link { sender: sender().await, control: Arc::default(), budget: r.tunnel_budget() };

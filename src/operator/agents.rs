@@ -275,7 +275,7 @@ fn resolver(protocol: TunnelProtocol, routing: Arc<RwLock<Routing>>) -> Resolver
 
 /// Runs until `shutdown`, then drains every tunnel connection.
 pub async fn run(client: Client, args: OperatorArgs, metrics: Metrics, shutdown: CancellationToken) {
-    let tls = match crate::tls::tunnel_client_config(args.ca_file.as_deref()) {
+    let tls = match crate::tls::tunnel_client_config(args.ca_file.as_deref(), args.tunnel_cipher) {
         Ok(t) => t,
         Err(e) => return tracing::error!(error = %e, "agents cannot start"),
     };

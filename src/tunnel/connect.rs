@@ -183,6 +183,8 @@ pub struct TunnelInfo {
     pub public_url: Option<String>,
     /// The edge this connection is to (as in logs: `host:port[@addr]`).
     pub edge: String,
+    /// The TLS cipher suite agreed with the edge.
+    pub cipher: &'static str,
 }
 
 /// An open tunnel connection, before its streams' wire starts.
@@ -251,6 +253,7 @@ impl Dialer {
         let tls = super::tls::connect(self.tls.clone(), server_name, tcp)
             .await
             .map_err(|source| ConnectError::Tls { addr: addr.clone(), source })?;
+        let cipher = tls.cipher_suite().and_then(|s| s.as_str()).unwrap_or("unknown");
 
         // The WebSocket upgrade, as an HTTP/1.1 request on the TLS stream.
         let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
@@ -310,6 +313,7 @@ impl Dialer {
             protocol: header(TUNNEL_PROTOCOL_HEADER).and_then(Protocol::parse),
             public_url: header(PUBLIC_URL_HEADER).map(str::to_string),
             edge: self.edge.to_string(),
+            cipher,
         };
         let upgraded = hyper::upgrade::on(resp).await.map_err(|e| ConnectError::WebSocket(e.into()))?;
         let control = Arc::new(Control::default());
@@ -401,7 +405,7 @@ mod tests {
             edge: EdgeUrl::parse(&format!("https://{addr}")).unwrap(),
             key: "culvert_t_x".into(),
             agent_id: "test".into(),
-            tls: crate::tls::tunnel_client_config(None).unwrap(),
+            tls: crate::tls::tunnel_client_config(None, crate::tls::TunnelCipher::Auto).unwrap(),
             protocol: None,
             version: PROTOCOL_VERSION,
         };

@@ -164,6 +164,7 @@ pub struct TlsStream<IO, C: Endpoint> {
     b: Buffers,
     alpn: Option<Vec<u8>>,
     version: Option<rustls::ProtocolVersion>,
+    suite: Option<rustls::CipherSuite>,
     /// The config lets rustls hand the traffic secrets over.
     extract: bool,
 }
@@ -501,7 +502,7 @@ impl<IO, C: Endpoint> TlsStream<IO, C> {
         let mut b = Buffers::default();
         b.rx.reserve(RX_SMALL.max(prefix.len()));
         b.rx.extend_from_slice(prefix);
-        TlsStream { io, conn: Conn::Rustls(conn), b, alpn: None, version: None, extract }
+        TlsStream { io, conn: Conn::Rustls(conn), b, alpn: None, version: None, suite: None, extract }
     }
 
     /// A handle that makes this connection keep its small buffers while
@@ -518,6 +519,11 @@ impl<IO, C: Endpoint> TlsStream<IO, C> {
     /// The TLS version agreed.
     pub fn protocol_version(&self) -> Option<rustls::ProtocolVersion> {
         self.version
+    }
+
+    /// The cipher suite agreed.
+    pub fn cipher_suite(&self) -> Option<rustls::CipherSuite> {
+        self.suite
     }
 
     /// Our record layer protects the records (TLS 1.3, the config allowing
@@ -537,6 +543,7 @@ impl<IO, C: Endpoint> TlsStream<IO, C> {
         let common = c.common();
         self.alpn = common.alpn_protocol().map(<[u8]>::to_vec);
         self.version = common.protocol_version();
+        self.suite = common.negotiated_cipher_suite().map(|s| s.suite());
         if !self.extract || self.version != Some(rustls::ProtocolVersion::TLSv1_3) {
             return Ok(());
         }
@@ -1431,6 +1438,53 @@ mod tests {
                 }
             );
             assert!(got == data, "{mode:?}");
+        }
+    }
+
+    /// Every TLS 1.3 suite (AES-128-GCM, AES-256-GCM, ChaCha20-Poly1305,
+    /// what `--tunnel-cipher` can pick) seals and opens our records, both
+    /// ways at once, across our own key updates.
+    #[tokio::test]
+    async fn every_tls13_suite_carries_both_ways_across_key_updates_on_our_records() {
+        use rustls::CipherSuite::*;
+        let pki = pki();
+        for suite in [TLS13_AES_128_GCM_SHA256, TLS13_AES_256_GCM_SHA384, TLS13_CHACHA20_POLY1305_SHA256] {
+            let mut provider = rustls::crypto::ring::default_provider();
+            provider.cipher_suites.retain(|s| s.suite() == suite);
+            let mut config = rustls::ClientConfig::builder_with_provider(Arc::new(provider))
+                .with_protocol_versions(&[&rustls::version::TLS13])
+                .unwrap()
+                .with_root_certificates(pki.roots.clone())
+                .with_no_client_auth();
+            config.enable_secret_extraction = true;
+            let (c, s) = tcp_pair().await;
+            let (c, s) =
+                tokio::join!(connect(Arc::new(config), name(), c), accept(server_config(&pki, Own), s, &[]));
+            let (c, s) = (c.unwrap(), s.unwrap());
+            assert!(c.own_records() && s.own_records());
+            assert_eq!((c.cipher_suite(), s.cipher_suite()), (Some(suite), Some(suite)));
+            // 2 MiB each way: 128 records, two key updates (every 64 in tests).
+            let (up, down) = (random(2 << 20, 7), random((2 << 20) + 3, 8));
+            let (mut cr, mut cw) = tokio::io::split(c);
+            let (mut sr, mut sw) = tokio::io::split(s);
+            let (_, _, got_up, got_down) = tokio::join!(
+                async {
+                    write_varied(&mut cw, &up, 9).await;
+                    cw.shutdown().await.unwrap();
+                },
+                async {
+                    write_varied(&mut sw, &down, 10).await;
+                    sw.shutdown().await.unwrap();
+                },
+                read_varied(&mut sr, 11),
+                read_varied(&mut cr, 12),
+            );
+            assert!(
+                got_up == up && got_down == down,
+                "{suite:?}: {} / {} bytes",
+                got_up.len(),
+                got_down.len()
+            );
         }
     }
 

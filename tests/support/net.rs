@@ -11,6 +11,7 @@ use culvert::agent::{self, OnReady, Target, TunnelOptions};
 use culvert::api::PortRange;
 use culvert::edge::EdgeArgs;
 use culvert::edge::{self, EdgeHandle};
+use culvert::tls::TunnelCipher;
 use culvert::tunnel::connect::{Dialer, EdgeUrl};
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
@@ -366,6 +367,23 @@ impl TestAgent {
         version: u32,
     ) -> (TestAgent, Arc<tokio::sync::Notify>) {
         let dialer = Dialer { agent_id: agent::agent_id(), version, ..dialer(url, ca_file, key) };
+        Self::spawn_dialer(dialer, target, stop_on_permanent)
+    }
+
+    /// [`TestAgent::start`] offering `cipher` first in its TLS.
+    pub async fn start_cipher(edge: &TestEdge, key: &str, target: Target, cipher: TunnelCipher) -> TestAgent {
+        let tls = culvert::tls::tunnel_client_config(Some(&edge.ca_file), cipher).unwrap();
+        let dialer = Dialer { agent_id: agent::agent_id(), tls, ..edge.dialer(key) };
+        let agent = Self::spawn_dialer(dialer, target, false);
+        agent.1.notified().await;
+        agent.0
+    }
+
+    fn spawn_dialer(
+        dialer: Dialer,
+        target: Target,
+        stop_on_permanent: bool,
+    ) -> (TestAgent, Arc<tokio::sync::Notify>) {
         let ready = Arc::new(tokio::sync::Notify::new());
         let r = ready.clone();
         let on_ready: OnReady = Arc::new(move |_| r.notify_one());
@@ -393,7 +411,7 @@ pub fn dialer(url: &str, ca_file: &Path, key: &str) -> Dialer {
         edge: EdgeUrl::parse(url).unwrap(),
         key: key.into(),
         agent_id: "t".into(),
-        tls: culvert::tls::tunnel_client_config(Some(ca_file)).unwrap(),
+        tls: culvert::tls::tunnel_client_config(Some(ca_file), TunnelCipher::Auto).unwrap(),
         protocol: None,
         version: culvert::tunnel::connect::PROTOCOL_VERSION,
     }

@@ -13,6 +13,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use culvert::crd::{Domain, TcpPort, Tunnel};
 use culvert::operator::{BackendAddress, DomainPolicy, OperatorArgs};
+use culvert::tls::TunnelCipher;
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
@@ -101,6 +102,10 @@ impl Fixture {
             api_key: self.endpoints_key.clone(),
             api_key_file: None,
             ca_file: Some(self.edge.ca_file.clone()),
+            // What `auto` picks on a Raspberry Pi 4: the operator's tunnels
+            // carry these tests on ChaCha20-Poly1305, the standalone agents'
+            // tests (tests/support/net.rs) on AES-GCM.
+            tunnel_cipher: TunnelCipher::Chacha20Poly1305,
             namespace: self.ns.name.clone(),
             identity: Some(identity.into()),
             resync_seconds: 1,

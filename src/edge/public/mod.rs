@@ -28,6 +28,7 @@ use tokio::sync::{Notify, OwnedSemaphorePermit};
 use tracing::{Instrument, debug, warn};
 
 use super::accept::accept_loop;
+use super::agents::AgentTls;
 use super::limits::Class;
 use super::routes::default_host_name;
 use super::{Edge, sni};
@@ -40,7 +41,6 @@ use crate::constants::{
 use crate::http::{error_page, text};
 use crate::tunnel::body::{self, BoxBody, Counted};
 use crate::tunnel::budget::{BudgetSlot, Budgeted};
-use crate::tunnel::tls::KeepBuffers;
 use head::request_host;
 
 // hyper's own builders rather than hyper-util's `auto`: the protocol is
@@ -134,6 +134,7 @@ async fn serve_tls(
     let h2 = tls.alpn_protocol() == Some(crate::tls::ALPN_H2);
     // For an agent's upgrade: a tunnel keeps its buffers while it waits.
     let keep = tls.keep_buffers();
+    let cipher = tls.cipher_suite().and_then(|s| s.as_str()).unwrap_or("unknown");
     let slot = Arc::new(std::sync::Mutex::new(Slot { handshake: Some(_permit), class: None }));
     let first = Arc::new(FirstRequest::default());
     let serve = {
@@ -147,7 +148,7 @@ async fn serve_tls(
                 if let Some(refused) = take_slot(&edge, &slot, &req) {
                     return Ok::<_, Infallible>(refused);
                 }
-                Ok::<_, Infallible>(handle(edge, req, peer, keep).await)
+                Ok::<_, Infallible>(handle(edge, req, peer, AgentTls { keep, cipher }).await)
             }
         }
     };
@@ -415,7 +416,7 @@ async fn handle(
     edge: Arc<Edge>,
     req: Request<Incoming>,
     peer: SocketAddr,
-    keep: KeepBuffers,
+    tls: AgentTls,
 ) -> Response<BoxBody> {
     if let Some((status, why)) = head::refuse_head(&req) {
         return text(status, &format!("{why}\n"));
@@ -429,7 +430,7 @@ async fn handle(
     }
     let path = req.uri().path();
     if path == CONNECT_PATH {
-        return super::agents::accept(edge, req, peer, keep).await;
+        return super::agents::accept(edge, req, peer, tls).await;
     }
     if path.starts_with(API_PREFIX) {
         let resp = super::api::handle(&edge.api, req).await;

@@ -209,6 +209,7 @@ pub fn snapshot(edge: &Edge, limit: usize) -> Status {
                         address: c.origin.peer.to_string(),
                         since: rfc3339(c.origin.since),
                         protocol_version: c.origin.protocol_version,
+                        cipher: c.origin.cipher.to_string(),
                         protocol: c.protocol,
                         key_id: c.key_id.clone(),
                         streams_open: c.streams() as u64,

@@ -189,6 +189,9 @@ pub struct AgentStatus {
     pub since: String,
     /// The tunnel protocol version it spoke.
     pub protocol_version: u32,
+    /// The TLS cipher suite agreed, e.g. `TLS13_CHACHA20_POLY1305_SHA256`.
+    #[serde(default)]
+    pub cipher: String,
     /// What its key publishes.
     pub protocol: Protocol,
     /// The tunnel key it connected with (`tk_…`).

@@ -25,6 +25,8 @@
     return s + 's';
   }
   function plural(n, what) { return n + ' ' + what + (n === 1 ? '' : 's'); }
+  // TLS13_CHACHA20_POLY1305_SHA256 as CHACHA20-POLY1305 (page.rs: short_cipher).
+  function shortCipher(s) { return s.replace(/^TLS13_/, '').replace(/_SHA(256|384)$/, '').replace(/_/g, '-'); }
   function rate(n) { return n === 0 ? '0' : n < 10 ? n.toFixed(1) : String(Math.round(n)); }
   function usage(u, fmt) {
     if (u.used == null) return ['unknown'];
@@ -93,7 +95,7 @@
     var agents = [el('span', { 'class': 'count' }, [String(t.agentsConnected)])];
     if (t.agents.length) {
       agents.push(el('ul', {}, t.agents.map(function (a) {
-        return el('li', {}, [a.agentId + ' · ' + a.address + ' · since ' + a.since + ' · v' + a.protocolVersion + ' · ' + plural(a.streamsOpen, 'stream')]);
+        return el('li', {}, [a.agentId + ' · ' + a.address + ' · since ' + a.since + ' · v' + a.protocolVersion + ' · ' + shortCipher(a.cipher || '') + ' · ' + plural(a.streamsOpen, 'stream')]);
       })));
     }
     var tot = t.totals;

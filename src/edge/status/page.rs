@@ -225,11 +225,12 @@ fn row(t: &TunnelStatus) -> String {
         for a in &t.agents {
             let _ = write!(
                 agents,
-                "<li>{} · {} · since {} · v{} · {}</li>",
+                "<li>{} · {} · since {} · v{} · {} · {}</li>",
                 esc(&a.agent_id),
                 esc(&a.address),
                 esc(&a.since),
                 a.protocol_version,
+                esc(&short_cipher(&a.cipher)),
                 plural(a.streams_open, "stream")
             );
         }
@@ -265,6 +266,12 @@ fn row(t: &TunnelStatus) -> String {
     )
 }
 
+/// `TLS13_CHACHA20_POLY1305_SHA256` as `CHACHA20-POLY1305`.
+fn short_cipher(suite: &str) -> String {
+    let s = suite.strip_prefix("TLS13_").unwrap_or(suite);
+    let s = s.strip_suffix("_SHA256").or_else(|| s.strip_suffix("_SHA384")).unwrap_or(s);
+    s.replace('_', "-")
+}
 fn shown(s: &Status) -> String {
     if s.tunnels_total == 0 {
         "No reservations yet: culvert admin domain reserve NAME, or port reserve.".into()
