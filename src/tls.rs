@@ -261,7 +261,7 @@ pub fn root_store(ca_file: Option<&Path>) -> Result<rustls::RootCertStore, TlsEr
 pub enum TunnelCipher {
     /// AES-128-GCM on a CPU with AES instructions (x86 AES-NI with
     /// PCLMULQDQ, the ARMv8 Cryptography Extension), ChaCha20-Poly1305
-    /// on one without (a Raspberry Pi 4, any 32-bit ARM build).
+    /// on one without (a Raspberry Pi 3 or 4, any 32-bit ARM build).
     #[default]
     Auto,
     #[value(name = "aes-128-gcm")]

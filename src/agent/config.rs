@@ -36,7 +36,7 @@ pub struct AgentArgs {
 
     /// The cipher the tunnel's TLS offers first: `auto` (AES-128-GCM on a
     /// CPU with AES instructions, ChaCha20-Poly1305 on one without, such
-    /// as a Raspberry Pi 4), `aes-128-gcm` or `chacha20-poly1305`.
+    /// as a Raspberry Pi 3 or 4), `aes-128-gcm` or `chacha20-poly1305`.
     #[arg(long, env = "CULVERT_TUNNEL_CIPHER", value_enum, default_value_t)]
     pub tunnel_cipher: crate::tls::TunnelCipher,
 
