@@ -988,9 +988,18 @@ mod tests {
     }
 
     fn client_config(pki: &Pki, mode: Mode) -> Arc<rustls::ClientConfig> {
+        client_config_on(pki, mode, provider())
+    }
+
+    /// [`client_config`] offering only `provider`'s suites.
+    fn client_config_on(
+        pki: &Pki,
+        mode: Mode,
+        provider: Arc<rustls::crypto::CryptoProvider>,
+    ) -> Arc<rustls::ClientConfig> {
         let versions: &[&rustls::SupportedProtocolVersion] =
             if mode == Tls12 { &[&rustls::version::TLS12] } else { &[&rustls::version::TLS13] };
-        let mut config = rustls::ClientConfig::builder_with_provider(provider())
+        let mut config = rustls::ClientConfig::builder_with_provider(provider)
             .with_protocol_versions(versions)
             .unwrap()
             .with_root_certificates(pki.roots.clone())
@@ -1169,6 +1178,31 @@ mod tests {
         unreachable!()
     }
 
+    /// `up` from the client and `down` from the server at once, each in
+    /// writes of varied sizes then a shutdown (seeds from `seed`): what
+    /// each end read.
+    async fn exchange<A, B>(c: A, s: B, up: &[u8], down: &[u8], seed: u64) -> (Vec<u8>, Vec<u8>)
+    where
+        A: AsyncRead + AsyncWrite + Unpin,
+        B: AsyncRead + AsyncWrite + Unpin,
+    {
+        let (mut cr, mut cw) = tokio::io::split(c);
+        let (mut sr, mut sw) = tokio::io::split(s);
+        let (_, _, got_up, got_down) = tokio::join!(
+            async {
+                write_varied(&mut cw, up, seed).await;
+                cw.shutdown().await.unwrap();
+            },
+            async {
+                write_varied(&mut sw, down, seed + 1).await;
+                sw.shutdown().await.unwrap();
+            },
+            read_varied(&mut sr, seed + 2),
+            read_varied(&mut cr, seed + 3),
+        );
+        (got_up, got_down)
+    }
+
     #[tokio::test]
     async fn large_transfers_both_ways_at_once_arrive_intact() {
         let pki = pki();
@@ -1176,20 +1210,7 @@ mod tests {
             let (c, s) = pair(&pki, mode).await;
             let up = random(5 * 1024 * 1024 + 12_345, 1);
             let down = random(3 * 1024 * 1024 + 777, 2);
-            let (mut cr, mut cw) = tokio::io::split(c);
-            let (mut sr, mut sw) = tokio::io::split(s);
-            let (_, _, got_up, got_down) = tokio::join!(
-                async {
-                    write_varied(&mut cw, &up, 3).await;
-                    cw.shutdown().await.unwrap();
-                },
-                async {
-                    write_varied(&mut sw, &down, 4).await;
-                    sw.shutdown().await.unwrap();
-                },
-                read_varied(&mut sr, 5),
-                read_varied(&mut cr, 6),
-            );
+            let (got_up, got_down) = exchange(c, s, &up, &down, 3).await;
             assert!(got_up == up, "upload: {} of {} bytes, or different", got_up.len(), up.len());
             assert!(got_down == down, "download: {} of {} bytes, or different", got_down.len(), down.len());
         }
@@ -1451,34 +1472,15 @@ mod tests {
         for suite in [TLS13_AES_128_GCM_SHA256, TLS13_AES_256_GCM_SHA384, TLS13_CHACHA20_POLY1305_SHA256] {
             let mut provider = rustls::crypto::ring::default_provider();
             provider.cipher_suites.retain(|s| s.suite() == suite);
-            let mut config = rustls::ClientConfig::builder_with_provider(Arc::new(provider))
-                .with_protocol_versions(&[&rustls::version::TLS13])
-                .unwrap()
-                .with_root_certificates(pki.roots.clone())
-                .with_no_client_auth();
-            config.enable_secret_extraction = true;
+            let config = client_config_on(&pki, Own, Arc::new(provider));
             let (c, s) = tcp_pair().await;
-            let (c, s) =
-                tokio::join!(connect(Arc::new(config), name(), c), accept(server_config(&pki, Own), s, &[]));
+            let (c, s) = tokio::join!(connect(config, name(), c), accept(server_config(&pki, Own), s, &[]));
             let (c, s) = (c.unwrap(), s.unwrap());
             assert!(c.own_records() && s.own_records());
             assert_eq!((c.cipher_suite(), s.cipher_suite()), (Some(suite), Some(suite)));
             // 2 MiB each way: 128 records, two key updates (every 64 in tests).
             let (up, down) = (random(2 << 20, 7), random((2 << 20) + 3, 8));
-            let (mut cr, mut cw) = tokio::io::split(c);
-            let (mut sr, mut sw) = tokio::io::split(s);
-            let (_, _, got_up, got_down) = tokio::join!(
-                async {
-                    write_varied(&mut cw, &up, 9).await;
-                    cw.shutdown().await.unwrap();
-                },
-                async {
-                    write_varied(&mut sw, &down, 10).await;
-                    sw.shutdown().await.unwrap();
-                },
-                read_varied(&mut sr, 11),
-                read_varied(&mut cr, 12),
-            );
+            let (got_up, got_down) = exchange(c, s, &up, &down, 9).await;
             assert!(
                 got_up == up && got_down == down,
                 "{suite:?}: {} / {} bytes",
