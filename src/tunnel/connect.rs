@@ -253,7 +253,7 @@ impl Dialer {
         let tls = super::tls::connect(self.tls.clone(), server_name, tcp)
             .await
             .map_err(|source| ConnectError::Tls { addr: addr.clone(), source })?;
-        let cipher = tls.cipher_suite().and_then(|s| s.as_str()).unwrap_or("unknown");
+        let cipher = tls.cipher_name();
 
         // The WebSocket upgrade, as an HTTP/1.1 request on the TLS stream.
         let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))

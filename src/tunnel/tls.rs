@@ -526,6 +526,11 @@ impl<IO, C: Endpoint> TlsStream<IO, C> {
         self.suite
     }
 
+    /// Its name for logs and the status page (`TLS13_AES_128_GCM_SHA256`).
+    pub fn cipher_name(&self) -> &'static str {
+        self.suite.and_then(|s| s.as_str()).unwrap_or("unknown")
+    }
+
     /// Our record layer protects the records (TLS 1.3, the config allowing
     /// secret extraction); otherwise rustls does.
     pub fn own_records(&self) -> bool {

@@ -134,7 +134,7 @@ async fn serve_tls(
     let h2 = tls.alpn_protocol() == Some(crate::tls::ALPN_H2);
     // For an agent's upgrade: a tunnel keeps its buffers while it waits.
     let keep = tls.keep_buffers();
-    let cipher = tls.cipher_suite().and_then(|s| s.as_str()).unwrap_or("unknown");
+    let cipher = tls.cipher_name();
     let slot = Arc::new(std::sync::Mutex::new(Slot { handshake: Some(_permit), class: None }));
     let first = Arc::new(FirstRequest::default());
     let serve = {
