@@ -117,7 +117,8 @@ impl EdgeProc {
     }
 }
 
-/// Polls `probe` until it holds; returns how long that took, failing after `limit`.
+/// Polls `probe` until it holds; returns how long that took, failing after
+/// `limit` (a probe still waiting then fails too).
 async fn within<F: std::future::Future<Output = bool>>(
     what: &str,
     limit: Duration,
@@ -125,7 +126,9 @@ async fn within<F: std::future::Future<Output = bool>>(
 ) -> Duration {
     let start = Instant::now();
     loop {
-        if probe().await {
+        // A probe that hangs fails too, when the time is up.
+        let left = limit.saturating_sub(start.elapsed());
+        if tokio::time::timeout(left, probe()).await == Ok(true) {
             return start.elapsed();
         }
         assert!(start.elapsed() < limit, "{what}: not within {limit:?}");

@@ -506,6 +506,45 @@ async fn revoking_a_key_cuts_its_live_tunnel_within_a_second() {
     agent.stop().await;
 }
 
+/// A request on its way when the key is revoked (its backend has it and has
+/// not answered): the cut ends it with 502 at once, not after a timeout.
+#[tokio::test]
+async fn a_request_in_flight_when_its_key_is_revoked_ends_at_once() {
+    let edge = TestEdge::start().await;
+    // A backend that reads a request and never answers.
+    let backend = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let backend_addr = backend.local_addr().unwrap();
+    let (took_tx, mut took) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = backend.accept().await {
+            let took_tx = took_tx.clone();
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                let _ = s.read(&mut buf).await;
+                let _ = took_tx.send(());
+                let _ = s.read(&mut buf).await;
+            });
+        }
+    });
+    let (host, key) = edge.http_tunnel_key("held").await;
+    let agent = TestAgent::start(&edge, &key, http_target(backend_addr)).await;
+    let client = edge.client();
+    let asked = tokio::spawn({
+        let host = host.clone();
+        async move { client.get(&host, "/").await.0 }
+    });
+    tokio::time::timeout(Duration::from_secs(10), took.recv()).await.expect("the backend has the request");
+    let id = first_key_id(&edge).await;
+    let (s, body) = edge.api("DELETE", &format!("tunnel-keys/{id}"), None).await;
+    assert!(s.is_success(), "{body}");
+    let status = tokio::time::timeout(Duration::from_secs(1), asked)
+        .await
+        .expect("the request ends within a second of the revocation")
+        .unwrap();
+    assert_eq!(status, StatusCode::BAD_GATEWAY);
+    agent.stop().await;
+}
+
 #[tokio::test]
 async fn edge_restart_keeps_state_and_the_agent_comes_back() {
     let mut edge = TestEdge::start().await;

@@ -1098,5 +1098,14 @@ impl<T: AsyncRead + AsyncWrite + Unpin> Future for Connection<T> {
     }
 }
 
+/// Dropped before it ended (the edge cutting a revoked key's tunnel drops
+/// it): nothing can cross anymore, so what waits on it fails now, with why,
+/// instead of waiting forever.
+impl<T> Drop for Connection<T> {
+    fn drop(&mut self) {
+        lock(&self.shared).close("the connection was closed by this end");
+    }
+}
+
 #[cfg(test)]
 mod tests;

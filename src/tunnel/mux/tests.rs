@@ -347,6 +347,27 @@ async fn the_connection_ending_fails_its_streams() {
     .await;
 }
 
+/// A connection dropped without being driven to its end (the edge cutting
+/// a revoked key's tunnel drops it): what waits on it fails at once, nothing
+/// opens on it, nothing hangs.
+#[tokio::test(start_paused = true)]
+async fn dropping_the_connection_fails_its_streams() {
+    within(async {
+        let mut p = pair(Config::default());
+        let mut s = p.edge.open(Bytes::new()).await.unwrap();
+        let _inc = p.agent.accept().await.unwrap();
+        assert!(!p.edge.is_closed());
+        p.edge_conn.abort();
+        let _ = (&mut p.edge_conn).await;
+        assert!(p.edge.is_closed());
+        let e = s.read(&mut [0; 1]).await.unwrap_err();
+        assert!(e.to_string().contains("the tunnel connection ended"), "{e}");
+        assert!(p.edge.open(Bytes::new()).await.is_err());
+        assert!(p.edge_incoming.as_mut().unwrap().accept().await.is_none());
+    })
+    .await;
+}
+
 /// A connection nothing uses anymore writes what it queued and ends.
 #[tokio::test(start_paused = true)]
 async fn a_connection_nothing_uses_ends() {
