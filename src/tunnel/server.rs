@@ -471,6 +471,42 @@ mod tests {
         }
     }
 
+    /// The agent's connection dropped while a response body is still being
+    /// sent (the drain timed out, the edge is gone): the body's task ends and
+    /// lets go of the body (its backend connection), instead of waiting
+    /// forever for credit from a connection nobody drives.
+    #[tokio::test(start_paused = true)]
+    async fn a_body_being_sent_ends_when_the_connection_is_dropped() {
+        for wire in Wire::ALL {
+            eprintln!("wire: {wire:?}");
+            let (body_tx, body_rx) = mpsc::channel::<Result<Frame<Bytes>, BoxError>>(1);
+            let body_rx = Arc::new(std::sync::Mutex::new(Some(body_rx)));
+            let (send, _stop, served) = tunnel(wire, move |_req| {
+                let mut rx = body_rx.lock().unwrap().take().expect("one request");
+                let stream = futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx));
+                async move { Response::new(body::boxed(http_body_util::StreamBody::new(stream))) }
+            })
+            .await;
+            // The edge takes the head and reads nothing of the body.
+            let _resp = send.send(get("/download")).await.unwrap();
+            served.abort();
+            let _ = served.await;
+            // Far more than any window: the body's task fails to write and
+            // drops the body, or (before) blocks for ever.
+            let chunk = Bytes::from(vec![0u8; 64 * 1024]);
+            let mut sent = 0;
+            loop {
+                let sending = body_tx.send(Ok(Frame::data(chunk.clone())));
+                match tokio::time::timeout(Duration::from_secs(60), sending).await {
+                    Err(_) => panic!("the body's task still holds the body after {sent} chunks"),
+                    Ok(Err(_)) => break,
+                    Ok(Ok(())) => sent += 1,
+                }
+                assert!(sent < 1024, "64 MiB went into a connection nobody drives");
+            }
+        }
+    }
+
     struct DropSignal(mpsc::UnboundedSender<()>);
 
     impl Drop for DropSignal {
