@@ -506,43 +506,68 @@ async fn revoking_a_key_cuts_its_live_tunnel_within_a_second() {
     agent.stop().await;
 }
 
-/// A request on its way when the key is revoked (its backend has it and has
-/// not answered): the cut ends it with 502 at once, not after a timeout.
+/// What is on its way through a tunnel when its key is revoked ends at once,
+/// on either wire: a request its backend holds unanswered gets 502, and a TCP
+/// reservation's open connection is closed (not left to its idle timeout).
 #[tokio::test]
-async fn a_request_in_flight_when_its_key_is_revoked_ends_at_once() {
-    let edge = TestEdge::start().await;
-    // A backend that reads a request and never answers.
-    let backend = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let backend_addr = backend.local_addr().unwrap();
-    let (took_tx, mut took) = tokio::sync::mpsc::unbounded_channel();
-    tokio::spawn(async move {
-        while let Ok((mut s, _)) = backend.accept().await {
-            let took_tx = took_tx.clone();
-            tokio::spawn(async move {
-                let mut buf = [0u8; 4096];
-                let _ = s.read(&mut buf).await;
-                let _ = took_tx.send(());
-                let _ = s.read(&mut buf).await;
-            });
-        }
-    });
-    let (host, key) = edge.http_tunnel_key("held").await;
-    let agent = TestAgent::start(&edge, &key, http_target(backend_addr)).await;
-    let client = edge.client();
-    let asked = tokio::spawn({
-        let host = host.clone();
-        async move { client.get(&host, "/").await.0 }
-    });
-    tokio::time::timeout(Duration::from_secs(10), took.recv()).await.expect("the backend has the request");
-    let id = first_key_id(&edge).await;
-    let (s, body) = edge.api("DELETE", &format!("tunnel-keys/{id}"), None).await;
-    assert!(s.is_success(), "{body}");
-    let status = tokio::time::timeout(Duration::from_secs(1), asked)
-        .await
-        .expect("the request ends within a second of the revocation")
-        .unwrap();
-    assert_eq!(status, StatusCode::BAD_GATEWAY);
-    agent.stop().await;
+async fn revoking_a_key_ends_what_is_in_flight_on_its_tunnel_at_once() {
+    for version in [1, 2] {
+        eprintln!("protocol version {version}");
+        let edge = TestEdge::start().await;
+        // A backend that reads a request and never answers.
+        let backend = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let backend_addr = backend.local_addr().unwrap();
+        let (took_tx, mut took) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = backend.accept().await {
+                let took_tx = took_tx.clone();
+                tokio::spawn(async move {
+                    let mut buf = [0u8; 4096];
+                    let _ = s.read(&mut buf).await;
+                    let _ = took_tx.send(());
+                    let _ = s.read(&mut buf).await;
+                });
+            }
+        });
+        let (host, key) = edge.http_tunnel_key("held").await;
+        let agent = TestAgent::start_version(&edge, &key, http_target(backend_addr), version).await;
+        let client = edge.client();
+        let asked = tokio::spawn({
+            let host = host.clone();
+            async move { client.get(&host, "/").await.0 }
+        });
+        tokio::time::timeout(Duration::from_secs(10), took.recv())
+            .await
+            .expect("the backend has the request");
+        let id = first_key_id(&edge).await;
+        let (s, body) = edge.api("DELETE", &format!("tunnel-keys/{id}"), None).await;
+        assert!(s.is_success(), "{body}");
+        let status = tokio::time::timeout(Duration::from_secs(1), asked)
+            .await
+            .expect("the request ends within a second of the revocation")
+            .unwrap();
+        assert_eq!(status, StatusCode::BAD_GATEWAY);
+        agent.stop().await;
+
+        let echo = net::tcp_echo().await;
+        let (port, key) = edge.tcp_tunnel_key().await;
+        let tcp = Target::Tcp { addr: echo.to_string(), proxy: None };
+        let agent = TestAgent::start_version(&edge, &key, tcp, version).await;
+        let mut conn = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+        conn.write_all(b"hello").await.unwrap();
+        let mut buf = [0u8; 5];
+        conn.read_exact(&mut buf).await.unwrap();
+        let (_, keys) = edge.api("GET", "tunnel-keys", None).await;
+        let tcp_key = keys["items"].as_array().unwrap().iter().find(|k| k["protocol"] == "tcp").unwrap();
+        let (s, body) =
+            edge.api("DELETE", &format!("tunnel-keys/{}", tcp_key["id"].as_str().unwrap()), None).await;
+        assert!(s.is_success(), "{body}");
+        let ended = tokio::time::timeout(Duration::from_secs(1), conn.read(&mut buf))
+            .await
+            .expect("the public connection ends within a second of the revocation");
+        assert!(matches!(ended, Ok(0) | Err(_)), "{ended:?}");
+        agent.stop().await;
+    }
 }
 
 #[tokio::test]
