@@ -433,6 +433,44 @@ async fn a_client_that_never_pauses_is_served_once_the_agent_is_back() {
     assert_eq!(answer.expect("an answer while the client keeps sending"), b"ping");
 }
 
+/// A tunnel key rotated under a client that keeps sending (a game, a VoIP
+/// call): the old key revoked, its flow ends with its tunnel, and the next
+/// datagrams go through the new key's agent. On the multiplexer the flow
+/// used to stay on the cut tunnel, its datagrams lost, for as long as the
+/// client kept sending.
+#[tokio::test]
+async fn an_active_flow_moves_to_the_new_key_when_the_old_one_is_revoked() {
+    let edge = TestEdge::start().await;
+    let echo = udp_echo().await;
+    let (port, old_key) = udp_tunnel_key(&edge).await;
+    let target = || Target::Udp { addr: echo.to_string(), proxy: None };
+    let old = TestAgent::start(&edge, &old_key, target()).await;
+    let c = client(port).await;
+    assert_eq!(round_trip(&c, b"before").await, b"before");
+    let (s, new_key) = edge.api("POST", "tunnel-keys", Some(json!({"port": port, "protocol": "udp"}))).await;
+    assert!(s.is_success(), "{new_key}");
+    let _new = TestAgent::start(&edge, new_key["secret"].as_str().unwrap(), target()).await;
+    let (_, keys) = edge.api("GET", "tunnel-keys", None).await;
+    let old_id = keys["items"].as_array().unwrap().iter().find(|k| k["id"] != new_key["id"]).unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let (s, body) = edge.api("DELETE", &format!("tunnel-keys/{old_id}"), None).await;
+    assert!(s.is_success(), "{body}");
+    let answered = async {
+        let mut buf = [0u8; 64];
+        loop {
+            c.send(b"after").await.unwrap();
+            if let Ok(Ok(n)) = tokio::time::timeout(Duration::from_millis(50), c.recv(&mut buf)).await {
+                return buf[..n].to_vec();
+            }
+        }
+    };
+    let answer = tokio::time::timeout(Duration::from_secs(5), answered).await;
+    assert_eq!(answer.expect("an answer through the new key while the client keeps sending"), b"after");
+    old.stop().await;
+}
+
 /// PROXY protocol v2 for UDP: every datagram reaches the backend after a
 /// v2 header with the UDP-over-IPv4 protocol byte and the public client's
 /// address.
