@@ -532,21 +532,40 @@ async fn revoking_a_key_ends_what_is_in_flight_on_its_tunnel_at_once() {
         let (host, key) = edge.http_tunnel_key("held").await;
         let agent = TestAgent::start_version(&edge, &key, http_target(backend_addr), version).await;
         let client = edge.client();
-        let asked = tokio::spawn({
-            let host = host.clone();
-            async move { client.get(&host, "/").await.0 }
+        // One request without a body (it could go to another agent of the
+        // key, if there were one) and one with a body (it cannot).
+        let get = tokio::spawn({
+            let (client, host) = (client.clone(), host.clone());
+            async move { client.get(&host, "/").await }
         });
-        tokio::time::timeout(Duration::from_secs(10), took.recv())
-            .await
-            .expect("the backend has the request");
+        let post = tokio::spawn({
+            let host = host.clone();
+            async move {
+                let req = Request::post("/upload").body(Full::new(Bytes::from_static(b"data"))).unwrap();
+                let resp = client.send(&host, req, false).await.unwrap();
+                let status = resp.status();
+                let body = resp.into_body().collect().await.unwrap().to_bytes();
+                (status, String::from_utf8_lossy(&body).into_owned())
+            }
+        });
+        for _ in 0..2 {
+            tokio::time::timeout(Duration::from_secs(10), took.recv())
+                .await
+                .expect("the backend has the request");
+        }
         let id = first_key_id(&edge).await;
         let (s, body) = edge.api("DELETE", &format!("tunnel-keys/{id}"), None).await;
         assert!(s.is_success(), "{body}");
-        let status = tokio::time::timeout(Duration::from_secs(1), asked)
-            .await
-            .expect("the request ends within a second of the revocation")
-            .unwrap();
-        assert_eq!(status, StatusCode::BAD_GATEWAY);
+        for (what, asked) in [("GET", get), ("POST", post)] {
+            let (status, page) = tokio::time::timeout(Duration::from_secs(1), asked)
+                .await
+                .unwrap_or_else(|_| panic!("the {what} ends within a second of the revocation"))
+                .unwrap();
+            assert_eq!(status, StatusCode::BAD_GATEWAY, "{what}: {page}");
+            if what == "POST" && version == 2 {
+                assert!(page.contains("tunnel key was revoked"), "the page says why: {page}");
+            }
+        }
         agent.stop().await;
 
         let echo = net::tcp_echo().await;

@@ -155,7 +155,7 @@ pub async fn accept(
             let stream = WsStream::new(TokioIo::new(upgraded), ws::Role::Server, control.clone())
                 .with_budget(budget.clone());
             let wire = crate::tunnel::Wire::of_version(protocol_version);
-            let (sender, conn) = match crate::tunnel::client::start(stream, wire).await {
+            let (sender, mut conn) = match crate::tunnel::client::start(stream, wire).await {
                 Ok(x) => x,
                 Err(e) => return warn!(error = %e, ?wire, "starting the tunnel's wire with the agent failed"),
             };
@@ -182,19 +182,27 @@ pub async fn accept(
             control.send(MSG_READY);
             info!(url = %url, cipher = tls.cipher, "agent connected");
             let reason = tokio::select! {
-                r = conn => match r {
+                r = &mut conn => match r {
                     Ok(()) => "closed".to_string(),
                     Err(e) => crate::http::error_chain(&e),
                 },
-                _ = registered.cancel.cancelled() => if edge.shutdown.is_cancelled() {
-                    "edge shutting down".into()
-                } else {
-                    "key revoked or reservation released".into()
+                _ = registered.cancel.cancelled() => {
+                    let why = if edge.shutdown.is_cancelled() {
+                        "the edge is shutting down"
+                    } else {
+                        "the edge closed it: its tunnel key was revoked or its reservation released"
+                    };
+                    conn.close(why);
+                    why.into()
                 },
                 // Not at the start of the drain: requests of public
                 // connections still open may need this tunnel until it ends.
-                _ = edge.stopped.cancelled() => "edge shutting down".into(),
+                _ = edge.stopped.cancelled() => {
+                    conn.close("the edge is shutting down");
+                    "the edge is shutting down".into()
+                },
             };
+            drop(conn);
             edge.registry.remove(&registered);
             edge.metrics.tunnels_connected.dec();
             info!(reason = %reason, "agent disconnected");

@@ -115,6 +115,18 @@ impl<T: AsyncRead + AsyncWrite + Unpin> Future for Connection<T> {
     }
 }
 
+impl<T> Connection<T> {
+    /// Ends the connection here, for `why`: requests waiting on it fail at
+    /// once, on the multiplexer with `why` in their error (h2 says only that
+    /// the connection ended, when this is dropped).
+    pub fn close(&mut self, why: &str) {
+        self.closed.store(true, Ordering::Relaxed);
+        if let Conn::Mux(conn) = &mut self.conn {
+            conn.close(why);
+        }
+    }
+}
+
 impl<T> Drop for Connection<T> {
     fn drop(&mut self) {
         self.closed.store(true, Ordering::Relaxed);

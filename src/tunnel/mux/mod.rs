@@ -1098,6 +1098,15 @@ impl<T: AsyncRead + AsyncWrite + Unpin> Future for Connection<T> {
     }
 }
 
+impl<T> Connection<T> {
+    /// Ends the connection here, for `why` (a key revoked): every stream,
+    /// opener and acceptor waiting on it fails now, with `why` in its error.
+    /// The driver is then dropped; nothing more is written.
+    pub fn close(&mut self, why: &str) {
+        lock(&self.shared).close(why);
+    }
+}
+
 /// Dropped before it ended (the edge cutting a revoked key's tunnel drops
 /// it): nothing can cross anymore, so what waits on it fails now, with why,
 /// instead of waiting forever.
