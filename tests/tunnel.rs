@@ -562,8 +562,9 @@ async fn revoking_a_key_ends_what_is_in_flight_on_its_tunnel_at_once() {
                 .unwrap_or_else(|_| panic!("the {what} ends within a second of the revocation"))
                 .unwrap();
             assert_eq!(status, StatusCode::BAD_GATEWAY, "{what}: {page}");
-            if what == "POST" && version == 2 {
-                assert!(page.contains("tunnel key was revoked"), "the page says why: {page}");
+            // The GET would have been placed on another agent of the key.
+            if version == 2 {
+                assert!(page.contains("tunnel key was revoked"), "{what}: the page says why: {page}");
             }
         }
         agent.stop().await;

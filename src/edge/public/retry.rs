@@ -44,18 +44,20 @@ pub(super) async fn send(
     // The connections tried, on the stack: a request is placed at most
     // MAX_ATTEMPTS times.
     let (mut tried, mut attempts) = ([0u64; MAX_ATTEMPTS], 0);
+    // Why the last connection tried failed, for the page when no other is left.
+    let mut failed = String::new();
     loop {
         let Some(guard) =
             edge.registry.pick_or_wait(&reservation.id, Protocol::Http, &tried[..attempts]).await
         else {
             let reason = if attempts == 0 {
                 tunnel.offline();
-                "the tunnel is offline: no agent is connected for this host"
+                "the tunnel is offline: no agent is connected for this host".to_string()
             } else {
                 tunnel.answered(StatusCode::BAD_GATEWAY);
-                "every agent connection of this tunnel failed"
+                format!("every agent connection of this tunnel failed: {failed}")
             };
-            return Err(error_page(StatusCode::BAD_GATEWAY, host, reason));
+            return Err(error_page(StatusCode::BAD_GATEWAY, host, &reason));
         };
         tried[attempts] = guard.conn().id;
         attempts += 1;
@@ -63,7 +65,8 @@ pub(super) async fn send(
         match guard.conn().sender.send_with(request, forwarding).await {
             Ok(resp) => return Ok((resp, guard.with_slot(slot.take().expect("taken once")))),
             Err(mut e) => {
-                debug!(error = %error_chain(e.error()), conn = guard.conn().id, "stream failed");
+                failed = error_chain(e.error());
+                debug!(error = %failed, conn = guard.conn().id, "stream failed");
                 let again = e.take_message().or_else(|| {
                     let head = e.take_replay()?;
                     Some(Request::from_parts(head, body::empty()))
@@ -72,7 +75,7 @@ pub(super) async fn send(
                     Some(r) if attempts < MAX_ATTEMPTS => request = r,
                     _ => {
                         tunnel.answered(StatusCode::BAD_GATEWAY);
-                        let reason = format!("the tunnel failed: {}", error_chain(e.error()));
+                        let reason = format!("the tunnel failed: {failed}");
                         return Err(error_page(StatusCode::BAD_GATEWAY, host, &reason));
                     }
                 }
