@@ -239,26 +239,10 @@ async fn tcp_reservation_to(edge: &TestEdge, backend: std::net::SocketAddr) -> (
     (port, agent)
 }
 
-/// A TCP backend on 127.0.0.1:0 that runs `serve` on each connection.
-async fn tcp_backend<F, Fut>(serve: F) -> std::net::SocketAddr
-where
-    F: Fn(TcpStream) -> Fut + Send + 'static,
-    Fut: std::future::Future<Output = ()> + Send + 'static,
-{
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        while let Ok((tcp, _)) = listener.accept().await {
-            tokio::spawn(serve(tcp));
-        }
-    });
-    addr
-}
-
 /// A backend that reads what it is sent and then holds the connection open
 /// without a byte or a close: it ignores the half-close.
 async fn deaf_backend() -> std::net::SocketAddr {
-    tcp_backend(|mut tcp| async move {
+    net::tcp_backend(|mut tcp| async move {
         let mut buf = [0u8; 1024];
         while tcp.read(&mut buf).await.is_ok_and(|n| n > 0) {}
         std::future::pending::<()>().await;
@@ -359,7 +343,7 @@ async fn tcp_reservations_have_an_idle_timeout_and_a_cap_per_port() {
 /// A backend that writes without end to every connection: a download the
 /// client stops reading.
 async fn flood_backend() -> std::net::SocketAddr {
-    tcp_backend(|mut tcp| async move { while tcp.write_all(&[7u8; 16 * 1024]).await.is_ok() {} }).await
+    net::tcp_backend(|mut tcp| async move { while tcp.write_all(&[7u8; 16 * 1024]).await.is_ok() {} }).await
 }
 
 /// A TCP client that resets its connection (killed, or closed with bytes
@@ -409,7 +393,7 @@ async fn a_client_that_resets_its_tcp_connection_frees_its_place_at_once() {
 
 /// A backend that resets every connection once it has read a byte.
 async fn resetting_backend() -> std::net::SocketAddr {
-    tcp_backend(|mut tcp| async move {
+    net::tcp_backend(|mut tcp| async move {
         let _ = tcp.read(&mut [0u8; 1]).await;
         let _ = tcp.set_zero_linger();
     })

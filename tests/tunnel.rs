@@ -515,20 +515,17 @@ async fn revoking_a_key_ends_what_is_in_flight_on_its_tunnel_at_once() {
         eprintln!("protocol version {version}");
         let edge = TestEdge::start().await;
         // A backend that reads a request and never answers.
-        let backend = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let backend_addr = backend.local_addr().unwrap();
         let (took_tx, mut took) = tokio::sync::mpsc::unbounded_channel();
-        tokio::spawn(async move {
-            while let Ok((mut s, _)) = backend.accept().await {
-                let took_tx = took_tx.clone();
-                tokio::spawn(async move {
-                    let mut buf = [0u8; 4096];
-                    let _ = s.read(&mut buf).await;
-                    let _ = took_tx.send(());
-                    let _ = s.read(&mut buf).await;
-                });
+        let backend_addr = net::tcp_backend(move |mut s| {
+            let took_tx = took_tx.clone();
+            async move {
+                let mut buf = [0u8; 4096];
+                let _ = s.read(&mut buf).await;
+                let _ = took_tx.send(());
+                let _ = s.read(&mut buf).await;
             }
-        });
+        })
+        .await;
         let (host, key) = edge.http_tunnel_key("held").await;
         let agent = TestAgent::start_version(&edge, &key, http_target(backend_addr), version).await;
         let client = edge.client();

@@ -61,6 +61,21 @@ async fn round_trip(socket: &UdpSocket, payload: &[u8]) -> Vec<u8> {
     buf
 }
 
+/// Sends `payload` every 50 ms, as a client that never pauses does, until a
+/// datagram comes back (`None` if none within `limit`).
+async fn keep_sending_until_answered(socket: &UdpSocket, payload: &[u8], limit: Duration) -> Option<Vec<u8>> {
+    let answered = async {
+        let mut buf = [0u8; 64];
+        loop {
+            socket.send(payload).await.unwrap();
+            if let Ok(Ok(n)) = tokio::time::timeout(Duration::from_millis(50), socket.recv(&mut buf)).await {
+                return buf[..n].to_vec();
+            }
+        }
+    };
+    tokio::time::timeout(limit, answered).await.ok()
+}
+
 /// The value of an unlabelled (or the first matching) edge metric.
 fn metric(edge: &TestEdge, line_start: &str) -> f64 {
     edge.edge()
@@ -420,16 +435,7 @@ async fn a_client_that_never_pauses_is_served_once_the_agent_is_back() {
     })
     .await;
     let _agent = TestAgent::start(&edge, &key, target()).await;
-    let answered = async {
-        let mut buf = [0u8; 64];
-        loop {
-            c.send(b"ping").await.unwrap();
-            if let Ok(Ok(n)) = tokio::time::timeout(Duration::from_millis(50), c.recv(&mut buf)).await {
-                return buf[..n].to_vec();
-            }
-        }
-    };
-    let answer = tokio::time::timeout(Duration::from_secs(10), answered).await;
+    let answer = keep_sending_until_answered(&c, b"ping", Duration::from_secs(10)).await;
     assert_eq!(answer.expect("an answer while the client keeps sending"), b"ping");
 }
 
@@ -457,16 +463,7 @@ async fn an_active_flow_moves_to_the_new_key_when_the_old_one_is_revoked() {
         .to_string();
     let (s, body) = edge.api("DELETE", &format!("tunnel-keys/{old_id}"), None).await;
     assert!(s.is_success(), "{body}");
-    let answered = async {
-        let mut buf = [0u8; 64];
-        loop {
-            c.send(b"after").await.unwrap();
-            if let Ok(Ok(n)) = tokio::time::timeout(Duration::from_millis(50), c.recv(&mut buf)).await {
-                return buf[..n].to_vec();
-            }
-        }
-    };
-    let answer = tokio::time::timeout(Duration::from_secs(5), answered).await;
+    let answer = keep_sending_until_answered(&c, b"after", Duration::from_secs(5)).await;
     assert_eq!(answer.expect("an answer through the new key while the client keeps sending"), b"after");
     old.stop().await;
 }

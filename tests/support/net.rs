@@ -530,20 +530,29 @@ async fn backend_handle(mut req: Request<Incoming>) -> Result<Response<TestBody>
     })
 }
 
-/// A TCP echo server on 127.0.0.1:0.
-pub async fn tcp_echo() -> SocketAddr {
+/// A TCP backend on 127.0.0.1:0 that runs `serve` on each connection.
+pub async fn tcp_backend<F, Fut>(serve: F) -> SocketAddr
+where
+    F: Fn(TcpStream) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
-        loop {
-            let Ok((mut tcp, _)) = listener.accept().await else { return };
-            tokio::spawn(async move {
-                let (mut r, mut w) = tcp.split();
-                let _ = tokio::io::copy(&mut r, &mut w).await;
-            });
+        while let Ok((tcp, _)) = listener.accept().await {
+            tokio::spawn(serve(tcp));
         }
     });
     addr
+}
+
+/// A TCP echo server on 127.0.0.1:0.
+pub async fn tcp_echo() -> SocketAddr {
+    tcp_backend(|mut tcp| async move {
+        let (mut r, mut w) = tcp.split();
+        let _ = tokio::io::copy(&mut r, &mut w).await;
+    })
+    .await
 }
 
 /// Resident memory of this process in KiB.
