@@ -181,27 +181,29 @@ pub async fn accept(
             }
             control.send(MSG_READY);
             info!(url = %url, cipher = tls.cipher, "agent connected");
-            let reason = tokio::select! {
-                r = &mut conn => match r {
+            const SHUTTING_DOWN: &str = "the edge is shutting down";
+            let cut = tokio::select! {
+                r = &mut conn => Err(match r {
                     Ok(()) => "closed".to_string(),
                     Err(e) => crate::http::error_chain(&e),
-                },
-                _ = registered.cancel.cancelled() => {
-                    let why = if edge.shutdown.is_cancelled() {
-                        "the edge is shutting down"
-                    } else {
-                        "the edge closed it: its tunnel key was revoked or its reservation released"
-                    };
-                    conn.close(why);
-                    why.into()
-                },
+                }),
+                _ = registered.cancel.cancelled() => Ok(if edge.shutdown.is_cancelled() {
+                    SHUTTING_DOWN
+                } else {
+                    "the edge closed it: its tunnel key was revoked or its reservation released"
+                }),
                 // Not at the start of the drain: requests of public
                 // connections still open may need this tunnel until it ends.
-                _ = edge.stopped.cancelled() => {
-                    conn.close("the edge is shutting down");
-                    "the edge is shutting down".into()
-                },
+                _ = edge.stopped.cancelled() => Ok(SHUTTING_DOWN),
             };
+            // Cut here: what waits on the connection fails now, with why.
+            let reason = cut.map_or_else(
+                |ended| ended,
+                |why| {
+                    conn.close(why);
+                    why.to_string()
+                },
+            );
             drop(conn);
             edge.registry.remove(&registered);
             edge.metrics.tunnels_connected.dec();
