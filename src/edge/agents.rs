@@ -197,13 +197,13 @@ pub async fn accept(
                 _ = edge.stopped.cancelled() => Ok(SHUTTING_DOWN),
             };
             // Cut here: what waits on the connection fails now, with why.
-            let reason = cut.map_or_else(
-                |ended| ended,
-                |why| {
+            let reason = match cut {
+                Ok(why) => {
                     conn.close(why);
                     why.to_string()
-                },
-            );
+                }
+                Err(ended) => ended,
+            };
             drop(conn);
             edge.registry.remove(&registered);
             edge.metrics.tunnels_connected.dec();
