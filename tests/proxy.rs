@@ -109,16 +109,11 @@ async fn agent_reaches_the_edge_only_through_an_http_proxy() {
     // The tunnel really runs through the proxy: stop the proxy, the tunnel drops.
     proxy.kill().await.unwrap();
     net::eventually("the tunnel went down with the proxy", Duration::from_secs(40), || async {
-        match edge.edge().registry.count_for_key(&first_key(&edge).await) {
+        match edge.edge().registry.count_for_key(&edge.tunnel_key_id(|_| true).await) {
             0 => Ok(()),
             n => Err(format!("{n} tunnels still up")),
         }
     })
     .await;
     agent.stop().await;
-}
-
-async fn first_key(edge: &TestEdge) -> String {
-    let (_, keys) = edge.api("GET", "tunnel-keys", None).await;
-    keys["items"][0]["id"].as_str().unwrap().to_string()
 }

@@ -347,15 +347,10 @@ async fn two_hundred_concurrent_streams_on_one_tunnel() {
         assert_eq!(&body[..], b"delayed");
     }
     assert_eq!(
-        edge.edge().registry.count_for_key(&first_key_id(&edge).await),
+        edge.edge().registry.count_for_key(&edge.tunnel_key_id(|_| true).await),
         1,
         "one tunnel connection served all"
     );
-}
-
-async fn first_key_id(edge: &TestEdge) -> String {
-    let (_, keys) = edge.api("GET", "tunnel-keys", None).await;
-    keys["items"][0]["id"].as_str().unwrap().to_string()
 }
 
 #[tokio::test]
@@ -490,7 +485,7 @@ async fn revoking_a_key_cuts_its_live_tunnel_within_a_second() {
     let (edge, host, agent) = published().await;
     let client = edge.client();
     assert_eq!(client.get(&host, "/").await.0, StatusCode::OK);
-    let id = first_key_id(&edge).await;
+    let id = edge.tunnel_key_id(|_| true).await;
     let (s, body) = edge.api("DELETE", &format!("tunnel-keys/{id}"), None).await;
     assert!(s.is_success(), "{body}");
     let revoked = Instant::now();
@@ -550,7 +545,7 @@ async fn revoking_a_key_ends_what_is_in_flight_on_its_tunnel_at_once() {
                 .await
                 .expect("the backend has the request");
         }
-        let id = first_key_id(&edge).await;
+        let id = edge.tunnel_key_id(|_| true).await;
         let (s, body) = edge.api("DELETE", &format!("tunnel-keys/{id}"), None).await;
         assert!(s.is_success(), "{body}");
         for (what, asked) in [("GET", get), ("POST", post)] {
@@ -574,10 +569,8 @@ async fn revoking_a_key_ends_what_is_in_flight_on_its_tunnel_at_once() {
         conn.write_all(b"hello").await.unwrap();
         let mut buf = [0u8; 5];
         conn.read_exact(&mut buf).await.unwrap();
-        let (_, keys) = edge.api("GET", "tunnel-keys", None).await;
-        let tcp_key = keys["items"].as_array().unwrap().iter().find(|k| k["protocol"] == "tcp").unwrap();
-        let (s, body) =
-            edge.api("DELETE", &format!("tunnel-keys/{}", tcp_key["id"].as_str().unwrap()), None).await;
+        let tcp_key = edge.tunnel_key_id(|k| k["protocol"] == "tcp").await;
+        let (s, body) = edge.api("DELETE", &format!("tunnel-keys/{tcp_key}"), None).await;
         assert!(s.is_success(), "{body}");
         let ended = tokio::time::timeout(Duration::from_secs(1), conn.read(&mut buf))
             .await
@@ -610,7 +603,7 @@ async fn two_agents_on_one_key_survive_a_rolling_restart_without_failures() {
     let (host, key) = edge.http_tunnel_key("rolling").await;
     let a = TestAgent::start(&edge, &key, http_target(backend)).await;
     let b = TestAgent::start(&edge, &key, http_target(backend)).await;
-    assert_eq!(edge.edge().registry.count_for_key(&first_key_id(&edge).await), 2);
+    assert_eq!(edge.edge().registry.count_for_key(&edge.tunnel_key_id(|_| true).await), 2);
 
     let client = edge.client();
     let stop = tokio_util::sync::CancellationToken::new();

@@ -456,11 +456,7 @@ async fn an_active_flow_moves_to_the_new_key_when_the_old_one_is_revoked() {
     let (s, new_key) = edge.api("POST", "tunnel-keys", Some(json!({"port": port, "protocol": "udp"}))).await;
     assert!(s.is_success(), "{new_key}");
     let _new = TestAgent::start(&edge, new_key["secret"].as_str().unwrap(), target()).await;
-    let (_, keys) = edge.api("GET", "tunnel-keys", None).await;
-    let old_id = keys["items"].as_array().unwrap().iter().find(|k| k["id"] != new_key["id"]).unwrap()["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let old_id = edge.tunnel_key_id(|k| k["id"] != new_key["id"]).await;
     let (s, body) = edge.api("DELETE", &format!("tunnel-keys/{old_id}"), None).await;
     assert!(s.is_success(), "{body}");
     let answer = keep_sending_until_answered(&c, b"after", Duration::from_secs(5)).await;

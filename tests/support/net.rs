@@ -165,6 +165,16 @@ impl TestEdge {
         HttpsClient { addr: self.https, ca_file: self.ca_file.clone() }
     }
 
+    /// The id of the first tunnel key at the edge that `which` picks (from
+    /// the control API's list, each key as JSON).
+    pub async fn tunnel_key_id(&self, which: impl Fn(&Value) -> bool) -> String {
+        let (s, keys) = self.api("GET", "tunnel-keys", None).await;
+        assert!(s.is_success(), "{keys}");
+        let items = keys["items"].as_array().expect("a list of keys");
+        let key = items.iter().find(|k| which(k)).unwrap_or_else(|| panic!("no such key in {keys}"));
+        key["id"].as_str().expect("a key id").to_string()
+    }
+
     /// Calls the control API with the admin key.
     pub async fn api(&self, method: &str, path: &str, body: Option<Value>) -> (StatusCode, Value) {
         self.api_as(&self.admin_key, method, path, body).await
