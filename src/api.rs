@@ -8,6 +8,39 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+/// `as_str`, `parse` and `Display` of an enum from one table of its wire
+/// and JSON spellings, so that the three cannot disagree (serde's
+/// `rename_all` must give the same: `tests::spellings_match_serde`).
+macro_rules! spelled {
+    ($ty:ident { $($variant:ident => $s:literal),+ $(,)? }) => {
+        impl $ty {
+            /// Every value, in the table's order.
+            pub const ALL: &[$ty] = &[$($ty::$variant),+];
+
+            /// The wire and JSON spelling.
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $($ty::$variant => $s),+
+                }
+            }
+
+            /// Parses the wire and JSON spelling.
+            pub fn parse(s: &str) -> Option<$ty> {
+                match s {
+                    $($s => Some($ty::$variant),)+
+                    _ => None,
+                }
+            }
+        }
+
+        impl std::fmt::Display for $ty {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+    };
+}
+
 /// Free-form labels (`key=value`) on tunnel keys and reservations.
 pub type Labels = BTreeMap<String, String>;
 
@@ -25,34 +58,7 @@ pub enum Protocol {
     Udp,
 }
 
-impl Protocol {
-    /// The wire and JSON spelling (`http`, `tcp`, `tls`, `udp`).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Protocol::Http => "http",
-            Protocol::Tcp => "tcp",
-            Protocol::Tls => "tls",
-            Protocol::Udp => "udp",
-        }
-    }
-
-    /// Parses the wire spelling.
-    pub fn parse(s: &str) -> Option<Protocol> {
-        match s {
-            "http" => Some(Protocol::Http),
-            "tcp" => Some(Protocol::Tcp),
-            "tls" => Some(Protocol::Tls),
-            "udp" => Some(Protocol::Udp),
-            _ => None,
-        }
-    }
-}
-
-impl std::fmt::Display for Protocol {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+spelled!(Protocol { Http => "http", Tcp => "tcp", Tls => "tls", Udp => "udp" });
 
 /// The transport of a port reservation: TCP and UDP ports are separate
 /// spaces (UDP 5353 and TCP 5353 may be held by different keys).
@@ -68,24 +74,9 @@ pub enum PortProtocol {
     Udp,
 }
 
+spelled!(PortProtocol { Tcp => "tcp", Udp => "udp" });
+
 impl PortProtocol {
-    /// The JSON spelling (`tcp`, `udp`).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            PortProtocol::Tcp => "tcp",
-            PortProtocol::Udp => "udp",
-        }
-    }
-
-    /// Parses the JSON spelling.
-    pub fn parse(s: &str) -> Option<PortProtocol> {
-        match s {
-            "tcp" => Some(PortProtocol::Tcp),
-            "udp" => Some(PortProtocol::Udp),
-            _ => None,
-        }
-    }
-
     /// Whether this is TCP (the default, left out of JSON).
     pub fn is_tcp(&self) -> bool {
         *self == PortProtocol::Tcp
@@ -105,12 +96,6 @@ impl PortProtocol {
             PortProtocol::Tcp => Protocol::Tcp,
             PortProtocol::Udp => Protocol::Udp,
         }
-    }
-}
-
-impl std::fmt::Display for PortProtocol {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
     }
 }
 
@@ -182,32 +167,7 @@ pub enum ReservationKind {
     Tcp,
 }
 
-impl ReservationKind {
-    /// The JSON spelling (`subdomain`, `custom`, `tcp`).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ReservationKind::Subdomain => "subdomain",
-            ReservationKind::Custom => "custom",
-            ReservationKind::Tcp => "tcp",
-        }
-    }
-
-    /// Parses the JSON spelling.
-    pub fn parse(s: &str) -> Option<ReservationKind> {
-        match s {
-            "subdomain" => Some(ReservationKind::Subdomain),
-            "custom" => Some(ReservationKind::Custom),
-            "tcp" => Some(ReservationKind::Tcp),
-            _ => None,
-        }
-    }
-}
-
-impl std::fmt::Display for ReservationKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+spelled!(ReservationKind { Subdomain => "subdomain", Custom => "custom", Tcp => "tcp" });
 
 /// A reserved domain or TCP port.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -267,24 +227,13 @@ pub enum CertificateStatus {
     Expired,
 }
 
-impl CertificateStatus {
-    /// The JSON spelling (`pending`, `ready`, `dns_mismatch`, `failed`, `expired`).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            CertificateStatus::Pending => "pending",
-            CertificateStatus::Ready => "ready",
-            CertificateStatus::DnsMismatch => "dns_mismatch",
-            CertificateStatus::Failed => "failed",
-            CertificateStatus::Expired => "expired",
-        }
-    }
-}
-
-impl std::fmt::Display for CertificateStatus {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+spelled!(CertificateStatus {
+    Pending => "pending",
+    Ready => "ready",
+    DnsMismatch => "dns_mismatch",
+    Failed => "failed",
+    Expired => "expired",
+});
 
 /// The certificate state of a custom domain, as the edge reports it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -392,30 +341,7 @@ pub enum ApiKeyScope {
     Endpoints,
 }
 
-impl ApiKeyScope {
-    /// The JSON spelling (`admin`, `endpoints`).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ApiKeyScope::Admin => "admin",
-            ApiKeyScope::Endpoints => "endpoints",
-        }
-    }
-
-    /// Parses the JSON spelling.
-    pub fn parse(s: &str) -> Option<ApiKeyScope> {
-        match s {
-            "admin" => Some(ApiKeyScope::Admin),
-            "endpoints" => Some(ApiKeyScope::Endpoints),
-            _ => None,
-        }
-    }
-}
-
-impl std::fmt::Display for ApiKeyScope {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+spelled!(ApiKeyScope { Admin => "admin", Endpoints => "endpoints" });
 
 /// An API key as listed (never with its secret).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -855,6 +781,38 @@ pub fn parse_label(s: &str) -> Result<(String, String), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each spelled enum's `as_str` is what serde writes and reads, and
+    /// `parse` takes it back; nothing else parses.
+    #[test]
+    fn spellings_match_serde() {
+        fn check<T>(all: &[T], as_str: fn(T) -> &'static str, parse: fn(&str) -> Option<T>)
+        where
+            T: Copy
+                + PartialEq
+                + std::fmt::Debug
+                + std::fmt::Display
+                + Serialize
+                + serde::de::DeserializeOwned,
+        {
+            for &v in all {
+                let s = as_str(v);
+                assert_eq!(serde_json::to_string(&v).unwrap(), format!("\"{s}\""), "{v:?}");
+                assert_eq!(serde_json::from_str::<T>(&format!("\"{s}\"")).unwrap(), v);
+                assert_eq!(parse(s), Some(v));
+                assert_eq!(v.to_string(), s);
+                assert_eq!(parse(&s.to_uppercase()), None, "{s} is case-sensitive");
+            }
+            assert_eq!(parse(""), None);
+        }
+        check(Protocol::ALL, Protocol::as_str, Protocol::parse);
+        check(PortProtocol::ALL, PortProtocol::as_str, PortProtocol::parse);
+        check(ReservationKind::ALL, ReservationKind::as_str, ReservationKind::parse);
+        check(CertificateStatus::ALL, CertificateStatus::as_str, CertificateStatus::parse);
+        check(ApiKeyScope::ALL, ApiKeyScope::as_str, ApiKeyScope::parse);
+        assert_eq!(Protocol::ALL.len(), 4);
+        assert_eq!(CertificateStatus::ALL.len(), 5);
+    }
 
     #[test]
     fn port_ranges() {
