@@ -5,7 +5,7 @@
 //! operator (`--watch-namespace`) and GatewayClass.
 
 mod support;
-use support::{kube as kube_env, netns, operator as fixture};
+use support::{kube as kube_env, net, netns, operator as fixture};
 
 use std::time::Duration;
 
@@ -115,32 +115,11 @@ async fn handle(
         resp.headers_mut().insert("x-backend", http::HeaderValue::from_static(label));
         return Ok(resp);
     }
-    let key = req.headers().get("sec-websocket-key").cloned().unwrap();
-    let on_upgrade = hyper::upgrade::on(&mut req);
-    tokio::spawn(async move {
-        let up = on_upgrade.await.unwrap();
-        let mut ws = tokio_tungstenite::WebSocketStream::from_raw_socket(
-            TokioIo::new(up),
-            tokio_tungstenite::tungstenite::protocol::Role::Server,
-            None,
-        )
-        .await;
-        while let Some(Ok(msg)) = ws.next().await {
-            if let Message::Text(t) = msg
-                && ws.send(Message::text(format!("{label} echoes {t}"))).await.is_err()
-            {
-                break;
-            }
-        }
-    });
-    let accept = tokio_tungstenite::tungstenite::handshake::derive_accept_key(key.as_bytes());
-    Ok(Response::builder()
-        .status(101)
-        .header("connection", "upgrade")
-        .header("upgrade", "websocket")
-        .header("sec-websocket-accept", accept)
-        .body(full(String::new()))
-        .unwrap())
+    let reply = move |msg| match msg {
+        Message::Text(t) => Some(Message::text(format!("{label} echoes {t}"))),
+        _ => None,
+    };
+    Ok(net::websocket_upgrade(&mut req, reply).body(full(String::new())).unwrap())
 }
 
 /// A TCP echo in the network namespace: each line comes back prefixed with `label`.

@@ -7,7 +7,7 @@
 //! WebSocket stays open.
 
 mod support;
-use support::{netns, operator as fixture};
+use support::{net, netns, operator as fixture};
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -66,34 +66,12 @@ async fn echo(
         resp.headers_mut().insert("x-backend-keep", "1".parse().unwrap());
         return Ok(resp);
     }
-    let key = req.headers().get("sec-websocket-key").cloned().unwrap();
     let ws_header = headers.get("x-ws").map(|v| v.join(",")).unwrap_or_default();
-    let on_upgrade = hyper::upgrade::on(&mut req);
-    tokio::spawn(async move {
-        let up = on_upgrade.await.unwrap();
-        let mut ws = tokio_tungstenite::WebSocketStream::from_raw_socket(
-            TokioIo::new(up),
-            tokio_tungstenite::tungstenite::protocol::Role::Server,
-            None,
-        )
-        .await;
-        while let Some(Ok(msg)) = ws.next().await {
-            if let Message::Text(t) = msg
-                && ws
-                    .send(Message::text(format!("{label} {target} x-ws={ws_header} echoes {t}")))
-                    .await
-                    .is_err()
-            {
-                break;
-            }
-        }
-    });
-    let accept = tokio_tungstenite::tungstenite::handshake::derive_accept_key(key.as_bytes());
-    Ok(Response::builder()
-        .status(101)
-        .header("connection", "upgrade")
-        .header("upgrade", "websocket")
-        .header("sec-websocket-accept", accept)
+    let reply = move |msg| match msg {
+        Message::Text(t) => Some(Message::text(format!("{label} {target} x-ws={ws_header} echoes {t}"))),
+        _ => None,
+    };
+    Ok(net::websocket_upgrade(&mut req, reply)
         .header("x-backend-drop", "1")
         .body(full(String::new()))
         .unwrap())

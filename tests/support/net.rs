@@ -19,6 +19,7 @@ use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::Value;
 use tokio::net::{TcpListener, TcpStream};
+use tokio_tungstenite::tungstenite::Message;
 use tokio_util::sync::CancellationToken;
 
 pub const DOMAIN: &str = "edge.test";
@@ -509,35 +510,46 @@ async fn backend_handle(mut req: Request<Incoming>) -> Result<Response<TestBody>
             tokio::time::sleep(std::time::Duration::from_millis(query_num(&req, "ms"))).await;
             Response::new(full("delayed".into()))
         }
-        "/ws" => {
-            let key = req.headers().get("sec-websocket-key").cloned().unwrap();
-            let on_upgrade = hyper::upgrade::on(&mut req);
-            tokio::spawn(async move {
-                use futures_util::{SinkExt, StreamExt};
-                let up = on_upgrade.await.unwrap();
-                let mut ws = tokio_tungstenite::WebSocketStream::from_raw_socket(
-                    TokioIo::new(up),
-                    tokio_tungstenite::tungstenite::protocol::Role::Server,
-                    None,
-                )
-                .await;
-                while let Some(Ok(msg)) = ws.next().await {
-                    if (msg.is_text() || msg.is_binary()) && ws.send(msg).await.is_err() {
-                        break;
-                    }
-                }
-            });
-            let accept = tokio_tungstenite::tungstenite::handshake::derive_accept_key(key.as_bytes());
-            Response::builder()
-                .status(101)
-                .header("connection", "upgrade")
-                .header("upgrade", "websocket")
-                .header("sec-websocket-accept", accept)
-                .body(full(String::new()))
-                .unwrap()
-        }
+        "/ws" => websocket_upgrade(&mut req, |msg| (msg.is_text() || msg.is_binary()).then_some(msg))
+            .body(full(String::new()))
+            .unwrap(),
         _ => Response::new(full("hello from backend".into())),
     })
+}
+
+/// A backend's answer to a WebSocket upgrade: the 101 (the caller adds the
+/// body), and a task that serves the socket once hyper hands it over,
+/// sending `reply(message)` for each message it gets (`None`: nothing) until
+/// the client goes.
+pub fn websocket_upgrade(
+    req: &mut Request<Incoming>,
+    mut reply: impl FnMut(Message) -> Option<Message> + Send + 'static,
+) -> http::response::Builder {
+    use futures_util::{SinkExt, StreamExt};
+    let key = req.headers().get("sec-websocket-key").cloned().expect("a WebSocket upgrade has a key");
+    let on_upgrade = hyper::upgrade::on(req);
+    tokio::spawn(async move {
+        let up = on_upgrade.await.unwrap();
+        let mut ws = tokio_tungstenite::WebSocketStream::from_raw_socket(
+            TokioIo::new(up),
+            tokio_tungstenite::tungstenite::protocol::Role::Server,
+            None,
+        )
+        .await;
+        while let Some(Ok(msg)) = ws.next().await {
+            if let Some(out) = reply(msg)
+                && ws.send(out).await.is_err()
+            {
+                break;
+            }
+        }
+    });
+    let accept = tokio_tungstenite::tungstenite::handshake::derive_accept_key(key.as_bytes());
+    Response::builder()
+        .status(101)
+        .header("connection", "upgrade")
+        .header("upgrade", "websocket")
+        .header("sec-websocket-accept", accept)
 }
 
 /// A TCP backend on 127.0.0.1:0 that runs `serve` on each connection.
