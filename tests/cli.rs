@@ -3,48 +3,18 @@
 //! restarted keeps every key and reservation.
 
 mod support;
-use support::net;
+use support::net::{self, Proc, field};
 
 use std::path::Path;
-use std::process::Stdio;
 use std::time::Duration;
 
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, Lines};
-use tokio::process::{Child, ChildStdout, Command};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::process::Command;
 
 const BIN: &str = env!("CARGO_BIN_EXE_culvert");
 
-struct Proc {
-    child: Child,
-    lines: Lines<BufReader<ChildStdout>>,
-}
-
-impl Proc {
-    fn spawn(args: &[&str]) -> Proc {
-        let mut child = Command::new(BIN)
-            .args(args)
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("culvert runs");
-        let lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        Proc { child, lines }
-    }
-
-    /// The next stdout line that starts with `prefix` (the readiness signal).
-    async fn line(&mut self, prefix: &str) -> String {
-        net::line_starting(&mut self.lines, prefix, Duration::from_secs(30)).await
-    }
-}
-
-fn field<'a>(line: &'a str, key: &str) -> &'a str {
-    line.split_whitespace().find_map(|w| w.strip_prefix(&format!("{key}="))).unwrap()
-}
-
 fn edge(dir: &Path, https: &str, ports: &str) -> Proc {
-    Proc::spawn(&[
+    Proc::culvert(&[
         "edge",
         "--domain",
         net::DOMAIN,
@@ -122,15 +92,23 @@ async fn quickstart_with_real_processes_survives_kill_9() {
 
     net::init();
     let backend = net::http_backend().await.port().to_string();
-    let mut agent =
-        Proc::spawn(&["http", &backend, "--edge", &url, "--key", &secret, "--ca-file", ca.to_str().unwrap()]);
+    let mut agent = Proc::culvert(&[
+        "http",
+        &backend,
+        "--edge",
+        &url,
+        "--key",
+        &secret,
+        "--ca-file",
+        ca.to_str().unwrap(),
+    ]);
     let fwd = agent.line("Forwarding").await;
     assert!(fwd.contains(&format!("https://blog.edge.test:{port}")), "{fwd}");
     assert_eq!(curl(&ca, "blog.edge.test", port).await, "hello from backend");
 
     let echo = net::tcp_echo().await.port().to_string();
     // As on a CPU without AES instructions (a Raspberry Pi 4).
-    let mut tcp_agent = Proc::spawn(&[
+    let mut tcp_agent = Proc::culvert(&[
         "tcp",
         &echo,
         "--edge",
@@ -164,8 +142,7 @@ async fn quickstart_with_real_processes_survives_kill_9() {
     assert_eq!(list["items"].as_array().unwrap().len(), 2, "{list}");
 
     // SIGTERM: the agent drains and exits cleanly.
-    let pid = agent.child.id().unwrap() as i32;
-    unsafe_kill(pid);
+    agent.signal("-TERM");
     let status = tokio::time::timeout(Duration::from_secs(10), agent.child.wait()).await.unwrap().unwrap();
     assert!(status.success(), "{status}");
 
@@ -190,12 +167,6 @@ async fn quickstart_with_real_processes_survives_kill_9() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-}
-
-/// SIGTERM without a libc dependency.
-fn unsafe_kill(pid: i32) {
-    let status = std::process::Command::new("kill").arg("-TERM").arg(pid.to_string()).status().unwrap();
-    assert!(status.success());
 }
 
 /// The default host with real processes: the admin allows an endpoints key
@@ -238,8 +209,16 @@ async fn the_default_host_from_the_command_line() {
 
     net::init();
     let backend = net::http_backend().await.port().to_string();
-    let mut agent =
-        Proc::spawn(&["http", &backend, "--edge", &url, "--key", &secret, "--ca-file", ca.to_str().unwrap()]);
+    let mut agent = Proc::culvert(&[
+        "http",
+        &backend,
+        "--edge",
+        &url,
+        "--key",
+        &secret,
+        "--ca-file",
+        ca.to_str().unwrap(),
+    ]);
     agent.line("Forwarding").await;
     let out = Command::new("curl")
         .args(["-sS", "--fail", "--max-time", "10", "--cacert", ca.to_str().unwrap()])

@@ -6,11 +6,11 @@
 //! one edge name resolving to several addresses.
 
 mod support;
-use support::{net, postgres};
+use support::net::{self, Proc, field};
+use support::postgres;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -19,49 +19,10 @@ use culvert::agent::{self, EdgeSet, OnReady, Target, TunnelOptions};
 use culvert::tunnel::connect::Dialer;
 use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Empty};
-use tokio::io::{AsyncBufReadExt, BufReader, Lines};
-use tokio::process::{Child, ChildStdout, Command};
+use tokio::process::Command;
 use tokio_util::sync::CancellationToken;
 
 const BIN: &str = env!("CARGO_BIN_EXE_culvert");
-
-struct Proc {
-    child: Child,
-    lines: Lines<BufReader<ChildStdout>>,
-}
-
-impl Proc {
-    fn spawn(cmd: &mut Command) -> Proc {
-        let mut child = cmd
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("culvert runs");
-        let lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        Proc { child, lines }
-    }
-
-    /// The next stdout line that starts with `prefix` (the readiness signal).
-    async fn line(&mut self, prefix: &str) -> String {
-        net::line_starting(&mut self.lines, prefix, Duration::from_secs(30)).await
-    }
-
-    fn signal(&self, sig: &str) {
-        let pid = self.child.id().expect("running").to_string();
-        let ok = std::process::Command::new("kill").args([sig, &pid]).status().unwrap().success();
-        assert!(ok, "kill {sig} {pid}");
-    }
-
-    async fn exited(&mut self) {
-        tokio::time::timeout(Duration::from_secs(30), self.child.wait()).await.expect("exits").unwrap();
-    }
-}
-
-fn field<'a>(line: &'a str, key: &str) -> &'a str {
-    line.split_whitespace().find_map(|w| w.strip_prefix(&format!("{key}="))).unwrap()
-}
 
 /// An edge process on `dir` (shared by every edge of a test: one store, one CA).
 struct Edge {

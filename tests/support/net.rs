@@ -619,6 +619,62 @@ pub async fn eventually<T, E: std::fmt::Display, F: std::future::Future<Output =
     }
 }
 
+/// A `culvert` process (or another command) whose stdout is read for its
+/// readiness lines; its stderr goes to the test's, and it is killed when
+/// dropped.
+pub struct Proc {
+    pub child: tokio::process::Child,
+    lines: tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
+}
+
+impl Proc {
+    /// Runs the `culvert` binary of this build with `args`.
+    pub fn culvert(args: &[&str]) -> Proc {
+        Proc::spawn(tokio::process::Command::new(env!("CARGO_BIN_EXE_culvert")).args(args))
+    }
+
+    /// Runs `cmd` with `RUST_LOG=info`.
+    pub fn spawn(cmd: &mut tokio::process::Command) -> Proc {
+        use tokio::io::AsyncBufReadExt;
+        let mut child = cmd
+            .env("RUST_LOG", "info")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("culvert runs");
+        let lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+        Proc { child, lines }
+    }
+
+    /// The next stdout line that starts with `prefix` (the readiness signal).
+    pub async fn line(&mut self, prefix: &str) -> String {
+        line_starting(&mut self.lines, prefix, std::time::Duration::from_secs(30)).await
+    }
+
+    /// Sends `sig` (`-KILL`, `-TERM`, …) with kill(1).
+    pub fn signal(&self, sig: &str) {
+        let pid = self.child.id().expect("running").to_string();
+        let ok = std::process::Command::new("kill").args([sig, &pid]).status().unwrap().success();
+        assert!(ok, "kill {sig} {pid}");
+    }
+
+    /// Waits up to 30 s for the process to end.
+    pub async fn exited(&mut self) {
+        tokio::time::timeout(std::time::Duration::from_secs(30), self.child.wait())
+            .await
+            .expect("exits")
+            .unwrap();
+    }
+}
+
+/// The value of `key=value` in a log line.
+pub fn field<'a>(line: &'a str, key: &str) -> &'a str {
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix(key).and_then(|w| w.strip_prefix('=')))
+        .unwrap_or_else(|| panic!("no {key}= in {line:?}"))
+}
+
 /// The next line of a child's stdout that starts with `prefix` (a process's
 /// readiness signal), within `limit`.
 pub async fn line_starting(
