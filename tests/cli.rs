@@ -13,6 +13,11 @@ use tokio::process::Command;
 
 const BIN: &str = env!("CARGO_BIN_EXE_culvert");
 
+/// `culvert http BACKEND` to the edge at `url`.
+fn http_agent(backend: &str, url: &str, key: &str, ca: &Path) -> Proc {
+    Proc::culvert(&["http", backend, "--edge", url, "--key", key, "--ca-file", ca.to_str().unwrap()])
+}
+
 fn edge(dir: &Path, https: &str, ports: &str) -> Proc {
     Proc::culvert(&[
         "edge",
@@ -92,16 +97,7 @@ async fn quickstart_with_real_processes_survives_kill_9() {
 
     net::init();
     let backend = net::http_backend().await.port().to_string();
-    let mut agent = Proc::culvert(&[
-        "http",
-        &backend,
-        "--edge",
-        &url,
-        "--key",
-        &secret,
-        "--ca-file",
-        ca.to_str().unwrap(),
-    ]);
+    let mut agent = http_agent(&backend, &url, &secret, &ca);
     let fwd = agent.line("Forwarding").await;
     assert!(fwd.contains(&format!("https://blog.edge.test:{port}")), "{fwd}");
     assert_eq!(curl(&ca, "blog.edge.test", port).await, "hello from backend");
@@ -209,16 +205,7 @@ async fn the_default_host_from_the_command_line() {
 
     net::init();
     let backend = net::http_backend().await.port().to_string();
-    let mut agent = Proc::culvert(&[
-        "http",
-        &backend,
-        "--edge",
-        &url,
-        "--key",
-        &secret,
-        "--ca-file",
-        ca.to_str().unwrap(),
-    ]);
+    let mut agent = http_agent(&backend, &url, &secret, &ca);
     agent.line("Forwarding").await;
     let out = Command::new("curl")
         .args(["-sS", "--fail", "--max-time", "10", "--cacert", ca.to_str().unwrap()])
