@@ -174,17 +174,10 @@ impl Pebble {
         let pid = child.id().unwrap();
         // Pebble logs to stdout.
         let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        tokio::time::timeout(Duration::from_secs(20), async {
-            while let Some(line) = lines.next_line().await.unwrap() {
-                if line.contains("ACME directory available") {
-                    return;
-                }
-            }
-            panic!("pebble exited before listening");
-        })
-        .await
-        .expect("pebble starts");
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        let ready = |l: &str| l.contains("ACME directory available");
+        net::line_where(&mut lines, "pebble's `ACME directory available`", Duration::from_secs(20), ready)
+            .await;
+        net::drain(lines);
 
         // Pebble logs before it binds: wait for both listening sockets.
         let ports = net::wait_for("pebble listening", Duration::from_secs(10), || {

@@ -577,17 +577,9 @@ zone "udp.test" {{ type primary; file "{d}/zone.db"; }};
             .spawn()
             .expect("named runs (scripts/deps installs bind9)");
         let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-        tokio::time::timeout(Duration::from_secs(20), async {
-            while let Some(line) = lines.next_line().await.unwrap() {
-                if line.ends_with("running") {
-                    return;
-                }
-            }
-            panic!("named exited before running");
-        })
-        .await
-        .expect("named starts");
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        net::line_where(&mut lines, "named's `running`", Duration::from_secs(20), |l| l.ends_with("running"))
+            .await;
+        net::drain(lines);
         Bind { addr: ([127, 0, 0, 1], port).into(), _child: child, _dir: dir }
     }
 }

@@ -677,19 +677,36 @@ pub fn field<'a>(line: &'a str, key: &str) -> &'a str {
 
 /// The next line of a child's stdout that starts with `prefix` (a process's
 /// readiness signal), within `limit`.
-pub async fn line_starting(
-    lines: &mut tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
+pub async fn line_starting<R: tokio::io::AsyncBufRead + Unpin>(
+    lines: &mut tokio::io::Lines<R>,
     prefix: &str,
     limit: std::time::Duration,
+) -> String {
+    line_where(lines, &format!("`{prefix}`"), limit, |l| l.starts_with(prefix)).await
+}
+
+/// The next line of a child's output for which `pred` holds (`what` names
+/// it in the failure), within `limit`.
+pub async fn line_where<R: tokio::io::AsyncBufRead + Unpin>(
+    lines: &mut tokio::io::Lines<R>,
+    what: &str,
+    limit: std::time::Duration,
+    pred: impl Fn(&str) -> bool,
 ) -> String {
     let read = async {
         loop {
             match lines.next_line().await.unwrap() {
-                Some(l) if l.starts_with(prefix) => return l,
+                Some(l) if pred(&l) => return l,
                 Some(_) => continue,
-                None => panic!("process ended before printing `{prefix}`"),
+                None => panic!("process ended before printing {what}"),
             }
         }
     };
-    tokio::time::timeout(limit, read).await.unwrap_or_else(|_| panic!("no `{prefix}` line in {limit:?}"))
+    tokio::time::timeout(limit, read).await.unwrap_or_else(|_| panic!("no {what} line in {limit:?}"))
+}
+
+/// Reads the rest of a child's output and drops it, so that the child never
+/// blocks on a full pipe.
+pub fn drain<R: tokio::io::AsyncBufRead + Unpin + Send + 'static>(mut lines: tokio::io::Lines<R>) {
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
 }
