@@ -15,13 +15,13 @@ use culvert::operator::gateway::types::{
     GRPCRoute, Gateway, GatewayClass, HTTPRoute, ReferenceGrant, TCPRoute, TLSRoute, UDPRoute,
 };
 use fixture::{
-    Fixture, NamespacedObject, WAIT, get_passthrough, listen_in, service_with_endpoints, tls_backend,
+    Fixture, NamespacedObject, WAIT, get_passthrough, h2c_backend, listen_in, service_with_endpoints,
+    tls_backend,
 };
 use futures_util::{SinkExt, StreamExt};
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-use hyper_util::rt::TokioIo;
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::ResourceExt;
@@ -83,19 +83,7 @@ async fn finish(
 /// copied into the response as `echo-x-*`; paths ending in `/ws` are a
 /// WebSocket echo.
 fn http_backend(host: &NetnsHost, port: u16, label: &'static str) {
-    let listener = listen_in(host, port);
-    tokio::spawn(async move {
-        loop {
-            let Ok((tcp, _)) = listener.accept().await else { return };
-            tokio::spawn(async move {
-                let service = hyper::service::service_fn(move |req| handle(req, label));
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(tcp), service)
-                    .with_upgrades()
-                    .await;
-            });
-        }
-    });
+    net::serve_http1(listen_in(host, port), move |req| handle(req, label));
 }
 
 async fn handle(
@@ -627,25 +615,6 @@ async fn tlsroute_passes_tls_through_by_sni_and_tcproute_carries_tcp() {
         json!([{"group": "gateway.networking.k8s.io", "kind": "TCPRoute"}])
     );
     finish(f, &class, stop, task).await;
-}
-
-/// An HTTP/2-only backend without TLS (h2c, prior knowledge), as gRPC servers are.
-fn h2c_backend(host: &NetnsHost, port: u16) {
-    let listener = listen_in(host, port);
-    tokio::spawn(async move {
-        loop {
-            let Ok((tcp, _)) = listener.accept().await else { return };
-            tokio::spawn(async move {
-                let service = hyper::service::service_fn(|req: Request<Incoming>| async move {
-                    let text = format!("h2c {:?} {}", req.version(), req.uri().path());
-                    Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::from(text))))
-                });
-                let _ = hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
-                    .serve_connection(TokioIo::new(tcp), service)
-                    .await;
-            });
-        }
-    });
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

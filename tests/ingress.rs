@@ -13,12 +13,11 @@ use std::time::Duration;
 use bytes::Bytes;
 use culvert::crd::{Domain, TcpPort, Tunnel, UdpPort};
 use culvert::operator::DomainPolicy;
-use fixture::{Fixture, WAIT, get_passthrough, listen_in, service_with_endpoints, tls_backend};
+use fixture::{Fixture, WAIT, get_passthrough, h2c_backend, listen_in, service_with_endpoints, tls_backend};
 use futures_util::{SinkExt, StreamExt};
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-use hyper_util::rt::TokioIo;
 use k8s_openapi::api::core::v1::{Secret, Service};
 use k8s_openapi::api::networking::v1::Ingress;
 use kube::ResourceExt;
@@ -37,19 +36,7 @@ type TestBody = http_body_util::combinators::UnsyncBoxBody<Bytes, std::io::Error
 /// An HTTP backend named `label` in the network namespace: answers
 /// `<label> <path>`, and paths ending in `/ws` are a WebSocket echo.
 fn http_backend(host: &NetnsHost, port: u16, label: &'static str) {
-    let listener = listen_in(host, port);
-    tokio::spawn(async move {
-        loop {
-            let Ok((tcp, _)) = listener.accept().await else { return };
-            tokio::spawn(async move {
-                let service = hyper::service::service_fn(move |req| handle(req, label));
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(tcp), service)
-                    .with_upgrades()
-                    .await;
-            });
-        }
-    });
+    net::serve_http1(listen_in(host, port), move |req| handle(req, label));
 }
 
 async fn handle(
@@ -797,51 +784,18 @@ async fn which_load_balancers_are_managed() {
 /// `label path body=<bytes> auth=<whether an Authorization header came>`;
 /// paths ending in `/slow` answer after 3 s, `/ws` is a WebSocket echo.
 fn info_backend(host: &NetnsHost, port: u16, label: &'static str) {
-    let listener = listen_in(host, port);
-    tokio::spawn(async move {
-        loop {
-            let Ok((tcp, _)) = listener.accept().await else { return };
-            tokio::spawn(async move {
-                let service = hyper::service::service_fn(move |req: Request<Incoming>| async move {
-                    if req.uri().path().ends_with("/ws") {
-                        return handle(req, label).await;
-                    }
-                    if req.uri().path().ends_with("/slow") {
-                        tokio::time::sleep(Duration::from_secs(3)).await;
-                    }
-                    let path = req.uri().path().to_string();
-                    let auth = req.headers().contains_key("authorization");
-                    let n = req.into_body().collect().await.map(|b| b.to_bytes().len()).unwrap_or(0);
-                    let text = format!("{label} {path} body={n} auth={auth}");
-                    Ok(Response::new(
-                        Full::new(Bytes::from(text)).map_err(|never| match never {}).boxed_unsync(),
-                    ))
-                });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(tcp), service)
-                    .with_upgrades()
-                    .await;
-            });
+    net::serve_http1(listen_in(host, port), move |req: Request<Incoming>| async move {
+        if req.uri().path().ends_with("/ws") {
+            return handle(req, label).await;
         }
-    });
-}
-
-/// An HTTP/2-only backend without TLS (h2c, prior knowledge).
-fn h2c_backend(host: &NetnsHost, port: u16) {
-    let listener = listen_in(host, port);
-    tokio::spawn(async move {
-        loop {
-            let Ok((tcp, _)) = listener.accept().await else { return };
-            tokio::spawn(async move {
-                let service = hyper::service::service_fn(|req: Request<Incoming>| async move {
-                    let text = format!("h2c {:?} {}", req.version(), req.uri().path());
-                    Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::from(text))))
-                });
-                let _ = hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
-                    .serve_connection(TokioIo::new(tcp), service)
-                    .await;
-            });
+        if req.uri().path().ends_with("/slow") {
+            tokio::time::sleep(Duration::from_secs(3)).await;
         }
+        let path = req.uri().path().to_string();
+        let auth = req.headers().contains_key("authorization");
+        let n = req.into_body().collect().await.map(|b| b.to_bytes().len()).unwrap_or(0);
+        let text = format!("{label} {path} body={n} auth={auth}");
+        Ok(Response::new(Full::new(Bytes::from(text)).map_err(|never| match never {}).boxed_unsync()))
     });
 }
 

@@ -19,7 +19,6 @@ use futures_util::{SinkExt, StreamExt};
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-use hyper_util::rt::TokioIo;
 use k8s_openapi::api::core::v1::Secret;
 use netns::NetnsHost;
 use serde_json::{Value, json};
@@ -33,19 +32,7 @@ type TestBody = http_body_util::combinators::UnsyncBoxBody<Bytes, std::io::Error
 /// response headers `x-backend-drop` and `x-backend-keep`; a path ending in
 /// `/ws` is a WebSocket echo that says which path and `x-ws` it was opened with.
 fn echo_backend(host: &NetnsHost, port: u16, label: &'static str) {
-    let listener = listen_in(host, port);
-    tokio::spawn(async move {
-        loop {
-            let Ok((tcp, _)) = listener.accept().await else { return };
-            tokio::spawn(async move {
-                let service = hyper::service::service_fn(move |req| echo(req, label));
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(tcp), service)
-                    .with_upgrades()
-                    .await;
-            });
-        }
-    });
+    net::serve_http1(listen_in(host, port), move |req| echo(req, label));
 }
 
 async fn echo(

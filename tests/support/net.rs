@@ -438,12 +438,26 @@ pub fn dialer(url: &str, ca_file: &Path, key: &str) -> Dialer {
 pub async fn http_backend() -> SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
+    serve_http1(listener, backend_handle);
+    addr
+}
+
+/// Serves HTTP/1.1 (with upgrades) on each connection `listener` accepts,
+/// every request by `handle`, until the listener fails.
+pub fn serve_http1<F, Fut, B>(listener: TcpListener, handle: F)
+where
+    F: Fn(Request<Incoming>) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = Result<Response<B>, std::convert::Infallible>> + Send + 'static,
+    B: hyper::body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     tokio::spawn(async move {
         loop {
             let Ok((tcp, _)) = listener.accept().await else { return };
             let _ = tcp.set_nodelay(true);
+            let service = hyper::service::service_fn(handle.clone());
             tokio::spawn(async move {
-                let service = hyper::service::service_fn(backend_handle);
                 let _ = hyper::server::conn::http1::Builder::new()
                     .serve_connection(TokioIo::new(tcp), service)
                     .with_upgrades()
@@ -451,7 +465,6 @@ pub async fn http_backend() -> SocketAddr {
             });
         }
     });
-    addr
 }
 
 type TestBody = http_body_util::combinators::UnsyncBoxBody<Bytes, std::io::Error>;

@@ -382,6 +382,26 @@ pub async fn get_passthrough(f: &Fixture, host: &str, ca_pem: &str) -> Result<St
     Ok(String::from_utf8_lossy(&body).into_owned())
 }
 
+/// An HTTP/2-only backend without TLS (h2c, prior knowledge, as gRPC
+/// servers are) on `port` of `host`: answers `h2c <version> <path>`.
+pub fn h2c_backend(host: &NetnsHost, port: u16) {
+    let listener = listen_in(host, port);
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else { return };
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(|req: Request<Incoming>| async move {
+                    let text = format!("h2c {:?} {}", req.version(), req.uri().path());
+                    Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::from(text))))
+                });
+                let _ = hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                    .serve_connection(TokioIo::new(tcp), service)
+                    .await;
+            });
+        }
+    });
+}
+
 /// A TCP listener on `ip:port` inside the network namespace `host`.
 pub fn listen_in(host: &NetnsHost, port: u16) -> TcpListener {
     use std::os::fd::AsRawFd;
