@@ -18,7 +18,6 @@ use fixture::{
     Fixture, NamespacedObject, WAIT, get_passthrough, h2c_backend, listen_in, service_with_endpoints,
     tls_backend,
 };
-use futures_util::{SinkExt, StreamExt};
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
@@ -152,29 +151,6 @@ async fn request(
     let (parts, b) = resp.into_parts();
     let b = b.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
     (parts.status, String::from_utf8_lossy(&b).into_owned(), parts.headers)
-}
-
-async fn websocket(
-    f: &Fixture,
-    host: &str,
-    path: &str,
-) -> tokio_tungstenite::WebSocketStream<tokio_rustls::client::TlsStream<TcpStream>> {
-    let tls = f.edge.client().connect(host, false).await;
-    let (ws, resp) =
-        tokio_tungstenite::client_async(format!("ws://{host}{path}"), tls).await.expect("websocket");
-    assert_eq!(resp.status(), StatusCode::SWITCHING_PROTOCOLS);
-    ws
-}
-
-async fn ws_roundtrip<S>(ws: &mut tokio_tungstenite::WebSocketStream<S>, text: &str) -> String
-where
-    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
-{
-    ws.send(Message::text(text)).await.expect("websocket send");
-    match tokio::time::timeout(Duration::from_secs(10), ws.next()).await {
-        Ok(Some(Ok(Message::Text(t)))) => t.to_string(),
-        other => panic!("websocket: {other:?}"),
-    }
 }
 
 fn gateway(name: &str, class: &str, listeners: Value) -> Value {
@@ -364,8 +340,8 @@ async fn httproute_end_to_end_with_statuses_and_a_live_change() {
     assert_eq!(domain.status.unwrap().hostname.as_deref(), Some(host.as_str()));
 
     // A WebSocket stays open while the route changes; the change applies.
-    let mut ws = websocket(&f, &host, "/a/ws").await;
-    assert_eq!(ws_roundtrip(&mut ws, "one").await, "A echoes one");
+    let (mut ws, _) = f.edge.client().websocket(&host, "/a/ws").await;
+    assert_eq!(net::ws_roundtrip(&mut ws, "one").await, "A echoes one");
     f.patch::<HTTPRoute>(
         "shop",
         json!({"spec": {"rules": [
@@ -376,7 +352,7 @@ async fn httproute_end_to_end_with_statuses_and_a_live_change() {
     .await;
     f.get_until(&host, "/c/d", ok("B GET /c/d".into())).await;
     assert_eq!(f.edge.client().get(&host, "/b").await.0, StatusCode::NOT_FOUND, "the removed rule");
-    assert_eq!(ws_roundtrip(&mut ws, "two").await, "A echoes two", "the WebSocket survived the change");
+    assert_eq!(net::ws_roundtrip(&mut ws, "two").await, "A echoes two", "the WebSocket survived the change");
     ws.close(None).await.unwrap();
     let route = wait_route::<HTTPRoute>(&f, "shop", "edge", "Accepted", "True", "Accepted").await;
     assert_eq!(route_condition(&route, "edge", "Accepted").unwrap()["observedGeneration"], 2);

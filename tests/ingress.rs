@@ -14,7 +14,6 @@ use bytes::Bytes;
 use culvert::crd::{Domain, TcpPort, Tunnel, UdpPort};
 use culvert::operator::DomainPolicy;
 use fixture::{Fixture, WAIT, get_passthrough, h2c_backend, listen_in, service_with_endpoints, tls_backend};
-use futures_util::{SinkExt, StreamExt};
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
@@ -157,30 +156,6 @@ async fn key_id(f: &Fixture, tunnel: &str) -> String {
     String::from_utf8(s.data.unwrap()["keyId"].0.clone()).unwrap()
 }
 
-/// Opens a WebSocket through the edge.
-async fn websocket(
-    f: &Fixture,
-    host: &str,
-    path: &str,
-) -> tokio_tungstenite::WebSocketStream<tokio_rustls::client::TlsStream<TcpStream>> {
-    let tls = f.edge.client().connect(host, false).await;
-    let (ws, resp) =
-        tokio_tungstenite::client_async(format!("ws://{host}{path}"), tls).await.expect("websocket");
-    assert_eq!(resp.status(), StatusCode::SWITCHING_PROTOCOLS);
-    ws
-}
-
-async fn ws_roundtrip<S>(ws: &mut tokio_tungstenite::WebSocketStream<S>, text: &str) -> String
-where
-    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
-{
-    ws.send(Message::text(text)).await.expect("websocket send");
-    match tokio::time::timeout(Duration::from_secs(10), ws.next()).await {
-        Ok(Some(Ok(Message::Text(t)))) => t.to_string(),
-        other => panic!("websocket: {other:?}"),
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ingress_routes_paths_and_changes_them_live() {
     let Some(f) = Fixture::new("ing-paths").await else { return };
@@ -221,8 +196,8 @@ async fn ingress_routes_paths_and_changes_them_live() {
     f.wait_event("shop", "Normal", "TLSAtEdge").await;
 
     // A WebSocket stays open while the paths change.
-    let mut ws = websocket(&f, &host, "/a/ws").await;
-    assert_eq!(ws_roundtrip(&mut ws, "one").await, "A echoes one");
+    let (mut ws, _) = f.edge.client().websocket(&host, "/a/ws").await;
+    assert_eq!(net::ws_roundtrip(&mut ws, "one").await, "A echoes one");
     f.patch::<Ingress>(
         "shop",
         json!({"spec": {"defaultBackend": {"service": {"name": "a", "port": {"number": 80}}},
@@ -238,7 +213,7 @@ async fn ingress_routes_paths_and_changes_them_live() {
     assert_eq!(f.edge.client().get(&host, "/a/exact/more").await.1, "B /a/exact/more");
     assert_eq!(f.edge.client().get(&host, "/c/d").await.1, "B /c/d", "ImplementationSpecific is Prefix");
     assert_eq!(f.edge.client().get(&host, "/b").await.1, "A /b", "removed path: the default backend");
-    assert_eq!(ws_roundtrip(&mut ws, "two").await, "A echoes two", "the WebSocket survived the change");
+    assert_eq!(net::ws_roundtrip(&mut ws, "two").await, "A echoes two", "the WebSocket survived the change");
     // A path to an ExternalName Service is refused (a Warning on the Ingress); the others still work.
     let msg = f.wait_event("shop", "Warning", "Degraded").await;
     assert!(msg.contains("route /ext") && msg.contains("ExternalName"), "{msg}");
@@ -953,8 +928,8 @@ async fn ingress_annotations_apply_per_path_and_change_live() {
     let tunnel =
         tunnel.iter().find(|t| t.annotations().get("culvert.dev/host") == Some(&host)).unwrap().name_any();
     let key = key_id(&f, &tunnel).await;
-    let mut ws = websocket(&f, &host, "/public/ws").await;
-    assert_eq!(ws_roundtrip(&mut ws, "one").await, "A echoes one");
+    let (mut ws, _) = f.edge.client().websocket(&host, "/public/ws").await;
+    assert_eq!(net::ws_roundtrip(&mut ws, "one").await, "A echoes one");
     f.patch::<Secret>("users", json!({"stringData": {"token": "tok-2\n"}})).await;
     wait_until("the new token is accepted", WAIT, || async {
         let (s, _, _) =
@@ -983,7 +958,7 @@ async fn ingress_annotations_apply_per_path_and_change_live() {
     assert_eq!(s, StatusCode::OK, "the new limit");
     let (s, body, _) = request(&f, &host, "GET", "/private/slow", &[], None, false).await;
     assert_eq!((s, body.as_str()), (StatusCode::OK, "A /private/slow body=0 auth=false"), "no timeout now");
-    assert_eq!(ws_roundtrip(&mut ws, "two").await, "A echoes two", "the WebSocket survived");
+    assert_eq!(net::ws_roundtrip(&mut ws, "two").await, "A echoes two", "the WebSocket survived");
     assert_eq!(key_id(&f, &tunnel).await, key, "same tunnel key");
     ws.close(None).await.unwrap();
     f.finish(stop, task).await;

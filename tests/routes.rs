@@ -10,19 +10,16 @@ mod support;
 use support::{net, netns, operator as fixture};
 
 use std::collections::BTreeMap;
-use std::time::Duration;
 
 use bytes::Bytes;
 use culvert::crd::{Domain, Tunnel};
 use fixture::{Fixture, listen_in, service_with_endpoints};
-use futures_util::{SinkExt, StreamExt};
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use k8s_openapi::api::core::v1::Secret;
 use netns::NetnsHost;
 use serde_json::{Value, json};
-use tokio::net::TcpStream;
 use tokio_tungstenite::tungstenite::Message;
 
 type TestBody = http_body_util::combinators::UnsyncBoxBody<Bytes, std::io::Error>;
@@ -114,30 +111,6 @@ async fn curl(f: &Fixture, host: &str, path: &str, args: &[&str]) -> Answer {
         }
     }
     Answer { status, headers, body: body.to_string() }
-}
-
-/// Opens a WebSocket through the edge.
-async fn websocket(
-    f: &Fixture,
-    host: &str,
-    path: &str,
-) -> (tokio_tungstenite::WebSocketStream<tokio_rustls::client::TlsStream<TcpStream>>, http::HeaderMap) {
-    let tls = f.edge.client().connect(host, false).await;
-    let (ws, resp) =
-        tokio_tungstenite::client_async(format!("ws://{host}{path}"), tls).await.expect("websocket");
-    assert_eq!(resp.status(), StatusCode::SWITCHING_PROTOCOLS);
-    (ws, resp.headers().clone())
-}
-
-async fn ws_roundtrip<S>(ws: &mut tokio_tungstenite::WebSocketStream<S>, text: &str) -> String
-where
-    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
-{
-    ws.send(Message::text(text)).await.expect("websocket send");
-    match tokio::time::timeout(Duration::from_secs(10), ws.next()).await {
-        Ok(Some(Ok(Message::Text(t)))) => t.to_string(),
-        other => panic!("websocket: {other:?}"),
-    }
 }
 
 fn svc(name: &str) -> Value {
@@ -317,9 +290,9 @@ async fn tunnel_routes_match_split_filter_redirect_and_change_live() {
 
     // Upgrades get the rewrite and the header changes; the WebSocket stays
     // open while the routes change, and the new routes apply.
-    let (mut ws, handshake) = websocket(&f, &host, "/live/ws").await;
+    let (mut ws, handshake) = f.edge.client().websocket(&host, "/live/ws").await;
     assert!(handshake.get("x-backend-drop").is_none(), "the 101 gets the response header changes");
-    assert_eq!(ws_roundtrip(&mut ws, "one").await, "A /x/ws x-ws=set echoes one");
+    assert_eq!(net::ws_roundtrip(&mut ws, "one").await, "A /x/ws x-ws=set echoes one");
     let mut changed = routes("b");
     changed.as_array_mut().unwrap().push(json!({"path": "/new-route", "method": "GET", "service": svc("c")}));
     f.patch::<Tunnel>("web", json!({"spec": {"routes": changed}})).await;
@@ -330,7 +303,11 @@ async fn tunnel_routes_match_split_filter_redirect_and_change_live() {
         "B",
         "PUT falls to the catch-all"
     );
-    assert_eq!(ws_roundtrip(&mut ws, "two").await, "A /x/ws x-ws=set echoes two", "the WebSocket survived");
+    assert_eq!(
+        net::ws_roundtrip(&mut ws, "two").await,
+        "A /x/ws x-ws=set echoes two",
+        "the WebSocket survived"
+    );
     ws.close(None).await.unwrap();
     f.finish(stop, task).await;
 }

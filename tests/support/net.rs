@@ -295,6 +295,21 @@ impl HttpsClient {
             .expect("TLS to the edge")
     }
 
+    /// Opens a WebSocket to `host` at `path` through the edge (HTTP/1.1
+    /// upgrade); also the 101's headers.
+    pub async fn websocket(
+        &self,
+        host: &str,
+        path: &str,
+    ) -> (tokio_tungstenite::WebSocketStream<tokio_rustls::client::TlsStream<TcpStream>>, http::HeaderMap)
+    {
+        let tls = self.connect(host, false).await;
+        let (ws, resp) =
+            tokio_tungstenite::client_async(format!("ws://{host}{path}"), tls).await.expect("websocket");
+        assert_eq!(resp.status(), StatusCode::SWITCHING_PROTOCOLS);
+        (ws, resp.headers().clone())
+    }
+
     /// Sends one request on a new connection (HTTP/1.1 or h2).
     pub async fn send<B>(
         &self,
@@ -563,6 +578,20 @@ pub fn websocket_upgrade(
         .header("connection", "upgrade")
         .header("upgrade", "websocket")
         .header("sec-websocket-accept", accept)
+}
+
+/// Sends `text` on a WebSocket and returns the text message that comes
+/// back within 10 s.
+pub async fn ws_roundtrip<S>(ws: &mut tokio_tungstenite::WebSocketStream<S>, text: &str) -> String
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    use futures_util::{SinkExt, StreamExt};
+    ws.send(Message::text(text)).await.expect("websocket send");
+    match tokio::time::timeout(std::time::Duration::from_secs(10), ws.next()).await {
+        Ok(Some(Ok(Message::Text(t)))) => t.to_string(),
+        other => panic!("websocket: {other:?}"),
+    }
 }
 
 /// A TCP backend on 127.0.0.1:0 that runs `serve` on each connection.
