@@ -957,6 +957,18 @@ async fn draining_edge_cuts_what_outlives_the_grace() {
 /// A connection accepted before the drain began whose first request comes
 /// after it (the client was still in its handshake): served, not closed
 /// unanswered (the client sent it to an edge that was accepting).
+/// A GET of `/` on `tls` (HTTP/1.1) is answered by the backend, not closed.
+async fn answered_on(tls: tokio_rustls::client::TlsStream<tokio::net::TcpStream>, host: &str) {
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls)).await.unwrap();
+    tokio::spawn(conn);
+    let req = Request::get("/").header("host", host).body(Full::new(Bytes::new())).unwrap();
+    let resp = sender.send_request(req).await.expect("answered, not closed");
+    assert_eq!(resp.status(), StatusCode::OK);
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&body[..], b"hello from backend");
+}
+
 #[tokio::test]
 async fn draining_edge_answers_the_first_request_of_a_connection_it_accepted() {
     let (mut edge, host, _agent) = published().await;
@@ -967,14 +979,7 @@ async fn draining_edge_answers_the_first_request_of_a_connection_it_accepted() {
         std::net::TcpStream::connect(edge.https).is_err().then_some(())
     })
     .await;
-    let (mut sender, conn) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls)).await.unwrap();
-    tokio::spawn(conn);
-    let req = Request::get("/").header("host", &host).body(Full::new(Bytes::new())).unwrap();
-    let resp = sender.send_request(req).await.expect("answered, not closed");
-    assert_eq!(resp.status(), StatusCode::OK);
-    let body = resp.into_body().collect().await.unwrap().to_bytes();
-    assert_eq!(&body[..], b"hello from backend");
+    answered_on(tls, &host).await;
     tokio::time::timeout(Duration::from_secs(10), drain).await.expect("the drain ends after it").unwrap();
 }
 
@@ -991,14 +996,7 @@ async fn draining_edge_answers_a_connection_still_in_its_backlog() {
     let drain = tokio::spawn(edge.handle.take().unwrap().drain(Duration::from_secs(60)));
     tcp.set_nonblocking(true).unwrap();
     let tls = edge.client().tls(tokio::net::TcpStream::from_std(tcp).unwrap(), &host, false).await;
-    let (mut sender, conn) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls)).await.unwrap();
-    tokio::spawn(conn);
-    let req = Request::get("/").header("host", &host).body(Full::new(Bytes::new())).unwrap();
-    let resp = sender.send_request(req).await.expect("answered, not closed");
-    assert_eq!(resp.status(), StatusCode::OK);
-    let body = resp.into_body().collect().await.unwrap().to_bytes();
-    assert_eq!(&body[..], b"hello from backend");
+    answered_on(tls, &host).await;
     tokio::time::timeout(Duration::from_secs(10), drain).await.expect("the drain ends after it").unwrap();
 }
 
