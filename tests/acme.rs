@@ -17,6 +17,7 @@
 //! the edge that did not place the order, which answers it from the store.
 
 mod support;
+use support::bind::{self, Bind};
 use support::{net, postgres};
 
 use std::collections::{HashMap, HashSet};
@@ -478,111 +479,43 @@ const TSIG_KEY: &str = "culvert-test";
 
 /// A real BIND (`named`, Debian's bind9) on 127.0.0.1, primary for the
 /// edge's domain, that lets `TSIG_KEY` update `_acme-challenge.<domain>` TXT.
-struct Bind {
-    addr: SocketAddr,
+struct Dns01Bind {
+    bind: Bind,
     /// The key's secret, base64.
     secret: String,
-    _child: tokio::process::Child,
-    _dir: tempfile::TempDir,
 }
 
-impl Bind {
-    /// Starts named; a port another process took between the probe and
-    /// named's bind is detected (named keeps running without it) and another is tried.
-    async fn start() -> Bind {
-        for _ in 0..5 {
-            let bind = Bind::try_start().await;
-            if bind.txt(&format!("id.{}", net::DOMAIN)).await == [bind.secret.clone()] {
-                return bind;
-            }
-            eprintln!("named did not get port {}; trying another", bind.addr.port());
-        }
-        panic!("named did not get a free port in 5 tries");
+impl std::ops::Deref for Dns01Bind {
+    type Target = Bind;
+    fn deref(&self) -> &Bind {
+        &self.bind
     }
+}
 
-    async fn try_start() -> Bind {
+impl Dns01Bind {
+    async fn start() -> Dns01Bind {
         use base64::Engine;
         use ring::rand::SecureRandom;
-        let dir = tempfile::tempdir().unwrap();
         let mut raw = [0u8; 32];
         ring::rand::SystemRandom::new().fill(&mut raw).unwrap();
         let secret = base64::engine::general_purpose::STANDARD.encode(raw);
-        // named cannot listen on port 0: a port free for UDP and TCP, released just before.
-        let port = loop {
-            let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
-            let port = udp.local_addr().unwrap().port();
-            if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
-                break port;
-            }
-        };
-        let d = dir.path().display();
         let domain = net::DOMAIN;
-        let conf = format!(
-            r#"options {{
-    directory "{d}";
-    pid-file "{d}/named.pid";
-    session-keyfile "{d}/session.key";
-    managed-keys-directory "{d}";
-    listen-on port {port} {{ 127.0.0.1; }};
-    listen-on-v6 {{ none; }};
-    recursion no;
-    dnssec-validation no;
-    notify no;
-    allow-query {{ any; }};
-}};
-controls {{ }};
-key "{TSIG_KEY}" {{ algorithm hmac-sha256; secret "{secret}"; }};
-zone "{domain}" {{
-    type primary;
-    file "{d}/zone.db";
-    update-policy {{ grant {TSIG_KEY} name _acme-challenge.{domain}. TXT; }};
-}};
-"#
-        );
-        let zone = format!(
-            "$TTL 60\n@ IN SOA ns.{domain}. hostmaster.{domain}. 1 60 60 600 60\n@ IN NS ns.{domain}.\nns IN A 127.0.0.1\n@ IN A 127.0.0.1\n* IN A 127.0.0.1\nid IN TXT \"{secret}\"\n"
-        );
-        std::fs::write(dir.path().join("named.conf"), conf).unwrap();
-        std::fs::write(dir.path().join("zone.db"), zone).unwrap();
-        let mut child = tokio::process::Command::new("named")
-            .args(["-g", "-4", "-n", "1", "-c"])
-            .arg(dir.path().join("named.conf"))
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("named runs (scripts/deps installs bind9)");
-        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-        tokio::time::timeout(Duration::from_secs(20), async {
-            while let Some(line) = lines.next_line().await.unwrap() {
-                eprintln!("named: {line}");
-                if line.ends_with("running") {
-                    return;
-                }
-            }
-            panic!("named exited before running");
-        })
-        .await
-        .expect("named starts");
-        tokio::spawn(async move {
-            while let Ok(Some(line)) = lines.next_line().await {
-                eprintln!("named: {line}");
-            }
-        });
-        Bind { addr: ([127, 0, 0, 1], port).into(), secret, _child: child, _dir: dir }
+        let zone = bind::Zone {
+            name: domain,
+            // `id` tells this named from another on the same port.
+            records: &format!("@ IN A 127.0.0.1\n* IN A 127.0.0.1\nid IN TXT \"{secret}\"\n"),
+            options: "",
+            statements: &format!("key \"{TSIG_KEY}\" {{ algorithm hmac-sha256; secret \"{secret}\"; }};"),
+            zone: &format!("    update-policy {{ grant {TSIG_KEY} name _acme-challenge.{domain}. TXT; }};"),
+        };
+        let bind = Bind::start(&zone, (&format!("id.{domain}"), "TXT", &format!("\"{secret}\""))).await;
+        Dns01Bind { bind, secret }
     }
 
-    /// The TXT values of `name`, as BIND serves them now (dig).
+    /// The TXT values of `name`, as BIND serves them now (dig over TCP).
     async fn txt(&self, name: &str) -> Vec<String> {
-        let out = tokio::process::Command::new("dig")
-            .args(["+short", "+tcp", "-p", &self.addr.port().to_string(), "@127.0.0.1", name, "TXT"])
-            .output()
-            .await
-            .expect("dig runs (scripts/deps installs dnsutils)");
-        assert!(out.status.success(), "dig: {}", String::from_utf8_lossy(&out.stderr));
-        let mut values: Vec<String> =
-            String::from_utf8_lossy(&out.stdout).lines().map(|l| l.trim_matches('"').to_string()).collect();
+        let out = self.dig(name, "TXT", true).await.unwrap();
+        let mut values: Vec<String> = out.lines().map(|l| l.trim_matches('"').to_string()).collect();
         values.sort();
         values
     }
@@ -599,7 +532,11 @@ zone "{domain}" {{
 impl World {
     /// Pebble (resolving through `bind`) and then an edge whose own
     /// certificate is ordered by DNS-01 as `configure` sets it up.
-    async fn start_dns01(bind: &Bind, validity: Duration, configure: impl FnOnce(&mut EdgeArgs)) -> World {
+    async fn start_dns01(
+        bind: &Dns01Bind,
+        validity: Duration,
+        configure: impl FnOnce(&mut EdgeArgs),
+    ) -> World {
         net::init();
         let dns = Dns::start().await;
         let forwarder = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -628,7 +565,7 @@ impl World {
 /// the key may not change are refused with what to fix.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rfc2136_updates_a_real_bind() {
-    let bind = Bind::start().await;
+    let bind = Dns01Bind::start().await;
     let name = format!("_acme-challenge.{}", net::DOMAIN);
     let p = bind.provider(TSIG_KEY, &bind.secret);
     p.set(&name, "first-value").await.unwrap();
@@ -659,7 +596,7 @@ async fn rfc2136_updates_a_real_bind() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dns01_rfc2136_issues_the_edges_own_wildcard() {
     use base64::Engine;
-    let bind = Bind::start().await;
+    let bind = Dns01Bind::start().await;
     let wrong = base64::engine::general_purpose::STANDARD.encode([1u8; 32]);
     let mut w = World::start_dns01(&bind, Duration::from_secs(90 * 86_400), |args| {
         args.acme.dns01 = Some(Dns01Kind::Rfc2136);
@@ -704,7 +641,7 @@ async fn dns01_rfc2136_issues_the_edges_own_wildcard() {
 /// without a restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dns01_hook_issues_and_renews() {
-    let bind = Bind::start().await;
+    let bind = Dns01Bind::start().await;
     let dir = tempfile::tempdir().unwrap();
     let (hook, calls) = (dir.path().join("hook.sh"), dir.path().join("calls.log"));
     let script = format!(

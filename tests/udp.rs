@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use culvert::agent::Target;
 use serde_json::json;
+use support::bind::{self, Bind};
 use support::net::{self, TestAgent, TestEdge};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::net::UdpSocket;
@@ -185,7 +186,7 @@ async fn many_flows_at_once_each_get_their_own_answers() {
 #[tokio::test]
 async fn a_dns_query_through_the_tunnel() {
     let edge = TestEdge::start().await;
-    let bind = Bind::start().await;
+    let bind = start_bind().await;
     let (port, key) = udp_tunnel_key(&edge).await;
     let _agent =
         TestAgent::start(&edge, &key, Target::Udp { addr: bind.addr.to_string(), proxy: None }).await;
@@ -501,85 +502,18 @@ async fn proxy_protocol_v2_before_every_datagram() {
 }
 
 /// A real BIND (`named`, Debian's bind9) on 127.0.0.1, authoritative for
-/// `udp.test`.
-struct Bind {
-    addr: SocketAddr,
-    _child: tokio::process::Child,
-    _dir: tempfile::TempDir,
-}
-
-impl Bind {
-    /// named cannot listen on port 0: a port free now, released just
-    /// before; if another process takes it first, named runs without it,
-    /// which the first query shows, and another port is tried.
-    async fn start() -> Bind {
-        for _ in 0..5 {
-            let bind = Bind::try_start().await;
-            let out = tokio::process::Command::new("dig")
-                .args(["+short", "+tries=1", "+time=2", "-p", &bind.addr.port().to_string(), "@127.0.0.1"])
-                .args(["www.udp.test", "A"])
-                .output()
-                .await
-                .expect("dig runs (scripts/deps installs dnsutils)");
-            if String::from_utf8_lossy(&out.stdout).trim() == "192.0.2.10" {
-                return bind;
-            }
-            eprintln!("named did not get port {}; trying another", bind.addr.port());
-        }
-        panic!("named did not get a free port in 5 tries");
+/// `udp.test`, with a TXT set (`big`) too large for one 512-byte answer.
+async fn start_bind() -> Bind {
+    let mut records = String::from("www IN A 192.0.2.10\n@ IN TXT \"through the tunnel\"\n");
+    for i in 0..40 {
+        records.push_str(&format!("big IN TXT \"record {i:02} padding padding padding\"\n"));
     }
-
-    async fn try_start() -> Bind {
-        let dir = tempfile::tempdir().unwrap();
-        let port = loop {
-            let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
-            let port = udp.local_addr().unwrap().port();
-            if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
-                break port;
-            }
-        };
-        let d = dir.path().display();
-        let conf = format!(
-            r#"options {{
-    directory "{d}";
-    pid-file "{d}/named.pid";
-    session-keyfile "{d}/session.key";
-    managed-keys-directory "{d}";
-    listen-on port {port} {{ 127.0.0.1; }};
-    listen-on-v6 {{ none; }};
-    recursion no;
-    dnssec-validation no;
-    notify no;
-    allow-query {{ any; }};
-    max-udp-size 4096;
-    edns-udp-size 4096;
-}};
-controls {{ }};
-zone "udp.test" {{ type primary; file "{d}/zone.db"; }};
-"#
-        );
-        let mut zone = String::from(
-            "$TTL 60\n@ IN SOA ns.udp.test. hostmaster.udp.test. 1 60 60 600 60\n@ IN NS ns.udp.test.\n\
-             ns IN A 127.0.0.1\nwww IN A 192.0.2.10\n@ IN TXT \"through the tunnel\"\n",
-        );
-        for i in 0..40 {
-            zone.push_str(&format!("big IN TXT \"record {i:02} padding padding padding\"\n"));
-        }
-        std::fs::write(dir.path().join("named.conf"), conf).unwrap();
-        std::fs::write(dir.path().join("zone.db"), zone).unwrap();
-        let mut child = tokio::process::Command::new("named")
-            .args(["-g", "-4", "-n", "1", "-c"])
-            .arg(dir.path().join("named.conf"))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("named runs (scripts/deps installs bind9)");
-        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-        net::line_where(&mut lines, "named's `running`", Duration::from_secs(20), |l| l.ends_with("running"))
-            .await;
-        net::drain(lines);
-        Bind { addr: ([127, 0, 0, 1], port).into(), _child: child, _dir: dir }
-    }
+    let zone = bind::Zone {
+        name: "udp.test",
+        records: &records,
+        options: "    max-udp-size 4096;\n    edns-udp-size 4096;",
+        statements: "",
+        zone: "",
+    };
+    Bind::start(&zone, ("www.udp.test", "A", "192.0.2.10")).await
 }

@@ -11,6 +11,8 @@
 
 #![allow(dead_code)]
 
+/// A real BIND (`named`) on 127.0.0.1, primary for one zone.
+pub mod bind;
 /// A real Kubernetes control plane (the kube-env harness).
 pub mod kube;
 /// An in-process edge on 127.0.0.1, agents, backends and HTTPS clients.
