@@ -13,9 +13,9 @@ use std::time::Duration;
 
 use culvert::agent::Target;
 use net::{TestAgent, TestEdge};
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, Lines};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::process::{Child, ChildStdout, Command};
+use tokio::process::Command;
 
 const BIN: &str = env!("CARGO_BIN_EXE_culvert");
 
@@ -26,8 +26,8 @@ static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 /// A `culvert edge` process with a self-signed CA.
 #[allow(dead_code)]
 struct EdgeProc {
-    child: Child,
-    _lines: Lines<BufReader<ChildStdout>>,
+    /// Killed when dropped; its stdout stays open, so that it never breaks.
+    proc: net::Proc,
     https: String,
     ca: PathBuf,
     admin_key_file: PathBuf,
@@ -58,11 +58,7 @@ impl EdgeProc {
                 "--public-host",
                 "127.0.0.1",
             ])
-            .args(extra)
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .kill_on_drop(true);
+            .args(extra);
         if let Some(n) = nofile {
             // SAFETY: setrlimit is async-signal-safe; nothing else runs between fork and exec.
             unsafe {
@@ -75,21 +71,16 @@ impl EdgeProc {
                 });
             }
         }
-        let mut child = cmd.spawn().expect("culvert edge runs");
-        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        let ready = net::line_starting(&mut lines, "culvert edge ready", Duration::from_secs(30)).await;
-        let field = |k: &str| {
-            ready.split_whitespace().find_map(|w| w.strip_prefix(&format!("{k}="))).unwrap().to_string()
-        };
-        let admin_key_file = PathBuf::from(field("admin_key_file"));
+        let mut proc = net::Proc::spawn(&mut cmd);
+        let ready = proc.line("culvert edge ready").await;
+        let admin_key_file = PathBuf::from(net::field(&ready, "admin_key_file"));
         let admin_key = std::fs::read_to_string(&admin_key_file).unwrap().trim().to_string();
         EdgeProc {
-            https: field("https"),
-            ca: PathBuf::from(field("ca_file")),
+            https: net::field(&ready, "https").to_string(),
+            ca: PathBuf::from(net::field(&ready, "ca_file")),
             admin_key_file,
             admin_key,
-            child,
-            _lines: lines,
+            proc,
             tcp_ports,
         }
     }
@@ -99,7 +90,7 @@ impl EdgeProc {
     }
 
     fn pid(&self) -> u32 {
-        self.child.id().unwrap()
+        self.proc.child.id().unwrap()
     }
 
     /// Open file descriptors of the edge process.

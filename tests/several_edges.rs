@@ -11,11 +11,11 @@
 //! - `culvert migrate-store`: an SQLite edge's data served from PostgreSQL.
 
 mod support;
-use support::{net, postgres};
+use support::net::{self, Proc, field};
+use support::postgres;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -24,8 +24,8 @@ use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use net::{HttpsClient, TestAgent};
 use serde_json::{Value, json};
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, Lines};
-use tokio::process::{Child, ChildStdout, Command};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::process::Command;
 
 const BIN: &str = env!("CARGO_BIN_EXE_culvert");
 /// Changes on one edge reach the others within this (README: "Several edges").
@@ -33,10 +33,8 @@ const BOUND: Duration = Duration::from_secs(1);
 
 /// An edge process with its own data dir (CA, admin key file) on the shared store.
 struct EdgeProc {
-    /// Killed when dropped.
-    child: Child,
-    /// Kept open so the edge's stdout never breaks.
-    _lines: Lines<BufReader<ChildStdout>>,
+    /// Killed when dropped; its stdout stays open, so that it never breaks.
+    proc: Proc,
     dir: tempfile::TempDir,
     https: SocketAddr,
     ca_file: PathBuf,
@@ -49,45 +47,36 @@ impl EdgeProc {
     }
 
     async fn start_in(dir: tempfile::TempDir, store: &str, tcp_bind: &str, tcp_ports: &str) -> EdgeProc {
-        let mut child = Command::new(BIN)
-            .args(["edge", "--domain", net::DOMAIN, "--self-signed"])
-            .arg("--data-dir")
-            .arg(dir.path())
-            .args([
-                "--https-addr",
-                "127.0.0.1:0",
-                "--http-addr",
-                "127.0.0.1:0",
-                "--admin-addr",
-                "127.0.0.1:0",
-            ])
-            .args(["--tcp-ports", tcp_ports, "--tcp-bind", tcp_bind, "--public-host", tcp_bind])
-            .env("CULVERT_STORE", store)
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("culvert runs");
-        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        let ready = net::line_starting(&mut lines, "culvert edge ready", Duration::from_secs(60)).await;
-        let field = |key: &str| {
-            ready.split_whitespace().find_map(|w| w.strip_prefix(&format!("{key}="))).unwrap().to_string()
-        };
+        let mut proc = Proc::spawn(
+            Command::new(BIN)
+                .args(["edge", "--domain", net::DOMAIN, "--self-signed"])
+                .arg("--data-dir")
+                .arg(dir.path())
+                .args([
+                    "--https-addr",
+                    "127.0.0.1:0",
+                    "--http-addr",
+                    "127.0.0.1:0",
+                    "--admin-addr",
+                    "127.0.0.1:0",
+                ])
+                .args(["--tcp-ports", tcp_ports, "--tcp-bind", tcp_bind, "--public-host", tcp_bind])
+                .env("CULVERT_STORE", store),
+        );
+        let ready = proc.line_within("culvert edge ready", Duration::from_secs(60)).await;
         EdgeProc {
-            https: field("https").parse().unwrap(),
-            ca_file: field("ca_file").into(),
-            admin_key_file: field("admin_key_file").into(),
-            child,
-            _lines: lines,
+            https: field(&ready, "https").parse().unwrap(),
+            ca_file: field(&ready, "ca_file").into(),
+            admin_key_file: field(&ready, "admin_key_file").into(),
+            proc,
             dir,
         }
     }
 
     /// SIGKILL; the data dir stays.
     async fn kill(mut self) -> tempfile::TempDir {
-        self.child.start_kill().unwrap();
-        self.child.wait().await.unwrap();
+        self.proc.child.start_kill().unwrap();
+        self.proc.child.wait().await.unwrap();
         self.dir
     }
 

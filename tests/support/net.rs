@@ -689,9 +689,15 @@ impl Proc {
         Proc { child, lines }
     }
 
-    /// The next stdout line that starts with `prefix` (the readiness signal).
+    /// The next stdout line that starts with `prefix` (the readiness signal),
+    /// within 30 s.
     pub async fn line(&mut self, prefix: &str) -> String {
-        line_starting(&mut self.lines, prefix, std::time::Duration::from_secs(30)).await
+        self.line_within(prefix, std::time::Duration::from_secs(30)).await
+    }
+
+    /// [`Proc::line`] within `limit`.
+    pub async fn line_within(&mut self, prefix: &str, limit: std::time::Duration) -> String {
+        line_starting(&mut self.lines, prefix, limit).await
     }
 
     /// Sends `sig` (`-KILL`, `-TERM`, …) with kill(1).
