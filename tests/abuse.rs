@@ -40,25 +40,8 @@ impl EdgeProc {
     /// Starts an edge on `dir`; `nofile` lowers RLIMIT_NOFILE (soft and hard) first.
     async fn start(dir: &Path, nofile: Option<u64>, extra: &[&str]) -> EdgeProc {
         let tcp_ports = net::free_port_range(4);
-        let mut cmd = Command::new(BIN);
-        cmd.args(["edge", "--domain", net::DOMAIN, "--data-dir", dir.to_str().unwrap(), "--self-signed"])
-            .args([
-                "--https-addr",
-                "127.0.0.1:0",
-                "--http-addr",
-                "127.0.0.1:0",
-                "--admin-addr",
-                "127.0.0.1:0",
-            ])
-            .args([
-                "--tcp-ports",
-                &tcp_ports.to_string(),
-                "--tcp-bind",
-                "127.0.0.1",
-                "--public-host",
-                "127.0.0.1",
-            ])
-            .args(extra);
+        let mut cmd = net::Proc::edge_command(dir, "127.0.0.1:0", "127.0.0.1", &tcp_ports.to_string());
+        cmd.args(extra);
         if let Some(n) = nofile {
             // SAFETY: setrlimit is async-signal-safe; nothing else runs between fork and exec.
             unsafe {

@@ -19,26 +19,7 @@ fn http_agent(backend: &str, url: &str, key: &str, ca: &Path) -> Proc {
 }
 
 fn edge(dir: &Path, https: &str, ports: &str) -> Proc {
-    Proc::culvert(&[
-        "edge",
-        "--domain",
-        net::DOMAIN,
-        "--data-dir",
-        dir.to_str().unwrap(),
-        "--self-signed",
-        "--https-addr",
-        https,
-        "--http-addr",
-        "127.0.0.1:0",
-        "--admin-addr",
-        "127.0.0.1:0",
-        "--tcp-ports",
-        ports,
-        "--tcp-bind",
-        "127.0.0.1",
-        "--public-host",
-        "127.0.0.1",
-    ])
+    Proc::spawn(&mut Proc::edge_command(dir, https, "127.0.0.1", ports))
 }
 
 async fn admin(url: &str, key: &str, ca: &Path, args: &[&str]) -> (bool, String, String) {

@@ -40,13 +40,8 @@ impl Edge {
     }
 
     async fn start_on(dir: &Path, https: SocketAddr, drain_seconds: u64, store: Option<&str>) -> Edge {
-        let mut cmd = Command::new(BIN);
-        cmd.args(["edge", "--domain", net::DOMAIN, "--self-signed", "--data-dir"])
-            .arg(dir)
-            .arg("--https-addr")
-            .arg(https.to_string())
-            .args(["--http-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0", "--tcp-bind", "127.0.0.1"])
-            .args(["--public-host", "127.0.0.1", "--drain-seconds", &drain_seconds.to_string()]);
+        let mut cmd = Proc::edge_command(dir, &https.to_string(), "127.0.0.1", "");
+        cmd.args(["--drain-seconds", &drain_seconds.to_string()]);
         if let Some(url) = store {
             cmd.args(["--store", url]);
         }

@@ -47,22 +47,8 @@ impl EdgeProc {
     }
 
     async fn start_in(dir: tempfile::TempDir, store: &str, tcp_bind: &str, tcp_ports: &str) -> EdgeProc {
-        let mut proc = Proc::spawn(
-            Command::new(BIN)
-                .args(["edge", "--domain", net::DOMAIN, "--self-signed"])
-                .arg("--data-dir")
-                .arg(dir.path())
-                .args([
-                    "--https-addr",
-                    "127.0.0.1:0",
-                    "--http-addr",
-                    "127.0.0.1:0",
-                    "--admin-addr",
-                    "127.0.0.1:0",
-                ])
-                .args(["--tcp-ports", tcp_ports, "--tcp-bind", tcp_bind, "--public-host", tcp_bind])
-                .env("CULVERT_STORE", store),
-        );
+        let mut cmd = Proc::edge_command(dir.path(), "127.0.0.1:0", tcp_bind, tcp_ports);
+        let mut proc = Proc::spawn(cmd.env("CULVERT_STORE", store));
         let ready = proc.line_within("culvert edge ready", Duration::from_secs(60)).await;
         EdgeProc {
             https: field(&ready, "https").parse().unwrap(),

@@ -675,6 +675,22 @@ impl Proc {
         Proc::spawn(tokio::process::Command::new(env!("CARGO_BIN_EXE_culvert")).args(args))
     }
 
+    /// `culvert edge` with a self-signed CA in `dir`, serving HTTPS on
+    /// `https` and its plain HTTP and admin ports on 127.0.0.1:0; TCP
+    /// reservations listen on `tcp_bind` (`tcp_ports`: none when empty).
+    /// Not started: the caller adds its own flags.
+    pub fn edge_command(dir: &Path, https: &str, tcp_bind: &str, tcp_ports: &str) -> tokio::process::Command {
+        let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_culvert"));
+        cmd.args(["edge", "--domain", DOMAIN, "--self-signed", "--data-dir"])
+            .arg(dir)
+            .args(["--https-addr", https, "--http-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0"])
+            .args(["--tcp-bind", tcp_bind, "--public-host", tcp_bind]);
+        if !tcp_ports.is_empty() {
+            cmd.args(["--tcp-ports", tcp_ports]);
+        }
+        cmd
+    }
+
     /// Runs `cmd` with `RUST_LOG=info`.
     pub fn spawn(cmd: &mut tokio::process::Command) -> Proc {
         use tokio::io::AsyncBufReadExt;
