@@ -97,6 +97,7 @@ pub struct Connection<T> {
     /// Frames taken from the queue, not yet (entirely) written.
     writing: VecDeque<Bytes>,
     flushed: bool,
+    gather: Gather,
 }
 
 /// A multiplexed connection over `io`.
@@ -123,6 +124,8 @@ where
         own_streams: 0,
         openers: Vec::new(),
         woken: Woken::default(),
+        last_queued: 0,
+        queue_switches: 0,
     }));
     let connection = Connection {
         io,
@@ -131,6 +134,7 @@ where
         data: None,
         writing: VecDeque::new(),
         flushed: true,
+        gather: Gather::default(),
     };
     (Handle { shared: shared.clone() }, Incoming { shared }, connection)
 }
@@ -212,6 +216,10 @@ struct Shared {
     openers: Vec<Waker>,
     /// Woken when the lock is let go ([`Locked`]).
     woken: Woken,
+    /// The stream of the frame queued last, and how many times the queue
+    /// went from one stream's frames to another's ([`Gather`]).
+    last_queued: u32,
+    queue_switches: u32,
 }
 
 /// What a stream carries: bytes, or a header block sent whole
@@ -313,7 +321,13 @@ impl Shared {
             self.scratch.reserve(4096);
         }
         frame.encode_head(&mut self.scratch);
-        self.out.push_back(self.scratch.split().freeze());
+        let head = self.scratch.split().freeze();
+        let stream = u32::from_be_bytes(head[..4].try_into().expect("a frame head is 8 bytes"));
+        if stream != self.last_queued {
+            self.last_queued = stream;
+            self.queue_switches = self.queue_switches.wrapping_add(1);
+        }
+        self.out.push_back(head);
         if let Some(p) = frame.payload().filter(|p| !p.is_empty()) {
             self.out.push_back(p.clone());
         }
@@ -957,6 +971,69 @@ const READ_BUFFER: usize = 64 * 1024;
 /// Rounds of writing and reading before the task yields to others.
 const ROUNDS: usize = 32;
 
+/// Whether the driver lets the tasks that are ready run before it writes
+/// frames queued while it had nothing to write, so that one write carries
+/// theirs too.
+///
+/// A stream's task wakes the driver as it queues a frame, and tokio runs a
+/// task woken that way next (its LIFO slot): under load every request went
+/// out in a write of its own, ~0.8 writes per request on each side of the
+/// tunnel (`bench/counts --mode syscalls`), each a trip through the kernel's
+/// loopback into the other process. Waiting one turn of the run queue
+/// (waking itself puts the driver behind the tasks already there) makes
+/// that ~0.2, and a request's CPU at 50 connections 12–17 % less.
+///
+/// A turn that gathers nothing is not free: the driver's wake-up tells
+/// tokio to wake an idle worker thread (two `futex` calls), and one request
+/// at a time lost up to a tenth of its rate to it. So the driver waits only
+/// on a connection with other streams open, only while waiting gathers
+/// frames of other streams, stops after [`Gather::MISSES`] turns in a row
+/// that gathered none, and tries again every [`Gather::PROBE`] batches.
+#[derive(Debug, Default)]
+struct Gather {
+    on: bool,
+    /// Turns in a row that gathered nothing.
+    misses: u8,
+    /// Batches written at once since the last try.
+    since_probe: u8,
+    /// The driver is waiting its turn; the queue's stream switches then.
+    waiting: Option<u32>,
+}
+
+impl Gather {
+    const MISSES: u8 = 8;
+    const PROBE: u8 = 32;
+
+    /// Frames were queued while nothing was being written: wait a turn?
+    fn waits(&mut self, switches: u32) -> bool {
+        let wait = self.on || {
+            self.since_probe += 1;
+            self.since_probe >= Self::PROBE
+        };
+        if wait {
+            self.since_probe = 0;
+            self.waiting = Some(switches);
+        }
+        wait
+    }
+
+    /// The turn is over: did other streams queue frames meanwhile? (The
+    /// stream that woke the driver queuing more of its own, as a response's
+    /// body after its head, does not count: it would have before the driver
+    /// ran anyway.)
+    fn turned(&mut self, switches: u32) {
+        let Some(before) = self.waiting.take() else { return };
+        if switches != before {
+            (self.on, self.misses) = (true, 0);
+        } else if self.on {
+            self.misses += 1;
+            if self.misses >= Self::MISSES {
+                (self.on, self.misses) = (false, 0);
+            }
+        }
+    }
+}
+
 impl<T: AsyncRead + AsyncWrite + Unpin> Connection<T> {
     fn fail(&mut self, e: io::Error) -> Poll<io::Result<()>> {
         lock(&self.shared).close(&e.to_string());
@@ -1039,6 +1116,20 @@ impl<T: AsyncRead + AsyncWrite + Unpin> Future for Connection<T> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
+        if this.gather.waiting.is_some() {
+            this.gather.turned(lock(&this.shared).queue_switches);
+        } else if this.writing.is_empty() {
+            let (queued, others, switches) = {
+                let s = lock(&this.shared);
+                (!s.out.is_empty(), s.streams.len() > 1, s.queue_switches)
+            };
+            if queued && others && this.gather.waits(switches) {
+                // Behind the tasks that are ready (and its waker is the
+                // driver's already, for what they queue).
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
+            }
+        }
         // The socket had nothing more to read in this poll (and will wake it).
         let mut drained = false;
         for _ in 0..ROUNDS {

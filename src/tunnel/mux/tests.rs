@@ -162,6 +162,98 @@ async fn interleaved_streams_keep_their_order() {
     .await;
 }
 
+/// An `io` that counts the writes made on it.
+struct Counted {
+    io: DuplexStream,
+    writes: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl AsyncRead for Counted {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Counted {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        self.writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        self.writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        true
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+/// Streams whose tasks write at the same moment (requests of many public
+/// connections, read in one turn of the runtime) go out together: the
+/// driver, woken by the first, lets the others queue theirs before it
+/// writes ([`Gather`]), where tokio's LIFO slot used to run it after each
+/// one, a write per frame. On one worker thread, as a busy runtime runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn frames_queued_in_one_turn_go_out_in_one_write() {
+    const STREAMS: usize = 8;
+    const ROUNDS: usize = 3 * Gather::PROBE as usize;
+    let writes = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (a, b) = tokio::io::duplex(1 << 20);
+    let (edge, _edge_incoming, edge_conn) =
+        new(Counted { io: a, writes: writes.clone() }, Side::Edge, Config::default());
+    let (_agent_handle, mut agent, agent_conn) = new(b, Side::Agent, Config::default());
+    tokio::spawn(edge_conn);
+    tokio::spawn(agent_conn);
+    let (go, _) = tokio::sync::broadcast::channel::<()>(1);
+    let (arrived, mut arrivals) = tokio::sync::mpsc::unbounded_channel();
+    for _ in 0..STREAMS {
+        let mut s = edge.open(Bytes::new()).await.unwrap();
+        let mut go = go.subscribe();
+        tokio::spawn(async move {
+            while go.recv().await.is_ok() {
+                s.send(Bytes::from_static(b"a request")).await.unwrap();
+            }
+        });
+        let mut inc = agent.accept().await.unwrap();
+        let arrived = arrived.clone();
+        tokio::spawn(async move {
+            while let Some(chunk) = inc.recv().await.unwrap() {
+                arrived.send(chunk.len()).unwrap();
+            }
+        });
+    }
+    let mut per_round = Vec::new();
+    for _ in 0..ROUNDS {
+        let before = writes.load(std::sync::atomic::Ordering::Relaxed);
+        go.send(()).unwrap();
+        let mut bytes = 0;
+        while bytes < STREAMS * b"a request".len() {
+            bytes += arrivals.recv().await.unwrap();
+        }
+        per_round.push(writes.load(std::sync::atomic::Ordering::Relaxed) - before);
+    }
+    // Once the driver has found that waiting gathers frames, it waits.
+    let late = &per_round[ROUNDS - Gather::PROBE as usize..];
+    assert!(
+        late.iter().sum::<usize>() <= late.len() * 2,
+        "{STREAMS} streams' frames of one turn took these writes a round: {per_round:?}"
+    );
+}
+
 /// The hole h2's connection window left: streams whose readers stop hold
 /// back only themselves; another stream on the connection moves 8 MiB.
 #[tokio::test(start_paused = true)]
