@@ -985,10 +985,12 @@ const ROUNDS: usize = 32;
 ///
 /// A turn that gathers nothing is not free: the driver's wake-up tells
 /// tokio to wake an idle worker thread (two `futex` calls), and one request
-/// at a time lost up to a tenth of its rate to it. So the driver waits only
-/// on a connection with other streams open, only while waiting gathers
+/// at a time lost up to a tenth of its rate to it, and one bulk stream
+/// (beside iperf3's idle control stream) an eighth. So the driver waits
+/// only on a connection with other streams open, only while waiting gathers
 /// frames of other streams, stops after [`Gather::MISSES`] turns in a row
-/// that gathered none, and tries again every [`Gather::PROBE`] batches.
+/// that gathered none, and tries again every [`Gather::PROBE`] batches that
+/// followed other streams' frames.
 #[derive(Debug, Default)]
 struct Gather {
     on: bool,
@@ -998,6 +1000,8 @@ struct Gather {
     since_probe: u8,
     /// The driver is waiting its turn; the queue's stream switches then.
     waiting: Option<u32>,
+    /// The queue's stream switches at the last fresh batch.
+    last_switches: u32,
 }
 
 impl Gather {
@@ -1006,10 +1010,14 @@ impl Gather {
 
     /// Frames were queued while nothing was being written: wait a turn?
     fn waits(&mut self, switches: u32) -> bool {
-        let wait = self.on || {
-            self.since_probe += 1;
-            self.since_probe >= Self::PROBE
-        };
+        // Only other streams' frames since the last batch make a try worth
+        // it: one stream's bulk bytes are written as they come.
+        let others = std::mem::replace(&mut self.last_switches, switches) != switches;
+        let wait = self.on
+            || others && {
+                self.since_probe += 1;
+                self.since_probe >= Self::PROBE
+            };
         if wait {
             self.since_probe = 0;
             self.waiting = Some(switches);
