@@ -126,6 +126,19 @@ impl Frame {
         }
     }
 
+    /// The stream the frame is for; 0 for the connection's own (`Ping`,
+    /// `GoAway`).
+    pub fn stream(&self) -> u32 {
+        match self {
+            Frame::Open { stream, .. }
+            | Frame::Data { stream, .. }
+            | Frame::Head { stream, .. }
+            | Frame::Credit { stream, .. }
+            | Frame::Reset { stream, .. } => *stream,
+            Frame::Ping { .. } | Frame::GoAway { .. } => 0,
+        }
+    }
+
     /// The payload [`Frame::encode_head`] leaves out.
     pub fn payload(&self) -> Option<&Bytes> {
         match self {

@@ -321,13 +321,11 @@ impl Shared {
             self.scratch.reserve(4096);
         }
         frame.encode_head(&mut self.scratch);
-        let head = self.scratch.split().freeze();
-        let stream = u32::from_be_bytes(head[..4].try_into().expect("a frame head is 8 bytes"));
-        if stream != self.last_queued {
-            self.last_queued = stream;
+        self.out.push_back(self.scratch.split().freeze());
+        if frame.stream() != self.last_queued {
+            self.last_queued = frame.stream();
             self.queue_switches = self.queue_switches.wrapping_add(1);
         }
-        self.out.push_back(head);
         if let Some(p) = frame.payload().filter(|p| !p.is_empty()) {
             self.out.push_back(p.clone());
         }
@@ -1008,6 +1006,16 @@ impl Gather {
     const MISSES: u8 = 8;
     const PROBE: u8 = 32;
 
+    /// Whether the driver waits a turn before it writes now, `idle` when
+    /// it has nothing of its own left to write; ends a turn it waited.
+    fn waits_turn(&mut self, s: &Shared, idle: bool) -> bool {
+        if self.waiting.is_some() {
+            self.turned(s.queue_switches);
+            return false;
+        }
+        idle && !s.out.is_empty() && s.streams.len() > 1 && self.waits(s.queue_switches)
+    }
+
     /// Frames were queued while nothing was being written: wait a turn?
     fn waits(&mut self, switches: u32) -> bool {
         // Only other streams' frames since the last batch make a try worth
@@ -1030,8 +1038,7 @@ impl Gather {
     /// body after its head, does not count: it would have before the driver
     /// ran anyway.)
     fn turned(&mut self, switches: u32) {
-        let Some(before) = self.waiting.take() else { return };
-        if switches != before {
+        if self.waiting.take() != Some(switches) {
             (self.on, self.misses) = (true, 0);
         } else if self.on {
             self.misses += 1;
@@ -1124,27 +1131,20 @@ impl<T: AsyncRead + AsyncWrite + Unpin> Future for Connection<T> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        if this.gather.waiting.is_some() {
-            this.gather.turned(lock(&this.shared).queue_switches);
-        } else if this.writing.is_empty() {
-            let (queued, others, switches) = {
-                let s = lock(&this.shared);
-                (!s.out.is_empty(), s.streams.len() > 1, s.queue_switches)
-            };
-            if queued && others && this.gather.waits(switches) {
-                // Behind the tasks that are ready (and its waker is the
-                // driver's already, for what they queue).
-                cx.waker().wake_by_ref();
-                return Poll::Pending;
-            }
-        }
         // The socket had nothing more to read in this poll (and will wake it).
         let mut drained = false;
-        for _ in 0..ROUNDS {
+        for round in 0..ROUNDS {
             let unused = {
                 let mut s = lock(&this.shared);
                 if !s.driver.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
                     s.driver = Some(cx.waker().clone());
+                }
+                if round == 0 && this.gather.waits_turn(&s, this.writing.is_empty()) {
+                    drop(s);
+                    // Behind the tasks that are ready (its waker is the
+                    // driver's, for what they queue).
+                    cx.waker().wake_by_ref();
+                    return Poll::Pending;
                 }
                 this.writing.extend(s.out.drain(..));
                 s.users == 0
