@@ -111,6 +111,24 @@ pub fn is_culvert_header(name: &HeaderName) -> bool {
     name.as_str().starts_with("culvert-")
 }
 
+/// The current time as an HTTP date (`Sun, 06 Nov 1994 08:49:37 GMT`),
+/// formatted once a second per thread.
+pub fn with_http_date<R>(f: impl FnOnce(&[u8]) -> R) -> R {
+    thread_local! {
+        static DATE: std::cell::RefCell<(u64, [u8; 29])> = const { std::cell::RefCell::new((0, [0; 29])) };
+    }
+    let now = std::time::SystemTime::now();
+    let secs = now.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    DATE.with(|date| {
+        let mut date = date.borrow_mut();
+        if date.0 != secs {
+            date.1.copy_from_slice(httpdate::fmt_http_date(now).as_bytes());
+            date.0 = secs;
+        }
+        f(&date.1)
+    })
+}
+
 /// An error and its sources on one line.
 pub fn error_chain(e: &dyn std::error::Error) -> String {
     let mut msg = e.to_string();

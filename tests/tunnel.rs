@@ -743,6 +743,114 @@ async fn http_port_redirects_and_admin_port_serves_metrics() {
     }
 }
 
+/// One response read off a public HTTP/1.1 connection: status, fields
+/// (names lower case) and body, framed by length or chunked, none for a HEAD.
+async fn read_response<R: tokio::io::AsyncBufRead + Unpin>(
+    r: &mut R,
+    head: bool,
+) -> (u16, std::collections::HashMap<String, String>, Vec<u8>) {
+    use tokio::io::AsyncBufReadExt;
+    let mut line = String::new();
+    r.read_line(&mut line).await.unwrap();
+    let status: u16 =
+        line.split(' ').nth(1).unwrap_or_else(|| panic!("status line {line:?}")).parse().unwrap();
+    let mut fields = std::collections::HashMap::new();
+    loop {
+        line.clear();
+        r.read_line(&mut line).await.unwrap();
+        let Some((name, value)) = line.trim_end().split_once(':') else { break };
+        assert!(fields.insert(name.to_ascii_lowercase(), value.trim().to_string()).is_none(), "{name} twice");
+    }
+    let mut body = Vec::new();
+    if head {
+    } else if let Some(n) = fields.get("content-length") {
+        body.resize(n.parse().unwrap(), 0);
+        r.read_exact(&mut body).await.unwrap();
+    } else {
+        assert_eq!(fields.get("transfer-encoding").map(String::as_str), Some("chunked"), "{fields:?}");
+        loop {
+            line.clear();
+            r.read_line(&mut line).await.unwrap();
+            let n = usize::from_str_radix(line.trim_end(), 16).unwrap();
+            let at = body.len();
+            body.resize(at + n + 2, 0);
+            r.read_exact(&mut body[at..]).await.unwrap();
+            assert_eq!(body.split_off(at + n), b"\r\n");
+            if n == 0 {
+                break;
+            }
+        }
+    }
+    (status, fields, body)
+}
+
+/// Requests on one public HTTP/1.1 connection, pipelined in one write: the
+/// GETs and HEADs the edge's fast path serves (culvert and forwarding
+/// fields of the client dropped, bodies by length, large and chunked), a
+/// POST that hands the connection to hyper, and a GET hyper serves after
+/// it. The same over the plain HTTP port.
+#[tokio::test]
+async fn one_http1_connection_through_the_fast_path_then_hyper() {
+    let edge = TestEdge::start_with(|args| args.plain_http = true).await;
+    let (host, key) = edge.http_tunnel_key("fast").await;
+    let _agent = TestAgent::start(&edge, &key, http_target(net::http_backend().await)).await;
+    let requests = format!(
+        "GET /echo?a=1 HTTP/1.1\r\nHost: {host}\r\nX-Forwarded-For: 6.6.6.6\r\nCulvert-Stream: tcp\r\n\
+         Connection: keep-alive\r\nX-Case: Kept\r\n\r\n\
+         HEAD /bytes?n=100000 HTTP/1.1\r\nHost: {host}\r\n\r\n\
+         GET /bytes?n=100000 HTTP/1.1\r\nHost: {host}\r\n\r\n\
+         GET /chunked?n=70000 HTTP/1.1\r\nHost: {host}\r\n\r\n\
+         GET /nowhere HTTP/1.1\r\nHost: nothing.{}\r\n\r\n\
+         POST /upload HTTP/1.1\r\nHost: {host}\r\nContent-Length: 5\r\n\r\nhello\
+         GET /echo?b=2 HTTP/1.1\r\nHost: {host}\r\n\r\n",
+        net::DOMAIN
+    );
+    let http_addr = edge.handle.as_ref().unwrap().http_addr;
+    let tls = edge.client().connect(&host, false).await;
+    let plain = tokio::net::TcpStream::connect(http_addr).await.unwrap();
+    for (scheme, io) in [("https", Box::new(tls) as Box<dyn AsyncStream>), ("http", Box::new(plain))] {
+        let mut io = tokio::io::BufReader::new(io);
+        io.get_mut().write_all(requests.as_bytes()).await.unwrap();
+        for path in ["/echo?a=1", "/echo?b=2"] {
+            if path == "/echo?b=2" {
+                // HEAD, lengths, chunks, a host the edge does not know, a POST.
+                let (status, fields, body) = read_response(&mut io, true).await;
+                assert_eq!((status, fields["content-length"].as_str(), body.len()), (200, "100000", 0));
+                let (status, _, body) = read_response(&mut io, false).await;
+                assert_eq!((status, body.len()), (200, 100000));
+                assert!(body.iter().all(|&b| b == b'x'));
+                let (status, fields, body) = read_response(&mut io, false).await;
+                assert_eq!((status, body.len(), fields.get("content-length")), (200, 70000, None));
+                let (status, _, _) = read_response(&mut io, false).await;
+                assert_eq!(status, if scheme == "https" { 502 } else { 308 });
+                let (status, _, body) = read_response(&mut io, false).await;
+                assert_eq!((status, body.as_slice()), (200, &b"5"[..]));
+            }
+            let (status, fields, body) = read_response(&mut io, false).await;
+            assert_eq!(status, 200, "{scheme} {path}");
+            assert!(fields.contains_key("date"), "{fields:?}");
+            let body: Value = serde_json::from_slice(&body).unwrap();
+            assert_eq!(body["path"], path);
+            let headers = &body["headers"];
+            assert_eq!(headers["x-forwarded-for"], "127.0.0.1", "{scheme} {path}: {headers}");
+            assert_eq!(headers["x-forwarded-proto"], scheme);
+            assert_eq!(headers["x-forwarded-host"], host.as_str());
+            assert!(
+                headers.get("culvert-stream").is_none() && headers.get("connection").is_none(),
+                "{headers}"
+            );
+            if path == "/echo?a=1" {
+                assert_eq!(headers["x-case"], "Kept");
+            }
+        }
+    }
+}
+
+/// What [`one_http1_connection_through_the_fast_path_then_hyper`] writes to
+/// and reads from: TLS or plain TCP.
+trait AsyncStream: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> AsyncStream for T {}
+
 #[tokio::test]
 async fn plain_http_serves_published_hosts_when_enabled() {
     let edge = TestEdge::start_with(|args| args.plain_http = true).await;

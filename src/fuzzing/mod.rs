@@ -419,8 +419,10 @@ fn check_public_head<B>(req: Request<B>) {
 /// Target `http_head`: the input is what a client sends on a public
 /// connection (HTTP/1.1, or h2 after its preface), served by hyper as the
 /// edge serves it; every request head goes through the edge's head
-/// handling ([`check_public_head`]).
+/// handling ([`check_public_head`]). The edge's HTTP/1.1 fast path reads it
+/// too, and as an agent's response head (`edge::public::h1::check_heads`).
 pub fn http_head(data: &[u8]) {
+    crate::edge::public::h1::check_heads(data);
     use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     // h2 streams are served in tasks of their own, whose panics tokio

@@ -155,11 +155,13 @@ pub struct SendError {
     error: StreamError,
     request: Option<Request<BoxBody>>,
     replay: Option<http::request::Parts>,
+    /// A head sent as text ([`Sender::send_head`]) may go out again.
+    again: bool,
 }
 
 impl SendError {
     fn new(error: StreamError) -> SendError {
-        SendError { error, request: None, replay: None }
+        SendError { error, request: None, replay: None, again: false }
     }
 
     pub fn error(&self) -> &StreamError {
@@ -177,6 +179,14 @@ impl SendError {
     /// there, for bodiless requests only.
     pub fn take_replay(&mut self) -> Option<http::request::Parts> {
         self.replay.take()
+    }
+
+    /// Whether the head [`Sender::send_head`] failed to place may be
+    /// placed again: it was never taken, or got no answer (as
+    /// [`take_message`](Self::take_message) and
+    /// [`take_replay`](Self::take_replay) say of a request).
+    pub fn may_send_again(&self) -> bool {
+        self.again
     }
 }
 
@@ -248,6 +258,52 @@ impl Sender {
     }
 }
 
+impl Sender {
+    /// A request without a body whose head is already the multiplexer's
+    /// text ([`super::head::encode_request`]'s form, forwarding fields and
+    /// all), answered with the response head as text and the body after it:
+    /// nothing is decoded on the way (the edge's HTTP/1.1 fast path reads and
+    /// writes both as text). On protocol version 1 the head is decoded into
+    /// an h2 request, and the answer's head encoded back. The head is the
+    /// caller's to send again ([`SendError::may_send_again`]).
+    pub async fn send_head(&self, head: Bytes) -> Result<(Bytes, RecvBody), SendError> {
+        let again = |error: StreamError| SendError { again: true, ..SendError::new(error) };
+        let handle = match &self.link {
+            Link::Mux(handle) => handle,
+            Link::H2(_) => {
+                let invalid =
+                    |e: super::head::HeadError| std::io::Error::new(std::io::ErrorKind::InvalidInput, e);
+                let head =
+                    super::head::decode_request(&head).map_err(|e| SendError::new(invalid(e).into()))?;
+                let request = Request::from_parts(head, super::body::empty());
+                let (head, body) = match self.send(request).await {
+                    Ok(response) => response.into_parts(),
+                    Err(mut e) => {
+                        e.again = e.take_message().is_some() || e.take_replay().is_some();
+                        return Err(e);
+                    }
+                };
+                return Ok((super::head::encode_response(&head), body));
+            }
+        };
+        let mut stream = handle.open_with(head, true).await.map_err(|e| {
+            // A head too large goes nowhere else either.
+            let refused = e.kind() == std::io::ErrorKind::InvalidInput;
+            SendError { again: !refused, ..SendError::new(e.into()) }
+        })?;
+        match stream.recv_chunk().await {
+            Ok(Some(mux::Chunk::Head(block))) => Ok((block, RecvBody::mux_text(stream))),
+            Ok(_) => Err(again(no_head())),
+            Err(e) => Err(again(super::stream::mux_error(&stream, e))),
+        }
+    }
+}
+
+/// An agent that answered a stream with bytes, or nothing, before a head.
+fn no_head() -> StreamError {
+    std::io::Error::new(std::io::ErrorKind::InvalidData, "the agent answered without a head").into()
+}
+
 /// [`Sender::send`] on the multiplexer: the head in the stream's `Open`
 /// (the stream half-closed with it when there is no body), the body fed
 /// from the request's own task while the response head is awaited (a body
@@ -313,7 +369,7 @@ async fn response_of(mut recv: mux::Stream) -> Result<Response<RecvBody>, Stream
         |e: crate::BoxError| StreamError::from(std::io::Error::new(std::io::ErrorKind::InvalidData, e));
     let block = match recv.recv_chunk().await {
         Ok(Some(mux::Chunk::Head(block))) => block,
-        Ok(_) => return Err(invalid("the agent answered without a head".into())),
+        Ok(_) => return Err(no_head()),
         Err(e) => return Err(super::stream::mux_error(&recv, e)),
     };
     let head = super::head::decode_response(&block).map_err(|e| invalid(e.into()))?;

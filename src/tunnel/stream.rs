@@ -273,6 +273,12 @@ impl RecvBody {
     pub(crate) fn mux(stream: mux::Stream, headers: &http::HeaderMap) -> RecvBody {
         RecvBody { recv: Recv::Mux(stream), data_done: false, content_length: content_length(headers) }
     }
+
+    /// The body that follows a head on a mux stream, for a caller that
+    /// reads the head as text (the body's size is the head's to say).
+    pub(crate) fn mux_text(stream: mux::Stream) -> RecvBody {
+        RecvBody { recv: Recv::Mux(stream), data_done: false, content_length: None }
+    }
 }
 
 /// Feeds a body to a mux stream (protocol version 2), as [`Pipe`] does to an

@@ -508,7 +508,8 @@ async fn backend_handle(mut req: Request<Incoming>) -> Result<Response<TestBody>
                 serde_json::json!({"method": method, "path": path, "headers": headers, "bodyLength": len});
             Response::new(full(json.to_string()))
         }
-        "/bytes" => {
+        // `/chunked`: the same without a length (hyper sends it chunked).
+        "/bytes" | "/chunked" => {
             let n = query_num(&req, "n");
             let chunk = Bytes::from(vec![b'x'; 64 * 1024]);
             let stream = futures_util::stream::unfold(n, move |left| {
@@ -521,7 +522,9 @@ async fn backend_handle(mut req: Request<Incoming>) -> Result<Response<TestBody>
                 }
             });
             let mut r = Response::new(http_body_util::StreamBody::new(stream).boxed_unsync());
-            r.headers_mut().insert("content-length", n.into());
+            if req.uri().path() == "/bytes" {
+                r.headers_mut().insert("content-length", n.into());
+            }
             r
         }
         "/upload" => {

@@ -28,19 +28,34 @@ pub(crate) fn request_host<B>(req: &Request<B>) -> Option<&str> {
 /// Whether a header carries a client address or port as some proxy or CDN
 /// saw it: a client's own are never passed on (the edge sets `X-Forwarded-*`).
 fn is_client_address_header(name: &HeaderName) -> bool {
-    matches!(
-        name.as_str(),
-        "x-forwarded-for"
-            | "x-forwarded-proto"
-            | "x-forwarded-host"
-            | "x-forwarded-port"
-            | "x-real-ip"
-            | "forwarded"
-            | "true-client-ip"
-            | "x-client-ip"
-            | "cf-connecting-ip"
-            | "x-original-forwarded-for"
-    )
+    is_client_address_name(name.as_str().as_bytes())
+}
+
+/// [`is_client_address_header`] for a name as a head's text has it, in any case.
+fn is_client_address_name(name: &[u8]) -> bool {
+    const NAMES: [&[u8]; 10] = [
+        b"x-forwarded-for",
+        b"x-forwarded-proto",
+        b"x-forwarded-host",
+        b"x-forwarded-port",
+        b"x-real-ip",
+        b"forwarded",
+        b"true-client-ip",
+        b"x-client-ip",
+        b"cf-connecting-ip",
+        b"x-original-forwarded-for",
+    ];
+    NAMES.iter().any(|n| n.len() == name.len() && n.eq_ignore_ascii_case(name))
+}
+
+/// Whether a public request's field, named as its text has it, goes on to
+/// the agent: not hop-by-hop, culvert's, `Host` (the target carries it) or
+/// a client address ([`rewrite_request`] drops the same).
+pub(crate) fn is_forwarded_name(name: &[u8]) -> bool {
+    !(crate::http::is_hop_by_hop_name(name)
+        || name.len() >= 8 && name[..8].eq_ignore_ascii_case(b"culvert-")
+        || name.eq_ignore_ascii_case(b"host")
+        || is_client_address_name(name))
 }
 
 /// Why a public request head is refused before it goes anywhere: the status
@@ -120,6 +135,12 @@ pub(crate) fn rewrite_request(
     }
     parts.uri = uri;
     parts.version = http::Version::HTTP_2;
+    Ok(forwarding_fields(host, peer, scheme, port))
+}
+
+/// The edge's `X-Forwarded-*` fields for a request from `peer` to `host`,
+/// which the stream's head carries after the request's own.
+pub(crate) fn forwarding_fields(host: &str, peer: SocketAddr, scheme: &'static str, port: u16) -> Fields {
     // The host is a valid authority, so a valid field value.
     let mut fields = Fields::writer(FORWARDING_LEN + host.len());
     fields
@@ -127,7 +148,7 @@ pub(crate) fn rewrite_request(
         .field(&names::X_FORWARDED_FOR, address_text(peer.ip(), &mut [0; 15]).as_ref())
         .field(&names::X_FORWARDED_PROTO, scheme.as_bytes())
         .field(&names::X_FORWARDED_HOST, host.as_bytes());
-    Ok(fields.finish())
+    fields.finish()
 }
 
 /// The bytes of the forwarding fields but the host's value, with room for

@@ -6,6 +6,7 @@
 //! upgraded connection. Every listener accepts with
 //! [`accept_loop`](super::accept::accept_loop).
 
+pub(crate) mod h1;
 pub(crate) mod head;
 mod retry;
 pub(crate) mod upgrade;
@@ -132,11 +133,24 @@ async fn serve_tls(
         return debug!("answered an ACME TLS-ALPN-01 validation");
     }
     let h2 = tls.alpn_protocol() == Some(crate::tls::ALPN_H2);
+    let h1 = !h2;
     // For an agent's upgrade: a tunnel keeps its buffers while it waits.
     let keep = tls.keep_buffers();
     let cipher = tls.cipher_name();
     let slot = Arc::new(std::sync::Mutex::new(Slot { handshake: Some(_permit), class: None }));
     let first = Arc::new(FirstRequest::default());
+    let io = super::idle::IdleTimeout::new(tls);
+    // HTTP/1.1: the fast path first, hyper for what it does not serve.
+    let io = if h1 {
+        let at = h1::Public { edge: &edge, peer, scheme: "https", first: &first };
+        let fast = h1::serve(at, io, || take_class(&edge, &slot, Class::Public));
+        match until_stopped(&edge, fast).await {
+            Some(h1::Served::Rest(io)) => Io::Rest(io),
+            _ => return,
+        }
+    } else {
+        Io::Whole(io)
+    };
     let serve = {
         let (edge, first) = (edge.clone(), first.clone());
         move |req: Request<Incoming>| {
@@ -152,19 +166,38 @@ async fn serve_tls(
             }
         }
     };
-    let io = TokioIo::new(super::idle::IdleTimeout::new(tls));
-    let ended = if h2 {
-        // Boxed: a request's future is ~4 KiB and hyper's h2 server moves it
-        // several times into the task it spawns per stream; a box moves as a
-        // pointer (-4% instructions per h2 request). HTTP/1 polls it in place.
-        let service = service_fn(move |req| Box::pin(serve(req)));
-        drain_on_shutdown(&edge, http2_builder().serve_connection(io, service), &first).await
-    } else {
-        let conn = http1_builder().serve_connection(io, service_fn(serve)).with_upgrades();
-        drain_on_shutdown(&edge, conn, &first).await
+    let ended = match io {
+        Io::Whole(io) => {
+            // Boxed: a request's future is ~4 KiB and hyper's h2 server moves it
+            // several times into the task it spawns per stream; a box moves as a
+            // pointer (-4% instructions per h2 request). HTTP/1 polls it in place.
+            let service = service_fn(move |req| Box::pin(serve(req)));
+            drain_on_shutdown(&edge, http2_builder().serve_connection(TokioIo::new(io), service), &first)
+                .await
+        }
+        Io::Rest(io) => {
+            let conn = http1_builder().serve_connection(TokioIo::new(io), service_fn(serve)).with_upgrades();
+            drain_on_shutdown(&edge, conn, &first).await
+        }
     };
     if let Err(e) = ended {
         debug!(error = %e, "public connection ended");
+    }
+}
+
+/// A public connection for hyper: whole (HTTP/2), or what the HTTP/1.1 fast
+/// path left of it.
+enum Io<IO> {
+    Whole(IO),
+    Rest(sni::Prefixed<IO>),
+}
+
+/// `serve` until it ends, or nothing once the edge has stopped (its drain
+/// time is up).
+async fn until_stopped<T>(edge: &Edge, serve: impl Future<Output = T>) -> Option<T> {
+    tokio::select! {
+        served = serve => Some(served),
+        () = edge.stopped.cancelled() => None,
     }
 }
 
@@ -192,7 +225,11 @@ fn class_of<B>(edge: &Edge, req: &Request<B>) -> Class {
 /// change class); `Some(503)` when that class has no descriptor left: the
 /// connection is closed, other classes are not held back.
 fn take_slot<B>(edge: &Edge, slot: &std::sync::Mutex<Slot>, req: &Request<B>) -> Option<Response<BoxBody>> {
-    let class = class_of(edge, req);
+    take_class(edge, slot, class_of(edge, req))
+}
+
+/// [`take_slot`] for a request of `class`.
+fn take_class(edge: &Edge, slot: &std::sync::Mutex<Slot>, class: Class) -> Option<Response<BoxBody>> {
     let mut slot = slot.lock().expect("poisoned");
     if slot.class.as_ref().is_some_and(|(c, _)| *c == class) {
         return None;
@@ -375,6 +412,17 @@ where
         let tracker = edge.connections.clone();
         let serve = async move {
             let first = FirstRequest::default();
+            let io = super::idle::IdleTimeout::new(tcp);
+            // Published hosts (`--plain-http`): the HTTP/1.1 fast path first.
+            let io = if public && edge.plain_http {
+                let at = h1::Public { edge: &edge, peer, scheme: "http", first: &first };
+                match until_stopped(&edge, h1::serve(at, io, || None)).await {
+                    Some(h1::Served::Rest(io)) => io,
+                    _ => return,
+                }
+            } else {
+                sni::Prefixed::new(bytes::Bytes::new(), io)
+            };
             let service = service_fn({
                 let edge = edge.clone();
                 let first = &first;
@@ -383,7 +431,6 @@ where
                     f(edge.clone(), req, peer)
                 }
             });
-            let io = super::idle::IdleTimeout::new(tcp);
             let conn = http1_builder().serve_connection(TokioIo::new(io), service).with_upgrades();
             // Public connections finish when the edge drains; the admin port's keep serving.
             let _ = if public { drain_on_shutdown(&edge, conn, &first).await } else { conn.await };
@@ -513,11 +560,19 @@ async fn proxy(
         (body::boxed(Budgeted::new(Counted::new(incoming, bytes_in), slot.clone())), None)
     };
     let request = Request::from_parts(parts, tunnel_body);
-    let (resp, guard) =
-        match retry::send(&edge, reservation, host, request, &forwarding, &tunnel, &slot).await {
-            Ok(x) => x,
-            Err(page) => return page,
-        };
+    let (resp, guard) = match retry::send(
+        &edge,
+        reservation,
+        host,
+        retry::Proxied { request, forwarding: &forwarding },
+        &tunnel,
+        &slot,
+    )
+    .await
+    {
+        Ok(x) => x,
+        Err(page) => return page,
+    };
 
     let switched = resp.headers().get(&names::STATUS).is_some_and(|v| v == "101");
     let (mut rparts, rbody) = resp.into_parts();
