@@ -37,6 +37,7 @@ use crate::edge::sni::Prefixed;
 use crate::http::is_hop_by_hop_name;
 use crate::tunnel::body::BoxBody;
 use crate::tunnel::budget::BudgetSlot;
+use crate::tunnel::head::Fields;
 use crate::tunnel::stream::RecvBody;
 
 /// Fields a request head may have here; one with more goes to hyper.
@@ -90,6 +91,8 @@ where
     // hyper's header read timeout: from the start of each wait for a head.
     let mut timer = Box::pin(tokio::time::sleep(HEADER_READ_TIMEOUT));
     let mut served = false;
+    // The forwarding fields, and the host they were made for.
+    let mut forwarding: Option<(String, Fields)> = None;
     // Made once: each wait for a head selects on it.
     let mut draining = std::pin::pin!(edge.shutdown.cancelled());
     loop {
@@ -103,7 +106,13 @@ where
                         return Served::Rest(Prefixed::new(buf.freeze(), io));
                     };
                     let host = reservation.hostname.as_deref().unwrap_or_default();
-                    let Some(tunnel_head) = tunnel_head(&req, host, at.peer, at.scheme, port) else {
+                    // The same for every request of the connection to one host.
+                    if forwarding.as_ref().is_none_or(|(h, _)| h != host) {
+                        forwarding =
+                            Some((host.to_string(), head::forwarding_fields(host, at.peer, at.scheme, port)));
+                    }
+                    let fields = forwarding.as_ref().map(|(_, f)| f).expect("just made");
+                    let Some(tunnel_head) = tunnel_head(&req, host, fields) else {
                         return Served::Rest(Prefixed::new(buf.freeze(), io));
                     };
                     break (
@@ -519,20 +528,13 @@ fn forwardable<'r>(
     (reservation.kind != ReservationKind::Tcp && !reservation.is_default_host()).then_some(reservation)
 }
 
-/// `req`'s head as its tunnel stream carries to `host` (what `head::rewrite_request`
+/// `req`'s head as its tunnel stream carries it to `host` (what `head::rewrite_request`
 /// and the tunnel's `encode_request` make of a request hyper read): the
 /// target as `https://{host}{path and query}`, the client's fields but
 /// hop-by-hop, culvert, `Host` and forwarding ones, then the edge's
 /// forwarding fields. `None` when the target is not one hyper takes.
-fn tunnel_head(
-    req: &RequestHead<'_, '_>,
-    host: &str,
-    peer: SocketAddr,
-    scheme: &'static str,
-    port: u16,
-) -> Option<Bytes> {
+fn tunnel_head(req: &RequestHead<'_, '_>, host: &str, forwarding: &Fields) -> Option<Bytes> {
     let pq = http::uri::PathAndQuery::try_from(req.target).ok()?;
-    let forwarding = head::forwarding_fields(host, peer, scheme, port);
     let fields: usize = req.fields.iter().map(|f| f.name.len() + f.value.len() + 4).sum();
     let method: &[u8] = if req.is_head { b"HEAD" } else { b"GET" };
     let mut b = BytesMut::with_capacity(
@@ -644,7 +646,8 @@ pub(crate) fn check_heads(data: &[u8]) {
     if let Parse::Request(req) = read_request(data, &mut fields) {
         let peer: SocketAddr = "203.0.113.9:40000".parse().expect("an address");
         let host = "app.example.com";
-        if let Some(fast) = tunnel_head(&req, host, peer, "https", 443) {
+        let forwarding = head::forwarding_fields(host, peer, "https", 443);
+        if let Some(fast) = tunnel_head(&req, host, &forwarding) {
             let fast = crate::tunnel::head::decode_request(&fast).expect("the fast path's head parses");
             let mut request =
                 http::Request::builder().method(if req.is_head { "HEAD" } else { "GET" }).uri(req.target);
@@ -752,7 +755,8 @@ mod tests {
         let Parse::Request(req) = read_request(text.as_bytes(), &mut fields) else { panic!("not fast") };
         assert_eq!(req.len, text.len());
         let peer: SocketAddr = "203.0.113.9:40000".parse().unwrap();
-        let fast = tunnel_head(&req, "app.example.com", peer, "https", 443).unwrap();
+        let forwarding = head::forwarding_fields("app.example.com", peer, "https", 443);
+        let fast = tunnel_head(&req, "app.example.com", &forwarding).unwrap();
         let fast = crate::tunnel::head::decode_request(&fast).unwrap();
         assert_eq!(fast.uri.to_string(), "https://app.example.com/p/a%20th?q=1&r");
         let names: Vec<_> = fast.headers.keys().map(|n| n.as_str()).collect();
