@@ -3,7 +3,8 @@
 //!
 //! [`proxy`] carries one public request to an agent: [`head`] rewrites the
 //! head, [`retry`] places it on a tunnel connection, [`upgrade`] splices an
-//! upgraded connection. Every listener accepts with
+//! upgraded connection. [`h1`] serves the HTTP/1.1 requests that need only
+//! forwarding without hyper, and hands hyper the rest. Every listener accepts with
 //! [`accept_loop`](super::accept::accept_loop).
 
 pub(crate) mod h1;
@@ -133,7 +134,6 @@ async fn serve_tls(
         return debug!("answered an ACME TLS-ALPN-01 validation");
     }
     let h2 = tls.alpn_protocol() == Some(crate::tls::ALPN_H2);
-    let h1 = !h2;
     // For an agent's upgrade: a tunnel keeps its buffers while it waits.
     let keep = tls.keep_buffers();
     let cipher = tls.cipher_name();
@@ -141,15 +141,15 @@ async fn serve_tls(
     let first = Arc::new(FirstRequest::default());
     let io = super::idle::IdleTimeout::new(tls);
     // HTTP/1.1: the fast path first, hyper for what it does not serve.
-    let io = if h1 {
+    let io = if h2 {
+        Io::Whole(io)
+    } else {
         let at = h1::Public { edge: &edge, peer, scheme: "https", first: &first };
         let fast = h1::serve(at, io, || take_class(&edge, &slot, Class::Public));
         match until_stopped(&edge, fast).await {
             Some(h1::Served::Rest(io)) => Io::Rest(io),
             _ => return,
         }
-    } else {
-        Io::Whole(io)
     };
     let serve = {
         let (edge, first) = (edge.clone(), first.clone());
