@@ -1048,6 +1048,40 @@ async fn draining_edge_finishes_requests_in_flight_and_refuses_new_connections()
         .unwrap();
 }
 
+/// The drain on HTTP/1.1 keep-alive connections the edge serves without
+/// hyper: one idle between requests is closed at once; one whose GET is in
+/// flight gets its answer, marked `connection: close`, and is closed after
+/// it; the drain ends with it.
+#[tokio::test]
+async fn draining_edge_closes_idle_keep_alive_connections_and_finishes_a_get_in_flight() {
+    use tokio::io::AsyncBufReadExt;
+    let (mut edge, host, _agent) = published().await;
+    let get = |path: &str| format!("GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n");
+    let mut idle = tokio::io::BufReader::new(edge.client().connect(&host, false).await);
+    let mut busy = tokio::io::BufReader::new(edge.client().connect(&host, false).await);
+    for io in [&mut idle, &mut busy] {
+        io.get_mut().write_all(get("/").as_bytes()).await.unwrap();
+        let (status, fields, body) = read_response(io, false).await;
+        assert_eq!((status, fields.get("connection"), &body[..]), (200, None, &b"hello from backend"[..]));
+    }
+    busy.get_mut().write_all(get("/delay?ms=300").as_bytes()).await.unwrap();
+    let streams = edge.handle.as_ref().unwrap().edge.metrics.streams_open.clone();
+    net::wait_for("the GET is a stream on the tunnel", Duration::from_secs(10), || {
+        (streams.get() >= 1).then_some(())
+    })
+    .await;
+    let drain = tokio::spawn(edge.handle.take().unwrap().drain(Duration::from_secs(60)));
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(10), idle.read_to_end(&mut rest)).await;
+    assert!(matches!(closed, Ok(Ok(0)) | Ok(Err(_))), "the idle connection is closed: {closed:?}");
+    let (status, fields, body) = read_response(&mut busy, false).await;
+    assert_eq!((status, &body[..]), (200, &b"delayed"[..]));
+    assert_eq!(fields.get("connection").map(String::as_str), Some("close"));
+    let mut line = String::new();
+    assert_eq!(busy.read_line(&mut line).await.unwrap_or(0), 0, "closed after its answer: {line:?}");
+    tokio::time::timeout(Duration::from_secs(10), drain).await.expect("the drain ends after it").unwrap();
+}
+
 /// A request that does not finish within the grace is cut when it is up.
 #[tokio::test]
 async fn draining_edge_cuts_what_outlives_the_grace() {

@@ -161,17 +161,16 @@ where
             let _ = write_page(&mut io, &mut out, refused, true).await;
             return Served::Closed;
         }
-        let close = edge.shutdown.is_cancelled();
         let span = tracing::debug_span!(
             "proxy",
             host = request.reservation.hostname.as_deref().unwrap_or(""),
             method = if request.bodiless_answer { "HEAD" } else { "GET" }
         );
-        let kept = forward(edge, request, &mut io, &mut out, close).instrument(span).await;
+        let kept = forward(edge, request, &mut io, &mut out).instrument(span).await;
         if out.capacity() > 2 * FLUSH_AT {
             out = BytesMut::new();
         }
-        if !kept || close {
+        if !kept {
             let _ = io.shutdown().await;
             return Served::Closed;
         }
@@ -188,8 +187,9 @@ struct Request<'r> {
 }
 
 /// Forwards `request` and writes the answer to `io`. Whether the connection
-/// may serve another request (the answer was whole).
-async fn forward<IO>(edge: &Edge, request: Request<'_>, io: &mut IO, out: &mut BytesMut, close: bool) -> bool
+/// may serve another request: the answer was whole, and the edge was not
+/// draining when it began (the answer then says `connection: close`).
+async fn forward<IO>(edge: &Edge, request: Request<'_>, io: &mut IO, out: &mut BytesMut) -> bool
 where
     IO: AsyncWrite + Unpin,
 {
@@ -200,9 +200,11 @@ where
     tunnel.request();
     let sent =
         retry::send(edge, reservation, name, TextHead(request.head), &tunnel, &BudgetSlot::default()).await;
+    // A drain that began while the agent answered ends the connection too.
+    let close = edge.shutdown.is_cancelled();
     let ((block, mut body), guard) = match sent {
         Ok(x) => x,
-        Err(page) => return write_page(io, out, page, close).await.is_ok(),
+        Err(page) => return write_page(io, out, page, close).await.is_ok() && !close,
     };
     let framing = match response_head(&block, request.bodiless_answer, || body.is_end_stream(), close, out) {
         Ok((status, framing)) => {
@@ -214,12 +216,12 @@ where
             tunnel.answered(StatusCode::BAD_GATEWAY);
             out.clear();
             let page = crate::http::error_page(StatusCode::BAD_GATEWAY, name, why);
-            return write_page(io, out, page, close).await.is_ok();
+            return write_page(io, out, page, close).await.is_ok() && !close;
         }
     };
     let whole = write_body(io, out, &mut body, framing, &counters.outbound).await;
     drop((body, guard));
-    whole
+    whole && !close
 }
 
 /// How a response's body is framed on the public connection.
