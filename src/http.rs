@@ -111,6 +111,19 @@ pub fn is_culvert_header(name: &HeaderName) -> bool {
     name.as_str().starts_with("culvert-")
 }
 
+/// `n` in decimal, written into `buf` (without the formatting machinery).
+pub fn decimal(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
+    let mut at = buf.len();
+    loop {
+        at -= 1;
+        buf[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            return &buf[at..];
+        }
+    }
+}
+
 /// The current time as an HTTP date (`Sun, 06 Nov 1994 08:49:37 GMT`),
 /// formatted once a second per thread.
 pub fn with_http_date<R>(f: impl FnOnce(&[u8]) -> R) -> R {

@@ -50,7 +50,7 @@ fn put_headers(b: &mut BytesMut, headers: &HeaderMap) {
 }
 
 /// Field lines, `name: value`.
-fn put_fields(b: &mut BytesMut, headers: &HeaderMap) {
+pub(crate) fn put_fields(b: &mut BytesMut, headers: &HeaderMap) {
     for (name, value) in headers {
         put_field(b, name, value.as_bytes());
     }
@@ -58,7 +58,12 @@ fn put_fields(b: &mut BytesMut, headers: &HeaderMap) {
 
 /// One field line, `name: value` and its end.
 fn put_field(b: &mut BytesMut, name: &HeaderName, value: &[u8]) {
-    b.put_slice(name.as_str().as_bytes());
+    put_field_line(b, name.as_str().as_bytes(), value);
+}
+
+/// [`put_field`] for a name as a head's text has it.
+pub(crate) fn put_field_line(b: &mut BytesMut, name: &[u8], value: &[u8]) {
+    b.put_slice(name);
     b.put_slice(b": ");
     b.put_slice(value);
     b.put_slice(b"\r\n");

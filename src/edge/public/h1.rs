@@ -34,10 +34,10 @@ use crate::edge::Edge;
 use crate::edge::acme::HTTP01_PREFIX;
 use crate::edge::routes::RouteIndex;
 use crate::edge::sni::Prefixed;
-use crate::http::is_hop_by_hop_name;
+use crate::http::{decimal, is_hop_by_hop_name};
 use crate::tunnel::body::BoxBody;
 use crate::tunnel::budget::BudgetSlot;
-use crate::tunnel::head::Fields;
+use crate::tunnel::head::{Fields, put_field_line, put_fields};
 use crate::tunnel::stream::RecvBody;
 
 /// Fields a request head may have here; one with more goes to hyper.
@@ -373,15 +373,8 @@ where
     let (parts, body) = page.into_parts();
     let body = body.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
     put_status(out, parts.status);
-    for (name, value) in &parts.headers {
-        out.put_slice(name.as_str().as_bytes());
-        out.put_slice(b": ");
-        out.put_slice(value.as_bytes());
-        out.put_slice(b"\r\n");
-    }
-    out.put_slice(b"content-length: ");
-    out.put_slice(itoa(body.len() as u64, &mut [0; 20]));
-    out.put_slice(b"\r\n");
+    put_fields(out, &parts.headers);
+    put_field_line(out, b"content-length", decimal(body.len() as u64, &mut [0; 20]));
     put_date(out);
     if close && !parts.headers.contains_key(http::header::CONNECTION) {
         out.put_slice(b"connection: close\r\n");
@@ -400,21 +393,7 @@ fn put_status(out: &mut BytesMut, status: StatusCode) {
 }
 
 fn put_date(out: &mut BytesMut) {
-    out.put_slice(b"date: ");
-    crate::http::with_http_date(|date| out.put_slice(date));
-    out.put_slice(b"\r\n");
-}
-
-fn itoa(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
-    let mut at = buf.len();
-    loop {
-        at -= 1;
-        buf[at] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            return &buf[at..];
-        }
-    }
+    crate::http::with_http_date(|date| put_field_line(out, b"date", date));
 }
 
 /// The agent's response head (`block`, the multiplexer's text) written into
@@ -474,10 +453,7 @@ fn response_head(
             length = Some(n);
         }
         dated |= name.eq_ignore_ascii_case(b"date");
-        out.put_slice(name);
-        out.put_slice(b": ");
-        out.put_slice(f.value);
-        out.put_slice(b"\r\n");
+        put_field_line(out, name, f.value);
     }
     if !dated {
         put_date(out);
@@ -549,10 +525,7 @@ fn tunnel_head(req: &RequestHead<'_, '_>, host: &str, forwarding: &Fields) -> Op
     b.put_slice(b" HTTP/1.1\r\n");
     for f in req.fields {
         if head::is_forwarded_name(f.name.as_bytes()) {
-            b.put_slice(f.name.as_bytes());
-            b.put_slice(b": ");
-            b.put_slice(f.value);
-            b.put_slice(b"\r\n");
+            put_field_line(&mut b, f.name.as_bytes(), f.value);
         }
     }
     b.put_slice(forwarding.as_bytes());

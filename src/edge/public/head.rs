@@ -144,7 +144,7 @@ pub(crate) fn forwarding_fields(host: &str, peer: SocketAddr, scheme: &'static s
     // The host is a valid authority, so a valid field value.
     let mut fields = Fields::writer(FORWARDING_LEN + host.len());
     fields
-        .field(&names::X_FORWARDED_PORT, decimal(port, &mut [0; 5]))
+        .field(&names::X_FORWARDED_PORT, crate::http::decimal(port.into(), &mut [0; 20]))
         .field(&names::X_FORWARDED_FOR, address_text(peer.ip(), &mut [0; 15]).as_ref())
         .field(&names::X_FORWARDED_PROTO, scheme.as_bytes())
         .field(&names::X_FORWARDED_HOST, host.as_bytes());
@@ -154,19 +154,6 @@ pub(crate) fn forwarding_fields(host: &str, peer: SocketAddr, scheme: &'static s
 /// The bytes of the forwarding fields but the host's value, with room for
 /// an IPv6 address.
 const FORWARDING_LEN: usize = 4 * "x-forwarded-proto: \r\n".len() + 5 + 39 + 5;
-
-/// `n` in decimal, written into `buf`.
-fn decimal(mut n: u16, buf: &mut [u8; 5]) -> &[u8] {
-    let mut at = buf.len();
-    loop {
-        at -= 1;
-        buf[at] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            return &buf[at..];
-        }
-    }
-}
 
 /// An address as text; IPv4 written by hand into `buf` (its `Display`,
 /// through the formatting machinery, was a fifth of `rewrite_request`).
@@ -227,8 +214,8 @@ mod tests {
             let ip = std::net::Ipv4Addr::new(o, o / 3, 255 - o, o % 10);
             assert_eq!(text(ip.into()), ip.to_string().as_bytes());
         }
-        for port in [0, 1, 9, 10, 80, 443, 8080, 9999, 10000, 65535] {
-            assert_eq!(super::decimal(port, &mut [0; 5]), port.to_string().as_bytes());
+        for n in [0u64, 1, 9, 10, 80, 443, 8080, 9999, 10000, 65535, u64::MAX] {
+            assert_eq!(crate::http::decimal(n, &mut [0; 20]), n.to_string().as_bytes());
         }
     }
 
