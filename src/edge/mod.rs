@@ -18,6 +18,7 @@ pub(crate) mod registry;
 pub(crate) mod routes;
 pub(crate) mod sni;
 pub mod status;
+mod stop;
 pub(crate) mod store;
 pub(crate) mod tcp;
 pub(crate) mod udp;

@@ -26,7 +26,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::time::Instant;
 use tracing::{Instrument, debug};
 
-use super::retry::{self, TextHead};
+use super::retry::{self, Answer, Outgoing};
 use super::{FirstRequest, head};
 use crate::api::{Reservation, ReservationKind};
 use crate::constants::{FIRST_REQUEST_GRACE, HEADER_READ_TIMEOUT, MAX_HEADER_BYTES, RESERVED_PREFIX};
@@ -34,6 +34,7 @@ use crate::edge::Edge;
 use crate::edge::acme::HTTP01_PREFIX;
 use crate::edge::routes::RouteIndex;
 use crate::edge::sni::Prefixed;
+use crate::edge::stop::Cancelled;
 use crate::http::{decimal, is_hop_by_hop_name};
 use crate::tunnel::body::BoxBody;
 use crate::tunnel::budget::BudgetSlot;
@@ -94,7 +95,7 @@ where
     // The forwarding fields, and the host they were made for.
     let mut forwarding: Option<(String, Fields)> = None;
     // Made once: each wait for a head selects on it.
-    let mut draining = std::pin::pin!(edge.shutdown.cancelled());
+    let mut draining = Cancelled::new(&edge.shutdown);
     loop {
         let routes = edge.routes();
         let mut deadline = None;
@@ -198,12 +199,13 @@ where
     let counters = edge.metrics.bytes(name);
     let tunnel = counters.tunnel;
     tunnel.request();
-    let sent =
-        retry::send(edge, reservation, name, TextHead(request.head), &tunnel, &BudgetSlot::default()).await;
+    let outgoing = Outgoing::Text(request.head);
+    let sent = retry::send(edge, reservation, name, outgoing, &tunnel, &BudgetSlot::default()).await;
     // A drain that began while the agent answered ends the connection too.
     let close = edge.shutdown.is_cancelled();
-    let ((block, mut body), guard) = match sent {
-        Ok(x) => x,
+    let (block, mut body, guard) = match sent {
+        Ok((Answer::Text(block, body), guard)) => (block, body, guard),
+        Ok((Answer::Response(_), _)) => unreachable!("a text head is answered as text"),
         Err(page) => return write_page(io, out, page, close).await.is_ok() && !close,
     };
     let framing = match response_head(&block, request.bodiless_answer, || body.is_end_stream(), close, out) {

@@ -33,6 +33,7 @@ use super::accept::accept_loop;
 use super::agents::AgentTls;
 use super::limits::Class;
 use super::routes::default_host_name;
+use super::stop::Cancelled;
 use super::{Edge, sni};
 use crate::BoxError;
 use crate::api::{Protocol, Reservation, ReservationKind};
@@ -197,7 +198,7 @@ enum Io<IO> {
 async fn until_stopped<T>(edge: &Edge, serve: impl Future<Output = T>) -> Option<T> {
     tokio::select! {
         served = serve => Some(served),
-        () = edge.stopped.cancelled() => None,
+        () = Cancelled::new(&edge.stopped) => None,
     }
 }
 
@@ -288,7 +289,7 @@ where
     let mut conn = std::pin::pin!(conn);
     tokio::select! {
         r = conn.as_mut() => return r,
-        _ = edge.shutdown.cancelled() => {}
+        () = Cancelled::new(&edge.shutdown) => {}
     }
     tokio::select! {
         r = conn.as_mut() => return r,
@@ -560,17 +561,10 @@ async fn proxy(
         (body::boxed(Budgeted::new(Counted::new(incoming, bytes_in), slot.clone())), None)
     };
     let request = Request::from_parts(parts, tunnel_body);
-    let (resp, guard) = match retry::send(
-        &edge,
-        reservation,
-        host,
-        retry::Proxied { request, forwarding: &forwarding },
-        &tunnel,
-        &slot,
-    )
-    .await
-    {
-        Ok(x) => x,
+    let outgoing = retry::Outgoing::Request(request, &forwarding);
+    let (resp, guard) = match retry::send(&edge, reservation, host, outgoing, &tunnel, &slot).await {
+        Ok((retry::Answer::Response(resp), guard)) => (resp, guard),
+        Ok((retry::Answer::Text(..), _)) => unreachable!("a request is answered with a response"),
         Err(page) => return page,
     };
 
