@@ -236,16 +236,25 @@ async fn frames_queued_in_one_turn_go_out_in_one_write() {
             }
         });
     }
-    let mut per_round = Vec::new();
-    for _ in 0..ROUNDS {
-        let before = writes.load(std::sync::atomic::Ordering::Relaxed);
-        go.send(()).unwrap();
-        let mut bytes = 0;
-        while bytes < STREAMS * b"a request".len() {
-            bytes += arrivals.recv().await.unwrap();
+    // The rounds are started from the worker thread itself, as a task that
+    // read requests would: all eight streams are woken before any runs. (From
+    // the test's own thread, the worker could run the first before the
+    // others were woken whenever the machine was busy.)
+    let per_round = tokio::spawn(async move {
+        let mut per_round = Vec::new();
+        for _ in 0..ROUNDS {
+            let before = writes.load(std::sync::atomic::Ordering::Relaxed);
+            go.send(()).unwrap();
+            let mut bytes = 0;
+            while bytes < STREAMS * b"a request".len() {
+                bytes += arrivals.recv().await.unwrap();
+            }
+            per_round.push(writes.load(std::sync::atomic::Ordering::Relaxed) - before);
         }
-        per_round.push(writes.load(std::sync::atomic::Ordering::Relaxed) - before);
-    }
+        per_round
+    })
+    .await
+    .unwrap();
     // Once the driver has found that waiting gathers frames, it waits.
     let late = &per_round[ROUNDS - Gather::PROBE as usize..];
     assert!(
