@@ -108,7 +108,12 @@ pub fn strip_hop_by_hop_and_culvert(headers: &mut HeaderMap) {
 
 /// Whether a header is one of culvert's own wire headers.
 pub fn is_culvert_header(name: &HeaderName) -> bool {
-    name.as_str().starts_with("culvert-")
+    is_culvert_name(name.as_str().as_bytes())
+}
+
+/// [`is_culvert_header`] for a name as a head's text has it, in any case.
+pub fn is_culvert_name(name: &[u8]) -> bool {
+    name.len() >= 8 && name[..8].eq_ignore_ascii_case(b"culvert-")
 }
 
 /// `n` in decimal, written into `buf` (without the formatting machinery).

@@ -1,7 +1,7 @@
 //! Public HTTP/1.1 without hyper, for the requests that need nothing but
 //! forwarding: a `GET` or `HEAD` without a body, for a host an HTTP
 //! reservation holds. The head is read with httparse and written once, as
-//! the text of its tunnel stream's head ([`TextHead`]); the agent's answer
+//! the text of its tunnel stream's head ([`Outgoing::Text`]); the agent's answer
 //! comes back as text and goes to the client as it came, hop-by-hop and
 //! culvert fields left out. hyper made a `HeaderMap` of each head, the
 //! request's and the response's, and wrote it out again: two fifths of the
@@ -35,7 +35,7 @@ use crate::edge::acme::HTTP01_PREFIX;
 use crate::edge::routes::RouteIndex;
 use crate::edge::sni::Prefixed;
 use crate::edge::stop::Cancelled;
-use crate::http::{decimal, is_hop_by_hop_name};
+use crate::http::{decimal, is_culvert_name, is_hop_by_hop_name};
 use crate::tunnel::body::BoxBody;
 use crate::tunnel::budget::BudgetSlot;
 use crate::tunnel::head::{Fields, put_field_line, put_fields};
@@ -108,11 +108,13 @@ where
                     };
                     let host = reservation.hostname.as_deref().unwrap_or_default();
                     // The same for every request of the connection to one host.
-                    if forwarding.as_ref().is_none_or(|(h, _)| h != host) {
-                        forwarding =
-                            Some((host.to_string(), head::forwarding_fields(host, at.peer, at.scheme, port)));
-                    }
-                    let fields = forwarding.as_ref().map(|(_, f)| f).expect("just made");
+                    let fields = match &mut forwarding {
+                        Some((h, fields)) if h == host => &*fields,
+                        cached => {
+                            let fields = head::forwarding_fields(host, at.peer, at.scheme, port);
+                            &cached.insert((host.to_string(), fields)).1
+                        }
+                    };
                     let Some(tunnel_head) = tunnel_head(&req, host, fields) else {
                         return Served::Rest(Prefixed::new(buf.freeze(), io));
                     };
@@ -485,10 +487,6 @@ fn parse_length(value: &[u8]) -> Option<u64> {
         return None;
     }
     value.iter().try_fold(0u64, |n, &b| b.is_ascii_digit().then(|| n * 10 + u64::from(b - b'0')))
-}
-
-fn is_culvert_name(name: &[u8]) -> bool {
-    name.len() >= 8 && name[..8].eq_ignore_ascii_case(b"culvert-")
 }
 
 /// The reservation `req` goes to, when the fast path forwards it: a host

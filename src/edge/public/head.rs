@@ -53,7 +53,7 @@ fn is_client_address_name(name: &[u8]) -> bool {
 /// a client address ([`rewrite_request`] drops the same).
 pub(crate) fn is_forwarded_name(name: &[u8]) -> bool {
     !(crate::http::is_hop_by_hop_name(name)
-        || name.len() >= 8 && name[..8].eq_ignore_ascii_case(b"culvert-")
+        || crate::http::is_culvert_name(name)
         || name.eq_ignore_ascii_case(b"host")
         || is_client_address_name(name))
 }
