@@ -34,7 +34,7 @@ use tokio_util::io::poll_read_buf;
 use tracing::{Instrument, debug};
 
 use crate::BoxError;
-use crate::http::is_hop_by_hop_name;
+use crate::http::{field_slots, is_hop_by_hop_name, parse_response};
 use crate::tunnel::body::{self, BoxBody, ReadSize};
 use crate::tunnel::client::has_payload_semantics;
 use crate::tunnel::head::WireHead;
@@ -414,9 +414,9 @@ fn head_cut(buf: &BytesMut) -> Error {
 /// skipped.
 fn parse_head(buf: &mut BytesMut, head_request: bool) -> Result<Option<Head>, Error> {
     loop {
-        let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
-        let mut resp = httparse::Response::new(&mut slots);
-        let len = match resp.parse(buf) {
+        let mut slots = field_slots::<MAX_HEADERS>();
+        let (resp, parsed) = parse_response(buf, &mut slots);
+        let len = match parsed {
             Ok(httparse::Status::Complete(len)) if len > MAX_HEAD => {
                 return Err(Error::Head("larger than 64 KiB"));
             }

@@ -14,6 +14,8 @@
 //! they did when h2 carried the heads: the forwarding code does not tell
 //! the two apart.
 
+use std::mem::MaybeUninit;
+
 use bytes::{BufMut, Bytes, BytesMut};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri, Version, request, response};
 
@@ -235,15 +237,17 @@ const STACK_FIELDS: usize = 32;
 /// Runs `parse` with room for [`STACK_FIELDS`] field lines on the stack,
 /// and again with room on the heap for every line of `block` when that was
 /// not enough (counting the lines first cost every head a pass over its
-/// bytes).
-fn with_slots<'b, R>(
-    block: &'b [u8],
-    mut parse: impl FnMut(&mut [httparse::Header<'b>]) -> Result<R, HeadError>,
+/// bytes). The slots start as `empty`: left unwritten for heads
+/// ([`crate::http::FieldSlots`]); trailers' parser wants them written.
+fn with_slots<T: Copy, R>(
+    block: &[u8],
+    empty: T,
+    mut parse: impl FnMut(&mut [T]) -> Result<R, HeadError>,
 ) -> Result<R, HeadError> {
-    match parse(&mut [httparse::EMPTY_HEADER; STACK_FIELDS]) {
+    match parse(&mut [empty; STACK_FIELDS]) {
         Err(HeadError::TooManyFields) => {
             let lines = block.iter().filter(|&&c| c == b'\n').count();
-            parse(&mut vec![httparse::EMPTY_HEADER; lines])
+            parse(&mut vec![empty; lines])
         }
         done => done,
     }
@@ -290,9 +294,9 @@ fn header_map(block: &Bytes, fields: &[httparse::Header<'_>]) -> Result<HeaderMa
 }
 
 pub fn decode_request(block: &Bytes) -> Result<request::Parts, HeadError> {
-    with_slots(block, |fields| {
-        let mut req = httparse::Request::new(fields);
-        complete(req.parse(block), |&n| n, block)?;
+    with_slots(block, MaybeUninit::uninit(), |fields| {
+        let (req, parsed) = crate::http::parse_request(block, fields);
+        complete(parsed, |&n| n, block)?;
         let method = Method::from_bytes(req.method.unwrap_or_default().as_bytes())
             .map_err(|_| HeadError::Invalid("method"))?;
         let uri = Uri::from_maybe_shared(block.slice_ref(req.path.unwrap_or_default().as_bytes()))
@@ -305,9 +309,9 @@ pub fn decode_request(block: &Bytes) -> Result<request::Parts, HeadError> {
 }
 
 pub fn decode_response(block: &Bytes) -> Result<response::Parts, HeadError> {
-    with_slots(block, |fields| {
-        let mut resp = httparse::Response::new(fields);
-        complete(resp.parse(block), |&n| n, block)?;
+    with_slots(block, MaybeUninit::uninit(), |fields| {
+        let (resp, parsed) = crate::http::parse_response(block, fields);
+        complete(parsed, |&n| n, block)?;
         let status =
             StatusCode::from_u16(resp.code.unwrap_or_default()).map_err(|_| HeadError::Invalid("status"))?;
         let headers = header_map(block, resp.headers)?;
@@ -318,7 +322,7 @@ pub fn decode_response(block: &Bytes) -> Result<response::Parts, HeadError> {
 }
 
 pub fn decode_trailers(block: &Bytes) -> Result<HeaderMap, HeadError> {
-    with_slots(block, |fields| {
+    with_slots(block, httparse::EMPTY_HEADER, |fields| {
         let (_, fields) = complete(httparse::parse_headers(block, fields), |&(n, _)| n, block)?;
         header_map(block, fields)
     })

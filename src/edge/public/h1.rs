@@ -13,6 +13,7 @@
 //! hyper ([`Served::Rest`]), which serves it from that request on as it did
 //! before, refusals and error pages included.
 
+use std::mem::MaybeUninit;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -35,7 +36,7 @@ use crate::edge::acme::HTTP01_PREFIX;
 use crate::edge::routes::RouteIndex;
 use crate::edge::sni::Prefixed;
 use crate::edge::stop::Cancelled;
-use crate::http::{decimal, is_culvert_name, is_hop_by_hop_name};
+use crate::http::{decimal, field_slots, is_culvert_name, is_hop_by_hop_name, parse_request, parse_response};
 use crate::tunnel::body::BoxBody;
 use crate::tunnel::budget::BudgetSlot;
 use crate::tunnel::head::{Fields, put_field_line, put_fields};
@@ -100,7 +101,7 @@ where
         let routes = edge.routes();
         let mut deadline = None;
         let (len, request) = loop {
-            let mut fields = [httparse::EMPTY_HEADER; MAX_FIELDS];
+            let mut fields = field_slots::<MAX_FIELDS>();
             match read_request(&buf, &mut fields) {
                 Parse::Request(req) => {
                     let Some(reservation) = forwardable(edge, &routes, &req, at.scheme) else {
@@ -413,9 +414,9 @@ fn response_head(
     close: bool,
     out: &mut BytesMut,
 ) -> Result<(StatusCode, Framing), &'static str> {
-    let mut fields = [httparse::EMPTY_HEADER; MAX_RESPONSE_FIELDS];
-    let mut resp = httparse::Response::new(&mut fields);
-    match resp.parse(block) {
+    let mut fields = field_slots::<MAX_RESPONSE_FIELDS>();
+    let (resp, parsed) = parse_response(block, &mut fields);
+    match parsed {
         Ok(httparse::Status::Complete(n)) if n == block.len() => {}
         _ => return Err("the agent's response head does not parse"),
     }
@@ -554,9 +555,9 @@ struct RequestHead<'b, 'h> {
     fields: &'h [httparse::Header<'b>],
 }
 
-fn read_request<'b, 'h>(buf: &'b [u8], fields: &'h mut [httparse::Header<'b>]) -> Parse<'b, 'h> {
-    let mut req = httparse::Request::new(fields);
-    let len = match req.parse(buf) {
+fn read_request<'b, 'h>(buf: &'b [u8], fields: &'h mut [MaybeUninit<httparse::Header<'b>>]) -> Parse<'b, 'h> {
+    let (req, parsed) = parse_request(buf, fields);
+    let len = match parsed {
         Ok(httparse::Status::Complete(len)) => len,
         Ok(httparse::Status::Partial) if buf.len() <= MAX_HEADER_BYTES => return Parse::Partial,
         // Too large, too many fields, not HTTP/1: hyper's answer.
@@ -617,7 +618,7 @@ fn read_request<'b, 'h>(buf: &'b [u8], fields: &'h mut [httparse::Header<'b>]) -
 /// forwarding, culvert and hop-by-hop fields left out. A response head it
 /// passes on parses as one, with none of those fields and one framing.
 pub(crate) fn check_heads(data: &[u8]) {
-    let mut fields = [httparse::EMPTY_HEADER; MAX_FIELDS];
+    let mut fields = field_slots::<MAX_FIELDS>();
     if let Parse::Request(req) = read_request(data, &mut fields) {
         let peer: SocketAddr = "203.0.113.9:40000".parse().expect("an address");
         let host = "app.example.com";
@@ -670,7 +671,7 @@ mod tests {
     use super::*;
 
     fn parse(text: &str) -> &'static str {
-        let mut fields = [httparse::EMPTY_HEADER; MAX_FIELDS];
+        let mut fields = field_slots::<MAX_FIELDS>();
         match read_request(text.as_bytes(), &mut fields) {
             Parse::Partial => "partial",
             Parse::Request(_) => "fast",
@@ -726,7 +727,7 @@ mod tests {
                     Proxy-Authorization: Basic eA==\r\nConnection: keep-alive\r\nKeep-Alive: timeout=5\r\n\
                     Cookie: a=1\r\nX-Two: 1\r\ncookie: b=2\r\n\r\n";
         check_heads(text.as_bytes());
-        let mut fields = [httparse::EMPTY_HEADER; MAX_FIELDS];
+        let mut fields = field_slots::<MAX_FIELDS>();
         let Parse::Request(req) = read_request(text.as_bytes(), &mut fields) else { panic!("not fast") };
         assert_eq!(req.len, text.len());
         let peer: SocketAddr = "203.0.113.9:40000".parse().unwrap();
