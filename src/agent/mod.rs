@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tokio_util::sync::CancellationToken;
-use tracing::{Instrument, debug, info, warn};
+use tracing::{debug, info, warn};
 
 use crate::api::Protocol;
 use crate::constants::{DRAIN_GRACE, DRAIN_TIMEOUT, GOODBYE_ACK_TIMEOUT, MSG_GOODBYE, PROBE_INTERVAL};
@@ -81,7 +81,8 @@ pub struct TunnelOptions {
 /// Keeps one tunnel connection up until `shutdown`; then drains it (goodbye,
 /// no new streams, open streams finish within [`DRAIN_TIMEOUT`]). Retries at
 /// the pace of [`Pace`]: fast probes while the edge does not answer, the
-/// backoff when it refuses.
+/// backoff when it refuses. Runs in the span of the edge it dials
+/// ([`edges`] makes it).
 pub async fn run_tunnel(
     dialer: Dialer,
     resolver: Resolver,
@@ -101,9 +102,10 @@ pub async fn run_tunnel(
             Ok(c) => {
                 let started = Instant::now();
                 warned_at = None;
-                let reason = serve_connection(c, resolver.clone(), &options, &shutdown)
-                    .instrument(tracing::info_span!("tunnel", edge = %edge))
-                    .await;
+                // In the caller's `edge` span: a second span naming the same
+                // edge was entered and left on every poll of the connection,
+                // a few hundred instructions each time.
+                let reason = serve_connection(c, resolver.clone(), &options, &shutdown).await;
                 if shutdown.is_cancelled() {
                     return Ok(());
                 }
