@@ -19,6 +19,12 @@ pub(crate) struct Cli {
     #[arg(long, global = true, env = "CULVERT_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
 
+    /// Worker threads of the edge, an agent or the operator. Default: one
+    /// when the process may use two CPUs or fewer (its cgroup's CPU limit
+    /// counts), one per CPU above.
+    #[arg(long, global = true, env = "CULVERT_WORKER_THREADS", value_name = "N")]
+    pub worker_threads: Option<std::num::NonZeroUsize>,
+
     #[command(subcommand)]
     pub command: Command,
 }

@@ -20,6 +20,7 @@ pub(crate) mod http;
 pub mod memory;
 pub mod operator;
 pub mod probe;
+pub mod runtime;
 pub mod secret;
 pub mod telemetry;
 pub mod tls;

@@ -41,10 +41,7 @@ fn run() -> anyhow::Result<()> {
         Command::Crd => print!("{}", culvert::crd::crds_yaml()),
         Command::Probe(args) => culvert::probe::run(args)?,
         command => {
-            let runtime = tokio::runtime::Builder::new_multi_thread()
-                .enable_all()
-                .on_thread_park(culvert::memory::on_thread_park)
-                .build()?;
+            let runtime = culvert::runtime::build(cli.worker_threads)?;
             runtime.block_on(async move {
                 culvert::memory::spawn_trimmer();
                 match command {
