@@ -75,13 +75,19 @@ pub fn full(data: impl Into<Bytes>) -> BoxBody {
     Full::new(data.into()).map_err(|never| match never {}).boxed_unsync()
 }
 
-/// Any body, boxed, with its error boxed.
+/// Any body, boxed, with its error boxed; a [`BoxBody`] as it is (boxed
+/// again, each of its frames would be two calls through a box away, and
+/// each response of the agent's backend client was).
 pub fn boxed<B>(body: B) -> BoxBody
 where
     B: Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
 {
-    body.map_err(Into::into).boxed_unsync()
+    let mut body = Some(body);
+    if let Some(boxed) = (&mut body as &mut dyn std::any::Any).downcast_mut::<Option<BoxBody>>() {
+        return boxed.take().expect("just put there");
+    }
+    body.expect("not taken").map_err(Into::into).boxed_unsync()
 }
 
 /// First read size of a [`ReadBody`]; doubled up to [`LARGE_READ`] while
@@ -566,6 +572,20 @@ mod tests {
             largest = largest.max(data.len());
         }
         largest
+    }
+
+    #[tokio::test]
+    async fn a_body_boxed_once_or_twice_keeps_its_frames_and_size() {
+        let once = boxed(Full::new(Bytes::from_static(b"hello")));
+        let twice = boxed(once);
+        assert_eq!(twice.size_hint().exact(), Some(5));
+        assert_eq!(twice.collect().await.unwrap().to_bytes(), "hello");
+        let mut other =
+            boxed(http_body_util::StreamBody::new(futures_util::stream::iter([Ok::<_, BoxError>(
+                Frame::data(Bytes::from_static(b"a")),
+            )])));
+        assert_eq!(other.frame().await.unwrap().unwrap().into_data().unwrap(), "a");
+        assert!(other.frame().await.is_none());
     }
 
     #[tokio::test]
