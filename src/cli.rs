@@ -63,4 +63,13 @@ mod tests {
     fn cli_is_consistent() {
         Cli::command().debug_assert();
     }
+
+    #[test]
+    fn worker_threads_is_a_positive_count_on_any_command() {
+        let cli = Cli::try_parse_from(["culvert", "crd", "--worker-threads", "3"]).unwrap();
+        assert_eq!(cli.worker_threads.map(|n| n.get()), Some(3));
+        assert!(Cli::try_parse_from(["culvert", "crd"]).unwrap().worker_threads.is_none());
+        let zero = Cli::try_parse_from(["culvert", "--worker-threads", "0", "crd"]).unwrap_err();
+        assert!(zero.to_string().contains("--worker-threads"), "{zero}");
+    }
 }
