@@ -78,6 +78,16 @@ pub fn connection_listed(value: &[u8]) -> impl Iterator<Item = &[u8]> {
     })
 }
 
+/// The field names the `Connection` fields of a parsed head list
+/// ([`connection_listed`] of each): fields of this hop, as the hop-by-hop
+/// ones are.
+pub fn connection_listed_in<'b>(fields: &[httparse::Header<'b>]) -> impl Iterator<Item = &'b [u8]> {
+    fields
+        .iter()
+        .filter(|f| f.name.eq_ignore_ascii_case("connection"))
+        .flat_map(|f| connection_listed(f.value))
+}
+
 /// Removes the headers the `Connection` header names (the rest of
 /// [`strip_hop_by_hop`] is [`is_hop_by_hop`]).
 fn strip_connection_listed(headers: &mut HeaderMap) {

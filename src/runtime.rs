@@ -5,7 +5,7 @@
 use std::num::NonZeroUsize;
 
 /// CPUs up to which a process runs one worker thread by default.
-pub const ONE_WORKER_UP_TO: usize = 2;
+const ONE_WORKER_UP_TO: usize = 2;
 
 /// Worker threads for a process that may use `cpus` CPUs: one on two CPUs
 /// or fewer, one per CPU above. On two CPUs shared with the services and

@@ -462,10 +462,7 @@ fn parse_head(buf: &mut BytesMut, head_request: bool) -> Result<Option<Head>, Er
 /// line end, was four copies a field.
 fn wire_head(status: StatusCode, head: &[u8], fields: &[httparse::Header<'_>], lists_names: bool) -> Bytes {
     let listed = |name: &[u8]| {
-        fields
-            .iter()
-            .filter(|h| h.name.eq_ignore_ascii_case("connection"))
-            .any(|h| crate::http::connection_listed(h.value).any(|listed| listed.eq_ignore_ascii_case(name)))
+        crate::http::connection_listed_in(fields).any(|listed| listed.eq_ignore_ascii_case(name))
     };
     let kept = fields.iter().filter(|h| {
         let name = h.name.as_bytes();

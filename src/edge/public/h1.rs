@@ -430,12 +430,7 @@ fn response_head(
         return Err("the response head is over 16 KiB");
     }
     // Fields a `Connection` names are this hop's too (an agent sends none).
-    let listed: Vec<&[u8]> = resp
-        .headers
-        .iter()
-        .filter(|f| f.name.eq_ignore_ascii_case("connection"))
-        .flat_map(|f| crate::http::connection_listed(f.value))
-        .collect();
+    let listed: Vec<&[u8]> = crate::http::connection_listed_in(resp.headers).collect();
     out.reserve(block.len() + 96);
     put_status(out, status);
     let (mut length, mut dated) = (None, false);
